@@ -1,0 +1,49 @@
+"""`glassformer info`: a configuration and where its parameters are."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..config import ModelConfig
+from ..model import Transformer
+from ..params import count_parameters
+from ..presets import get_preset
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("info", help="show a configuration and its parameter counts")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", help="a named preset, e.g. gpt2")
+    source.add_argument("--config", help="a JSON file of ModelConfig fields")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def load_config(preset: str | None, path: str | None) -> ModelConfig:
+    if preset is not None:
+        return get_preset(preset)
+    with open(path, encoding="utf-8") as file:
+        try:
+            values = json.load(file)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+    return ModelConfig.from_dict(values.get("model", values))
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.preset, args.config)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = Transformer(config)
+    counts = count_parameters(model)
+    if args.json:
+        print(json.dumps({"config": config.to_dict(), "parameters": counts}))
+        return 0
+    for field, value in config.to_dict().items():
+        print(f"{field:>24}  {value}")
+    print()
+    for component, count in counts.items():
+        print(f"{component:>24}  {count:,}")
+    return 0

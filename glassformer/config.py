@@ -1,0 +1,138 @@
+"""ModelConfig: every architectural choice of a decoder-only transformer, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
+Norm = Literal["layernorm", "rmsnorm"]
+NormPlacement = Literal["pre", "post"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
+AttentionKernel = Literal["reference", "sdpa", "flash"]
+RopeScaling = Literal["none", "linear", "ntk", "yarn"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture. Optional sizes (`n_kv_heads`, `d_head`, `d_ff`) default through the
+    properties `kv_heads`, `head_dim` and `ff_dim`; fields are never rewritten."""
+
+    vocab_size: int
+    context_length: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: = n_heads (MHA); 1: MQA; between: GQA
+    d_head: int | None = None  # None: d_model // n_heads
+    d_ff: int | None = None  # None: 4 * d_model
+    position: Position = "learned"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = "none"  # context extension for RoPE (see layers/positions.py)
+    rope_factor: float = 1.0  # new context / original context
+    rope_original_context: int | None = None  # None: context_length / rope_factor
+    norm: Norm = "layernorm"
+    norm_placement: NormPlacement = "pre"
+    norm_eps: float = 1e-5
+    activation: Activation = "gelu"
+    gated: bool = False  # SwiGLU = silu + gated, GeGLU = gelu + gated
+    attn_bias: bool = True  # biases on the Q, K, V projections
+    attn_out_bias: bool = True  # bias on the output projection W_O
+    mlp_bias: bool = True
+    lm_head_bias: bool = False
+    final_norm: bool = True
+    tie_embeddings: bool = True
+    causal: bool = True  # False: bidirectional (encoder) mask
+    sliding_window: int | None = None  # attend to at most this many most recent positions
+    dropout: float = 0.0
+    attention_kernel: AttentionKernel = "sdpa"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
+            _positive(name, getattr(self, name))
+        for name in ("n_kv_heads", "d_head", "d_ff", "sliding_window", "rope_original_context"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name, kind in (
+            ("position", Position),
+            ("norm", Norm),
+            ("norm_placement", NormPlacement),
+            ("activation", Activation),
+            ("attention_kernel", AttentionKernel),
+            ("rope_scaling", RopeScaling),
+        ):
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(
+                    f"{name}: unknown value {getattr(self, name)!r}; choose one of {get_args(kind)}"
+                )
+        if self.d_head is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads} "
+                "(or set d_head explicitly)"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_kv_heads: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}"
+            )
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"d_head: RoPE needs an even head size, got {self.head_dim}")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"d_model: sinusoidal positions need an even d_model, got {self.d_model}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps: must be positive, got {self.norm_eps}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta: must be positive, got {self.rope_theta}")
+        if self.rope_factor < 1.0:
+            raise ValueError(f"rope_factor: must be >= 1, got {self.rope_factor}")
+        if self.rope_scaling != "none" and self.position != "rope":
+            raise ValueError("rope_scaling: context extension applies to position='rope' only")
+        if self.init_std <= 0:
+            raise ValueError(f"init_std: must be positive, got {self.init_std}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads if self.d_head is None else self.d_head
+
+    @property
+    def ff_dim(self) -> int:
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    @property
+    def n_rep(self) -> int:
+        """How many query heads share one key/value head."""
+        return self.n_heads // self.kv_heads
+
+    @property
+    def original_context(self) -> int:
+        """The context the RoPE model was trained on (before any extension)."""
+        if self.rope_original_context is not None:
+            return self.rope_original_context
+        return int(self.context_length / self.rope_factor)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a ModelConfig field")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A new, re-validated config with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")

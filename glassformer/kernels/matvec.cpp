@@ -1,0 +1,375 @@
+// Matrix-vector and small-batch products y = x @ W^T (+ bias) for AVX2 + FMA CPUs.
+//
+// x is (M, K) float32 with M small (decode: 1 row per sequence). W is stored row-major
+// (N, K) so that each output reads one contiguous weight row; four rows are processed per
+// iteration so every activation load is shared by four rows, and OpenMP splits the row
+// groups statically across threads. The kernels are bound by how fast weights stream from
+// memory, so every format is read exactly once per call.
+//
+// Formats (all rows contiguous, blocks of 32 along K for the quantized ones):
+//   f32   W (N, K) float
+//   bf16  W (N, K) bfloat16, widened to float in registers
+//   q8    qs (N, K32) int8, d (N, K32/32) fp16:            w = d * q            (like Q8_0)
+//   q4    qs (N, K32/2) uint8 nibbles, d, m (N, K32/32) fp16: w = d * q + m, q in 0..15
+//         (like Q4_1; Q4_0 is the case m = -8 d). Byte j of a block holds element j in its
+//         low nibble and element j + 16 in its high nibble, as in GGUF.
+// The quantized kernels quantize x per block of 32 to int8 (scale amax / 127, round half to
+// even) and take integer dot products with maddubs/madd, as llama.cpp's Q8_0 dot does.
+// K32 is K rounded up to a multiple of 32; the padding columns of W are zero and the
+// activation tail is padded with zeros.
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kRows = 4;  // weight rows per iteration
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float: shift into the high half
+  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+inline float load1(const float* p) { return *p; }
+
+inline float load1(const uint16_t* p) {
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float half(const uint16_t* p) { return _cvtsh_ss(*p); }
+
+// Runs body(n0, rows) over groups of kRows output rows, split statically across threads.
+template <typename Body>
+void for_row_groups(int64_t N, int64_t bytes_per_row, Body body) {
+  const int64_t groups = (N + kRows - 1) / kRows;
+  const bool parallel = N * bytes_per_row >= (64 << 10) && groups > 1;
+  const int threads = parallel ? at::get_num_threads() : 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t n0 = g * kRows;
+    body(n0, std::min<int64_t>(kRows, N - n0));
+  }
+}
+
+// ---------------------------------------------------------------- float weights (f32, bf16)
+
+// y[m, r] = sum_k w[r, k] x[m, k] for R weight rows and MB activation rows.
+template <int R, int MB, typename T>
+inline void tile_float(const T* w, int64_t K, const float* x, int64_t ldx, float* y,
+                       int64_t ldy, const float* bias) {
+  __m256 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = load8(w + r * K + k);
+      for (int m = 0; m < MB; ++m) acc[m][r] = _mm256_fmadd_ps(wv, xv[m], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[m][r]);
+      for (int64_t t = k; t < K; ++t) s += load1(w + r * K + t) * x[m * ldx + t];
+      y[m * ldy + r] = s + (bias ? bias[r] : 0.0f);
+    }
+}
+
+template <int R, typename T>
+inline void rows_float(const T* w, int64_t K, const float* x, int64_t M, float* y, int64_t N,
+                       const float* bias) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) tile_float<R, 2>(w, K, x + m * K, K, y + m * N, N, bias);
+  if (m < M) tile_float<R, 1>(w, K, x + m * K, K, y + m * N, N, bias);
+}
+
+template <typename T>
+void linear_float(const T* w, const float* x, const float* bias, float* y, int64_t M,
+                  int64_t N, int64_t K) {
+  for_row_groups(N, K * static_cast<int64_t>(sizeof(T)), [&](int64_t n0, int64_t rows) {
+    const float* b = bias ? bias + n0 : nullptr;
+    if (rows == kRows) {
+      rows_float<kRows>(w + n0 * K, K, x, M, y + n0, N, b);
+    } else {
+      for (int64_t r = 0; r < rows; ++r)
+        rows_float<1>(w + (n0 + r) * K, K, x, M, y + n0 + r, N, b ? b + r : nullptr);
+    }
+  });
+}
+
+// ------------------------------------------------------------ activation quantization (Q8)
+
+// Quantizes each row of x (M, K) in blocks of 32: q = round(x * 127 / amax), d = amax / 127,
+// s = d * sum(q) (used by the q4 minimum term). The tail past K is zero.
+void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8_t* q, float* d,
+                          float* s) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      alignas(32) float buf[32];
+      const float* src = x + m * K + b * 32;
+      const int64_t len = std::min<int64_t>(32, K - b * 32);
+      if (len < 32) {
+        for (int i = 0; i < 32; ++i) buf[i] = i < len ? src[i] : 0.0f;
+        src = buf;
+      }
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+      }
+      __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+      a = _mm_max_ss(a, _mm_movehdup_ps(a));
+      const float max_abs = _mm_cvtss_f32(a);
+      const float dm = max_abs / 127.0f;
+      const __m256 id = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+      __m256i qi[4];
+      for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+      const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                             _mm256_add_epi32(qi[2], qi[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32),
+                                 _mm256_extracti128_si256(sum32, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      s4 = _mm_hadd_epi32(s4, s4);
+      // packs interleave 128-bit lanes; the permutation restores element order
+      const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]);
+      const __m256i p23 = _mm256_packs_epi32(qi[2], qi[3]);
+      const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (m * nb + b) * 32), p);
+      d[m * nb + b] = dm;
+      s[m * nb + b] = dm * static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+  }
+}
+
+struct Activations {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+// Quantized activations in buffers reused across calls (no allocation per call).
+const Activations& quantized(const torch::Tensor& x, int64_t nb) {
+  thread_local Activations a;
+  const int64_t M = x.size(0);
+  a.q.resize(M * nb * 32);
+  a.d.resize(M * nb);
+  a.s.resize(M * nb);
+  quantize_activations(x.data_ptr<float>(), M, x.size(1), nb, a.q.data(), a.d.data(),
+                       a.s.data());
+  return a;
+}
+
+// Sum over 8 int32 lanes of the 32 products of signed int8 w and x, as float.
+inline __m256 dot_q8(__m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+}
+
+// The same for unsigned 4-bit w (0..15) and signed int8 x.
+inline __m256 dot_q4(__m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+}
+
+inline __m256i unpack_nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  return _mm256_set_m128i(hi, lo);
+}
+
+// sum_b a[b] (fp16) * c[b] (float) over nb blocks.
+inline float dot_half_float(const uint16_t* a, const float* c, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 av = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + b)));
+    acc = _mm256_fmadd_ps(av, _mm256_loadu_ps(c + b), acc);
+  }
+  float s = hsum(acc);
+  for (; b < nb; ++b) s += half(a + b) * c[b];
+  return s;
+}
+
+// ------------------------------------------------------------- quantized weights (q8, q4)
+
+// Q4 = false: q8 weights (32 bytes per block); Q4 = true: q4 nibbles (16 bytes per block).
+template <bool Q4, int R, int MB>
+inline void tile_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                       const Activations& a, int64_t m0, float* y, int64_t ldy,
+                       const float* bias) {
+  constexpr int64_t block_bytes = Q4 ? 16 : 32;
+  const int64_t row_bytes = nb * block_bytes;
+  const int8_t* xq = a.q.data() + m0 * nb * 32;
+  const float* xd = a.d.data() + m0 * nb;
+  __m256 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i xv[MB];
+    __m256 xs[MB];
+    for (int m = 0; m < MB; ++m) {
+      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * 32));
+      xs[m] = _mm256_set1_ps(xd[m * nb + b]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wb = w + r * row_bytes + b * block_bytes;
+      const __m256i wv = Q4 ? unpack_nibbles(wb)
+                            : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
+      const __m256 ws = _mm256_set1_ps(half(dw + r * nb + b));
+      for (int m = 0; m < MB; ++m) {
+        const __m256 dot = Q4 ? dot_q4(wv, xv[m]) : dot_q8(wv, xv[m]);
+        acc[m][r] = _mm256_fmadd_ps(_mm256_mul_ps(ws, xs[m]), dot, acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float v = hsum(acc[m][r]) + (bias ? bias[r] : 0.0f);
+      if (Q4) v += dot_half_float(mw + r * nb, a.s.data() + (m0 + m) * nb, nb);
+      y[m * ldy + r] = v;
+    }
+}
+
+template <bool Q4, int R>
+inline void rows_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                       const Activations& a, int64_t M, float* y, int64_t N,
+                       const float* bias) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) tile_quant<Q4, R, 2>(w, dw, mw, nb, a, m, y + m * N, N, bias);
+  if (m < M) tile_quant<Q4, R, 1>(w, dw, mw, nb, a, m, y + m * N, N, bias);
+}
+
+template <bool Q4>
+void linear_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
+                  const Activations& a, const float* bias, float* y, int64_t M, int64_t N,
+                  int64_t nb) {
+  const int64_t row_bytes = nb * (Q4 ? 16 : 32);
+  for_row_groups(N, row_bytes, [&](int64_t n0, int64_t rows) {
+    const float* b = bias ? bias + n0 : nullptr;
+    const uint16_t* m0 = Q4 ? mw + n0 * nb : nullptr;
+    if (rows == kRows) {
+      rows_quant<Q4, kRows>(w + n0 * row_bytes, dw + n0 * nb, m0, nb, a, M, y + n0, N, b);
+    } else {
+      for (int64_t r = 0; r < rows; ++r)
+        rows_quant<Q4, 1>(w + (n0 + r) * row_bytes, dw + (n0 + r) * nb,
+                          Q4 ? m0 + r * nb : nullptr, nb, a, M, y + n0 + r, N,
+                          b ? b + r : nullptr);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------ entry points
+
+void check_input(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x must be a contiguous (M, K) float32 CPU tensor");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
+}
+
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                  bias->numel() == N,
+              "bias must be a contiguous float32 tensor of ", N, " elements");
+  return bias->data_ptr<float>();
+}
+
+void check_weight(const torch::Tensor& t, torch::ScalarType dtype, int64_t rows, int64_t cols,
+                  const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 2 &&
+                  t.is_contiguous() && t.size(0) == rows && t.size(1) == cols,
+              name, " must be a contiguous CPU tensor of shape (", rows, ", ", cols,
+              ") and dtype ", dtype);
+}
+
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w,
+                         const c10::optional<torch::Tensor>& bias) {
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_input(x, K);
+  check_weight(w, torch::kFloat32, N, K, "weight");
+  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  linear_float(w.data_ptr<float>(), x.data_ptr<float>(), bias_ptr(bias, N),
+               y.data_ptr<float>(), M, N, K);
+  return y;
+}
+
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
+                          const c10::optional<torch::Tensor>& bias) {
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_input(x, K);
+  check_weight(w, torch::kBFloat16, N, K, "weight");
+  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  linear_float(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+               x.data_ptr<float>(), bias_ptr(bias, N), y.data_ptr<float>(), M, N, K);
+  return y;
+}
+
+torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qs,
+                        const torch::Tensor& d, const c10::optional<torch::Tensor>& bias) {
+  const int64_t N = qs.size(0), nb = d.size(1), M = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > (nb - 1) * 32 && x.size(1) <= nb * 32,
+              "x has ", x.size(1), " features, the weight ", nb, " blocks of 32");
+  check_input(x, x.size(1));
+  check_weight(qs, torch::kInt8, N, nb * 32, "qweight");
+  check_weight(d, torch::kFloat16, N, nb, "scales");
+  const Activations& a = quantized(x, nb);
+  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  linear_quant<false>(reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()),
+                      reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), nullptr, a,
+                      bias_ptr(bias, N), y.data_ptr<float>(), M, N, nb);
+  return y;
+}
+
+torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qs,
+                        const torch::Tensor& d, const torch::Tensor& m,
+                        const c10::optional<torch::Tensor>& bias) {
+  const int64_t N = qs.size(0), nb = d.size(1), M = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > (nb - 1) * 32 && x.size(1) <= nb * 32,
+              "x has ", x.size(1), " features, the weight ", nb, " blocks of 32");
+  check_input(x, x.size(1));
+  check_weight(qs, torch::kUInt8, N, nb * 16, "qweight");
+  check_weight(d, torch::kFloat16, N, nb, "scales");
+  check_weight(m, torch::kFloat16, N, nb, "mins");
+  const Activations& a = quantized(x, nb);
+  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  linear_quant<true>(qs.data_ptr<uint8_t>(),
+                     reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+                     reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), a,
+                     bias_ptr(bias, N), y.data_ptr<float>(), M, N, nb);
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("linear_f32", &linear_f32, "y = x @ W^T (+ bias), W float32 (N, K)");
+  module.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ bias), W bfloat16 (N, K)");
+  module.def("linear_q8", &linear_q8, "y = x @ W^T (+ bias), W int8 blocks of 32");
+  module.def("linear_q4", &linear_q4, "y = x @ W^T (+ bias), W 4-bit blocks of 32 with min");
+}

@@ -1,0 +1,88 @@
+"""The KV cache: keys and values of past positions, kept so each new token costs one query.
+
+Preallocated per layer as (B, n_kv_heads, S_max, d_head) and written by position, so shapes
+stay static. The cache holds n_kv_heads, not n_heads: grouped-query attention shrinks it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_length: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.max_length = max_length or config.context_length
+        if self.max_length > config.context_length:
+            raise ValueError(
+                f"max_length: {self.max_length} exceeds context_length={config.context_length}"
+            )
+        self.batch_size = batch_size
+        self.shape = (batch_size, config.kv_heads, self.max_length, config.head_dim)
+        self.n_layers = config.n_layers
+        self.device, self.dtype = device, dtype  # None: taken from the first keys written
+        self.keys: list[torch.Tensor | None] = [None] * config.n_layers
+        self.values: list[torch.Tensor | None] = [None] * config.n_layers
+        self.positions = torch.zeros(batch_size, self.max_length, dtype=torch.long)  # (B, S_max)
+        self.valid = torch.ones(batch_size, self.max_length, dtype=torch.bool)  # (B, S_max)
+        self.padded = False  # whether any stored position is padding
+        self.length = 0  # positions filled so far
+
+    def reserve(self, positions: torch.Tensor, pad_mask: torch.Tensor | None) -> None:
+        """Record the positions (B, T) about to be written; raises when they would not fit."""
+        T = positions.shape[1]
+        if self.length + T > self.max_length:
+            raise ValueError(
+                f"context: {self.length} cached + {T} new tokens exceed the cache's "
+                f"{self.max_length} positions"
+            )
+        if self.positions.device != positions.device:
+            self.positions = self.positions.to(positions.device)
+            self.valid = self.valid.to(positions.device)
+        self.positions[:, self.length : self.length + T] = positions
+        if pad_mask is not None:
+            self.valid[:, self.length : self.length + T] = pad_mask
+            self.padded = True
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new rows k, v (B, KV, T, d_head) and return all rows so far (B, KV, S, d_head)."""
+        if self.keys[layer] is None:
+            device, dtype = self.device or k.device, self.dtype or k.dtype
+            self.keys[layer] = torch.zeros(self.shape, device=device, dtype=dtype)
+            self.values[layer] = torch.zeros(self.shape, device=device, dtype=dtype)
+        end = self.length + k.shape[2]
+        keys, values = self.keys[layer], self.values[layer]
+        keys[:, :, self.length : end] = k
+        values[:, :, self.length : end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def advance(self, n_tokens: int) -> None:
+        """Called by the model once every layer has written its n_tokens new rows."""
+        self.length += n_tokens
+
+    def key_positions(self, n_new: int) -> torch.Tensor:
+        return self.positions[:, : self.length + n_new]  # (B, S)
+
+    def key_valid(self, n_new: int) -> torch.Tensor | None:
+        return self.valid[:, : self.length + n_new] if self.padded else None
+
+    def crop(self, length: int) -> None:
+        """Forget every position from `length` on (e.g. to rewind a rejected continuation)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"length: must be within 0..{self.length}, got {length}")
+        self.length = length
+        self.valid[:, length:] = True
+        self.padded = bool((~self.valid[:, :length]).any())
+
+    def reset(self) -> None:
+        self.crop(0)

@@ -1,0 +1,1 @@
+"""The pieces of a transformer block, one module per concept."""

@@ -1,0 +1,50 @@
+"""One transformer block. Where the norms sit is a config choice (`norm_placement`):
+
+    pre  (GPT-2, Llama):      x = x + Attn(Norm1(x));   x = x + FFN(Norm2(x))
+    post (GPT-1, Vaswani):    x = Norm1(x + Attn(x));   x = Norm2(x + FFN(x))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..hooks import Hooks
+from ..kv_cache import KVCache
+from .attention import Attention
+from .feedforward import FeedForward
+from .masking import AttentionMask
+from .norm import NORMS
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, hooks: Hooks, layer: int) -> None:
+        super().__init__()
+        site = f"blocks.{layer}"
+        self.pre_norm = config.norm_placement == "pre"
+        self.norm1 = NORMS[config.norm](config.d_model, config.norm_eps)
+        self.attn = Attention(config, hooks, site + ".attn", layer)
+        self.norm2 = NORMS[config.norm](config.d_model, config.norm_eps)
+        self.mlp = FeedForward(config, hooks, site + ".mlp")
+        self.dropout = nn.Dropout(config.dropout)
+        self.hooks, self.site = hooks, site
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        hook, site = self.hooks, self.site
+        x = hook(site + ".resid_pre", x)  # (B, T, d)
+        if self.pre_norm:
+            x = x + self.dropout(self.attn(hook(site + ".norm1", self.norm1(x)), mask, rope, cache))
+            x = hook(site + ".resid_mid", x)
+            x = x + self.dropout(self.mlp(hook(site + ".norm2", self.norm2(x))))
+        else:
+            x = hook(site + ".norm1", self.norm1(x + self.dropout(self.attn(x, mask, rope, cache))))
+            x = hook(site + ".resid_mid", x)
+            x = hook(site + ".norm2", self.norm2(x + self.dropout(self.mlp(x))))
+        return hook(site + ".resid_post", x)

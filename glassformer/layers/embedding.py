@@ -1,0 +1,47 @@
+"""Token embedding and absolute positions: I_emb = E_token[ids] + E_pos[positions]."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..hooks import Hooks
+
+
+class SinusoidalPositions(nn.Module):
+    """PE(m, 2i) = sin(m / 10000^(2i/d)), PE(m, 2i+1) = cos(m / 10000^(2i/d)) (Vaswani et al.).
+
+    A function of the position, computed on demand: no table, no parameters.
+    """
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        exponents = torch.arange(0, d_model, 2, dtype=torch.float32) / d_model
+        self.register_buffer(
+            "inv_freq", torch.exp(-math.log(10000.0) * exponents), persistent=False
+        )  # (d/2,)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.float()[..., None] * self.inv_freq  # (B, T, d/2)
+        return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (B, T, d)
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: ModelConfig, hooks: Hooks) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(config.vocab_size, config.d_model)  # E_token (v, d)
+        self.positions: nn.Module | None = None
+        if config.position == "learned":
+            self.positions = nn.Embedding(config.context_length, config.d_model)  # E_pos (c, d)
+        elif config.position == "sinusoidal":
+            self.positions = SinusoidalPositions(config.d_model)
+        self.hooks = hooks
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.hooks("embed.tokens", self.tokens(ids))  # (B, T, d)
+        if self.positions is not None:
+            x = x + self.hooks("embed.positions", self.positions(positions).to(x.dtype))
+        return self.hooks("embed.out", x)  # (B, T, d)

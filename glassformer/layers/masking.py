@@ -1,0 +1,70 @@
+"""Which keys each query may see: causal, sliding window, padding, plus the ALiBi distance bias.
+
+The mask is described by positions rather than stored as a T×T matrix, so a tiled kernel can
+build just the tile it needs, and a decode step needs no mask at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .positions import alibi_bias
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    q_pos: torch.Tensor  # (B, Tq) absolute positions of the queries
+    k_pos: torch.Tensor  # (B, Tk) absolute positions of the keys
+    causal: bool = True
+    window: int | None = None  # a key is visible while q - k < window
+    k_valid: torch.Tensor | None = None  # (B, Tk) False for padding
+    alibi_slopes: torch.Tensor | None = None  # (H,)
+    contiguous: bool = False  # keys are 0..Tk-1 and the queries the last Tq of them
+
+    @property
+    def is_plain(self) -> bool:
+        """Only causality (or nothing) restricts attention, on contiguous positions."""
+        return (
+            self.contiguous
+            and self.window is None
+            and self.k_valid is None
+            and self.alibi_slopes is None
+        )
+
+    def allowed(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+        """True where query row may attend to key column: (B, 1, tq, tk)."""
+        q = self.q_pos[:, rows, None]  # (B, tq, 1)
+        k = self.k_pos[:, None, cols]  # (B, 1, tk)
+        ok = torch.ones(q.shape[0], q.shape[1], k.shape[2], dtype=torch.bool, device=q.device)
+        if self.causal:
+            ok = ok & (k <= q)
+        if self.window is not None:
+            ok = ok & (q - k < self.window)
+        if self.k_valid is not None:
+            ok = ok & self.k_valid[:, None, cols]
+        return ok[:, None]
+
+    def bias(
+        self, dtype: torch.dtype, rows: slice = slice(None), cols: slice = slice(None)
+    ) -> torch.Tensor:
+        """The additive mask M: 0 where allowed, -inf elsewhere, plus ALiBi: (B, 1 or H, tq, tk).
+
+        A query that may see no key at all (a padding position) is given every key instead, so
+        softmax stays finite; `empty_rows` marks those rows so kernels can zero their output.
+        """
+        ok = self.allowed(rows, cols)
+        if self.k_valid is not None:
+            ok = ok | self.empty_rows(rows)
+        zero = torch.zeros((), dtype=dtype, device=ok.device)
+        bias = torch.where(ok, zero, torch.tensor(float("-inf"), dtype=dtype, device=ok.device))
+        if self.alibi_slopes is not None:
+            bias = bias + alibi_bias(
+                self.alibi_slopes, self.q_pos[:, rows], self.k_pos[:, cols]
+            ).to(dtype)
+        return bias
+
+    def empty_rows(self, rows: slice = slice(None)) -> torch.Tensor:
+        """True for queries that may attend to no key: (B, 1, tq, 1)."""
+        return ~self.allowed(rows).any(dim=-1, keepdim=True)

@@ -1,0 +1,118 @@
+"""The decoder-only transformer: embedding -> N blocks -> final norm -> language-model head."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .hooks import Hooks
+from .kv_cache import KVCache
+from .layers.block import Block
+from .layers.embedding import Embedding
+from .layers.masking import AttentionMask
+from .layers.norm import NORMS
+from .layers.positions import alibi_slopes, rope_cos_sin, rope_inverse_frequencies
+
+
+class Transformer(nn.Module):
+    """`model(ids)` -> logits (B, T, vocab). Pass a KVCache to decode incrementally."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.hooks = Hooks()
+        self.embed = Embedding(config, self.hooks)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, self.hooks, i) for i in range(config.n_layers))
+        self.final_norm = NORMS[config.norm](config.d_model, config.norm_eps) if config.final_norm else None
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.tokens.weight  # W_head = E_token
+        self.rope_attention_factor = 1.0
+        if config.position == "rope":
+            inv_freq, self.rope_attention_factor = rope_inverse_frequencies(config)
+            self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # (d_head/2,)
+        if config.position == "alibi":
+            self.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)
+        self.apply(self._init_weights)
+        residual_std = config.init_std / math.sqrt(2 * config.n_layers)
+        for block in self.blocks:  # outputs added to the residual stream grow with depth
+            nn.init.normal_(block.attn.out.weight, std=residual_std)
+            nn.init.normal_(block.mlp.down.weight, std=residual_std)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        pad_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.head(self.forward_hidden(ids, cache, positions, pad_mask))
+
+    def forward_hidden(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        pad_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final hidden state h (B, T, d), before the head.
+
+        positions (B, T): absolute positions, by default continuing the cache.
+        pad_mask (B, T): True for real tokens, False for (left) padding.
+        """
+        config = self.config
+        B, T = ids.shape
+        start = cache.length if cache is not None else 0
+        contiguous = positions is None
+        if positions is None:
+            positions = torch.arange(start, start + T, device=ids.device).expand(B, T)  # (B, T)
+        if start + T > config.context_length or (
+            not contiguous and T and int(positions.max()) >= config.context_length
+        ):
+            raise ValueError(
+                f"context: {start + T} tokens exceed context_length={config.context_length}"
+            )
+        if cache is not None:
+            if not config.causal:
+                raise ValueError("causal: a bidirectional model cannot decode incrementally")
+            cache.reserve(positions, pad_mask)
+            k_pos, k_valid = cache.key_positions(T), cache.key_valid(T)
+        else:
+            k_pos, k_valid = positions, pad_mask
+        mask = AttentionMask(
+            q_pos=positions,
+            k_pos=k_pos,
+            causal=config.causal,
+            window=config.sliding_window,
+            k_valid=k_valid,
+            alibi_slopes=getattr(self, "alibi_slopes", None),
+            contiguous=contiguous,
+        )
+        rope = None
+        if config.position == "rope":
+            rope = rope_cos_sin(self.rope_inv_freq, positions, self.rope_attention_factor)
+            rope = tuple(t.to(self.embed.tokens.weight.dtype) for t in rope)
+        x = self.dropout(self.embed(ids, positions))  # (B, T, d)
+        for block in self.blocks:
+            x = block(x, mask, rope, cache)
+        if cache is not None:
+            cache.advance(T)
+        if self.final_norm is not None:
+            x = self.hooks("final_norm", self.final_norm(x))
+        return x
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (…, vocab) from hidden states (…, d)."""
+        return self.hooks("logits", self.lm_head(h))

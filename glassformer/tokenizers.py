@@ -1,0 +1,184 @@
+"""Tokenizers: character-level, byte-level BPE, and any Hugging Face `tokenizer.json`.
+
+Every tokenizer has `encode(text) -> list[int]`, `encode_array(text) -> np.ndarray`,
+`decode(ids) -> str`, `vocab_size`, `eos_id`, `bos_id` (or None) and `save(path)`.
+`load_tokenizer(path)` reads either file format back:
+
+- character level: `{"type": "char", "chars": "<every character, sorted>", "eos_token": "..."}`;
+  id i is `chars[i]`, and the end-of-text token comes last (id = len(chars)).
+- anything else is a Hugging Face `tokenizers` file (our byte-level BPE is saved this way).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOT = "<|endoftext|>"
+# Used when a tokenizer.json comes without a tokenizer_config.json naming its special tokens.
+_EOS_CANDIDATES = (EOT, "</s>", "<|end_of_text|>", "<eos>")
+
+
+class CharTokenizer:
+    """One id per character seen in the corpus, plus an end-of-text token."""
+
+    def __init__(self, chars: str, eos_token: str = EOT):
+        if len(set(chars)) != len(chars):
+            raise ValueError("chars: characters must be unique")
+        self.chars = "".join(sorted(chars))
+        self.eos_token = eos_token
+        self._codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted
+
+    @classmethod
+    def train(cls, documents: Iterable[str]) -> CharTokenizer:
+        seen: set[str] = set()
+        for doc in documents:
+            seen.update(doc)
+        if not seen:
+            raise ValueError("cannot build a character vocabulary from an empty corpus")
+        return cls("".join(seen))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars) + 1
+
+    @property
+    def eos_id(self) -> int:
+        return len(self.chars)
+
+    @property
+    def bos_id(self) -> None:
+        return None
+
+    def encode_array(self, text: str) -> np.ndarray:
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)  # (n_chars,)
+        ids = np.searchsorted(self._codes, codes)
+        known = ids < len(self._codes)
+        known[known] = self._codes[ids[known]] == codes[known]
+        if not known.all():
+            bad = chr(int(codes[np.argmin(known)]))
+            raise ValueError(f"character {bad!r} is not in the tokenizer's vocabulary")
+        return ids.astype(np.int64)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.eos_token if i == self.eos_id else self.chars[i] for i in ids)
+
+    def to_dict(self) -> dict:
+        return {"type": "char", "chars": self.chars, "eos_token": self.eos_token}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), ensure_ascii=False), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CharTokenizer:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        return cls(data["chars"], data.get("eos_token", EOT))
+
+
+class HFTokenizer:
+    """Wraps a Hugging Face `tokenizers.Tokenizer` (any tokenizer.json)."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token: str | None = None,
+                 bos_token: str | None = None):
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        if eos_token is None:
+            eos_token = next((t for t in _EOS_CANDIDATES if t in vocab), None)
+        for name, token in (("eos_token", eos_token), ("bos_token", bos_token)):
+            if token is not None and token not in vocab:
+                raise ValueError(f"{name}: {token!r} is not in the vocabulary")
+        self.eos_token, self.bos_token = eos_token, bos_token
+        self._eos_id = None if eos_token is None else vocab[eos_token]
+        self._bos_id = None if bos_token is None else vocab[bos_token]
+
+    @classmethod
+    def train_bpe(cls, documents: Iterable[str], vocab_size: int) -> HFTokenizer:
+        """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as its one special token."""
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if vocab_size < len(alphabet) + 1:
+            raise ValueError(
+                f"vocab_size: byte-level BPE needs at least {len(alphabet) + 1} "
+                f"(256 bytes + end-of-text), got {vocab_size}"
+            )
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet,
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(documents, trainer)
+        return cls(tokenizer, eos_token=EOT)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, path: str | Path) -> None:
+        self.tokenizer.save(str(path))
+
+    @classmethod
+    def load(cls, path: str | Path, eos_token: str | None = None,
+             bos_token: str | None = None) -> HFTokenizer:
+        return cls(Tokenizer.from_file(str(path)), eos_token, bos_token)
+
+
+def train_tokenizer(kind: str, documents: Iterable[str], vocab_size: int | None = None):
+    """A new tokenizer of `kind` ("char" or "bpe") learned from `documents`."""
+    if kind == "char":
+        return CharTokenizer.train(documents)
+    if kind == "bpe":
+        if vocab_size is None:
+            raise ValueError("vocab_size: byte-level BPE needs a vocabulary size")
+        return HFTokenizer.train_bpe(documents, vocab_size)
+    raise ValueError(f"tokenizer: unknown kind {kind!r}; choose 'char' or 'bpe'")
+
+
+def load_tokenizer(path: str | Path, eos_token: str | None = None,
+                   bos_token: str | None = None) -> CharTokenizer | HFTokenizer:
+    """Read a tokenizer.json (ours or Hugging Face's). Special tokens of a Hugging Face file
+    come from the arguments, else from a `tokenizer_config.json` beside it, else from the
+    usual end-of-text names."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer file at {path}")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("type") == "char":
+        return CharTokenizer(data["chars"], data.get("eos_token", EOT))
+    side = path.with_name("tokenizer_config.json")
+    if side.is_file():
+        config = json.loads(side.read_text(encoding="utf-8"))
+        eos_token = eos_token or _token_text(config.get("eos_token"))
+        bos_token = bos_token or _token_text(config.get("bos_token"))
+    return HFTokenizer.load(path, eos_token, bos_token)
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as {"content": ...}.
+    return value.get("content") if isinstance(value, dict) else value
