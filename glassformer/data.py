@@ -57,7 +57,7 @@ def iter_documents(sources: Sequence[Path], documents: Documents = "file") -> It
                         yield line.rstrip("\n")
             continue
         text = Path(source).read_text(encoding="utf-8")
-        parts = [text] if documents == "file" else re.split(r"\n[ \t]*\n", text)
+        parts = [text] if documents == "file" else re.split(r"\n(?:[ \t]*\n)+", text)
         yield from (part for part in parts if part.strip())
 
 
