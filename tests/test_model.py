@@ -1,0 +1,168 @@
+import math
+
+import pytest
+import torch
+
+from glassformer import PRESETS, KVCache, ModelConfig, Transformer, get_preset
+from glassformer.layers.positions import alibi_slopes, apply_rope, rope_cos_sin, rope_inverse_frequencies
+
+TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
+CAUSAL = [name for name in TINY if PRESETS[name].causal]
+
+
+def _model(name, **changes):
+    return Transformer(get_preset(name).replace(**changes)).eval()
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("kernel", ["reference", "sdpa", "flash"])
+def test_logits_shape_and_kernels_agree(name, kernel):
+    ids = torch.randint(0, 96, (2, 13))
+    reference = _model(name, attention_kernel="reference")
+    model = Transformer(reference.config.replace(attention_kernel=kernel)).eval()
+    model.load_state_dict(reference.state_dict())
+    logits = model(ids)
+    assert logits.shape == (2, 13, 96)
+    torch.testing.assert_close(logits, reference(ids))
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_changing_a_token_changes_no_earlier_logit(name):
+    model = _model(name)
+    ids = torch.randint(0, 96, (1, 12))
+    changed = ids.clone()
+    changed[0, 7] = (ids[0, 7] + 1) % 96
+    before, after = model(ids), model(changed)
+    torch.testing.assert_close(before[:, :7], after[:, :7], rtol=0, atol=0)
+    assert not torch.allclose(before[:, 7:], after[:, 7:])
+
+
+def test_bidirectional_mode_sees_the_future():
+    model = _model("tiny-bidirectional")
+    ids = torch.randint(0, 96, (1, 12))
+    changed = ids.clone()
+    changed[0, 7] = (ids[0, 7] + 1) % 96
+    assert not torch.allclose(model(ids)[:, :7], model(changed)[:, :7])
+
+
+def test_without_positions_attention_is_permutation_equivariant():
+    model = _model("tiny-gpt2", position="none", causal=False)
+    ids = torch.randint(0, 96, (1, 10))
+    perm = torch.randperm(10)
+    torch.testing.assert_close(model(ids)[:, perm], model(ids[:, perm]))
+
+
+@pytest.mark.parametrize("position", ["learned", "sinusoidal", "rope", "alibi"])
+def test_any_position_scheme_breaks_permutation_equivariance(position):
+    model = _model("tiny-gpt2", position=position, causal=False)
+    ids = torch.randint(0, 96, (1, 10))
+    perm = torch.arange(9, -1, -1)
+    assert not torch.allclose(model(ids)[:, perm], model(ids[:, perm]), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+@pytest.mark.parametrize("kernel", ["reference", "sdpa", "flash"])
+def test_incremental_decoding_equals_full_pass(name, kernel):
+    model = _model(name, attention_kernel=kernel)
+    ids = torch.randint(0, 96, (2, 20))
+    full = model(ids)
+    cache = KVCache(model.config, batch_size=2)
+    pieces = [model(ids[:, :6], cache=cache)]  # a prefill, then one token at a time
+    pieces += [model(ids[:, t : t + 1], cache=cache) for t in range(6, 20)]
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full)
+
+
+def test_chunked_prefill_equals_full_pass():
+    model = _model("tiny-mistral")  # sliding window 8 across chunk boundaries
+    ids = torch.randint(0, 96, (1, 25))
+    cache = KVCache(model.config, batch_size=1)
+    chunks = [model(ids[:, s : s + 7], cache=cache) for s in range(0, 25, 7)]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), model(ids))
+
+
+def test_cache_holds_kv_heads_not_query_heads():
+    model = _model("tiny-mqa")
+    cache = KVCache(model.config, batch_size=1)
+    model(torch.randint(0, 96, (1, 4)), cache=cache)
+    assert cache.keys[0].shape == (1, 1, model.config.context_length, model.config.head_dim)
+
+
+def test_left_padding_with_explicit_positions_equals_unpadded():
+    model = _model("tiny-llama")
+    ids = torch.randint(1, 96, (1, 6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    pad_mask = torch.tensor([[False] * 3 + [True] * 6])
+    positions = (pad_mask.cumsum(-1) - 1).clamp_min(0)
+    logits = model(padded, positions=positions, pad_mask=pad_mask)
+    torch.testing.assert_close(logits[:, 3:], model(ids))
+
+
+def test_going_past_the_context_is_a_clear_error():
+    model = _model("tiny-gpt2")
+    with pytest.raises(ValueError, match="context_length=32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    cache = KVCache(model.config, batch_size=1)
+    model(torch.zeros(1, 32, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="context"):
+        model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+
+
+def test_rope_score_depends_only_on_relative_position():
+    config = ModelConfig(vocab_size=8, context_length=64, d_model=16, n_layers=1, n_heads=1,
+                         position="rope")
+    inv_freq, _ = rope_inverse_frequencies(config)
+    q, k = torch.randn(2, 1, 1, 1, 16).unbind(0)
+
+    def score(m, n):
+        cos_m, sin_m = rope_cos_sin(inv_freq, torch.tensor([[m]]))
+        cos_n, sin_n = rope_cos_sin(inv_freq, torch.tensor([[n]]))
+        return (apply_rope(q, cos_m, sin_m) * apply_rope(k, cos_n, sin_n)).sum().item()
+
+    for offset in (0, 3, 17):
+        assert score(5 + offset, 2 + offset) == pytest.approx(score(5, 2), abs=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 3), abs=1e-3)
+    # a rotation keeps norms
+    cos, sin = rope_cos_sin(inv_freq, torch.tensor([[9]]))
+    torch.testing.assert_close(apply_rope(q, cos, sin).norm(), q.norm())
+
+
+def test_alibi_slopes_follow_the_geometric_schedule():
+    torch.testing.assert_close(alibi_slopes(8), torch.tensor([2.0 ** (-k) for k in range(1, 9)]))
+    assert alibi_slopes(4).tolist() == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]
+    twelve = alibi_slopes(12)  # 8 slopes of the 8-head schedule, then odd ones of the 16-head
+    expected = [2.0 ** (-k) for k in range(1, 9)] + [2.0 ** (-(2 * j + 1) / 2) for j in range(4)]
+    torch.testing.assert_close(twelve, torch.tensor(expected))
+    assert len(set(alibi_slopes(6).tolist())) == 6
+
+
+def test_gpt2_initialisation():
+    model = Transformer(get_preset("gpt2").replace(n_layers=4, vocab_size=2000))
+    assert abs(model.embed.tokens.weight.std().item() - 0.02) < 1e-3
+    assert abs(model.blocks[0].attn.qkv.weight.std().item() - 0.02) < 1e-3
+    residual = 0.02 / math.sqrt(2 * 4)
+    assert abs(model.blocks[0].attn.out.weight.std().item() - residual) < 1e-3
+    assert abs(model.blocks[0].mlp.down.weight.std().item() - residual) < 1e-3
+    assert model.lm_head.weight is model.embed.tokens.weight
+
+
+def test_runs_in_bfloat16_with_dtype_from_the_weights():
+    model = _model("tiny-llama").to(torch.bfloat16)
+    ids = torch.randint(0, 96, (1, 9))
+    cache = KVCache(model.config, batch_size=1)
+    logits = model(ids, cache=cache)
+    assert logits.dtype == torch.bfloat16 and cache.keys[0].dtype == torch.bfloat16
+    reference = _model("tiny-llama")
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    torch.testing.assert_close(logits.float(), reference(ids), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_runs_on_cuda_like_on_cpu():
+    model = _model("tiny-llama")
+    ids = torch.randint(0, 96, (1, 9))
+    expected = model(ids)
+    cache = KVCache(model.config, batch_size=1)
+    logits = model.cuda()(ids.cuda(), cache=cache)
+    assert cache.keys[0].device.type == "cuda"
+    torch.testing.assert_close(logits.cpu(), expected, atol=1e-4, rtol=1e-4)
