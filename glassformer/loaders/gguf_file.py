@@ -102,6 +102,12 @@ class GGUFFile:
             return data.view(np.float16)
         return data
 
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from memory once read (they are re-read from disk if needed)."""
+        info = self.tensors[name]
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, start, info.offset + info.n_bytes - start)
+
     def close(self) -> None:
         self._map.close()
 
