@@ -1,0 +1,44 @@
+"""Fast matrix-vector products for decoding, with weights in fp32, bf16, int8 or int4.
+
+Decoding one token reads every weight once, so its speed is set by how fast weights stream
+from memory. The C++ kernels here (AVX2 + FMA + OpenMP, `matvec.cpp`) read them near the
+memory bandwidth; the same products written in PyTorch remain the reference and the
+fallback (no compiler, non-x86 CPU, CUDA tensors, or `GLASSFORMER_KERNELS=torch`).
+The extension is compiled on first use (a one-line notice on stderr) and cached under
+`$GLASSFORMER_HOME/kernels` or `~/.cache/glassformer/kernels`.
+
+Use in a model::
+
+    from glassformer.kernels import QuantizedLinear
+    layer = QuantizedLinear.from_linear(linear, "int8")   # "fp32" | "bf16" | "int8" | "int4"
+    y = layer(x)                                           # x (..., in_features) -> (..., out)
+
+- Up to 8 rows (x.reshape(-1, in_features)) run in the C++ kernels; more rows (prefill)
+  run `torch.matmul` on the dequantized float32 weight. int8/int4 kernels quantize the
+  activations per block of 32 to int8 (like llama.cpp), so their outputs differ from
+  `x @ layer.dequantized_weight().T` by that rounding (bounded in tests/test_kernels.py).
+- Inference only: with grad enabled and x requiring grad, the PyTorch path is taken.
+- `QuantizedLinear.from_gguf(...)` builds int8/int4 layers from GGUF Q8_0/Q4_0/Q4_1 blocks
+  without requantizing (see gguf_blocks.py); `from_weight(w, mode, bias)` from a tensor.
+- The functional kernels (`ops.linear_fp32/bf16/int8/int4`) take (M, K) float32 x and a
+  `backend` of "auto", "cpp" or "torch"; the weight formats are described in quant.py.
+"""
+
+from .linear import MODES, QuantizedLinear
+from .quant import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_activations,
+    quantize_int4,
+    quantize_int8,
+)
+
+__all__ = [
+    "MODES",
+    "QuantizedLinear",
+    "dequantize_int4",
+    "dequantize_int8",
+    "quantize_activations",
+    "quantize_int4",
+    "quantize_int8",
+]
