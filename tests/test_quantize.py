@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from glassformer import KVCache, Transformer, get_preset
+from glassformer.kernels import QuantizedLinear
+from glassformer.quantize import QUANTIZE_MODES, quantize_model
+
+# How far each mode's logits may drift from float32 on a tiny random model.
+TOLERANCE = {"none": 1e-5, "bf16": 3e-2, "int8": 3e-2, "int4": 2e-1}
+
+
+def _pair(mode):
+    config = get_preset("tiny-llama").replace(d_model=64, d_ff=96, vocab_size=128)
+    reference = Transformer(config).eval()
+    converted = Transformer(config)
+    converted.load_state_dict(reference.state_dict())
+    return reference, quantize_model(converted, mode)
+
+
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_every_matrix_is_converted_and_logits_stay_close(mode):
+    reference, model = _pair(mode)
+    assert isinstance(model.lm_head, QuantizedLinear)
+    assert all(isinstance(b.attn.qkv, QuantizedLinear) for b in model.blocks)
+    ids = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        expected = reference(ids)
+        prefill = model(ids)  # many rows: the matrix-matrix path
+        cache = KVCache(model.config, batch_size=1)
+        steps = torch.cat([model(ids[:, t : t + 1], cache=cache) for t in range(12)], 1)
+    scale = expected.abs().max().item()
+    for logits in (prefill, steps):
+        assert (logits - expected).abs().max().item() <= TOLERANCE[mode] * scale
+
+
+def test_fp32_kernels_keep_greedy_tokens():
+    reference, model = _pair("none")
+    ids = torch.randint(0, 128, (1, 4))
+    with torch.no_grad():
+        for _ in range(10):
+            a, b = reference(ids)[:, -1].argmax(-1), model(ids)[:, -1].argmax(-1)
+            assert a.item() == b.item()
+            ids = torch.cat([ids, a[:, None]], dim=1)
+
+
+def test_unknown_mode_and_double_conversion():
+    _, model = _pair("int8")
+    with pytest.raises(ValueError, match="quantize: unknown mode 'int3'"):
+        quantize_model(model, "int3")
+    with pytest.raises(ValueError, match="already converted to int8"):
+        quantize_model(model, "int4")
