@@ -76,9 +76,10 @@ class TextStream:
         """At the end of generation: release held-back text and unfinished characters."""
         if self.stop_string is not None:
             return ""
-        self._extend(self.decoder.flush())
-        piece = self.text[self.emitted :]
-        self.emitted = len(self.text)
+        piece = self._extend(self.decoder.flush())
+        if self.stop_string is None:  # nothing can complete a stop string anymore
+            piece += self.text[self.emitted :]
+            self.emitted = len(self.text)
         return piece
 
     def _extend(self, new: str) -> str:

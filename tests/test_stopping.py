@@ -90,3 +90,12 @@ def test_text_that_may_start_a_stop_string_is_held_back():
 def test_empty_stop_string_is_rejected():
     with pytest.raises(ValueError, match="stop"):
         TextStream(Bytes(), [""])
+
+
+def test_flush_releases_unfinished_characters_and_held_back_text_together():
+    tok = Bytes()
+    stream = TextStream(tok, ["ab\ufffdz"])
+    assert [stream.push(i) for i in [ord("a"), ord("b"), 0xE2]] == ["", "", ""]
+    assert stream.flush() == "ab\ufffd" and stream.text == "ab\ufffd"
+    plain = TextStream(tok)
+    assert [plain.push(ord("a")), plain.push(0xE2), plain.flush()] == ["a", "", "\ufffd"]
