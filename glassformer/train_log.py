@@ -1,0 +1,59 @@
+"""What a person watches while training runs: metrics as JSON lines and a loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `path` (only where `enabled`, i.e. on rank 0)."""
+
+    def __init__(self, path: str | Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+
+    def append(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past `step` (logged after the checkpoint a run resumes from)."""
+        if not (self.enabled and self.path.is_file()):
+            return
+        kept = [line for line in read_metrics(self.path) if line.get("iter", 0) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_losses(metrics_path: str | Path, png_path: str | Path) -> None:
+    """Training and validation loss against the iteration, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [(r["iter"], r["train_loss"]) for r in records if "lr" in r]
+    val = [(r["iter"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train", linewidth=1)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation", linewidth=1.5)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("cross-entropy loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = Path(png_path).with_name(Path(png_path).name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)

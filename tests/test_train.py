@@ -1,0 +1,195 @@
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from glassformer import ModelConfig, Transformer
+from glassformer import train as train_module
+from glassformer.checkpoint import load_model
+from glassformer.schedule import learning_rate
+from glassformer.train import bf16_supported, lm_loss, make_optimizer, train, train_step
+from glassformer.train_log import read_metrics
+from glassformer.training_config import RECIPES, TrainConfig, get_recipe
+
+MODEL = ModelConfig(vocab_size=1, context_length=16, d_model=32, n_layers=2, n_heads=2,
+                    dropout=0.1)
+TRAIN = TrainConfig(batch_size=4, max_iters=8, warmup_iters=2, eval_interval=4, eval_iters=2,
+                    log_interval=1, sample_tokens=12, device="cpu", lr=3e-3)
+WORDS = "the king and queen of a far land spoke to their people at dawn".split()
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(WORDS), (600,), generator=g).tolist()
+    path = tmp_path / "corpus.txt"
+    path.write_text(" ".join(WORDS[i] for i in ids) + "\n", encoding="utf-8")
+    return path
+
+
+def _train_losses(out):
+    return {r["iter"]: r["train_loss"] for r in read_metrics(out / "metrics.jsonl") if "lr" in r}
+
+
+def test_schedule_warmup_cosine_floor():
+    lr = lambda s: learning_rate(s, 1e-3, 1e-4, 10, 110)  # noqa: E731
+    assert lr(0) == pytest.approx(1e-4) and lr(9) == pytest.approx(1e-3)
+    assert lr(10) == pytest.approx(1e-3)
+    assert lr(60) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway through the cosine
+    assert lr(35) == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi / 4)) * 9e-4)
+    assert lr(110) == lr(5000) == pytest.approx(1e-4)
+    values = [lr(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+
+
+def test_optimizer_decays_matrices_only():
+    model = Transformer(MODEL.replace(vocab_size=10))
+    opt = make_optimizer(model, TRAIN)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert any(p is model.lm_head.weight for p in decay["params"])  # tied: counted once
+    assert decay["fused"]
+
+
+def test_accumulation_equals_one_large_batch():
+    config = MODEL.replace(vocab_size=10, dropout=0.0)
+    x = torch.randint(0, 10, (8, 16))
+    y = torch.randint(0, 10, (8, 16))
+    results = []
+    for accum in (1, 4):
+        torch.manual_seed(0)
+        model = Transformer(config)
+        opt = make_optimizer(model, TRAIN)
+        loss = train_step(model, opt, x, y, accum, 1.0, torch.autocast("cpu", enabled=False))
+        results.append((loss, model.state_dict()))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for name, tensor in results[0][1].items():
+        torch.testing.assert_close(tensor, results[1][1][name], msg=name)
+
+
+def test_clipping_bounds_the_update():
+    torch.manual_seed(0)
+    model = Transformer(MODEL.replace(vocab_size=10, dropout=0.0))
+    x = torch.randint(0, 10, (2, 16))
+    lm_loss(model, x, x).mul(1e4).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    total = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+    assert norm > 1.0 and total == pytest.approx(1.0, rel=1e-4)
+
+
+def test_train_end_to_end(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    summary = train(corpus, out, MODEL, TRAIN, progress=False)
+    for key in ("iters", "tokens_seen", "train_loss", "val_loss", "tokens_per_second",
+                "wall_seconds", "checkpoint"):
+        assert key in summary
+    assert summary["iters"] == 8 and summary["tokens_seen"] == 8 * 4 * 16
+    assert (out / "loss.png").stat().st_size > 1000
+    records = read_metrics(out / "metrics.jsonl")
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["iter"] for r in evals] == [4, 8] and all(r["sample"] for r in evals)
+    assert evals[1]["val_loss"] < evals[0]["val_loss"] < math.log(summary_vocab(out))
+    assert evals[1]["val_perplexity"] == pytest.approx(math.exp(evals[1]["val_loss"]))
+
+    # The checkpoint reproduces the logged validation loss on the same fixed windows.
+    model, tokenizer, meta = load_model(out)
+    assert meta["state"]["step"] == 8 and TrainConfig.from_dict(meta["train"]) == TRAIN
+    from glassformer.data import TokenData, draw_starts
+    from glassformer.distributed import Process
+    data = TokenData.open(out / "tokens.bin", 16, TRAIN.val_fraction)
+    starts = draw_starts(len(data.val), 16, 8, torch.Generator().manual_seed(TRAIN.seed + 1))
+    again = train_module.evaluate(model, data.val, starts, 16, 4, Process(), torch.autocast(
+        "cpu", enabled=False))
+    assert again == pytest.approx(summary["val_loss"], rel=1e-5)
+
+
+def summary_vocab(out):
+    return json.loads((out / "latest" / "config.json").read_text())["model"]["vocab_size"]
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(corpus, tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    train(corpus, full, MODEL, TRAIN, progress=False)
+
+    part = tmp_path / "part"
+    real_step, calls = train_module.train_step, []
+
+    def step_then_ctrl_c(*args):  # Ctrl-C arrives during the third step
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args)
+
+    monkeypatch.setattr(train_module, "train_step", step_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train(corpus, part, MODEL, TRAIN, progress=False)
+    monkeypatch.undo()
+    assert json.loads((part / "latest" / "config.json").read_text())["state"]["step"] == 3
+
+    # A budget (max_iters) may change on resume; the schedule is pinned by lr_decay_iters.
+    pinned = TRAIN.replace(lr_decay_iters=8)
+    train(corpus, part, MODEL, pinned.replace(max_iters=6), resume=True, progress=False)
+    summary = train(corpus, part, MODEL, pinned, resume=True, progress=False)
+    a, b = _train_losses(full), _train_losses(part)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    torch.testing.assert_close(torch.tensor([b[i] for i in a]), torch.tensor(list(a.values())))
+    full_model, _, _ = load_model(full)
+    part_model, _, _ = load_model(part)
+    for name, tensor in full_model.state_dict().items():
+        torch.testing.assert_close(part_model.state_dict()[name], tensor, msg=name)
+    assert summary["iters"] == 8
+
+
+def test_refusals_leave_the_run_untouched(corpus, tmp_path):
+    out = tmp_path / "run"
+    train(corpus, out, MODEL, TRAIN.replace(max_iters=2, eval_interval=2), progress=False)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(ValueError, match="already holds a training run"):
+        train(corpus, out, MODEL, TRAIN, progress=False)
+    with pytest.raises(ValueError, match="cannot resume.*d_model=64"):
+        train(corpus, out, MODEL.replace(d_model=64), TRAIN, resume=True, progress=False)
+    with pytest.raises(ValueError, match="cannot resume.*lr="):
+        train(corpus, out, MODEL, TRAIN.replace(lr=1.0), resume=True, progress=False)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        train(tmp_path / "nope.txt", out, MODEL, TRAIN, resume=True, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(corpus, tmp_path / "fresh", MODEL, TRAIN, resume=True, progress=False)
+
+
+def test_corpus_shorter_than_a_window(tmp_path):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("too short for a window of sixteen tokens")
+    with pytest.raises(ValueError, match="corpus too short"):
+        train(tiny, tmp_path / "run", MODEL, TRAIN, progress=False)
+
+
+@pytest.mark.skipif(not bf16_supported(torch.device("cpu")), reason="no bf16 on this CPU")
+def test_bf16_autocast_step_tracks_float32():
+    config = MODEL.replace(vocab_size=10, dropout=0.0)
+    x = torch.randint(0, 10, (4, 16))
+    losses = []
+    for amp in (torch.autocast("cpu", enabled=False), train_module.autocast(
+            torch.device("cpu"), "bfloat16")):
+        torch.manual_seed(0)
+        model = Transformer(config)
+        losses.append(train_step(model, make_optimizer(model, TRAIN), x, x, 1, 1.0, amp))
+    torch.testing.assert_close(losses[0], losses[1], atol=2e-2, rtol=0)
+
+
+def test_recipes():
+    char = get_recipe("shakespeare-char")
+    assert (char.model.n_layers, char.model.n_heads, char.model.d_model) == (4, 4, 128)
+    assert char.model.context_length == 64 and char.train.batch_size == 12
+    assert (char.train.lr, char.train.min_lr, char.train.max_iters) == (1e-3, 1e-4, 2000)
+    assert (char.train.warmup_iters, char.train.beta2, char.train.eval_iters) == (100, 0.99, 20)
+    assert set(RECIPES) >= {"shakespeare-char"}
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_recipe("nope")
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainConfig(batch_size=0)
