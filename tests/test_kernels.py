@@ -202,3 +202,26 @@ def test_environment_variable_forces_the_torch_path(monkeypatch):
     finally:
         monkeypatch.delenv("GLASSFORMER_KERNELS")
         _build.reset()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_dequantize_exactly_as_gguf(qtype):
+    gguf = pytest.importorskip("gguf")
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(12, 96, generator=g) * 0.1).numpy()
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, kind)  # (12, bytes per row) uint8
+    layer = QuantizedLinear.from_gguf(raw, kind, (12, 96))
+    assert layer.mode == ("int8" if qtype == "Q8_0" else "int4")
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, kind))
+    assert torch.equal(layer.dequantized_weight(), expected)
+    x = torch.randn(2, 96, generator=g)
+    w_float = layer.dequantized_weight()
+    check_within(layer(x), F.linear(x, w_float), activation_bound(x, w_float))
+
+
+def test_gguf_blocks_reject_unsupported_input():
+    with pytest.raises(ValueError, match="Q6_K"):
+        QuantizedLinear.from_gguf(torch.zeros(10).numpy(), "Q6_K", (1, 32))
+    with pytest.raises(ValueError, match="does not fit"):
+        QuantizedLinear.from_gguf(torch.zeros(33, dtype=torch.uint8).numpy(), "Q8_0", (1, 32))

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from . import ops, quant
+from .gguf_blocks import from_gguf_blocks
 
 MODES = ("fp32", "bf16", "int8", "int4")
 
@@ -76,6 +77,19 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         return cls(w.shape[1], w.shape[0], mode, tensors, bias, backend)
+
+    @classmethod
+    def from_gguf(
+        cls,
+        data,
+        qtype,
+        shape: tuple[int, int],
+        bias: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> QuantizedLinear:
+        """From the raw GGUF Q8_0 / Q4_0 / Q4_1 blocks of an (out, in) = `shape` matrix."""
+        mode, tensors = from_gguf_blocks(data, qtype, shape)
+        return cls(shape[1], shape[0], mode, tensors, bias, backend)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The (out_features, in_features) float32 weight this layer multiplies by."""

@@ -1,0 +1,71 @@
+"""One SmolLM2-135M decode step's weight products: torch F.linear fp32 vs each kernel format.
+
+Shapes per layer (30 layers): qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576,
+plus the head 576->49152. Prints ms per step, GB/s of weight bytes read, and the speed-up
+over F.linear. Run: .venv/bin/python benchmarks/kernels_bandwidth.py [--rows M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from glassformer.kernels import QuantizedLinear
+
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
+HEAD = (49152, 576)
+
+
+def step_shapes(n_layers: int) -> list[tuple[int, int]]:
+    return LAYER * n_layers + [HEAD]
+
+
+def weight_bytes(layer: QuantizedLinear) -> int:
+    return sum(b.numel() * b.element_size() for n, b in layer.named_buffers() if n != "bias")
+
+
+def time_step(fns, xs, repeats: int) -> float:
+    """Best-of-repeats seconds for one pass over all products."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for fn, x in zip(fns, xs, strict=True):
+            fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1, help="activation rows M (batch)")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    shapes = step_shapes(args.layers)
+    weights = [torch.randn(n, k, generator=g) * 0.02 for n, k in shapes]
+    xs = [torch.randn(args.rows, k, generator=g) for _, k in shapes]  # (M, K)
+
+    fp32_bytes = sum(w.numel() * 4 for w in weights)
+    with torch.no_grad():
+        base = time_step([lambda x, w=w: F.linear(x, w) for w in weights], xs, args.repeats)
+        print(f"{args.layers} layers + head, M={args.rows}, {torch.get_num_threads()} threads")
+        print(f"{'format':<16}{'MB read':>9}{'ms/step':>10}{'GB/s':>8}{'vs F.linear':>13}")
+        print(f"{'torch F.linear':<16}{fp32_bytes / 1e6:>9.1f}{base * 1e3:>10.2f}"
+              f"{fp32_bytes / base / 1e9:>8.1f}{1.0:>12.2f}x")
+        for mode in ("fp32", "bf16", "int8", "int4"):
+            layers = [QuantizedLinear.from_weight(w, mode) for w in weights]
+            n_bytes = sum(weight_bytes(layer) for layer in layers)
+            layers[0](xs[0])  # builds the extension if needed
+            t = time_step(layers, xs, args.repeats)
+            print(f"{'kernel ' + mode:<16}{n_bytes / 1e6:>9.1f}{t * 1e3:>10.2f}"
+                  f"{n_bytes / t / 1e9:>8.1f}{base / t:>12.2f}x")
+            del layers
+
+
+if __name__ == "__main__":
+    main()
