@@ -11,7 +11,6 @@ them back, so the model computes exactly what the original checkpoint computes.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from gguf.quants import dequantize
 
 from ..config import ModelConfig
 from ..model import Transformer
+from . import empty_model
 from .gguf_file import GGUFFile
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
@@ -143,21 +143,6 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
                 _fill(file, name, dest, target.heads)
                 file.release(name)
     return model.eval(), tokenizer
-
-
-def empty_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:
-    """A Transformer with uninitialised parameters (skipping the random init a loader would
-    overwrite). Tied weights are re-tied; the non-persistent buffers (RoPE frequencies, ALiBi
-    slopes), functions of the config alone, are copied from a one-layer twin."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.to_empty(device="cpu").to(dtype)
-    if config.tie_embeddings:
-        model.lm_head.weight = model.embed.tokens.weight
-    twin = dict(Transformer(config.replace(n_layers=1, vocab_size=1, d_ff=1)).named_buffers())
-    for name, buffer in model.named_buffers():
-        buffer.copy_(twin[re.sub(r"^blocks\.\d+\.", "blocks.0.", name)])
-    return model
 
 
 def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Target]) -> None:

@@ -1,0 +1,161 @@
+"""Hugging Face folders: tiny random models built with transformers (the oracle), saved, loaded
+by Glassformer; equal logits (fp32) and identical greedy tokens. Plus every error path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from glassformer.generate import GenerationConfig, generate
+from glassformer.loaders.huggingface import config_from_hf, load_hf
+from glassformer.tokenizers import HFTokenizer
+
+transformers = pytest.importorskip("transformers")
+VOCAB = 300
+COMMON = dict(vocab_size=VOCAB, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None)
+LLAMA = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+             rope_theta=5000.0, tie_word_embeddings=False, **COMMON)
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, n_positions=64, **COMMON),
+    "llama": lambda: transformers.LlamaConfig(**LLAMA),
+    "llama_tied": lambda: transformers.LlamaConfig(**(LLAMA | {"tie_word_embeddings": True})),
+    "mistral": lambda: transformers.MistralConfig(**LLAMA, sliding_window=5),
+    "qwen2": lambda: transformers.Qwen2Config(**LLAMA),
+}
+
+
+def _tokenizer() -> HFTokenizer:
+    text = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen jugs"]
+    return HFTokenizer.train_bpe(text * 20, VOCAB)
+
+
+def _save(kind: str, folder, **save_kwargs):
+    torch.manual_seed(1)
+    config = CONFIGS[kind]()
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder, **save_kwargs)
+    _tokenizer().save(folder / "tokenizer.json")
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    reference = _save(request.param, folder)
+    model, tokenizer = load_hf(folder)
+    return request.param, reference, model, tokenizer
+
+
+def test_logits_equal(pair):
+    _, reference, model, _ = pair
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_20_greedy_tokens_identical(pair):
+    _, reference, model, _ = pair
+    prompt = [5, 17, 42, 99, 7]
+    ours = generate(model, prompt, GenerationConfig(max_new_tokens=20, eos_ids=()))
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        theirs = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=20, min_new_tokens=20)
+    assert ours.generated_ids == theirs[0, len(prompt):].tolist()
+
+
+def test_config_fields(pair):
+    kind, reference, model, tokenizer = pair
+    c = model.config
+    assert c.kv_heads == (reference.config.n_head if kind == "gpt2" else 2)
+    assert c.sliding_window == (5 if kind == "mistral" else None)
+    assert c.attn_bias == (kind in ("gpt2", "qwen2"))
+    assert (model.lm_head.weight is model.embed.tokens.weight) == c.tie_embeddings
+    assert tokenizer.vocab_size == VOCAB
+
+
+def test_sharded_checkpoint(tmp_path):
+    reference = _save("llama", tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model, _ = load_hf(tmp_path)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_keys_without_prefix(tmp_path):
+    reference = _save("gpt2", tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    save_file({k.removeprefix("transformer."): v.contiguous() for k, v in tensors.items()}, path)
+    model, _ = load_hf(tmp_path)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def llama_folder(tmp_path):
+    _save("llama", tmp_path)
+    return tmp_path
+
+
+def _edit_tensors(folder, change):
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path)
+
+
+def test_missing_tensor(llama_folder):
+    _edit_tensors(llama_folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match="missing tensor model.layers.1.mlp.up_proj.weight"):
+        load_hf(llama_folder)
+
+
+def test_unexpected_tensor(llama_folder):
+    _edit_tensors(llama_folder, lambda t: t.update(extra=torch.zeros(2)))
+    with pytest.raises(ValueError, match="unexpected tensor extra"):
+        load_hf(llama_folder)
+
+
+def test_wrong_shape(llama_folder):
+    def shrink(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:8]
+
+    _edit_tensors(llama_folder, shrink)
+    with pytest.raises(ValueError, match="k_proj.weight has shape"):
+        load_hf(llama_folder)
+
+
+def test_truncated_safetensors(llama_folder):
+    path = llama_folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load_hf(llama_folder)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_missing_file(llama_folder, name):
+    (llama_folder / name).unlink()
+    with pytest.raises(FileNotFoundError):
+        load_hf(llama_folder)
+
+
+def test_unsupported_architecture(llama_folder):
+    path = llama_folder / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"model_type": "bert"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+        load_hf(llama_folder)
+
+
+def test_unsupported_rope_scaling():
+    hf = CONFIGS["llama"]().to_dict() | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}
+    with pytest.raises(ValueError, match="unsupported rope type 'dynamic'"):
+        config_from_hf(hf)
