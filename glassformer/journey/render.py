@@ -1,0 +1,35 @@
+"""The report: the collected data written into the page template, one self-contained file."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+PLACEHOLDER = "/*JOURNEY_DATA*/"
+
+
+def render_html(data: dict) -> str:
+    """The HTML page (inline CSS and JS, no network) showing `data` from collect_journey."""
+    template = resources.files(__package__).joinpath("template.html").read_text(encoding="utf-8")
+    payload = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    payload = payload.replace("</", "<\\/").replace("<!--", "<\\!--")  # stay inside <script>
+    return template.replace(PLACEHOLDER, payload, 1)
+
+
+def write_html(data: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(render_html(data), encoding="utf-8")
+    return path
+
+
+def summary(data: dict) -> dict:
+    """The machine-readable part: tokens, every site's shape/dims/stats, and the predictions."""
+    return {
+        "tokens": data["tokens"],
+        "ids": data["ids"],
+        "sites": [{k: site[k] for k in ("name", "shape", "dims", "stats")} for site in data["sites"]],
+        "next_tokens": data["next_tokens"],
+        "logit_lens": [row["tokens"][-1] for row in data["logit_lens"]],
+        "attribution": data["attribution"],
+    }
