@@ -140,9 +140,10 @@ def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, re
 
 
 def train(data, out_dir, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
-          progress: bool = True, echo=print) -> dict:
+          progress: bool = True, echo=tqdm.write) -> dict:
     """Train on the text at `data` (file(s) or folder) into the run folder `out_dir`.
-    Returns a summary (iters, losses, tokens/s, checkpoint path ...)."""
+    `echo` prints the evaluations and samples. Returns a summary (iters, losses, tokens/s,
+    checkpoint path ...)."""
     started = time.perf_counter()
     process = distributed.setup(config.device)
     try:
@@ -156,6 +157,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
     sources, tokenizer, model_config, checkpoint = _prepare(
         data, out, model_config, config, resume, process
     )
+    config = config.replace(lr_decay_iters=config.decay_iters)  # saved pinned: budgets may grow
     T, main, device = model_config.context_length, process.is_main, process.device
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -208,10 +210,10 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
             record["sample"] = sample_text(model, tokenizer, config.sample_tokens, gen)
         metrics.append(record)
         if main:
-            bar.write(f"step {state['step']}: val loss {val_loss:.4f} (perplexity "
-                      f"{math.exp(val_loss):.2f}){' best' if best else ''}")
+            echo(f"step {state['step']}: val loss {val_loss:.4f} (perplexity "
+                 f"{math.exp(val_loss):.2f}){' best' if best else ''}")
             if record.get("sample"):
-                bar.write(record["sample"])
+                echo(record["sample"])
         save(("latest", "best") if best else ("latest",))
         return val_loss
 

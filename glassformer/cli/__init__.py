@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import info
+from . import info, journey, train
 
 # Each command module defines add_parser(subparsers) and run(args) -> exit status.
-COMMANDS = [info]
+COMMANDS = [info, train, journey]
 
 
 class UserError(Exception):

@@ -1,0 +1,139 @@
+"""`glassformer train` and `glassformer eval`: argument parsing around glassformer.train."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import typing
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..checkpoint import Checkpoint
+from ..config import ModelConfig
+from ..presets import PRESETS
+from ..training_config import RECIPES, TrainConfig
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a model on text files",
+        description="Train a model on text. Every ModelConfig and TrainConfig field can be "
+                    "overridden (--n-layers 4 --d-model 128 --batch-size 12 --lr 1e-3 ...).",
+    )
+    parser.add_argument("--data", required=True, nargs="+", help="text file(s) or folder(s)")
+    parser.add_argument("--out", required=True, help="run folder (checkpoints, metrics, loss.png)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", help=f"a recipe ({', '.join(RECIPES)}) or a model preset")
+    source.add_argument("--config", help='a JSON file {"model": {...}, "train": {...}}')
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print one JSON summary at the end")
+    model_args = parser.add_argument_group("model (ModelConfig fields)")
+    _add_fields(model_args, ModelConfig, skip={"vocab_size"}, prefix="model.")
+    train_args = parser.add_argument_group("training (TrainConfig fields)")
+    _add_fields(train_args, TrainConfig, skip=set(), prefix="train.")
+    parser.set_defaults(run=run)
+
+    evaluate = subparsers.add_parser("eval", help="perplexity of a model on a text")
+    evaluate.add_argument("--model", required=True, help="a checkpoint or run folder")
+    evaluate.add_argument("--data", required=True, nargs="+", help="text file(s) or folder(s)")
+    evaluate.add_argument("--documents", choices=("file", "line", "blank"), default="file")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--max-tokens", type=int, default=None, help="score at most this many")
+    evaluate.add_argument("--device", default="cpu")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.set_defaults(run=run_eval)
+
+
+def _add_fields(group, cls, skip: set[str], prefix: str) -> None:
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
+        flag, dest = "--" + field.name.replace("_", "-"), prefix + field.name
+        kind = hints[field.name]
+        args = typing.get_args(kind)
+        if kind is bool:
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
+        elif typing.get_origin(kind) is typing.Literal:
+            group.add_argument(flag, dest=dest, choices=args, default=None)
+        else:
+            base = next((a for a in args if a is not type(None)), kind)  # X | None -> X
+            group.add_argument(flag, dest=dest, type=_optional(base), default=None,
+                               metavar=base.__name__.upper())
+
+
+def _optional(base):
+    def parse(text: str):
+        return None if text.lower() == "none" else base(text)
+
+    parse.__name__ = base.__name__
+    return parse
+
+
+def _overrides(args: argparse.Namespace, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in vars(args).items()
+            if k.startswith(prefix) and v is not None}
+
+
+def _base_configs(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(model dict, train dict) before the command-line overrides."""
+    if args.config:
+        data = json.loads(Path(args.config).read_text(encoding="utf-8"))
+        if "model" not in data:
+            raise ValueError(f"{args.config}: expected {{\"model\": {{...}}, \"train\": {{...}}}}")
+        return dict(data["model"]), dict(data.get("train", {}))
+    if args.preset is None and args.resume and Path(args.out).exists():
+        checkpoint = Checkpoint.open(args.out)  # resume with the saved settings by default
+        return checkpoint.config.to_dict(), dict(checkpoint.meta["train"])
+    name = args.preset or "shakespeare-char"
+    if name in RECIPES:
+        return RECIPES[name].model.to_dict(), RECIPES[name].train.to_dict()
+    if name in PRESETS:
+        return PRESETS[name].to_dict(), {}
+    known = ", ".join(sorted(RECIPES) + sorted(PRESETS))
+    raise ValueError(f"unknown preset {name!r}; known: {known}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..train import train  # the loop pulls in torch.distributed; only load it when training
+
+    model, train_values = _base_configs(args)
+    model.setdefault("vocab_size", 1)  # replaced by the tokenizer's
+    model_config = ModelConfig.from_dict({**model, **_overrides(args, "model.")})
+    train_config = TrainConfig.from_dict({**train_values, **_overrides(args, "train.")})
+    echo = (lambda s: tqdm.write(s, file=sys.stderr)) if args.json else tqdm.write
+    summary = train(args.data, args.out, model_config, train_config, resume=args.resume,
+                    progress=not args.no_progress, echo=echo)
+    if args.json:
+        print(json.dumps(_finite(summary)))
+    else:
+        print(f"trained {summary['iters']} iterations: val loss {summary['val_loss']:.4f}, "
+              f"{summary['tokens_per_second']:,.0f} tokens/s, checkpoint {summary['checkpoint']}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from ..checkpoint import load_model
+    from ..perplexity import corpus_ids, perplexity
+
+    model, tokenizer, _ = load_model(args.model, args.device)
+    ids = corpus_ids(args.data, tokenizer, args.documents)
+    result = perplexity(model, ids, args.batch_size, args.max_tokens)
+    result.update(model=str(args.model), data=[str(d) for d in args.data])
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
+              f"over {result['tokens']} tokens")
+    return 0
+
+
+def _finite(summary: dict) -> dict:
+    """JSON has no NaN or infinity: write null instead."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in summary.items()}
