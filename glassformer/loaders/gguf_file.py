@@ -109,7 +109,10 @@ class GGUFFile:
         self._map.madvise(mmap.MADV_DONTNEED, start, info.offset + info.n_bytes - start)
 
     def close(self) -> None:
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # arrays still view the map (e.g. held by a traceback): it closes
+            pass  # when the last of them is freed
 
     def __enter__(self) -> GGUFFile:
         return self
