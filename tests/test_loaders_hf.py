@@ -159,3 +159,16 @@ def test_unsupported_rope_scaling():
     hf = CONFIGS["llama"]().to_dict() | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}
     with pytest.raises(ValueError, match="unsupported rope type 'dynamic'"):
         config_from_hf(hf)
+
+
+def test_load_dispatches_on_the_source(llama_folder, tmp_path):
+    from glassformer import LanguageModel, load
+
+    language_model = load(llama_folder)
+    assert isinstance(language_model, LanguageModel) and language_model.config.position == "rope"
+    assert language_model.logits([1, 2, 3]).shape == (3, VOCAB)
+    with pytest.raises(FileNotFoundError, match="known name"):
+        load(tmp_path / "nothing-here")
+    (tmp_path / "x.bin").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load(tmp_path / "x.bin")

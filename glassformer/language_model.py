@@ -1,0 +1,102 @@
+"""`glassformer.load(source)`: any model Glassformer can read, as a LanguageModel (model + tokenizer).
+
+A source is one of
+- a known model name (`glassformer.hub.MODELS`, e.g. smollm2-135m-instruct), pulled on first use;
+- a .gguf file (llama.cpp);
+- a Hugging Face model folder (config.json with a `model_type`, *.safetensors, tokenizer.json);
+- a Glassformer checkpoint folder (config.json with a `model` section) or a training run folder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint, hub
+from .generate import GenerationConfig, GenerationResult, generate
+from .model import Transformer
+from .sampling import SamplingConfig
+from .trace import Names, run_with_cache
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class LanguageModel:
+    model: Transformer
+    tokenizer: Any  # encode / decode / eos_id / bos_id; ChatTokenizer adds the chat template
+    source: str = ""
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0,
+                 **options: Any) -> GenerationResult:
+        """Continue a prompt (text or ids). `options` are GenerationConfig fields; sampling
+        settings other than temperature go in `sampling=SamplingConfig(...)`."""
+        options.setdefault("sampling", SamplingConfig(temperature=temperature))
+        config = GenerationConfig(max_new_tokens=max_new_tokens, **options)
+        return generate(self.model, self.encode(prompt), config, self.tokenizer)
+
+    def logits(self, prompt: Prompt) -> torch.Tensor:
+        """Next-token logits at every position of one prompt: (T, vocab)."""
+        ids = torch.tensor([self.encode(prompt)], device=self.model.embed.tokens.weight.device)
+        with torch.no_grad():
+            return self.model(ids)[0]
+
+    def trace(self, prompt: Prompt, names: Names = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(logits (1, T, vocab), {hook site: tensor}) for one prompt; see glassformer.trace."""
+        ids = torch.tensor([self.encode(prompt)], device=self.model.embed.tokens.weight.device)
+        return run_with_cache(self.model, ids, names)
+
+    def to(self, device: str | torch.device) -> LanguageModel:
+        self.model.to(device)
+        return self
+
+
+def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
+         ) -> LanguageModel:
+    """Read a model from a known name, a .gguf file, a Hugging Face or a Glassformer folder."""
+    from .loaders.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
+
+    text = str(source)
+    path = Path(source).expanduser()
+    if not path.exists() and text in hub.MODELS:
+        model, tokenizer = load_gguf(hub.model_path(text, progress=progress), dtype)
+    elif path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"{path}: not a GGUF file; give a .gguf file or a model folder")
+        model, tokenizer = load_gguf(path, dtype)
+    elif path.is_dir():
+        model, tokenizer = _load_folder(path, dtype)
+    else:
+        raise FileNotFoundError(
+            f"no model at {text!r}: give a checkpoint folder, a .gguf file, a Hugging Face folder "
+            f"or a known name ({', '.join(sorted(hub.MODELS))})"
+        )
+    return LanguageModel(model, tokenizer, text)
+
+
+def _load_folder(path: Path, dtype: torch.dtype):
+    from .loaders.huggingface import load_hf
+    from .loaders.tokenizer import ChatTokenizer
+
+    config_path = path / "config.json"
+    meta = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if "model_type" in meta:
+        return load_hf(path, dtype)
+    folder = checkpoint.resolve(path)
+    model, tokenizer, _ = checkpoint.load_model(folder)
+    if (folder / "tokenizer_config.json").is_file():  # written by export or by a loader
+        tokenizer = ChatTokenizer.load(folder)
+    return model.to(dtype).eval(), tokenizer
