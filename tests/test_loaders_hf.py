@@ -172,3 +172,48 @@ def test_load_dispatches_on_the_source(llama_folder, tmp_path):
     (tmp_path / "x.bin").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="not a GGUF file"):
         load(tmp_path / "x.bin")
+
+
+EXPORTABLE = {
+    "gpt2": dict(position="learned", norm="layernorm", activation="gelu_tanh"),
+    "llama": dict(position="rope", norm="rmsnorm", activation="silu", gated=True, attn_bias=False,
+                  attn_out_bias=False, mlp_bias=False, n_kv_heads=2, tie_embeddings=False),
+    "mistral": dict(position="rope", norm="rmsnorm", activation="silu", gated=True, attn_bias=False,
+                    attn_out_bias=False, mlp_bias=False, n_kv_heads=2, sliding_window=4),
+    "qwen2": dict(position="rope", norm="rmsnorm", activation="silu", gated=True, attn_bias=True,
+                  attn_out_bias=False, mlp_bias=False, n_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("family", list(EXPORTABLE))
+def test_export_loads_in_transformers(tmp_path, family):
+    from glassformer import ModelConfig, Transformer
+    from glassformer.cli import main
+    from glassformer.loaders.export import export_hf
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=VOCAB, context_length=32, d_model=32, n_layers=2, n_heads=4,
+                         init_std=0.2, **EXPORTABLE[family])
+    model = Transformer(config).eval()
+    for p in model.parameters():  # make biases and norm weights non-trivial
+        p.data.add_(0.1 * torch.randn_like(p))
+    export_hf(model, _tokenizer(), tmp_path / "out")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert reference.config.model_type == family
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(reference(ids).logits, model(ids), atol=1e-5, rtol=1e-5)
+    assert main(["export", "--model", str(tmp_path / "out"), "-o", str(tmp_path / "again")]) == 0
+    again, _ = load_hf(tmp_path / "again")
+    torch.testing.assert_close(again.state_dict(), model.state_dict())
+
+
+def test_export_refuses_what_hf_cannot_express(tmp_path):
+    from glassformer import ModelConfig, Transformer
+    from glassformer.loaders.export import export_hf
+
+    model = Transformer(ModelConfig(vocab_size=VOCAB, context_length=16, d_model=16, n_layers=1,
+                                    n_heads=2, norm_placement="post"))
+    with pytest.raises(ValueError, match="norm_placement"):
+        export_hf(model, _tokenizer(), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,31 @@
+"""`glassformer export`: write a model in another library's format (a Hugging Face folder)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("export", help="write a model as a Hugging Face folder")
+    parser.add_argument("--model", required=True,
+                        help="a checkpoint folder, .gguf file, HF folder or known name")
+    parser.add_argument("--format", choices=("hf",), default="hf",
+                        help="hf: config.json + model.safetensors + tokenizer, for transformers")
+    parser.add_argument("-o", "--output", required=True, help="the folder to create")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..language_model import load
+    from ..loaders.export import export_hf
+
+    language_model = load(args.model)
+    folder = export_hf(language_model.model, language_model.tokenizer, args.output)
+    files = sorted(p.name for p in folder.iterdir())
+    if args.json:
+        print(json.dumps({"output": str(folder), "format": args.format, "files": files}))
+    else:
+        print(f"wrote {folder}: {', '.join(files)}")
+    return 0
