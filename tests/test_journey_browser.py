@@ -26,10 +26,11 @@ if not os.access(CHROMIUM, os.X_OK):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     torch.manual_seed(0)
-    config = get_preset("tiny-llama").replace(n_layers=3, n_heads=6, n_kv_heads=2, d_model=48)
+    # the SmolLM2 grid: 30 layers × 9 heads
+    config = get_preset("tiny-llama").replace(n_layers=30, n_heads=9, n_kv_heads=3, d_model=72)
     model = Transformer(config).eval()
     tokenizer = CharTokenizer("".join(chr(c) for c in range(32, 127)))
-    data = collect_journey(model, tokenizer, "The cat sat on the", top_k=5)
+    data = collect_journey(model, tokenizer, "The cat sat on the", top_k=5, ig_steps=2)
     return write_html(data, tmp_path_factory.mktemp("journey") / "journey.html"), config
 
 
@@ -55,7 +56,7 @@ def test_renders_without_console_errors_or_network(page):
     assert requests == []
     assert page.locator(".chip").count() == len("The cat sat on the")
     assert page.locator("#layer-steps .step").count() == 15  # every step of a pre-norm layer
-    assert page.locator("#lens tr").count() == 1 + 1 + 3  # header, embedding, 3 layers
+    assert page.locator("#lens tr").count() == 1 + 1 + 30  # header, embedding, 30 layers
 
 
 def test_one_heatmap_per_layer_and_head_on_request(page, report):

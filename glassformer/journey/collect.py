@@ -15,10 +15,15 @@ from ..model import Transformer
 from ..trace import run_with_cache, site_dims
 from .steps import DIM_SYMBOLS, input_steps, layer_steps, output_steps
 
-PREVIEW = 8  # rows and columns of each tensor shown in the report
+ROWS, COLS = 6, 8  # the corner of each tensor shown in the report
 
 
-def _round(array: np.ndarray, digits: int = 4) -> list:
+def _weights(t: torch.Tensor) -> list:
+    """Attention weights to 3 decimals (in float64, so 0.043 stays 0.043 in JSON)."""
+    return np.round(t.double().cpu().numpy(), 3).tolist()
+
+
+def _round(array: np.ndarray, digits: int = 3) -> list:
     """Nested lists of floats with `digits` significant digits; ±inf and nan become None."""
     out = np.vectorize(lambda v: float(f"{v:.{digits}g}"), otypes=[object])(array)
     out[~np.isfinite(array)] = None
@@ -38,14 +43,11 @@ def _stats(t: torch.Tensor) -> dict:
 def _site(name: str, tensor: torch.Tensor) -> dict:
     dims = site_dims(name)
     t = tensor.float().cpu()
-    corner = t[0, :, :PREVIEW, :PREVIEW] if dims[1] in ("head", "kv_head") else t[0, :PREVIEW, :PREVIEW]
-    return {
-        "name": name,
-        "shape": list(tensor.shape),
-        "dims": list(dims),
-        "stats": _stats(t),
-        "preview": _round(corner.numpy()),
-    }
+    corner = t[0, :, :ROWS, :COLS] if dims[1] in ("head", "kv_head") else t[0, :ROWS, :COLS]
+    site = {"name": name, "shape": list(tensor.shape), "dims": list(dims), "stats": _stats(t)}
+    if not name.endswith(".pattern"):  # the weights travel whole, once, in "attention"
+        site["preview"] = _round(corner.numpy())
+    return site
 
 
 def _token_text(tokenizer, token_id: int) -> str:
@@ -109,7 +111,7 @@ def collect_journey(
         _, step = run_with_cache(model, next_id, names=names, cache=cache)
         decode_step = {
             "token": next_tokens[0]["token"],
-            "attention": [np.round(step[n][0, :, 0].float().cpu().numpy(), 3).tolist() for n in names],
+            "attention": [_weights(step[n][0, :, 0]) for n in names],
         }  # per layer (H, T + 1): the new query's row against the cached keys
 
     target = next_tokens[0]["id"]
@@ -128,7 +130,7 @@ def collect_journey(
                   "output": output_steps(config)},
         "sites": [_site(name, tensor) for name, tensor in acts.items()],
         "attention": [
-            [np.round(p[0, h].float().cpu().numpy(), 3).ravel().tolist() for h in range(config.n_heads)]
+            [_weights(p[0, h].flatten()) for h in range(config.n_heads)]
             for p in patterns
         ],  # [layer][head]: the T × T weights, row-major
         "decode_step": decode_step,

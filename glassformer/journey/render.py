@@ -13,7 +13,7 @@ def render_html(data: dict) -> str:
     """The HTML page (inline CSS and JS, no network) showing `data` from collect_journey."""
     template = resources.files(__package__).joinpath("template.html").read_text(encoding="utf-8")
     payload = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    payload = payload.replace("</", "<\\/").replace("<!--", "<\\!--")  # stay inside <script>
+    payload = payload.replace("<", "\\u003c")  # no "</script>" or "<!--" can end the block early
     return template.replace(PLACEHOLDER, payload, 1)
 
 

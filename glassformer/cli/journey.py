@@ -1,0 +1,65 @@
+"""`glassformer journey`: trace one forward pass and write it as a self-contained HTML page."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..checkpoint import load_model
+from ..journey import collect_journey, summary, write_html
+from ..model import Transformer
+from ..presets import get_preset
+from ..tokenizers import CharTokenizer
+
+PRINTABLE = "".join(chr(c) for c in range(32, 127))  # 95 characters + end-of-text = 96 ids
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "journey", help="trace every step of one forward pass into an HTML report",
+        description="Run TEXT through a model with every intermediate tensor recorded and write "
+                    "the walk-through (equations, shapes, values, attention heatmaps, logit lens, "
+                    "attribution) as one HTML file that needs no network.",
+    )
+    parser.add_argument("text", help="the prompt to trace")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a checkpoint folder (or a training run folder)")
+    source.add_argument(
+        "--preset", help="a randomly initialised preset (e.g. tiny-llama) with a character tokenizer"
+    )
+    parser.add_argument("-o", "--output", help="HTML file to write (default journey.html)")
+    parser.add_argument("--json", action="store_true", help="print tokens, sites and next tokens as JSON")
+    parser.add_argument("--top-k", type=int, default=10, help="next tokens to list (default 10)")
+    parser.add_argument("--ig-steps", type=int, default=8,
+                        help="integrated-gradient points per path panel (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation seed for --preset")
+    parser.add_argument("--device", default="cpu")
+    parser.set_defaults(run=run)
+
+
+def random_model(preset: str, seed: int, device: str) -> tuple[Transformer, CharTokenizer]:
+    config = get_preset(preset)
+    if config.vocab_size < len(PRINTABLE) + 1:
+        raise ValueError(f"preset: {preset} has {config.vocab_size} ids, the character tokenizer needs 96")
+    torch.manual_seed(seed)
+    return Transformer(config).to(device), CharTokenizer(PRINTABLE)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.top_k < 1:
+        raise ValueError(f"--top-k: must be at least 1, got {args.top_k}")
+    if args.model is not None:
+        model, tokenizer, _ = load_model(args.model, args.device)
+    else:
+        model, tokenizer = random_model(args.preset, args.seed, args.device)
+    data = collect_journey(model.eval(), tokenizer, args.text, top_k=args.top_k, ig_steps=args.ig_steps)
+    output = args.output or (None if args.json else "journey.html")
+    if output is not None:
+        write_html(data, output)
+    if args.json:
+        print(json.dumps(summary(data), ensure_ascii=False))
+    else:
+        print(f"wrote {output}: {len(data['tokens'])} tokens through {model.config.n_layers} layers")
+    return 0
