@@ -1,0 +1,180 @@
+"""Generation speed: decode tokens/s with and without the KV cache at several prompt lengths,
+prefill tokens/s, the share of decode time outside matrix work, and Hugging Face `generate`
+on the same weights as the competitor (ratio > 1: glassformer is faster).
+
+Decode speed is measured the same way for both: (time for N new tokens - time for 1) / (N - 1),
+best of --repeats. Run:
+    .venv/bin/python benchmarks/generate_speed.py                 # small random Llama-shaped model
+    .venv/bin/python benchmarks/generate_speed.py --smollm2       # SmolLM2-135M-Instruct (GGUF)
+    .venv/bin/python benchmarks/generate_speed.py --compile       # + torch.compile of the decode step
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import transformers
+
+from glassformer import Transformer
+from glassformer.generate import GenerationConfig, decode_one_token, generate, prefill
+from glassformer.kv_cache import KVCache
+from glassformer.loaders.huggingface import config_from_hf, state_dict
+
+MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+              "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_efficient_attention")
+
+
+def small_models() -> tuple[Transformer, torch.nn.Module]:
+    """A random Llama-shaped model (4 layers, d=256, GQA) in transformers and in glassformer."""
+    hf_config = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    return _ours_from_hf(hf, hf_config.to_dict()), hf
+
+
+def smollm2_models() -> tuple[Transformer, torch.nn.Module]:
+    from glassformer.hub import model_path
+    from glassformer.loaders.gguf import load_gguf
+
+    path = model_path("smollm2-135m-instruct")
+    ours, _ = load_gguf(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    return ours, hf
+
+
+def _ours_from_hf(hf: torch.nn.Module, hf_config: dict) -> Transformer:
+    config = config_from_hf(hf_config)
+    model = Transformer(config).eval()
+    tensors = {k: v.detach() for k, v in hf.state_dict().items()}
+    model.load_state_dict(state_dict(config, hf_config["model_type"], tensors, model), strict=True)
+    return model
+
+
+def best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def ours_run(model: Transformer, prompt: list[int], n: int, use_cache: bool) -> list[int]:
+    config = GenerationConfig(max_new_tokens=n, eos_ids=(), use_cache=use_cache)
+    return generate(model, prompt, config).generated_ids
+
+
+def hf_run(model: torch.nn.Module, prompt: list[int], n: int, use_cache: bool) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, use_cache=use_cache, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def decode_rate(run, model, prompt, n, use_cache, repeats) -> float:
+    """Tokens/s of the decode steps alone: the prefill (and first token) is subtracted."""
+    first = best(lambda: run(model, prompt, 1, use_cache), repeats)
+    total = best(lambda: run(model, prompt, n, use_cache), repeats)
+    return (n - 1) / max(total - first, 1e-9)
+
+
+def prefill_rate(model: Transformer, prompt: list[int], repeats: int) -> float:
+    ids = torch.tensor([prompt])
+
+    def once():
+        with torch.inference_mode():
+            prefill(model, ids, KVCache(model.config, 1, max_length=len(prompt)))
+
+    return len(prompt) / best(once, repeats)
+
+
+def matrix_share(model: Transformer, prompt: list[int], n: int) -> tuple[float, float]:
+    """(share of decode wall time in matrix ops, wall seconds per step), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = KVCache(model.config, 1, max_length=len(prompt) + n + 1)
+    with torch.inference_mode():
+        token = prefill(model, torch.tensor([prompt]), cache).argmax(-1)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(n):
+                token = decode_one_token(model, token, cache).argmax(-1)
+                token.item()
+            wall = time.perf_counter() - start
+    matrix = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in MATRIX_OPS) / 1e6
+    return matrix / wall, wall / n
+
+
+def compiled_decode_rate(model: Transformer, prompt: list[int], n: int, repeats: int) -> tuple[float, float]:
+    """(eager, compiled) decode tokens/s of a loop over decode_one_token with a preallocated cache."""
+    compiled = torch.compile(decode_one_token)
+
+    def loop(step) -> float:
+        cache = KVCache(model.config, 1, max_length=len(prompt) + n + 1)
+        with torch.inference_mode():
+            token = prefill(model, torch.tensor([prompt]), cache).argmax(-1)
+            start = time.perf_counter()
+            for _ in range(n):
+                token = step(model, token, cache).argmax(-1)
+                token.item()
+            return n / (time.perf_counter() - start)
+
+    started = time.perf_counter()
+    loop(compiled)  # compiles (a static graph, then one with a symbolic cache length)
+    loop(compiled)
+    print(f"  torch.compile warm-up: {time.perf_counter() - started:.0f} s")
+    return max(loop(decode_one_token) for _ in range(repeats)), max(loop(compiled) for _ in range(repeats))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct, not the small model")
+    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared machine)")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile of the decode step")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ours, hf = smollm2_models() if args.smollm2 else small_models()
+    lengths = args.prompt_lengths or ([16, 128, 512] if args.smollm2 else [16, 128, 512])
+    n = args.new_tokens or (16 if args.smollm2 else 32)
+    name = "SmolLM2-135M" if args.smollm2 else "small Llama (4 layers, d=256, GQA 8/4, vocab 4096)"
+    print(f"{name}; {n} new tokens; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    vocab = ours.config.vocab_size
+    header = (f"{'prompt':>6} {'prefill tok/s':>13} {'decode cached':>13} {'uncached':>9} {'cache x':>7} "
+              f"{'HF cached':>9} {'ours/HF':>7} {'HF uncached':>11} {'same ids':>8}")
+    print(header)
+    for length in lengths:
+        prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        same = ours_run(ours, prompt, n, True) == hf_run(hf, prompt, n, True)
+        cached = decode_rate(ours_run, ours, prompt, n, True, args.repeats)
+        uncached = decode_rate(ours_run, ours, prompt, n, False, 1)
+        hf_cached = decode_rate(hf_run, hf, prompt, n, True, args.repeats)
+        hf_uncached = decode_rate(hf_run, hf, prompt, n, False, 1)
+        speed = prefill_rate(ours, prompt, args.repeats)
+        print(f"{length:>6} {speed:>13.0f} {cached:>13.1f} {uncached:>9.1f} {cached / uncached:>7.1f} "
+              f"{hf_cached:>9.1f} {cached / hf_cached:>7.2f} {hf_uncached:>11.1f} {str(same):>8}")
+    prompt = list(range(1, lengths[len(lengths) // 2] + 1))
+    share, step = matrix_share(ours, prompt, n)
+    print(f"decode at prompt {len(prompt)}: {step * 1e3:.2f} ms/step under the profiler, "
+          f"{share:.0%} in matrix ops ({', '.join(op.removeprefix('aten::') for op in MATRIX_OPS[:3])}, "
+          f"attention), {1 - share:.0%} outside (Python, small ops, dispatch)")
+    if args.compile:
+        eager, compiled = compiled_decode_rate(ours, prompt, n, args.repeats)
+        print(f"decode step at prompt {len(prompt)}: eager {eager:.1f} tok/s, "
+              f"torch.compile {compiled:.1f} tok/s, x{compiled / eager:.2f}")
+
+
+if __name__ == "__main__":
+    main()
