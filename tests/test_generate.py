@@ -224,3 +224,36 @@ def test_result_serializes_with_the_documented_fields():
 def test_config_rejects_bad_values(changes):
     with pytest.raises(ValueError, match=next(iter(changes))):
         GenerationConfig(**changes)
+
+
+def _checkpoint(tmp_path, model: Transformer):
+    from glassformer.checkpoint import write_checkpoint
+
+    return write_checkpoint(tmp_path / "ckpt", model, _chars(), {})
+
+
+def test_cli_json_reports_the_same_generation_as_the_library(tmp_path, capsys):
+    from glassformer.cli import main
+
+    model = _model()
+    folder = _checkpoint(tmp_path, model)
+    status = main(["generate", "--model", str(folder), "Hello", "-n", "6", "--ignore-eos", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    config = GenerationConfig(max_new_tokens=6, **GREEDY)
+    expected = generate(model, _chars().encode("Hello"), config, _chars())
+    assert status == 0
+    assert (data["generated_ids"], data["text"]) == (expected.generated_ids, expected.text)
+    assert data["n_generated"] == 6 and data["stop_reason"] == "max_new_tokens"
+
+
+def test_cli_streams_text_and_reports_mistakes_in_one_line(tmp_path, capsys):
+    from glassformer.cli import main
+
+    folder = _checkpoint(tmp_path, _model())
+    sampled = ["-n", "4", "--temperature", "0.9", "--seed", "1"]
+    assert main(["generate", "--model", str(folder), "Hi", *sampled]) == 0
+    out = capsys.readouterr()
+    assert out.out.endswith("\n") and "stop:" in out.err
+    assert main(["generate", "--model", str(folder), "x" * 40]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glassformer: error: prompt:") and "--truncate" in err and err.count("\n") == 1

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import compare, export, info, journey, pull, train
+from . import chat, compare, export, generate, info, journey, pull, train
 
 # Each command module defines add_parser(subparsers) and run(args) -> exit status.
-COMMANDS = [info, train, journey, pull, export, compare]
+COMMANDS = [info, train, journey, pull, export, compare, generate, chat]
 
 
 class UserError(Exception):

@@ -1,0 +1,100 @@
+"""`glassformer generate`: continue a prompt, streaming the text as it is made."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..context_extension import extend_context
+from ..generate import GenerationConfig, generate, stream
+from ..language_model import load
+from ..sampling import SamplingConfig
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="continue a prompt with a model")
+    parser.add_argument("prompt", help="the text to continue")
+    parser.add_argument("--model", required=True, help="checkpoint/HF folder, .gguf file or known name")
+    parser.add_argument("-n", "--max-new-tokens", type=int, default=64, help="at most this many new tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--beams", type=int, default=1, help="beam search width (1: no beam search)")
+    parser.add_argument("--length-penalty", type=float, default=1.0, help="beam score exponent")
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
+                        help="stop when the text contains any of these strings")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text")
+    parser.add_argument("--no-cache", action="store_true", help="recompute the whole prefix every step")
+    parser.add_argument("--truncate", action="store_true", help="cut a too-long prompt from the left")
+    parser.add_argument("--slide", action="store_true",
+                        help="past the context window, drop the oldest tokens instead of stopping")
+    parser.add_argument("--rope-scaling", choices=("linear", "ntk", "yarn"), default=None,
+                        help="extend a RoPE model's window by --rope-factor")
+    parser.add_argument("--rope-factor", type=float, default=2.0)
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message through the model's chat template")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.set_defaults(run=run)
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if not chat:
+        return tokenizer.encode(prompt)
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise ValueError("--chat: this model's tokenizer has no chat template")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+
+
+def run(args: argparse.Namespace) -> int:
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingConfig(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+        ),
+        seed=args.seed,
+        stop=tuple(args.stop),
+        eos_ids=() if args.ignore_eos else None,
+        use_cache=not args.no_cache,
+        beams=args.beams,
+        length_penalty=args.length_penalty,
+        truncate=args.truncate,
+        overflow="slide" if args.slide else "stop",
+    )
+    language_model = load(args.model).to(args.device)
+    model, tokenizer = language_model.model, language_model.tokenizer
+    if args.rope_scaling is not None:
+        model = extend_context(model, args.rope_scaling, args.rope_factor)
+    prompt_ids = _prompt_ids(tokenizer, args.prompt, args.chat)
+    if args.json or config.beams > 1:
+        result = generate(model, prompt_ids, config, tokenizer)
+        if not args.json:
+            print(result.text)
+    else:
+        run_ = stream(model, prompt_ids, config, tokenizer)
+        for piece in run_:
+            print(piece.text, end="", flush=True)
+        print(flush=True)
+        result = run_.result
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(
+            f"[{result.n_generated} tokens, stop: {result.stop_reason}, "
+            f"prefill {result.prefill_tokens_per_second:.1f} tok/s, "
+            f"decode {result.decode_tokens_per_second:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
