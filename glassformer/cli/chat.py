@@ -1,0 +1,60 @@
+"""`glassformer chat`: talk to a chat model in the terminal, the reply streamed as it is made."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("chat", help="an interactive chat with a model")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="a .gguf file, HF folder, checkpoint folder or known name "
+                             "(default: smollm2-135m-instruct)")
+    parser.add_argument("--system", default=None, help="a system message")
+    parser.add_argument("-n", "--max-new-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-context", type=int, default=4096,
+                        help="tokens of conversation kept in the KV cache")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..chat import ChatSession
+    from ..language_model import load
+    from ..sampling import SamplingConfig
+
+    language_model = load(args.model)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty)
+    session = ChatSession(language_model.model, language_model.tokenizer, sampling,
+                          args.max_new_tokens, args.system, args.max_context, args.seed)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.model}; {HELP}", file=sys.stderr)
+    while True:
+        try:
+            text = input("you> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if text.strip() in ("/exit", "/quit"):
+            return 0
+        if text.strip() == "/reset":
+            session.reset()
+            continue
+        if not text.strip():
+            continue
+        print("assistant> " if interactive else "", end="", flush=True)
+        try:
+            for piece in session.reply(text):
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        print(flush=True)
