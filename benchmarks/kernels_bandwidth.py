@@ -8,6 +8,7 @@ over F.linear. Run: .venv/bin/python benchmarks/kernels_bandwidth.py [--rows M]
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -27,14 +28,16 @@ def weight_bytes(layer: QuantizedLinear) -> int:
     return sum(b.numel() * b.element_size() for n, b in layer.named_buffers() if n != "bias")
 
 
-def time_step(fns, xs, repeats: int) -> float:
-    """Best-of-repeats seconds for one pass over all products."""
-    best = float("inf")
+def step_seconds(variants: dict, xs, repeats: int) -> dict[str, float]:
+    """Best-of-repeats seconds per variant for one pass over all products, taken round-robin
+    so that load from other processes falls on every variant alike."""
+    best = dict.fromkeys(variants, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        for fn, x in zip(fns, xs, strict=True):
-            fn(x)
-        best = min(best, time.perf_counter() - start)
+        for name, fns in variants.items():
+            start = time.perf_counter()
+            for fn, x in zip(fns, xs, strict=True):
+                fn(x)
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -50,21 +53,23 @@ def main() -> None:
     weights = [torch.randn(n, k, generator=g) * 0.02 for n, k in shapes]
     xs = [torch.randn(args.rows, k, generator=g) for _, k in shapes]  # (M, K)
 
-    fp32_bytes = sum(w.numel() * 4 for w in weights)
+    variants = {"torch F.linear": [lambda x, w=w: F.linear(x, w) for w in weights]}
+    n_bytes = {"torch F.linear": sum(w.numel() * 4 for w in weights)}
+    for mode in ("fp32", "bf16", "int8", "int4"):
+        layers = [QuantizedLinear.from_weight(w, mode) for w in weights]
+        layers[0](xs[0])  # builds the extension if needed
+        variants[f"kernel {mode}"] = layers
+        n_bytes[f"kernel {mode}"] = sum(weight_bytes(layer) for layer in layers)
     with torch.no_grad():
-        base = time_step([lambda x, w=w: F.linear(x, w) for w in weights], xs, args.repeats)
-        print(f"{args.layers} layers + head, M={args.rows}, {torch.get_num_threads()} threads")
-        print(f"{'format':<16}{'MB read':>9}{'ms/step':>10}{'GB/s':>8}{'vs F.linear':>13}")
-        print(f"{'torch F.linear':<16}{fp32_bytes / 1e6:>9.1f}{base * 1e3:>10.2f}"
-              f"{fp32_bytes / base / 1e9:>8.1f}{1.0:>12.2f}x")
-        for mode in ("fp32", "bf16", "int8", "int4"):
-            layers = [QuantizedLinear.from_weight(w, mode) for w in weights]
-            n_bytes = sum(weight_bytes(layer) for layer in layers)
-            layers[0](xs[0])  # builds the extension if needed
-            t = time_step(layers, xs, args.repeats)
-            print(f"{'kernel ' + mode:<16}{n_bytes / 1e6:>9.1f}{t * 1e3:>10.2f}"
-                  f"{n_bytes / t / 1e9:>8.1f}{base / t:>12.2f}x")
-            del layers
+        seconds = step_seconds(variants, xs, args.repeats)
+    base = seconds["torch F.linear"]
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(f"{args.layers} layers + head, M={args.rows}, {torch.get_num_threads()} threads, "
+          f"load average {load}")
+    print(f"{'format':<16}{'MB read':>9}{'ms/step':>10}{'GB/s':>8}{'vs F.linear':>13}")
+    for name, t in seconds.items():
+        print(f"{name:<16}{n_bytes[name] / 1e6:>9.1f}{t * 1e3:>10.2f}"
+              f"{n_bytes[name] / t / 1e9:>8.1f}{base / t:>12.2f}x")
 
 
 if __name__ == "__main__":

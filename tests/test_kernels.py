@@ -17,7 +17,7 @@ from glassformer.kernels import QuantizedLinear, _build, ops, quant
 U = 2.0**-24
 # (M, N, K): one row and several; N and K not multiples of 4, 8 or 32 included
 SHAPES = [(1, 1, 1), (1, 13, 37), (2, 7, 100), (3, 64, 576), (8, 9, 33), (1, 960, 576),
-          (5, 130, 1536), (1, 4, 31)]
+          (5, 130, 1536), (1, 4, 31), (2, 11, 272), (1, 6, 150)]
 MODES = ["fp32", "bf16", "int8", "int4"]
 
 

@@ -169,8 +169,10 @@ struct Activations {
   std::vector<float> d, s;
 };
 
-// Quantized activations in buffers reused across calls (no allocation per call).
-const Activations& quantized(const torch::Tensor& x, int64_t nb) {
+// Quantized activations in buffers reused across calls (no allocation per call). With
+// `paired`, each whole pair of blocks (2p, 2p + 1) is stored as [elements 0..15 of both]
+// [elements 16..31 of both], the order in which one 32-byte load of q4 nibbles unpacks.
+const Activations& quantized(const torch::Tensor& x, int64_t nb, bool paired) {
   thread_local Activations a;
   const int64_t M = x.size(0);
   a.q.resize(M * nb * 32);
@@ -178,28 +180,22 @@ const Activations& quantized(const torch::Tensor& x, int64_t nb) {
   a.s.resize(M * nb);
   quantize_activations(x.data_ptr<float>(), M, x.size(1), nb, a.q.data(), a.d.data(),
                        a.s.data());
+  if (paired) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b + 2 <= nb; b += 2) {
+        __m256i* p = reinterpret_cast<__m256i*>(a.q.data() + (m * nb + b) * 32);
+        const __m256i first = _mm256_loadu_si256(p), second = _mm256_loadu_si256(p + 1);
+        _mm256_storeu_si256(p, _mm256_permute2x128_si256(first, second, 0x20));
+        _mm256_storeu_si256(p + 1, _mm256_permute2x128_si256(first, second, 0x31));
+      }
+  }
   return a;
 }
 
 // Sum over 8 int32 lanes of the 32 products of signed int8 w and x, as float.
 inline __m256 dot_q8(__m256i w, __m256i x) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-}
-
-// The same for unsigned 4-bit w (0..15) and signed int8 x.
-inline __m256 dot_q4(__m256i w, __m256i x) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
-}
-
-inline __m256i unpack_nibbles(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(raw, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-  return _mm256_set_m128i(hi, lo);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
 // sum_b a[b] (fp16) * c[b] (float) over nb blocks.
@@ -215,42 +211,123 @@ inline float dot_half_float(const uint16_t* a, const float* c, int64_t nb) {
   return s;
 }
 
+// s[m][r][j] = dw[r, b0 + j] * dx[m, b0 + j] for the `len` <= 8 blocks from b0: the scale of
+// each integer block product, computed 8 at a time instead of once per block.
+template <int R, int MB>
+inline void block_scales(const uint16_t* dw, const float* dx, int64_t nb, int64_t b0, int len,
+                         float (&s)[MB][R][8]) {
+  for (int m = 0; m < MB; ++m) {
+    alignas(32) float xs[8] = {};
+    const float* xp = dx + m * nb + b0;
+    if (len < 8) xp = static_cast<const float*>(std::memcpy(xs, xp, len * sizeof(float)));
+    const __m256 xv = _mm256_loadu_ps(xp);
+    for (int r = 0; r < R; ++r) {
+      alignas(16) uint16_t ws[8] = {};
+      const uint16_t* wp = dw + r * nb + b0;
+      if (len < 8) wp = static_cast<const uint16_t*>(std::memcpy(ws, wp, len * sizeof(uint16_t)));
+      const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+      _mm256_store_ps(s[m][r], _mm256_mul_ps(wv, xv));
+    }
+  }
+}
+
 // ------------------------------------------------------------- quantized weights (q8, q4)
 
-// Q4 = false: q8 weights (32 bytes per block); Q4 = true: q4 nibbles (16 bytes per block).
+// acc[m][r] += s[m][r][j] * (q8 block b of row r · activation block b of row m).
+template <int R, int MB>
+inline void step_q8(__m256 (&acc)[MB][R], const int8_t* w, const int8_t* xq, int64_t nb,
+                    int64_t b, const float (&s)[MB][R][8], int j) {
+  __m256i xv[MB];
+  for (int m = 0; m < MB; ++m)
+    xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * 32));
+  for (int r = 0; r < R; ++r) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r * nb + b) * 32));
+    for (int m = 0; m < MB; ++m)
+      acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&s[m][r][j]), dot_q8(wv, xv[m]), acc[m][r]);
+  }
+}
+
+// The same for the q4 blocks b and b + 1 (chunk positions j, j + 1) at once: one 32-byte load
+// holds both blocks' nibbles, and the paired activation layout puts their low and high halves
+// where the masked nibbles land, so each half needs a single maddubs.
+template <int R, int MB>
+inline void step_q4_pair(__m256 (&acc)[MB][R], const uint8_t* w, const int8_t* xq, int64_t nb,
+                         int64_t b, const float (&s)[MB][R][8], int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i xlo[MB], xhi[MB];
+  for (int m = 0; m < MB; ++m) {
+    const int8_t* xb = xq + (m * nb + b) * 32;
+    xlo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+    xhi[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32));
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r * nb + b) * 16));
+    const __m256i lo = _mm256_and_si256(raw, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo[m]),
+                                         _mm256_maddubs_epi16(hi, xhi[m]));
+      const __m256 scale = _mm256_blend_ps(_mm256_broadcast_ss(&s[m][r][j]),
+                                           _mm256_broadcast_ss(&s[m][r][j + 1]), 0xF0);
+      acc[m][r] =
+          _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), acc[m][r]);
+    }
+  }
+}
+
+// One unpaired q4 block (the last of an odd count).
+template <int R, int MB>
+inline void step_q4_single(__m256 (&acc)[MB][R], const uint8_t* w, const int8_t* xq, int64_t nb,
+                           int64_t b, const float (&s)[MB][R][8], int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (r * nb + b) * 16));
+    const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i xv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * 32));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+      acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&s[m][r][j]), dot, acc[m][r]);
+    }
+  }
+}
+
+// y[m, r] = sum_b d[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
+// sum_b m[r, b] dx[m, b] sum(qx[m, b])) for R weight rows and MB activation rows.
+// Blocks go in chunks of 8 so that their scales are converted and multiplied 8 at a time.
 template <bool Q4, int R, int MB>
 inline void tile_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
                        const Activations& a, int64_t m0, float* y, int64_t ldy,
                        const float* bias) {
-  constexpr int64_t block_bytes = Q4 ? 16 : 32;
-  const int64_t row_bytes = nb * block_bytes;
   const int8_t* xq = a.q.data() + m0 * nb * 32;
-  const float* xd = a.d.data() + m0 * nb;
+  const float* dx = a.d.data() + m0 * nb;
+  const int8_t* wq = reinterpret_cast<const int8_t*>(w);
   __m256 acc[MB][R];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i xv[MB];
-    __m256 xs[MB];
-    for (int m = 0; m < MB; ++m) {
-      xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * 32));
-      xs[m] = _mm256_set1_ps(xd[m * nb + b]);
+  alignas(32) float s[MB][R][8];
+  int64_t b0 = 0;
+  for (; b0 + 8 <= nb; b0 += 8) {
+    block_scales<R, MB>(dw, dx, nb, b0, 8, s);
+    for (int j = 0; j < 8; j += Q4 ? 2 : 1) {
+      if constexpr (Q4) step_q4_pair<R, MB>(acc, w, xq, nb, b0 + j, s, j);
+      else step_q8<R, MB>(acc, wq, xq, nb, b0 + j, s, j);
     }
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* wb = w + r * row_bytes + b * block_bytes;
-      const __m256i wv = Q4 ? unpack_nibbles(wb)
-                            : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
-      const __m256 ws = _mm256_set1_ps(half(dw + r * nb + b));
-      for (int m = 0; m < MB; ++m) {
-        const __m256 dot = Q4 ? dot_q4(wv, xv[m]) : dot_q8(wv, xv[m]);
-        acc[m][r] = _mm256_fmadd_ps(_mm256_mul_ps(ws, xs[m]), dot, acc[m][r]);
-      }
+  }
+  if (b0 < nb) {  // the last chunk of fewer than 8 blocks
+    const int len = static_cast<int>(nb - b0);
+    block_scales<R, MB>(dw, dx, nb, b0, len, s);
+    int j = 0;
+    for (; Q4 && j + 2 <= len; j += 2) step_q4_pair<R, MB>(acc, w, xq, nb, b0 + j, s, j);
+    for (; j < len; ++j) {
+      if constexpr (Q4) step_q4_single<R, MB>(acc, w, xq, nb, b0 + j, s, j);
+      else step_q8<R, MB>(acc, wq, xq, nb, b0 + j, s, j);
     }
   }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       float v = hsum(acc[m][r]) + (bias ? bias[r] : 0.0f);
-      if (Q4) v += dot_half_float(mw + r * nb, a.s.data() + (m0 + m) * nb, nb);
+      if constexpr (Q4) v += dot_half_float(mw + r * nb, a.s.data() + (m0 + m) * nb, nb);
       y[m * ldy + r] = v;
     }
 }
@@ -338,7 +415,7 @@ torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qs,
   check_input(x, x.size(1));
   check_weight(qs, torch::kInt8, N, nb * 32, "qweight");
   check_weight(d, torch::kFloat16, N, nb, "scales");
-  const Activations& a = quantized(x, nb);
+  const Activations& a = quantized(x, nb, false);
   auto y = torch::empty({M, N}, x.options());  // (M, N)
   linear_quant<false>(reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()),
                       reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), nullptr, a,
@@ -356,7 +433,7 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qs,
   check_weight(qs, torch::kUInt8, N, nb * 16, "qweight");
   check_weight(d, torch::kFloat16, N, nb, "scales");
   check_weight(m, torch::kFloat16, N, nb, "mins");
-  const Activations& a = quantized(x, nb);
+  const Activations& a = quantized(x, nb, true);
   auto y = torch::empty({M, N}, x.options());  // (M, N)
   linear_quant<true>(qs.data_ptr<uint8_t>(),
                      reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
