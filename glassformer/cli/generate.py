@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--length-penalty", type=float, default=1.0, help="beam score exponent")
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
-                        help="stop when the text contains any of these strings")
+                        help="stop when the text contains any of these strings (\\n, \\t understood)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text")
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole prefix every step")
     parser.add_argument("--truncate", action="store_true", help="cut a too-long prompt from the left")
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             frequency_penalty=args.frequency_penalty,
         ),
         seed=args.seed,
-        stop=tuple(args.stop),
+        stop=tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop),
         eos_ids=() if args.ignore_eos else None,
         use_cache=not args.no_cache,
         beams=args.beams,
