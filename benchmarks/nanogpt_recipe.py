@@ -168,3 +168,22 @@ def run(train_bin, val_bin, vocab_size, max_iters=None, target_loss=None, seed=1
     return {"iters": it, "train_seconds": train_seconds, "evals": evals,
             "wall_seconds": time.perf_counter() - start,
             "tokens_per_iter": r["batch_size"] * r["block_size"]}
+
+
+def main() -> None:
+    """`python benchmarks/nanogpt_recipe.py TRAIN.bin VAL.bin VOCAB [key=value ...]`: one
+    run of the recipe as its own process; prints a JSON summary (evaluation times included)."""
+    import json
+    import sys
+
+    start = time.perf_counter()
+    train_bin, val_bin, vocab = sys.argv[1:4]
+    changes = {k: float(v) if "." in v or "e" in v else int(v)
+               for k, v in (a.split("=", 1) for a in sys.argv[4:])}
+    result = run(train_bin, val_bin, int(vocab), **changes)
+    result["process_seconds"] = time.perf_counter() - start
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -204,7 +204,8 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         best = val_loss < state["best_val_loss"]
         state["best_val_loss"] = min(val_loss, state["best_val_loss"])
         record = {"iter": state["step"], "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
-                  "train_loss": train_loss, "best": best}
+                  "train_loss": train_loss, "best": best,
+                  "elapsed": time.perf_counter() - started}
         if main and config.sample_tokens:
             gen = torch.Generator().manual_seed(config.seed + state["step"])
             record["sample"] = sample_text(model, tokenizer, config.sample_tokens, gen)

@@ -1,0 +1,120 @@
+"""Training throughput on the shakespeare-char recipe: Glassformer vs the nanoGPT recipe.
+
+    python benchmarks/train_throughput.py [--data PATH] [--iters 100] [--rounds 3] [--full]
+
+Both run in this process, in alternating rounds (so a busy machine slows both alike), with the
+same model shape, batch and optimizer settings. The baseline is nanoGPT's published CPU recipe
+re-expressed in plain PyTorch (benchmarks/nanogpt_recipe.py), not nanoGPT's own code. Prints
+ms/iteration, tokens/s, achieved FLOP/s and its fraction of this machine's fp32 matmul ceiling,
+measured here too. --full also trains both for the recipe's 2000 iterations and prints the
+validation losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import nanogpt_recipe  # noqa: E402
+
+from glassformer.train import train  # noqa: E402
+from glassformer.training_config import get_recipe  # noqa: E402
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def matmul_ceiling(n: int = 1024, repeats: int = 20) -> float:
+    """Best fp32 GFLOP/s of an n×n×n matmul with this process's threads."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def step_flops(model, batch: int) -> float:
+    """Forward + backward FLOPs of one step: 6 per weight per token in the matmuls plus
+    attention's two products (causal mask not discounted), as nanoGPT's MFU estimate counts."""
+    c = model
+    matrix = c.n_layers * (c.d_model * (c.n_heads + 2 * c.kv_heads) * c.head_dim
+                           + c.n_heads * c.head_dim * c.d_model
+                           + c.d_model * c.ff_dim * (3 if c.gated else 2)) + c.d_model * c.vocab_size
+    attention = c.n_layers * 2 * 2 * c.context_length * c.n_heads * c.head_dim
+    return 3 * batch * c.context_length * (2 * matrix + attention)
+
+
+def prepare(text_path: Path, folder: Path) -> int:
+    """nanoGPT's prepare.py for shakespeare_char: char ids, first 90% train, uint16 files."""
+    text = text_path.read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    lut = {c: i for i, c in enumerate(chars)}
+    ids = np.fromiter((lut[c] for c in text), dtype=np.uint16, count=len(text))
+    n = int(0.9 * len(ids))
+    ids[:n].tofile(folder / "train.bin")
+    ids[n:].tofile(folder / "val.bin")
+    return len(chars)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--iters", type=int, default=100, help="timed iterations per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--full", action="store_true", help="also train both for 2000 iters")
+    args = parser.parse_args()
+
+    recipe = get_recipe("shakespeare-char")
+    ceiling = matmul_ceiling()
+    tmp = Path(tempfile.mkdtemp(prefix="glassformer-bench-"))
+    vocab = prepare(args.data, tmp)
+    flops = step_flops(recipe.model.replace(vocab_size=vocab), recipe.train.batch_size)
+    tokens_per_iter = recipe.train.batch_size * recipe.model.context_length
+    ms = {"nanoGPT recipe": [], "glassformer": []}
+    for r in range(args.rounds):
+        base = nanogpt_recipe.run(tmp / "train.bin", tmp / "val.bin", vocab, max_iters=args.iters,
+                                  eval_interval=10**9, eval_iters=1)
+        ms["nanoGPT recipe"].append(1e3 * base["train_seconds"] / base["iters"])
+        ours = train(args.data, tmp / f"run{r}", recipe.model,
+                     recipe.train.replace(max_iters=args.iters, eval_interval=10**9, eval_iters=1,
+                                          sample_tokens=0, log_interval=args.iters),
+                     progress=False, echo=lambda s: None)
+        ms["glassformer"].append(1e3 * ours["iters"] * tokens_per_iter / ours["tokens_per_second"]
+                                 / ours["iters"])
+    print(f"threads {torch.get_num_threads()}, fp32 matmul ceiling {ceiling:.1f} GFLOP/s, "
+          f"{flops / 1e9:.2f} GFLOP per iteration, {tokens_per_iter} tokens per iteration")
+    result = {"ceiling_gflops": ceiling, "gflop_per_iter": flops / 1e9}
+    for name, values in ms.items():
+        m = statistics.median(values)
+        achieved = flops / (m / 1e3) / 1e9
+        result[name] = {"ms_per_iter": m, "tokens_per_second": tokens_per_iter / (m / 1e3),
+                        "gflops": achieved, "fraction_of_ceiling": achieved / ceiling}
+        print(f"{name:16s} {m:7.1f} ms/iter  {tokens_per_iter / (m / 1e3):8.0f} tokens/s  "
+              f"{achieved:6.1f} GFLOP/s  {achieved / ceiling:5.1%} of ceiling  "
+              f"(rounds: {', '.join(f'{v:.1f}' for v in values)})")
+    speedup = statistics.median(ms["nanoGPT recipe"]) / statistics.median(ms["glassformer"])
+    print(f"glassformer / nanoGPT recipe tokens/s: {speedup:.2f}x")
+    result["speedup"] = speedup
+    if args.full:
+        base = nanogpt_recipe.run(tmp / "train.bin", tmp / "val.bin", vocab)
+        ours = train(args.data, tmp / "full", recipe.model, recipe.train.replace(sample_tokens=0),
+                     progress=False, echo=lambda s: None)
+        result["full"] = {"nanoGPT recipe val_loss": base["evals"][-1]["val_loss"],
+                          "glassformer val_loss": ours["val_loss"]}
+        print(f"after 2000 iterations: val loss nanoGPT recipe {base['evals'][-1]['val_loss']:.4f}"
+              f", glassformer {ours['val_loss']:.4f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
