@@ -225,3 +225,20 @@ def test_gguf_blocks_reject_unsupported_input():
         QuantizedLinear.from_gguf(torch.zeros(10).numpy(), "Q6_K", (1, 32))
     with pytest.raises(ValueError, match="does not fit"):
         QuantizedLinear.from_gguf(torch.zeros(33, dtype=torch.uint8).numpy(), "Q8_0", (1, 32))
+
+
+def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("GLASSFORMER_HOME", str(tmp_path))  # no cached build there
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    _build.reset()
+    try:
+        assert _build.extension() is None
+        assert "no C++ compiler" in capsys.readouterr().err
+        layer = QuantizedLinear.from_weight(torch.randn(5, 40), "int4")
+        x = torch.randn(2, 40)
+        torch.testing.assert_close(
+            layer(x), ops.linear_int4(x, layer.qweight, layer.scales, layer.mins, backend="torch")
+        )
+    finally:
+        monkeypatch.undo()
+        _build.reset()

@@ -42,9 +42,6 @@ def _why_unavailable() -> str | None:
         return f"no AVX2 kernels for {sys.platform}/{platform.machine()}"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return "this CPU has no AVX2"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler}) found"
     return None
 
 
@@ -85,12 +82,19 @@ def _load() -> ModuleType | None:
     name = f"glassformer_kernels_{key}"
     directory = cache_dir() / key
     library = directory / f"{name}.so"
-    try:
-        if library.exists():
+    if library.exists():
+        try:
             spec = importlib.util.spec_from_file_location(name, library)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return module
+        except ImportError:  # a partial file from an interrupted build: build again
+            pass
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        print(f"glassformer: using PyTorch kernels (no C++ compiler {compiler})", file=sys.stderr)
+        return None
+    try:
         return _build(name, directory)
     except Exception as error:  # any build or import failure falls back to PyTorch
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""

@@ -102,7 +102,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
-        x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
         mode, backend = self.mode, self.backend
         if mode == "fp32":
             y = ops.linear_fp32(x2, self.weight, self.bias, backend)
@@ -112,7 +114,9 @@ class QuantizedLinear(nn.Module):
             y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend)
         else:
             y = ops.linear_int4(x2, self.qweight, self.scales, self.mins, self.bias, backend)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
