@@ -1,8 +1,8 @@
 """The baseline: nanoGPT's published shakespeare-char CPU recipe, re-expressed in plain PyTorch.
 
 nanoGPT is not installable from PyPI, so this module writes its documented design from the
-public description (GPT-2 style: learned positions, pre-LayerNorm with biases, fused c_attn,
-GELU MLP, tied head, N(0, 0.02) init with scaled residual projections; AdamW with decay on
+public description (GPT-2 style: learned positions, pre-LayerNorm, no biases (bias=False),
+fused c_attn, GELU MLP, tied head, N(0, 0.02) init with scaled residual projections; AdamW with decay on
 matrices only, non-fused on CPU; warmup + cosine learning rate; a fresh np.memmap and a
 per-window torch.stack for every batch; train and val loss estimated every eval_interval).
 It is a faithful formulation of the recipe, not nanoGPT's own code.
@@ -31,8 +31,8 @@ RECIPE = dict(
 class _Attention(nn.Module):
     def __init__(self, n_embd, n_head, dropout):
         super().__init__()
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
-        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
         self.resid_dropout = nn.Dropout(dropout)
         self.n_head, self.dropout = n_head, dropout
 
@@ -52,11 +52,11 @@ class _Attention(nn.Module):
 class _Block(nn.Module):
     def __init__(self, n_embd, n_head, dropout):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
+        self.ln_1 = nn.LayerNorm(n_embd, bias=False)
         self.attn = _Attention(n_embd, n_head, dropout)
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
-        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=False)
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
@@ -71,7 +71,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
         self.h = nn.ModuleList(_Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
+        self.ln_f = nn.LayerNorm(n_embd, bias=False)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.wte.weight = self.lm_head.weight
         for module in self.modules():
