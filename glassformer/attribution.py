@@ -40,7 +40,10 @@ def attention_rollout(patterns: Sequence[torch.Tensor]) -> torch.Tensor:
     return rollout
 
 
-PANEL_EDGES = (0.0, *(10.0**-k for k in range(8, -1, -1)))  # 0, 1e-8, 1e-7, …, 0.1, 1
+# Where the path from a zero baseline is cut: decades near 0, where a normalised model changes
+# fastest (a norm's output jumps as a x grows past √eps, at every depth), then tenths.
+PANEL_EDGES = (0.0, *(10.0**-k for k in range(8, 0, -1)), *(k / 10 for k in range(2, 11)))
+TENTHS = tuple(k / 10 for k in range(11))  # enough for a baseline of real token embeddings
 
 
 def quadrature(steps: int, edges: Sequence[float] = PANEL_EDGES) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,17 +77,16 @@ def integrated_gradients(
     target: int,
     position: int = -1,
     baseline: torch.Tensor | None = None,
-    steps: int = 8,
+    steps: int = 4,
     batch_size: int = 16,
+    edges: Sequence[float] = PANEL_EDGES,
 ) -> IntegratedGradients:
     """Integrated gradients (Sundararajan et al., 2017) of logits[position, target] with respect
     to the token embeddings E_token[ids] (positions are added as usual).
 
     IG_t = Σ_d (x - x')_td ∫₀¹ ∂F(x' + a (x - x'))/∂x_td da, with x' the baseline (default
-    zeros, (T, d)). A normalised model changes most near a zero baseline (a norm's output
-    jumps as a x grows past √eps, at every depth), so the path is cut into decades
-    [0, 10⁻⁸], [10⁻⁸, 10⁻⁷], …, [10⁻¹, 1] with `steps` Gauss-Legendre points in each,
-    evaluated in batches of `batch_size` points.
+    zeros, (T, d); see `token_baseline`). The integral is composite Gauss-Legendre: the path
+    is cut at `edges` and each panel gets `steps` points, evaluated in batches of `batch_size`.
     """
     if model.training:
         raise ValueError("integrated_gradients: call model.eval() first (dropout is random)")
@@ -97,7 +99,7 @@ def integrated_gradients(
     x_base = torch.zeros_like(x) if baseline is None else baseline.to(x)
     if x_base.shape != x.shape:
         raise ValueError(f"baseline: expected shape {tuple(x.shape)}, got {tuple(x_base.shape)}")
-    nodes, weights = quadrature(steps)  # (n,) each
+    nodes, weights = quadrature(steps, edges)  # (n,) each
     n_nodes = nodes.shape[0]
     alphas = torch.cat([nodes, torch.tensor([0.0, 1.0], dtype=torch.float64)]).float()
     grads, values = [], []
@@ -116,3 +118,16 @@ def integrated_gradients(
     mean_grad = (weights[:, None, None] * grad[:n_nodes]).sum(dim=0)  # (T, d)
     attributions = ((x - x_base).float() * mean_grad).sum(dim=-1)  # (T,)
     return IntegratedGradients(attributions, target, float(value[-1]), float(value[-2]))
+
+
+def token_baseline(model: Transformer, ids: torch.Tensor, token_id: int, keep: int = 1) -> torch.Tensor:
+    """x' (T, d): E_token[token_id] at every position but the first `keep`, which stay as they are.
+
+    Holding the first token matters for Llama-style models: it is the attention sink, and moving
+    its embedding switches the whole network between regimes, so the path is not smooth.
+    """
+    with torch.no_grad():
+        x = model.embed.tokens(ids.reshape(-1))  # (T, d)
+        baseline = model.embed.tokens.weight[token_id].expand_as(x).clone()
+        baseline[:keep] = x[:keep]
+    return baseline

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from glassformer import Transformer, get_preset
-from glassformer.attribution import attention_rollout, integrated_gradients
+from glassformer.attribution import TENTHS, attention_rollout, integrated_gradients, token_baseline
 from glassformer.trace import run_with_cache
 
 
@@ -50,7 +50,7 @@ def test_rollout_rejects_decode_step_weights():
 def test_integrated_gradients_are_complete(name):
     model = sharp_model(name)
     ids = ids_for(model)
-    result = integrated_gradients(model, ids, target=7, steps=16)
+    result = integrated_gradients(model, ids, target=7, steps=8)
     logits = model(ids).detach()
     assert result.logit == pytest.approx(float(logits[0, -1, 7]), abs=1e-4)
     difference = result.logit - result.baseline_logit
@@ -83,7 +83,7 @@ def test_integrated_gradients_match_a_fine_trapezoid_rule():
             logit = model(ids.expand(len(a), -1))[:, 2, 11]
         total += (w[:, None, None] * torch.autograd.grad(logit.sum(), points)[0]).sum(0)
     expected = (x * total).sum(-1)  # (T,)
-    result = integrated_gradients(model, ids, target=11, position=2, steps=16)
+    result = integrated_gradients(model, ids, target=11, position=2, steps=8)
     torch.testing.assert_close(result.attributions, expected, rtol=1e-3, atol=1e-3)
     assert (result.attributions[3:] == 0).all()  # causal: later tokens cannot matter
 
@@ -93,7 +93,7 @@ def test_a_token_equal_to_its_baseline_gets_nothing():
     ids = ids_for(model)
     baseline = torch.zeros(6, model.config.d_model)
     baseline[1] = model.embed.tokens(ids)[0, 1].detach()
-    result = integrated_gradients(model, ids, target=3, baseline=baseline, steps=16)
+    result = integrated_gradients(model, ids, target=3, baseline=baseline, steps=8)
     assert result.attributions[1] == 0
     assert abs(result.completeness_gap) < 1e-3
 
@@ -105,3 +105,15 @@ def test_integrated_gradients_refuse_training_mode_and_bad_baselines():
     model.train()
     with pytest.raises(ValueError, match="eval"):
         integrated_gradients(model, ids_for(model), target=0)
+
+
+def test_a_token_baseline_holds_the_first_position_and_stays_complete():
+    model = sharp_model()
+    ids = ids_for(model)
+    baseline = token_baseline(model, ids, token_id=5)
+    x = model.embed.tokens(ids)[0].detach()
+    torch.testing.assert_close(baseline[0], x[0])
+    torch.testing.assert_close(baseline[1:], model.embed.tokens.weight[5].detach().expand(5, -1))
+    result = integrated_gradients(model, ids, target=7, baseline=baseline, steps=4, edges=TENTHS)
+    assert result.attributions[0] == 0
+    assert abs(result.baseline_logit) > 0 and abs(result.completeness_gap) < 1e-3

@@ -146,7 +146,7 @@ def test_cli_writes_html_from_a_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "/nonexistent", "x"], "no glassformer checkpoint"),
+    (["--model", "/nonexistent", "x"], "no model at"),
     (["--preset", "tiny-llama", "é"], "not in the tokenizer"),
     (["--preset", "tiny-llama", ""], "no tokens"),
     (["--preset", "tiny-llama", "x", "--top-k", "0"], "--top-k"),

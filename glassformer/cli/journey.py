@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from ..checkpoint import load_model
 from ..journey import collect_journey, summary, write_html
+from ..language_model import load
 from ..model import Transformer
 from ..presets import get_preset
 from ..tokenizers import CharTokenizer
@@ -25,15 +25,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("text", help="the prompt to trace")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="a checkpoint folder (or a training run folder)")
+    source.add_argument(
+        "--model", help="a known name (smollm2-135m-instruct), a .gguf file, or a model folder"
+    )
     source.add_argument(
         "--preset", help="a randomly initialised preset (e.g. tiny-llama) with a character tokenizer"
     )
     parser.add_argument("-o", "--output", help="HTML file to write (default journey.html)")
     parser.add_argument("--json", action="store_true", help="print tokens, sites and next tokens as JSON")
     parser.add_argument("--top-k", type=int, default=10, help="next tokens to list (default 10)")
-    parser.add_argument("--ig-steps", type=int, default=8,
-                        help="integrated-gradient points per path panel (default 8)")
+    parser.add_argument("--ig-steps", type=int, default=4,
+                        help="integrated-gradient points per tenth of the path (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed for --preset")
     parser.add_argument("--device", default="cpu")
     parser.set_defaults(run=run)
@@ -51,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise ValueError(f"--top-k: must be at least 1, got {args.top_k}")
     if args.model is not None:
-        model, tokenizer, _ = load_model(args.model, args.device)
+        loaded = load(args.model).to(args.device)
+        model, tokenizer = loaded.model, loaded.tokenizer
     else:
         model, tokenizer = random_model(args.preset, args.seed, args.device)
     data = collect_journey(model.eval(), tokenizer, args.text, top_k=args.top_k, ig_steps=args.ig_steps)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attribution import attention_rollout, integrated_gradients
+from ..attribution import TENTHS, attention_rollout, integrated_gradients, token_baseline
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..trace import run_with_cache, site_dims
@@ -79,7 +79,7 @@ def _logit_lens(model: Transformer, tokenizer, residuals: list[torch.Tensor]) ->
 
 
 def collect_journey(
-    model: Transformer, tokenizer, text: str, top_k: int = 10, ig_steps: int = 8
+    model: Transformer, tokenizer, text: str, top_k: int = 10, ig_steps: int = 4
 ) -> dict:
     """Everything the report shows for `text`: sites with shapes, dims, stats and previews;
     attention weights; next tokens; logit lens; rollout and integrated-gradient attributions;
@@ -115,7 +115,14 @@ def collect_journey(
         }  # per layer (H, T + 1): the new query's row against the cached keys
 
     target = next_tokens[0]["id"]
-    ig = integrated_gradients(model, ids, target=target, steps=ig_steps)
+    reference = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.bos_id
+    if reference is not None:  # a real token's embedding: a smooth path, unlike zeros
+        baseline = token_baseline(model, ids, reference)
+        baseline_text = f"E_token[{_token_text(tokenizer, reference)!r}] at every position but the first"
+        ig = integrated_gradients(model, ids, target, baseline=baseline, steps=ig_steps, edges=TENTHS)
+    else:
+        baseline_text = "zeros"
+        ig = integrated_gradients(model, ids, target, steps=ig_steps)
     rollout = attention_rollout(patterns)[0, -1]  # (T,)
     residuals = [acts["embed.out"]] + [acts[f"blocks.{i}.resid_post"] for i in range(L)]
     return {
@@ -138,6 +145,7 @@ def collect_journey(
         "logit_lens": _logit_lens(model, tokenizer, residuals),
         "attribution": {
             "target": next_tokens[0]["token"],
+            "baseline": baseline_text,
             "rollout": [round(float(v), 4) for v in rollout],
             "integrated_gradients": [round(float(v), 4) for v in ig.attributions],
             "logit": round(ig.logit, 4),
