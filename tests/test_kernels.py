@@ -242,3 +242,12 @@ def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path, capsys
     finally:
         monkeypatch.undo()
         _build.reset()
+
+
+@pytest.mark.parametrize("k", [31, 64, 100, 576])
+def test_cpp_dequantize_equals_the_torch_one(cpp, k):
+    w = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
+    q, d = quant.quantize_int8(w)
+    assert torch.equal(ops.dequantize(q, d, None, k, cpp), quant.dequantize_int8(q, d, k))
+    q, d, m = quant.quantize_int4(w)
+    assert torch.equal(ops.dequantize(q, d, m, k, cpp), quant.dequantize_int4(q, d, m, k))

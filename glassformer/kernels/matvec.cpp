@@ -360,6 +360,36 @@ void linear_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
   });
 }
 
+// ---------------------------------------------------------- dequantization (large batches)
+
+// Row n of the float weight: w[k] = d[k / 32] * q[k] (+ m[k / 32]) for k < K.
+template <bool Q4>
+void dequantize_row(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t nb, int64_t K,
+                    float* out) {
+  alignas(32) float block[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 scale = _mm256_set1_ps(half(d + b));
+    const __m256 shift = Q4 ? _mm256_set1_ps(half(m + b)) : _mm256_setzero_ps();
+    __m256i bytes;  // 32 quantized values, in element order
+    if constexpr (Q4) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      bytes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                               _mm256_set1_epi8(0x0F));
+    } else {
+      bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
+    }
+    float* dst = (b + 1) * 32 <= K ? out + b * 32 : block;
+    for (int i = 0; i < 4; ++i) {
+      const __m128i eight = i < 2 ? _mm256_castsi256_si128(bytes)
+                                  : _mm256_extracti128_si256(bytes, 1);
+      const __m128i part = (i & 1) ? _mm_srli_si128(eight, 8) : eight;
+      const __m256i wide = Q4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
+      _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide), shift));
+    }
+    if (dst == block) std::memcpy(out + b * 32, block, (K - b * 32) * sizeof(float));
+  }
+}
+
 // ------------------------------------------------------------------------ entry points
 
 void check_input(const torch::Tensor& x, int64_t K) {
@@ -442,6 +472,28 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qs,
   return y;
 }
 
+torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d,
+                         const c10::optional<torch::Tensor>& m, int64_t K) {
+  const int64_t N = qs.size(0), nb = d.size(1);
+  const bool q4 = m.has_value();
+  TORCH_CHECK(K > (nb - 1) * 32 && K <= nb * 32, "K = ", K, " does not fit ", nb, " blocks");
+  check_weight(qs, q4 ? torch::kUInt8 : torch::kInt8, N, nb * (q4 ? 16 : 32), "qweight");
+  check_weight(d, torch::kFloat16, N, nb, "scales");
+  if (q4) check_weight(*m, torch::kFloat16, N, nb, "mins");
+  auto w = torch::empty({N, K}, d.options().dtype(torch::kFloat32));  // (N, K)
+  const auto* q = static_cast<const uint8_t*>(qs.data_ptr());
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const auto* mp = q4 ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
+  float* out = w.data_ptr<float>();
+  const int64_t row_bytes = qs.size(1);
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t n = 0; n < N; ++n) {
+    if (q4) dequantize_row<true>(q + n * row_bytes, dp + n * nb, mp + n * nb, nb, K, out + n * K);
+    else dequantize_row<false>(q + n * row_bytes, dp + n * nb, nullptr, nb, K, out + n * K);
+  }
+  return w;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -449,4 +501,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ bias), W bfloat16 (N, K)");
   module.def("linear_q8", &linear_q8, "y = x @ W^T (+ bias), W int8 blocks of 32");
   module.def("linear_q4", &linear_q4, "y = x @ W^T (+ bias), W 4-bit blocks of 32 with min");
+  module.def("dequantize", &dequantize, "q8 (mins None) or q4 blocks -> (N, K) float32");
 }

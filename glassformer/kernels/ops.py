@@ -41,6 +41,16 @@ def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: to
     return (dots * (dx.unsqueeze(1) * dw.unsqueeze(0))).sum(-1)  # (M, N)
 
 
+def dequantize(qweight, scales, mins, in_features, backend="auto"):
+    """The (N, K) float32 weight of int8 (mins None) or int4 blocks, in C++ where it runs."""
+    ext = None if backend == "torch" or qweight.device.type != "cpu" else extension()
+    if ext is not None:
+        return ext.dequantize(qweight, scales, mins, in_features)
+    if mins is None:
+        return quant.dequantize_int8(qweight, scales, in_features)
+    return quant.dequantize_int4(qweight, scales, mins, in_features)
+
+
 def linear_fp32(x, weight, bias=None, backend="auto"):
     """weight (N, K) float32."""
     ext = _kernels(x, backend)
@@ -63,7 +73,7 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto"):
     if ext is not None:
         return ext.linear_q8(x, qweight, scales, bias)
     if x.shape[0] > SMALL_BATCH:
-        return F.linear(x, quant.dequantize_int8(qweight, scales, x.shape[1]), bias)
+        return F.linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
     qw = qweight.reshape(qweight.shape[0], -1, quant.BLOCK).float()  # (N, nb, 32)
     y = _block_products(qx, dx, qw, scales.float())
@@ -76,7 +86,7 @@ def linear_int4(x, qweight, scales, mins, bias=None, backend="auto"):
     if ext is not None:
         return ext.linear_q4(x, qweight, scales, mins, bias)
     if x.shape[0] > SMALL_BATCH:
-        return F.linear(x, quant.dequantize_int4(qweight, scales, mins, x.shape[1]), bias)
+        return F.linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
     qw = quant.unpack_nibbles(qweight).float()  # (N, nb, 32)
     y = _block_products(qx, dx, qw, scales.float())
