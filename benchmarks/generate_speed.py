@@ -2,8 +2,9 @@
 prefill tokens/s, the share of decode time outside matrix work, and Hugging Face `generate`
 on the same weights as the competitor (ratio > 1: glassformer is faster).
 
-Decode speed is measured the same way for both: (time for N new tokens - time for 1) / (N - 1),
-best of --repeats. Run:
+Both are timed inside one generation: prefill = prompt tokens / time to the first new token,
+decode = (N - 1) / time from the first to the last new token (HF through a streamer that notes
+the time of each token); best of --repeats rounds, the two alternating. Run:
     .venv/bin/python benchmarks/generate_speed.py                 # small random Llama-shaped model
     .venv/bin/python benchmarks/generate_speed.py --smollm2       # SmolLM2-135M-Instruct (GGUF)
     .venv/bin/python benchmarks/generate_speed.py --compile       # + torch.compile of the decode step
@@ -59,43 +60,42 @@ def _ours_from_hf(hf: torch.nn.Module, hf_config: dict) -> Transformer:
     return model
 
 
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+class _Clock:
+    """A transformers streamer that notes when the first and the last new token appear."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:  # first call: the prompt; then one call per new token
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
-def ours_run(model: Transformer, prompt: list[int], n: int, use_cache: bool) -> list[int]:
-    config = GenerationConfig(max_new_tokens=n, eos_ids=(), use_cache=use_cache)
-    return generate(model, prompt, config).generated_ids
+def ours_once(model: Transformer, prompt: list[int], n: int, use_cache: bool) -> tuple[float, float, list]:
+    """(prefill tokens/s, decode tokens/s, generated ids) from the GenerationResult's own clock."""
+    result = generate(model, prompt, GenerationConfig(max_new_tokens=n, eos_ids=(), use_cache=use_cache))
+    return result.prefill_tokens_per_second, result.decode_tokens_per_second, result.generated_ids
 
 
-def hf_run(model: torch.nn.Module, prompt: list[int], n: int, use_cache: bool) -> list[int]:
-    ids = torch.tensor([prompt])
+def hf_once(model: torch.nn.Module, prompt: list[int], n: int, use_cache: bool) -> tuple[float, float, list]:
+    ids, clock = torch.tensor([prompt]), _Clock()
     with torch.inference_mode():
+        start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, use_cache=use_cache, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+                             do_sample=False, use_cache=use_cache, pad_token_id=0, streamer=clock)
+    first, last = clock.times[1], clock.times[-1]  # the first new token ends the prefill
+    return len(prompt) / (first - start), (n - 1) / (last - first), out[0, len(prompt):].tolist()
 
 
-def decode_rate(run, model, prompt, n, use_cache, repeats) -> float:
-    """Tokens/s of the decode steps alone: the prefill (and first token) is subtracted."""
-    first = best(lambda: run(model, prompt, 1, use_cache), repeats)
-    total = best(lambda: run(model, prompt, n, use_cache), repeats)
-    return (n - 1) / max(total - first, 1e-9)
-
-
-def prefill_rate(model: Transformer, prompt: list[int], repeats: int) -> float:
-    ids = torch.tensor([prompt])
-
-    def once():
-        with torch.inference_mode():
-            prefill(model, ids, KVCache(model.config, 1, max_length=len(prompt)))
-
-    return len(prompt) / best(once, repeats)
+def best_of(repeats: int, runs, prompt: list[int], n: int, use_cache: bool) -> list[tuple]:
+    """Each (run, model)'s best prefill and decode rates over `repeats` rounds, alternating."""
+    results = [[] for _ in runs]
+    for _ in range(repeats):
+        for mine, (run, model) in zip(results, runs, strict=True):
+            mine.append(run(model, prompt, n, use_cache))
+    return [(max(r[0] for r in rs), max(r[1] for r in rs), rs[0][2]) for rs in results]
 
 
 def matrix_share(model: Transformer, prompt: list[int], n: int) -> tuple[float, float]:
@@ -152,19 +152,17 @@ def main() -> None:
     name = "SmolLM2-135M" if args.smollm2 else "small Llama (4 layers, d=256, GQA 8/4, vocab 4096)"
     print(f"{name}; {n} new tokens; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     vocab = ours.config.vocab_size
-    header = (f"{'prompt':>6} {'prefill tok/s':>13} {'decode cached':>13} {'uncached':>9} {'cache x':>7} "
-              f"{'HF cached':>9} {'ours/HF':>7} {'HF uncached':>11} {'same ids':>8}")
+    header = (f"{'prompt':>6} {'prefill tok/s':>13} {'HF':>6} {'ratio':>5} | {'decode tok/s':>12} {'HF':>6} "
+              f"{'ratio':>5} | {'no cache':>8} {'HF':>6} {'cache x':>7} | {'same ids':>8}")
     print(header)
     for length in lengths:
         prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-        same = ours_run(ours, prompt, n, True) == hf_run(hf, prompt, n, True)
-        cached = decode_rate(ours_run, ours, prompt, n, True, args.repeats)
-        uncached = decode_rate(ours_run, ours, prompt, n, False, 1)
-        hf_cached = decode_rate(hf_run, hf, prompt, n, True, args.repeats)
-        hf_uncached = decode_rate(hf_run, hf, prompt, n, False, 1)
-        speed = prefill_rate(ours, prompt, args.repeats)
-        print(f"{length:>6} {speed:>13.0f} {cached:>13.1f} {uncached:>9.1f} {cached / uncached:>7.1f} "
-              f"{hf_cached:>9.1f} {cached / hf_cached:>7.2f} {hf_uncached:>11.1f} {str(same):>8}")
+        runs = [(ours_once, ours), (hf_once, hf)]
+        (pre, dec, ids), (hf_pre, hf_dec, hf_ids) = best_of(args.repeats, runs, prompt, n, True)
+        (_, slow, slow_ids), (_, hf_slow, _) = best_of(1, runs, prompt, n, False)
+        same = ids == hf_ids == slow_ids
+        print(f"{length:>6} {pre:>13.0f} {hf_pre:>6.0f} {pre / hf_pre:>5.2f} | {dec:>12.1f} {hf_dec:>6.1f} "
+              f"{dec / hf_dec:>5.2f} | {slow:>8.1f} {hf_slow:>6.1f} {dec / slow:>7.1f} | {str(same):>8}")
     prompt = list(range(1, lengths[len(lengths) // 2] + 1))
     share, step = matrix_share(ours, prompt, n)
     print(f"decode at prompt {len(prompt)}: {step * 1e3:.2f} ms/step under the profiler, "
