@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batching import select_rows
 from .generate import (
     GenerationConfig,
     GenerationResult,
@@ -23,7 +24,6 @@ from .generate import (
     decode_one_token,
     fit_prompt,
     prefill,
-    select_rows,
 )
 from .kv_cache import KVCache
 from .model import Transformer

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .batching import left_pad, select_rows
 from .kv_cache import KVCache
 from .model import Transformer
 from .sampling import SamplingConfig, next_token, token_counts
@@ -115,32 +116,6 @@ def decode_one_token(
     return model.head(h[:, -1])  # (B, V)
 
 
-def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, ...]:
-    """ids (B, L) padded on the left, their positions (B, L) and pad_mask (B, L);
-    positions and pad_mask are None when every row has the same length."""
-    L = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long, device=device)  # (B, L)
-    mask = torch.zeros(len(rows), L, dtype=torch.bool, device=device)  # (B, L)
-    for b, row in enumerate(rows):
-        ids[b, L - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[b, L - len(row) :] = True
-    if mask.all():
-        return ids, None, None
-    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, L): 0 at the first real token
-    return ids, positions, mask
-
-
-def select_rows(cache: KVCache, rows: Tensor) -> None:
-    """Keep (or repeat) the cache's batch rows `rows` (B',) in that order, in place."""
-    for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
-        if k is not None:
-            cache.keys[i], cache.values[i] = k.index_select(0, rows), v.index_select(0, rows)
-    cache.positions = cache.positions.index_select(0, rows.to(cache.positions.device))
-    cache.valid = cache.valid.index_select(0, rows.to(cache.valid.device))
-    cache.batch_size = len(rows)
-    cache.shape = (len(rows), *cache.shape[1:])
-
-
 def fit_prompt(prompt: Sequence[int], context_length: int, config: GenerationConfig) -> list[int]:
     """The prompt, or its end when it is longer than the window and `truncate` is set: it then
     keeps room for max_new_tokens, but never less than half the window of prompt."""
@@ -171,6 +146,58 @@ def _eos_ids(config: GenerationConfig, tokenizer: Decoder | None) -> set[int]:
     return set() if eos is None else {eos}
 
 
+class _Row:
+    """One prompt's state: what the model sees, what was generated, why it stopped."""
+
+    def __init__(self, prompt: Sequence[int], config: GenerationConfig, context_length: int,
+                 eos: set[int], tokenizer: Decoder | None) -> None:
+        self.prompt = fit_prompt(prompt, context_length, config)
+        self.truncated = len(prompt) - len(self.prompt)
+        self.context = list(self.prompt)  # the prompt, then generated tokens; slides when asked
+        self.generated: list[int] = []
+        self.reason: StopReason | None = None
+        self.text = None if tokenizer is None else TextStream(tokenizer, config.stop, self.prompt[-4:])
+        self.config, self.window, self.eos = config, context_length, eos
+        self.slid = False  # whether the context was just cut (the cache must be rebuilt)
+
+    def accept(self, token: int) -> str:
+        """Append a generated token, decide whether to stop; returns the newly visible text."""
+        self.generated.append(token)
+        piece = ""
+        if token in self.eos:
+            self.reason = "eos"
+        elif self.text is not None:
+            piece = self.text.push(token)
+            if self.text.stop_string is not None:
+                self.reason = "stop_string"
+        if self.reason is None and len(self.generated) >= self.config.max_new_tokens:
+            self.reason = "max_new_tokens"
+        self.slid = False
+        if self.reason is None and len(self.context) == self.window:  # no position left for it
+            if self.config.overflow == "stop":
+                self.reason = "context_full"
+            else:  # slide: keep the newest half window (the new token included)
+                self.context = self.context[self.window - self.window // 2 + 1 :]
+                self.slid = True
+        self.context.append(token)
+        if self.reason is not None and self.text is not None:
+            piece += self.text.flush()
+        return piece
+
+    def result(self, prefill_seconds: float, decode_seconds: float, steps: int) -> GenerationResult:
+        return GenerationResult(
+            prompt_ids=self.prompt,
+            generated_ids=self.generated,
+            text=None if self.text is None else self.text.text,
+            stop_reason=self.reason,
+            prefill_seconds=prefill_seconds,
+            decode_seconds=decode_seconds,
+            decode_steps=steps,
+            truncated_tokens=self.truncated,
+            stop_string=None if self.text is None else self.text.stop_string,
+        )
+
+
 def stream_batch(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -184,25 +211,19 @@ def stream_batch(
         raise ValueError("use_cache: a bidirectional model cannot decode incrementally; use_cache=False")
     if config.stop and tokenizer is None:
         raise ValueError("stop: stop strings need a tokenizer to decode the text")
-    originals = [list(p) for p in prompts]
-    fitted = [fit_prompt(p, mc.context_length, config) for p in originals]
-    contexts = [list(p) for p in fitted]  # what the model sees: the prompt, then generated tokens
-    generated: list[list[int]] = [[] for _ in prompts]
-    reasons: list[StopReason | None] = [None] * len(prompts)
-    texts = [None if tokenizer is None else TextStream(tokenizer, config.stop, p[-4:]) for p in fitted]
     eos = _eos_ids(config, tokenizer)
-    sampling = config.sampling
+    rows = [_Row(p, config, mc.context_length, eos, tokenizer) for p in prompts]
     device = model.embed.tokens.weight.device
     generator = torch.Generator(device=device)
     generator.manual_seed(config.seed) if config.seed is not None else generator.seed()
-    live = list(range(len(prompts)))  # batch row -> prompt index
+    live = list(range(len(rows)))  # batch row -> prompt index
     cache: KVCache | None = None
     padded = False  # whether the rows in the cache are left-padded (then positions are explicit)
 
     def forward_all() -> Tensor:
         """A fresh forward over every live context (the prefill, or a rebuild)."""
         nonlocal cache, padded
-        ids, positions, mask = left_pad([contexts[i] for i in live], device)
+        ids, positions, mask = left_pad([rows[i].context for i in live], device)
         padded = mask is not None
         if config.use_cache:
             room = min(mc.context_length, ids.shape[1] + config.max_new_tokens)
@@ -217,73 +238,39 @@ def stream_batch(
             logits = forward_all()  # (B, V)
             prefill_seconds = (decode_start := _sync(device)) - start
             counts = None
-            if sampling.uses_counts:
-                ids, _, mask = left_pad(fitted, device)
+            if config.sampling.uses_counts:
+                ids, _, mask = left_pad([r.prompt for r in rows], device)
                 counts = token_counts(ids, mc.vocab_size, mask)  # (B, V)
             steps = 0
             while True:
-                tokens = next_token(logits, sampling, generator, counts)  # (B,)
+                tokens = next_token(logits, config.sampling, generator, counts)  # (B,)
                 if counts is not None:
                     counts[torch.arange(len(live), device=device), tokens] += 1
-                slid = False
-                for row, token in enumerate(tokens.tolist()):
-                    i = live[row]
-                    generated[i].append(token)
-                    piece = ""
-                    if token in eos:
-                        reasons[i] = "eos"
-                    elif texts[i] is not None:
-                        piece = texts[i].push(token)
-                        if texts[i].stop_string is not None:
-                            reasons[i] = "stop_string"
-                    if reasons[i] is None and len(generated[i]) >= config.max_new_tokens:
-                        reasons[i] = "max_new_tokens"
-                    if reasons[i] is None and len(contexts[i]) == mc.context_length:
-                        if config.overflow == "stop":  # the new token has no position left
-                            reasons[i] = "context_full"
-                        else:  # slide: keep the newest half window (the new token included)
-                            contexts[i] = contexts[i][mc.context_length - mc.context_length // 2 + 1 :]
-                            slid = True
-                    contexts[i].append(token)
-                    if reasons[i] is not None and texts[i] is not None:
-                        piece += texts[i].flush()
-                    yield Piece(i, token, piece)
-                keep = [row for row, i in enumerate(live) if reasons[i] is None]
+                for i, token in zip(live, tokens.tolist(), strict=True):
+                    yield Piece(i, token, rows[i].accept(token))
+                keep = [b for b, i in enumerate(live) if rows[i].reason is None]
                 if not keep:
                     break
                 steps += 1
                 if len(keep) < len(live):  # drop finished rows from the batch
-                    rows = torch.tensor(keep, device=device)
-                    tokens = tokens[rows]
-                    counts = None if counts is None else counts[rows]
+                    index = torch.tensor(keep, device=device)
+                    tokens = tokens[index]
+                    counts = None if counts is None else counts[index]
                     if cache is not None:
-                        select_rows(cache, rows)
-                    live = [live[row] for row in keep]
+                        select_rows(cache, index)
+                    live = [live[b] for b in keep]
                 full = cache is not None and cache.length == cache.max_length
-                if not config.use_cache or slid or full:
+                if not config.use_cache or full or any(rows[i].slid for i in live):
                     logits = forward_all()  # recompute every live context from scratch
                 else:
                     positions = None
                     if padded:
-                        positions = torch.tensor([len(contexts[i]) - 1 for i in live], device=device)
+                        positions = torch.tensor([len(rows[i].context) - 1 for i in live], device=device)
                     logits = decode_one_token(model, tokens, cache, positions)
             decode_seconds = _sync(device) - decode_start
     finally:
         model.train(was_training)
-    return [
-        GenerationResult(
-            prompt_ids=fitted[i],
-            generated_ids=generated[i],
-            text=None if texts[i] is None else texts[i].text,
-            stop_reason=reasons[i],
-            prefill_seconds=prefill_seconds,
-            decode_seconds=decode_seconds,
-            decode_steps=steps,
-            truncated_tokens=len(originals[i]) - len(fitted[i]),
-            stop_string=None if texts[i] is None else texts[i].stop_string,
-        )
-        for i in range(len(prompts))
-    ]
+    return [row.result(prefill_seconds, decode_seconds, steps) for row in rows]
 
 
 class Stream:

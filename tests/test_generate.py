@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from glassformer import PRESETS, Transformer, get_preset
+from glassformer.batching import left_pad
 from glassformer.generate import (
     GenerationConfig,
     decode_one_token,
     generate,
     generate_batch,
-    left_pad,
     prefill,
     stream,
 )
