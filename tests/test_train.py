@@ -189,7 +189,9 @@ def test_recipes():
     assert char.model.context_length == 64 and char.train.batch_size == 12
     assert (char.train.lr, char.train.min_lr, char.train.max_iters) == (1e-3, 1e-4, 2000)
     assert (char.train.warmup_iters, char.train.beta2, char.train.eval_iters) == (100, 0.99, 20)
-    assert set(RECIPES) >= {"shakespeare-char"}
+    assert set(RECIPES) >= {"shakespeare-char", "shakespeare-char-fast"}
+    fast = get_recipe("shakespeare-char-fast")
+    assert fast.model.position == "rope" and fast.train.max_iters < char.train.max_iters
     with pytest.raises(ValueError, match="unknown preset"):
         get_recipe("nope")
     with pytest.raises(ValueError, match="batch_size"):
