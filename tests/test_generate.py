@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from glassformer import PRESETS, Transformer, get_preset
-from glassformer.batching import left_pad
 from glassformer.generate import (
     GenerationConfig,
     decode_one_token,
@@ -75,13 +74,6 @@ def test_a_bidirectional_model_cannot_use_the_cache_but_generates_without_it():
     with pytest.raises(ValueError, match="use_cache"):
         generate(model, [1, 2, 3], GenerationConfig(max_new_tokens=2))
     assert generate(model, [1, 2, 3], GenerationConfig(max_new_tokens=2, use_cache=False)).n_generated == 2
-
-
-def test_left_pad_positions_count_real_tokens_only():
-    ids, positions, mask = left_pad([[5, 6, 7], [8]], torch.device("cpu"))
-    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
-    assert mask.tolist() == [[True, True, True], [False, False, True]]
-    assert positions.tolist() == [[0, 1, 2], [0, 0, 0]]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt1", "tiny-alibi", "tiny-mistral"])
