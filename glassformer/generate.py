@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
@@ -65,7 +65,7 @@ class GenerationResult:
     decode_steps: int  # forward passes after the prefill
     truncated_tokens: int = 0  # prompt tokens dropped from the left
     log_prob: float | None = None  # sum of log-probabilities of generated_ids (beam search)
-    stop_string: str | None = field(default=None)
+    stop_string: str | None = None  # the stop string that ended the text
 
     @property
     def n_generated(self) -> int:

@@ -97,4 +97,7 @@ def run(args: argparse.Namespace) -> int:
             f"decode {result.decode_tokens_per_second:.1f} tok/s]",
             file=sys.stderr,
         )
+        if result.stop_reason == "context_full":
+            print(f"glassformer: reached the end of the {model.config.context_length}-token context window "
+                  "(--slide drops the oldest tokens and goes on)", file=sys.stderr)
     return 0
