@@ -57,14 +57,21 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new rows k, v (B, KV, T, d_head) and return all rows so far (B, KV, S, d_head)."""
         if self.keys[layer] is None:
-            device, dtype = self.device or k.device, self.dtype or k.dtype
-            self.keys[layer] = torch.zeros(self.shape, device=device, dtype=dtype)
-            self.values[layer] = torch.zeros(self.shape, device=device, dtype=dtype)
+            self.allocate(k.device, k.dtype)
         end = self.length + k.shape[2]
         keys, values = self.keys[layer], self.values[layer]
         keys[:, :, self.length : end] = k
         values[:, :, self.length : end] = v
         return keys[:, :, :end], values[:, :, :end]
+
+    def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Create the per-layer tensors (unless given at construction, device and dtype are
+        those of the first keys written)."""
+        device, dtype = self.device or device, self.dtype or dtype
+        for layer in range(self.n_layers):
+            if self.keys[layer] is None:
+                self.keys[layer] = torch.zeros(self.shape, device=device, dtype=dtype)
+                self.values[layer] = torch.zeros(self.shape, device=device, dtype=dtype)
 
     def advance(self, n_tokens: int) -> None:
         """Called by the model once every layer has written its n_tokens new rows."""

@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
+INCLUDED = [Path(__file__).with_name("decode_step.cpp")]  # #included by SOURCE
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
@@ -77,7 +78,8 @@ def _load() -> ModuleType | None:
             print(f"glassformer: using PyTorch kernels ({reason})", file=sys.stderr)
         return None
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(CFLAGS + [torch.__version__]).encode()
+        b"".join(p.read_bytes() for p in [SOURCE, *INCLUDED])
+        + " ".join(CFLAGS + [torch.__version__]).encode()
     ).hexdigest()[:16]
     name = f"glassformer_kernels_{key}"
     directory = cache_dir() / key

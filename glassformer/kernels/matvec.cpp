@@ -494,6 +494,8 @@ torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d,
   return w;
 }
 
+#include "decode_step.cpp"
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -501,5 +503,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear_bf16", &linear_bf16, "y = x @ W^T (+ bias), W bfloat16 (N, K)");
   module.def("linear_q8", &linear_q8, "y = x @ W^T (+ bias), W int8 blocks of 32");
   module.def("linear_q4", &linear_q4, "y = x @ W^T (+ bias), W 4-bit blocks of 32 with min");
+  pybind11::class_<DecodeStep>(module, "DecodeStep")
+      .def(pybind11::init<std::vector<int64_t>, bool, bool, bool, int64_t, double,
+                          std::vector<torch::Tensor>, std::vector<int64_t>,
+                          c10::optional<torch::Tensor>>())
+      .def("step", &DecodeStep::step, "one token through every layer (decode_step.cpp)");
   module.def("dequantize", &dequantize, "q8 (mins None) or q4 blocks -> (N, K) float32");
 }
