@@ -16,11 +16,13 @@ from .data import Documents, iter_documents, list_sources, windows
 def corpus_ids(paths: str | Path | Sequence[str | Path], tokenizer,
                documents: Documents = "file") -> np.ndarray:
     """Every document's ids, each followed by end-of-text (as in training): (n_tokens,)."""
-    eot = np.array([tokenizer.eos_id], dtype=np.int64)
+    encode = getattr(tokenizer, "encode_array", None) or (
+        lambda text: np.asarray(tokenizer.encode(text), dtype=np.int64)
+    )
+    eot = np.array([] if tokenizer.eos_id is None else [tokenizer.eos_id], dtype=np.int64)
     parts = []
     for doc in iter_documents(list_sources(paths), documents):
-        parts += [tokenizer.encode_array(doc), eot] if tokenizer.eos_id is not None else [
-            tokenizer.encode_array(doc)]
+        parts += [encode(doc), eot]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 

@@ -39,7 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
     evaluate = subparsers.add_parser("eval", help="perplexity of a model on a text")
-    evaluate.add_argument("--model", required=True, help="a checkpoint or run folder")
+    evaluate.add_argument("--model", required=True,
+                          help="a run or checkpoint folder, .gguf file, HF folder or known name")
     evaluate.add_argument("--data", required=True, nargs="+", help="text file(s) or folder(s)")
     evaluate.add_argument("--documents", choices=("file", "line", "blank"), default="file")
     evaluate.add_argument("--batch-size", type=int, default=8)
@@ -118,10 +119,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from ..checkpoint import load_model
+    from ..language_model import load  # imported here: loading pulls in every loader
     from ..perplexity import corpus_ids, perplexity
 
-    model, tokenizer, _ = load_model(args.model, args.device)
+    language_model = load(args.model)
+    model, tokenizer = language_model.model.to(args.device), language_model.tokenizer
     ids = corpus_ids(args.data, tokenizer, args.documents)
     result = perplexity(model, ids, args.batch_size, args.max_tokens)
     result.update(model=str(args.model), data=[str(d) for d in args.data])
