@@ -64,20 +64,25 @@ class LanguageModel:
 
 
 def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
-         ) -> LanguageModel:
-    """Read a model from a known name, a .gguf file, a Hugging Face or a Glassformer folder."""
+         weights: str = "fp32") -> LanguageModel:
+    """Read a model from a known name, a .gguf file, a Hugging Face or a Glassformer folder.
+
+    weights="gguf" keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices in their blocks for the
+    int8 / int4 kernels (see loaders/gguf.py); "fp32" (default) dequantizes them exactly."""
     from .loaders.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
 
     text = str(source)
     path = Path(source).expanduser()
     if not path.exists() and text in hub.MODELS:
-        model, tokenizer = load_gguf(hub.model_path(text, progress=progress), dtype)
+        model, tokenizer = load_gguf(hub.model_path(text, progress=progress), dtype, weights)
     elif path.is_file():
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise ValueError(f"{path}: not a GGUF file; give a .gguf file or a model folder")
-        model, tokenizer = load_gguf(path, dtype)
+        model, tokenizer = load_gguf(path, dtype, weights)
     elif path.is_dir():
+        if weights != "fp32":
+            raise ValueError(f"weights={weights!r} applies to GGUF files only")
         model, tokenizer = _load_folder(path, dtype)
     else:
         raise FileNotFoundError(

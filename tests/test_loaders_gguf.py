@@ -210,3 +210,28 @@ def test_corrupt_count_does_not_allocate(f32_file, tmp_path):
 def test_not_a_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_gguf(tmp_path / "absent.gguf")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
+    from glassformer.kernels import QuantizedLinear
+
+    path = tmp_path / "k.gguf"
+    write_gguf(path, source, qtype)
+    exact, _ = load_gguf(path)
+    compact, _ = load_gguf(path, weights="gguf")
+    layers = [compact.blocks[0].attn.qkv, compact.blocks[1].mlp.up, compact.lm_head]
+    assert all(isinstance(layer, QuantizedLinear) for layer in layers)
+    for name, layer in compact.named_modules():  # the same weights, held in their blocks
+        if isinstance(layer, QuantizedLinear):
+            expected = exact.get_submodule(name).weight
+            torch.testing.assert_close(layer.dequantized_weight(), expected, atol=0, rtol=0)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # decode kernels (<= 8 rows) round activations to int8: close only
+        torch.testing.assert_close(compact(ids[:, :1]), exact(ids[:, :1]), atol=0.15, rtol=0.05)
+        torch.testing.assert_close(compact(ids), exact(ids), atol=1e-4, rtol=1e-4)  # prefill: fp32
+
+
+def test_unknown_weights_mode(f32_file):
+    with pytest.raises(ValueError, match="weights"):
+        load_gguf(f32_file, weights="int3")

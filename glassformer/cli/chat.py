@@ -20,6 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--weights", choices=("fp32", "gguf"), default="fp32",
+                        help="gguf: keep a GGUF's quantized blocks (less memory, faster decode)")
     parser.add_argument("--max-context", type=int, default=4096,
                         help="tokens of conversation kept in the KV cache")
     parser.set_defaults(run=run)
@@ -30,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     from ..language_model import load
     from ..sampling import SamplingConfig
 
-    language_model = load(args.model)
+    language_model = load(args.model, weights=args.weights)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty)
     session = ChatSession(language_model.model, language_model.tokenizer, sampling,

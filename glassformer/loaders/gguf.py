@@ -26,7 +26,8 @@ from .gguf_file import GGUFFile
 from .tokenizer import ChatTokenizer, from_gguf_metadata
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-_CHUNK_ELEMENTS = 1 << 22  # dequantize at most this many values at once
+WEIGHT_MODES = ("fp32", "gguf")
+_CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
 
 
 @dataclass(frozen=True)
@@ -113,15 +114,36 @@ def tensor_map(config: ModelConfig) -> dict[str, Target]:
     return names
 
 
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the parameters `tensor_map` fills, from the config alone (nothing allocated)."""
+    d, V, ff = config.d_model, config.vocab_size, config.ff_dim
+    H, KV = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+    shapes = {"embed.tokens.weight": (V, d), "final_norm.weight": (d,), "lm_head.weight": (V, d)}
+    for i in range(config.n_layers):
+        b = f"blocks.{i}."
+        shapes |= {b + "norm1.weight": (d,), b + "attn.qkv.weight": (H + 2 * KV, d),
+                   b + "attn.out.weight": (d, H), b + "norm2.weight": (d,),
+                   b + "mlp.up.weight": (2 * ff, d), b + "mlp.down.weight": (d, ff)}
+    return shapes
+
+
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Invert llama.cpp's Q/K permutation: per head, rows (i, half) -> (half, i)."""
     rows, cols = w.shape
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str = "fp32",
               ) -> tuple[Transformer, ChatTokenizer]:
-    """Read a GGUF file: the model (eval mode, on CPU) and its tokenizer."""
+    """Read a GGUF file: the model (eval mode, on CPU) and its tokenizer.
+
+    weights="fp32" dequantizes every tensor (exactly what transformers computes);
+    weights="gguf" keeps Q8_0 / Q4_0 / Q4_1 matrices in their blocks as QuantizedLinear
+    layers (glassformer.kernels): the same weights in a quarter of the memory, multiplied by
+    the int8 / int4 decode kernels (which round the activations to int8, like llama.cpp).
+    """
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights: choose one of {WEIGHT_MODES}, got {weights!r}")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
@@ -134,15 +156,49 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
             raise ValueError(f"{path}: {tokenizer.vocab_size} tokens in the vocabulary but "
                              f"{config.vocab_size} rows in token_embd.weight")
         model = empty_model(config, dtype)
+        done = _keep_blocks(file, model, targets) if weights == "gguf" else set()
         params = dict(model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for name, target in targets.items():
+                if name in done:
+                    continue
                 dest = params[target.param]
                 if target.rows is not None:
                     dest = dest[target.rows[0]:target.rows[1]]
                 _fill(file, name, dest, target.heads)
                 file.release(name)
     return model.eval(), tokenizer
+
+
+def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target]) -> set[str]:
+    """Swap each linear layer whose GGUF tensors all share a block type the kernels read for
+    a QuantizedLinear built from those blocks; returns the tensor names so consumed. Blocks
+    hold whole rows, so fusing (q; k; v) and un-permuting rows work on the bytes."""
+    from ..kernels import QuantizedLinear
+    from ..kernels.gguf_blocks import BLOCK_BYTES
+
+    layers: dict[str, list[str]] = {}
+    for name, target in targets.items():
+        if target.param.endswith(("qkv.weight", "out.weight", "up.weight", "down.weight")):
+            layers.setdefault(target.param.removesuffix(".weight"), []).append(name)
+    layers["lm_head"] = ["output.weight" if "output.weight" in targets else "token_embd.weight"]
+    done: set[str] = set()
+    for layer, names in layers.items():
+        types = {file.tensors[n].qtype.name for n in names}
+        if len(types) != 1 or next(iter(types)) not in BLOCK_BYTES:
+            continue
+        rows = []
+        for n in sorted(names, key=lambda n: targets[n].rows or (0, 0)):
+            raw = file.raw(n)
+            heads = targets[n].heads
+            rows.append(unpermute_rows(raw, heads) if heads else raw)
+        raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        shape = (sum(file.tensors[n].shape[0] for n in names), file.tensors[names[0]].shape[1])
+        parent, _, attr = layer.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, attr, QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape))
+        done.update(n for n in names if n != "token_embd.weight")  # the embedding stays fp32
+    return done
 
 
 def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Target]) -> None:
@@ -155,9 +211,7 @@ def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Targe
     if unknown:
         raise ValueError(f"{file.path}: unexpected tensor {unknown[0]} for a "
                          f"{config.n_layers}-layer Llama model")
-    with torch.device("meta"):  # shapes only: nothing allocated
-        model = Transformer(config)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shapes = param_shapes(config)
     for name, target in targets.items():
         info = file.tensors[name]
         rows, cols = shapes[target.param][0], shapes[target.param][1:]
