@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .batching import left_pad, select_rows
+from .fast_decode import fast_decoder
 from .kv_cache import KVCache
 from .model import Transformer
 from .sampling import SamplingConfig, next_token, token_counts
@@ -111,7 +112,14 @@ def prefill(
 def decode_one_token(
     model: Transformer, token: Tensor, cache: KVCache, positions: Tensor | None = None
 ) -> Tensor:
-    """Feed one token per row (B,) at `positions` (B,) against the cache: logits (B, V)."""
+    """Feed one token per row (B,) at `positions` (B,) against the cache: logits (B, V).
+
+    One sequence on a model converted by `glassformer.quantize` takes the fused C++ step
+    (`glassformer.fast_decode`), which computes the same thing without Python per layer."""
+    if token.shape[0] == 1 and positions is None and not cache.padded:
+        fused = fast_decoder(model)
+        if fused is not None:
+            return fused(token, cache)
     h = model.forward_hidden(token[:, None], cache, None if positions is None else positions[:, None])
     return model.head(h[:, -1])  # (B, V)
 

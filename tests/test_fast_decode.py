@@ -57,3 +57,22 @@ def test_when_it_does_not_apply():
         with model.hooks.installed({"blocks.0.attn.q": lambda t, s: None}):
             assert "hooks" in why_not(model)
     assert "no grad" in why_not(model)
+
+
+def test_generation_takes_the_fused_step_and_keeps_greedy_tokens(monkeypatch):
+    from glassformer import fast_decode, generate
+
+    model = _converted("tiny-llama", "none")
+    config = generate.GenerationConfig(max_new_tokens=12)
+    calls = []
+    original = fast_decode.FastDecoder.__call__
+
+    def counted(self, token, cache):
+        calls.append(cache.length)
+        return original(self, token, cache)
+
+    monkeypatch.setattr(fast_decode.FastDecoder, "__call__", counted)
+    fused = generate.generate(model, [3, 1, 4, 1, 5], config).generated_ids
+    assert len(calls) == 11  # every token after the first comes from the fused step
+    monkeypatch.setattr(generate, "fast_decoder", lambda model: None)
+    assert generate.generate(model, [3, 1, 4, 1, 5], config).generated_ids == fused
