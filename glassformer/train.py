@@ -271,6 +271,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         "wall_seconds": time.perf_counter() - started, "checkpoint": str(out / "latest"),
         "best_checkpoint": str(out / "best"), "metrics": str(out / "metrics.jsonl"),
         "loss_curve": str(out / "loss.png"), "world_size": process.world_size,
+        "rank": process.rank,
         "dtype": "bfloat16" if config.dtype == "bfloat16" and bf16_supported(device) else "float32",
     }
 

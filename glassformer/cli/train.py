@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     echo = (lambda s: tqdm.write(s, file=sys.stderr)) if args.json else tqdm.write
     summary = train(args.data, args.out, model_config, train_config, resume=args.resume,
                     progress=not args.no_progress, echo=echo)
+    if summary["rank"] != 0:  # under torchrun, rank 0 speaks for all
+        return 0
     if args.json:
         print(json.dumps(_finite(summary)))
     else:
