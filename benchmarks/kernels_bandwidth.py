@@ -1,8 +1,10 @@
 """One SmolLM2-135M decode step's weight products: torch F.linear fp32 vs each kernel format.
 
 Shapes per layer (30 layers): qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576,
-plus the head 576->49152. Prints ms per step, GB/s of weight bytes read, and the speed-up
-over F.linear. Run: .venv/bin/python benchmarks/kernels_bandwidth.py [--rows M]
+plus the head 576->49152. Prints ms per step, GB/s of weight bytes read, the speed-up over
+F.linear, and the share of the read ceiling: `torch.sum` over the same fp32 weights, timed
+in the same rounds, i.e. the memory bandwidth actually available while the script runs.
+Run: .venv/bin/python benchmarks/kernels_bandwidth.py [--rows M] [--threads T]
 """
 
 from __future__ import annotations
@@ -46,15 +48,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1, help="activation rows M (batch)")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     shapes = step_shapes(args.layers)
     weights = [torch.randn(n, k, generator=g) * 0.02 for n, k in shapes]
     xs = [torch.randn(args.rows, k, generator=g) for _, k in shapes]  # (M, K)
 
-    variants = {"torch F.linear": [lambda x, w=w: F.linear(x, w) for w in weights]}
-    n_bytes = {"torch F.linear": sum(w.numel() * 4 for w in weights)}
+    fp32_bytes = sum(w.numel() * 4 for w in weights)
+    # the read ceiling of this machine at this moment: summing the same fp32 bytes
+    variants = {"read ceiling": [lambda x, w=w: w.sum() for w in weights],
+                "torch F.linear": [lambda x, w=w: F.linear(x, w) for w in weights]}
+    n_bytes = {"read ceiling": fp32_bytes, "torch F.linear": fp32_bytes}
     for mode in ("fp32", "bf16", "int8", "int4"):
         layers = [QuantizedLinear.from_weight(w, mode) for w in weights]
         layers[0](xs[0])  # builds the extension if needed
@@ -66,10 +72,13 @@ def main() -> None:
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     print(f"{args.layers} layers + head, M={args.rows}, {torch.get_num_threads()} threads, "
           f"load average {load}")
-    print(f"{'format':<16}{'MB read':>9}{'ms/step':>10}{'GB/s':>8}{'vs F.linear':>13}")
+    ceiling = fp32_bytes / seconds["read ceiling"]
+    print(f"{'format':<16}{'MB read':>9}{'ms/step':>10}{'GB/s':>8}{'vs F.linear':>13}"
+          f"{'of ceiling':>12}")
     for name, t in seconds.items():
-        print(f"{name:<16}{n_bytes[name] / 1e6:>9.1f}{t * 1e3:>10.2f}"
-              f"{n_bytes[name] / t / 1e9:>8.1f}{base / t:>12.2f}x")
+        rate = n_bytes[name] / t
+        print(f"{name:<16}{n_bytes[name] / 1e6:>9.1f}{t * 1e3:>10.2f}{rate / 1e9:>8.1f}"
+              f"{base / t:>12.2f}x{rate / ceiling:>11.0%}")
 
 
 if __name__ == "__main__":
