@@ -30,8 +30,8 @@ namespace {
 
 constexpr int kRows = 4;  // weight rows per iteration
 // Software prefetch distance in bytes along the weights. The hardware prefetcher alone keeps
-// too few reads in flight for the quantized kernels, which spend more time per byte.
-constexpr int kPrefetch = 4096;
+// too few reads in flight, most of all for the quantized kernels (more work per byte).
+constexpr int kPrefetch = 8192;
 
 inline void prefetch(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + kPrefetch, _MM_HINT_T0);
@@ -91,7 +91,7 @@ inline void tile_float(const T* w, int64_t K, const float* x, int64_t ldx, float
     __m256 xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
     for (int r = 0; r < R; ++r) {
-      if (sizeof(T) == 2 && (k & 31) == 0) prefetch(w + r * K + k);  // once per 64-byte line
+      if ((k * sizeof(T)) % 64 == 0) prefetch(w + r * K + k);  // once per 64-byte line
       const __m256 wv = load8(w + r * K + k);
       for (int m = 0; m < MB; ++m) acc[m][r] = _mm256_fmadd_ps(wv, xv[m], acc[m][r]);
     }
