@@ -235,3 +235,13 @@ def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
 def test_unknown_weights_mode(f32_file):
     with pytest.raises(ValueError, match="weights"):
         load_gguf(f32_file, weights="int3")
+
+
+def test_cli_reports_a_bad_file_in_one_line(f32_file, tmp_path, capsys):
+    from glassformer.cli import main
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(f32_file.read_bytes()[:-1000])
+    assert main(["export", "--model", str(path), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("glassformer: error:") and "truncated" in err and "\n" not in err

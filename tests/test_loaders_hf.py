@@ -217,3 +217,12 @@ def test_export_refuses_what_hf_cannot_express(tmp_path):
     with pytest.raises(ValueError, match="norm_placement"):
         export_hf(model, _tokenizer(), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_config_missing_a_field_is_one_error(llama_folder):
+    path = llama_folder / "config.json"
+    config = json.loads(path.read_text())
+    del config["hidden_size"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json lacks 'hidden_size'"):
+        load_hf(llama_folder)

@@ -43,10 +43,13 @@ class Entry:
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """A ModelConfig equal to a Hugging Face config.json (as a dict)."""
     kind = hf.get("model_type")
-    if kind == "gpt2":
-        return _gpt2_config(hf)
-    if kind in LLAMA_TYPES:
-        return _llama_config(hf)
+    try:
+        if kind == "gpt2":
+            return _gpt2_config(hf)
+        if kind in LLAMA_TYPES:
+            return _llama_config(hf)
+    except KeyError as error:
+        raise ValueError(f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
     raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)})")
 
 

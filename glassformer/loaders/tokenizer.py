@@ -108,7 +108,9 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
                          f"{', '.join(sorted(PRE_TOKENIZERS))}")
-    tokens = meta["tokenizer.ggml.tokens"]
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("GGUF lacks its vocabulary (tokenizer.ggml.tokens)")
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {token: i for i, token in enumerate(tokens)}

@@ -1,0 +1,154 @@
+"""SmolLM2-135M-Instruct (Q4_1 GGUF): Glassformer vs transformers (which dequantizes to fp32).
+
+Glassformer runs twice: `fp32` (weights dequantized, the same arithmetic as transformers) and
+`gguf` (Q4_1 / Q8_0 blocks kept for the int4 / int8 decode kernels). Each run is its own
+subprocess so load time and peak memory (ru_maxrss) are its own: load the GGUF; greedy 128
+tokens after "The meaning of life is"; one 512-token prefill. Decode speed excludes the
+prompt: (128 - 1) / (time for 128 tokens - time for 1). Load is reported as wall time and as
+CPU time (user + system), which a busy machine inflates less.
+
+    .venv/bin/python benchmarks/pretrained_speed.py [--threads N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+PROMPT = "The meaning of life is"
+NEW_TOKENS = 128
+PREFILL = 512
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def glassformer_worker(path: str, weights: str) -> dict:
+    from glassformer.generate import GenerationConfig, generate
+    from glassformer.loaders.gguf import load_gguf
+
+    start, cpu = time.perf_counter(), time.process_time()
+    model, tokenizer = load_gguf(path, weights=weights)
+    load_s, load_peak = time.perf_counter() - start, peak_mb()
+    load_cpu = time.process_time() - cpu
+    prompt = tokenizer.encode(PROMPT)
+
+    def run(n: int) -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        result = generate(model, prompt, GenerationConfig(max_new_tokens=n, eos_ids=()))
+        return time.perf_counter() - start, result.generated_ids
+
+    return _measure(load_s, load_cpu, load_peak, run, lambda ids: model(ids), tokenizer.encode)
+
+
+def transformers_worker(path: str, weights: str) -> dict:
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    path = Path(path)
+    start, cpu = time.perf_counter(), time.process_time()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    load_s, load_peak = time.perf_counter() - start, peak_mb()
+    load_cpu = time.process_time() - cpu
+    ids = torch.tensor([tokenizer.encode(PROMPT, add_special_tokens=False)])
+
+    def run(n: int) -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n)
+        return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
+
+    return _measure(load_s, load_cpu, load_peak, run, lambda x: model(x).logits,
+                    lambda text: tokenizer.encode(text, add_special_tokens=False))
+
+
+def _measure(load_s, load_cpu, load_peak, run, forward, encode) -> dict:
+    import torch
+
+    with torch.inference_mode():
+        run(4)  # warm-up
+        one, _ = min(run(1) for _ in range(2))
+        full, tokens = run(NEW_TOKENS)
+        ids = torch.tensor([(encode(PROMPT + " ") * PREFILL)[:PREFILL]])
+        forward(ids[:, :64])  # warm-up
+        prefill = []
+        for _ in range(2):
+            start = time.perf_counter()
+            forward(ids)
+            prefill.append(time.perf_counter() - start)
+    return {"load_s": load_s, "load_cpu_s": load_cpu, "load_peak_mb": load_peak, "peak_mb": peak_mb(),
+            "decode_tok_s": (NEW_TOKENS - 1) / (full - one), "prefill_tok_s": PREFILL / min(prefill),
+            "tokens": tokens, "threads": torch.get_num_threads()}
+
+
+RUNS = {"glassformer fp32": (glassformer_worker, "fp32"),
+        "glassformer gguf": (glassformer_worker, "gguf"),
+        "transformers": (transformers_worker, "fp32")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        worker, weights = RUNS[args.worker]
+        print(json.dumps(worker(args.path, weights)))
+        return
+    from glassformer import hub
+
+    path = str(hub.model_path("smollm2-135m-instruct"))
+    results = {}
+    for name in RUNS:
+        command = [sys.executable, __file__, "--worker", name, "--path", path]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode:
+            sys.exit(f"{name} failed:\n{done.stderr[-2000:]}")
+        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    tokens = {name: r.pop("tokens") for name, r in results.items()}
+    reference = tokens["transformers"]
+    for name, r in results.items():  # greedy tokens shared with transformers, from the start
+        r["same_prefix"] = next((i for i, (a, b) in enumerate(zip(tokens[name], reference, strict=True))
+                                 if a != b), len(reference))
+    if args.json:
+        print(json.dumps(results))
+        return
+    theirs = results["transformers"]
+    rows = [("decode tokens/s (greedy 128)", "decode_tok_s", True),
+            (f"prefill tokens/s ({PREFILL})", "prefill_tok_s", True),
+            ("load wall seconds", "load_s", False), ("load CPU seconds", "load_cpu_s", False),
+            ("peak MB after load", "load_peak_mb", False), ("peak MB overall", "peak_mb", False),
+            ("greedy tokens equal to transformers'", "same_prefix", None)]
+    names = list(results)
+    print(f"SmolLM2-135M-Instruct Q4_1, {theirs['threads']} threads; (x): transformers / glassformer, "
+          "> 1 is glassformer better")
+    print(f"{'':<36}" + "".join(f"{n:>24}" for n in names))
+    for label, key, higher in rows:
+        cells = []
+        for name in names:
+            value, base = results[name][key], theirs[key]
+            ratio = (value / base if higher else base / value) if value and base else float("nan")
+            shown = name != "transformers" and higher is not None
+            cells.append(f"{value:>14.1f}" + (f" ({ratio:5.2f}x)" if shown else " " * 9))
+        print(f"{label:<36}" + "".join(f"{c:>24}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
