@@ -251,3 +251,25 @@ def test_cpp_dequantize_equals_the_torch_one(cpp, k):
     assert torch.equal(ops.dequantize(q, d, None, k, cpp), quant.dequantize_int8(q, d, k))
     q, d, m = quant.quantize_int4(w)
     assert torch.equal(ops.dequantize(q, d, m, k, cpp), quant.dequantize_int4(q, d, m, k))
+
+
+def test_cpp_small_batch_matches_the_python_side(cpp):
+    assert _build.extension().SMALL_BATCH == ops.SMALL_BATCH
+
+
+def test_loading_a_state_dict_updates_a_used_layer():
+    g = torch.Generator().manual_seed(8)
+    source = QuantizedLinear.from_weight(torch.randn(6, 64, generator=g), "int8")
+    target = QuantizedLinear.from_weight(torch.randn(6, 64, generator=g), "int8")
+    x = torch.randn(1, 64, generator=g)
+    target(x)  # resolves the fast path with the old tensors
+    target.load_state_dict(source.state_dict())
+    assert torch.equal(target(x), source(x))
+
+
+def test_gradients_flow_to_the_input_through_the_torch_path():
+    w = torch.randn(5, 40, generator=torch.Generator().manual_seed(9))
+    layer = QuantizedLinear.from_weight(w, "int4")
+    x = torch.randn(2, 40, requires_grad=True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.dequantized_weight().sum(0).expand(2, 40))

@@ -13,11 +13,16 @@ Use in a model::
     layer = QuantizedLinear.from_linear(linear, "int8")   # "fp32" | "bf16" | "int8" | "int4"
     y = layer(x)                                           # x (..., in_features) -> (..., out)
 
-- Up to 8 rows (x.reshape(-1, in_features)) run in the C++ kernels; more rows (prefill)
-  run `torch.matmul` on the dequantized float32 weight. int8/int4 kernels quantize the
+- Up to 8 float32 rows (x.reshape(-1, in_features)) on the CPU go straight to the C++
+  kernels in one call (about 2 µs of Python); more rows (prefill) run `torch.matmul` on the
+  dequantized float32 weight (dequantized in C++ per call). int8/int4 kernels quantize the
   activations per block of 32 to int8 (like llama.cpp), so their outputs differ from
   `x @ layer.dequantized_weight().T` by that rounding (bounded in tests/test_kernels.py).
-- Inference only: with grad enabled and x requiring grad, the PyTorch path is taken.
+  The fp32 kernel sums in a different order than `F.linear`: equal up to float rounding,
+  not bit for bit.
+- Inputs that require a gradient take the dense PyTorch product (rounding has no gradient);
+  the weights never get one. Move a layer with `.to(device)`, never `.to(dtype)`: its
+  buffers' dtypes are the format.
 - `QuantizedLinear.from_gguf(...)` builds int8/int4 layers from GGUF Q8_0/Q4_0/Q4_1 blocks
   without requantizing (see gguf_blocks.py); `from_weight(w, mode, bias)` from a tensor.
 - The functional kernels (`ops.linear_fp32/bf16/int8/int4`) take (M, K) float32 x and a

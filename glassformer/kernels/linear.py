@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from . import ops, quant
+from ._build import extension
 from .gguf_blocks import from_gguf_blocks
 
 MODES = ("fp32", "bf16", "int8", "int4")
@@ -50,6 +51,7 @@ class QuantizedLinear(nn.Module):
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._fast: tuple | None = None  # (C++ entry point, its arguments), found on first use
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, backend: str = "auto") -> QuantizedLinear:
@@ -99,12 +101,29 @@ class QuantizedLinear(nn.Module):
             return quant.dequantize_int8(self.qweight, self.scales, self.in_features)
         return quant.dequantize_int4(self.qweight, self.scales, self.mins, self.in_features)
 
+    def _fast_path(self) -> tuple:
+        """The C++ try_* entry point and its arguments, or () where there is none."""
+        ext = None if self.backend == "torch" else extension()
+        if ext is None:
+            return ()
+        if self.mode in ("fp32", "bf16"):
+            kernel = ext.try_f32 if self.mode == "fp32" else ext.try_bf16
+            return kernel, (self.weight, self.bias)
+        if self.mode == "int8":
+            return ext.try_q8, (self.qweight, self.scales, self.bias, self.in_features)
+        return ext.try_q4, (self.qweight, self.scales, self.mins, self.bias, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = self._fast_path()
+        if fast:  # one C++ call for a few float32 rows on the CPU (decode)
+            y = fast[0](x, *fast[1])
+            if y is not None:
+                return y
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
-        x2 = x.reshape(-1, self.in_features)  # (M, K)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
+        x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
         mode, backend = self.mode, self.backend
         if mode == "fp32":
             y = ops.linear_fp32(x2, self.weight, self.bias, backend)
@@ -114,9 +133,15 @@ class QuantizedLinear(nn.Module):
             y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend)
         else:
             y = ops.linear_int4(x2, self.qweight, self.scales, self.mins, self.bias, backend)
-        if y.dtype != x.dtype:
-            y = y.to(x.dtype)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)  # (..., N)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+
+    def _apply(self, fn, recurse=True):
+        self._fast = None  # the buffers may be replaced (.to(), .cuda())
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._fast = None
+        super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"

@@ -182,14 +182,13 @@ struct Activations {
 // Quantized activations in buffers reused across calls (no allocation per call). With
 // `paired`, each whole pair of blocks (2p, 2p + 1) is stored as [elements 0..15 of both]
 // [elements 16..31 of both], the order in which one 32-byte load of q4 nibbles unpacks.
-const Activations& quantized(const torch::Tensor& x, int64_t nb, bool paired) {
+const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64_t nb,
+                            bool paired) {
   thread_local Activations a;
-  const int64_t M = x.size(0);
   a.q.resize(M * nb * 32);
   a.d.resize(M * nb);
   a.s.resize(M * nb);
-  quantize_activations(x.data_ptr<float>(), M, x.size(1), nb, a.q.data(), a.d.data(),
-                       a.s.data());
+  quantize_activations(x.data_ptr<float>(), M, K, nb, a.q.data(), a.d.data(), a.s.data());
   if (paired) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b + 2 <= nb; b += 2) {
@@ -404,11 +403,28 @@ void dequantize_row(const uint8_t* q, const uint16_t* d, const uint16_t* m, int6
 
 // ------------------------------------------------------------------------ entry points
 
-void check_input(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+constexpr int64_t kSmallBatch = 8;  // most rows the try_* entry points take (ops.SMALL_BATCH)
+
+// x is (..., K): checks it and returns its number of rows M.
+int64_t rows_of(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() >= 1 &&
                   x.is_contiguous(),
-              "x must be a contiguous (M, K) float32 CPU tensor");
-  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
+              "x must be a contiguous (..., K) float32 CPU tensor");
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  return K == 0 ? 0 : x.numel() / K;
+}
+
+torch::Tensor output_like(const torch::Tensor& x, int64_t N) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  return torch::empty(shape, x.options());  // (..., N)
+}
+
+// Whether the try_* entry points take x: a few float32 rows on the CPU, no gradient needed.
+bool small_batch(const torch::Tensor& x, int64_t K) {
+  return x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() >= 1 &&
+         x.size(-1) == K && x.numel() > 0 && x.numel() <= kSmallBatch * K &&
+         x.is_contiguous() && !(x.requires_grad() && at::GradMode::is_enabled());
 }
 
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
@@ -429,10 +445,9 @@ void check_weight(const torch::Tensor& t, torch::ScalarType dtype, int64_t rows,
 
 torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w,
                          const c10::optional<torch::Tensor>& bias) {
-  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-  check_input(x, K);
+  const int64_t N = w.size(0), K = w.size(1), M = rows_of(x, K);
   check_weight(w, torch::kFloat32, N, K, "weight");
-  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  auto y = output_like(x, N);  // (..., N)
   linear_float(w.data_ptr<float>(), x.data_ptr<float>(), bias_ptr(bias, N),
                y.data_ptr<float>(), M, N, K);
   return y;
@@ -440,10 +455,9 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& w,
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
                           const c10::optional<torch::Tensor>& bias) {
-  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-  check_input(x, K);
+  const int64_t N = w.size(0), K = w.size(1), M = rows_of(x, K);
   check_weight(w, torch::kBFloat16, N, K, "weight");
-  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  auto y = output_like(x, N);  // (..., N)
   linear_float(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
                x.data_ptr<float>(), bias_ptr(bias, N), y.data_ptr<float>(), M, N, K);
   return y;
@@ -451,14 +465,14 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
 
 torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qs,
                         const torch::Tensor& d, const c10::optional<torch::Tensor>& bias) {
-  const int64_t N = qs.size(0), nb = d.size(1), M = x.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) > (nb - 1) * 32 && x.size(1) <= nb * 32,
-              "x has ", x.size(1), " features, the weight ", nb, " blocks of 32");
-  check_input(x, x.size(1));
+  const int64_t N = qs.size(0), nb = d.size(1), K = x.dim() ? x.size(-1) : 0;
+  TORCH_CHECK(K > (nb - 1) * 32 && K <= nb * 32,
+              "x has ", K, " features, the weight ", nb, " blocks of 32");
+  const int64_t M = rows_of(x, K);
   check_weight(qs, torch::kInt8, N, nb * 32, "qweight");
   check_weight(d, torch::kFloat16, N, nb, "scales");
-  const Activations& a = quantized(x, nb, false);
-  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  const Activations& a = quantized(x, M, K, nb, false);
+  auto y = output_like(x, N);  // (..., N)
   linear_quant<false>(reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()),
                       reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), nullptr, a,
                       bias_ptr(bias, N), y.data_ptr<float>(), M, N, nb);
@@ -468,20 +482,48 @@ torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qs,
 torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qs,
                         const torch::Tensor& d, const torch::Tensor& m,
                         const c10::optional<torch::Tensor>& bias) {
-  const int64_t N = qs.size(0), nb = d.size(1), M = x.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) > (nb - 1) * 32 && x.size(1) <= nb * 32,
-              "x has ", x.size(1), " features, the weight ", nb, " blocks of 32");
-  check_input(x, x.size(1));
+  const int64_t N = qs.size(0), nb = d.size(1), K = x.dim() ? x.size(-1) : 0;
+  TORCH_CHECK(K > (nb - 1) * 32 && K <= nb * 32,
+              "x has ", K, " features, the weight ", nb, " blocks of 32");
+  const int64_t M = rows_of(x, K);
   check_weight(qs, torch::kUInt8, N, nb * 16, "qweight");
   check_weight(d, torch::kFloat16, N, nb, "scales");
   check_weight(m, torch::kFloat16, N, nb, "mins");
-  const Activations& a = quantized(x, nb, true);
-  auto y = torch::empty({M, N}, x.options());  // (M, N)
+  const Activations& a = quantized(x, M, K, nb, true);
+  auto y = output_like(x, N);  // (..., N)
   linear_quant<true>(qs.data_ptr<uint8_t>(),
                      reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
                      reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), a,
                      bias_ptr(bias, N), y.data_ptr<float>(), M, N, nb);
   return y;
+}
+
+// The try_* entry points compute the product when small_batch(x) holds and return None
+// otherwise (the caller then takes the PyTorch path): one call per layer from Python.
+c10::optional<torch::Tensor> try_f32(const torch::Tensor& x, const torch::Tensor& w,
+                                     const c10::optional<torch::Tensor>& bias) {
+  if (!small_batch(x, w.size(1))) return c10::nullopt;
+  return linear_f32(x, w, bias);
+}
+
+c10::optional<torch::Tensor> try_bf16(const torch::Tensor& x, const torch::Tensor& w,
+                                      const c10::optional<torch::Tensor>& bias) {
+  if (!small_batch(x, w.size(1))) return c10::nullopt;
+  return linear_bf16(x, w, bias);
+}
+
+c10::optional<torch::Tensor> try_q8(const torch::Tensor& x, const torch::Tensor& qs,
+                                    const torch::Tensor& d,
+                                    const c10::optional<torch::Tensor>& bias, int64_t K) {
+  if (!small_batch(x, K)) return c10::nullopt;
+  return linear_q8(x, qs, d, bias);
+}
+
+c10::optional<torch::Tensor> try_q4(const torch::Tensor& x, const torch::Tensor& qs,
+                                    const torch::Tensor& d, const torch::Tensor& m,
+                                    const c10::optional<torch::Tensor>& bias, int64_t K) {
+  if (!small_batch(x, K)) return c10::nullopt;
+  return linear_q4(x, qs, d, m, bias);
 }
 
 torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d,
@@ -521,4 +563,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           c10::optional<torch::Tensor>>())
       .def("step", &DecodeStep::step, "one token through every layer (decode_step.cpp)");
   module.def("dequantize", &dequantize, "q8 (mins None) or q4 blocks -> (N, K) float32");
+  module.def("try_f32", &try_f32, "linear_f32 for a small batch, else None");
+  module.def("try_bf16", &try_bf16, "linear_bf16 for a small batch, else None");
+  module.def("try_q8", &try_q8, "linear_q8 for a small batch of K features, else None");
+  module.def("try_q4", &try_q4, "linear_q4 for a small batch of K features, else None");
+  module.attr("SMALL_BATCH") = kSmallBatch;
 }

@@ -4,8 +4,9 @@ Every function takes x as a (M, K) float32 tensor and returns (M, N) float32. Up
 `SMALL_BATCH` rows on the CPU go to the C++ kernels (decode); the PyTorch path computes the
 same thing: for int8/int4 it quantizes the activations per block exactly as the kernels do
 and sums the integer block products, so both give the same result up to float summation
-order. Larger batches (prefill) use `torch.matmul` on the dequantized float32 weight, with
-unquantized activations. `backend` is "auto" (C++ when built, else PyTorch), "cpp" or "torch".
+order. Larger batches (prefill), and inputs that require a gradient, use `torch.matmul` on
+the dequantized float32 weight, with unquantized activations. `backend` is "auto" (C++
+when built, else PyTorch), "cpp" or "torch".
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: to
     return (dots * (dx.unsqueeze(1) * dw.unsqueeze(0))).sum(-1)  # (M, N)
 
 
+def _dense(x: torch.Tensor) -> bool:
+    """Large batches, and inputs that need a gradient (rounding has none), use the dense
+    product with unquantized activations."""
+    return x.shape[0] > SMALL_BATCH or (x.requires_grad and torch.is_grad_enabled())
+
+
 def dequantize(qweight, scales, mins, in_features, backend="auto"):
     """The (N, K) float32 weight of int8 (mins None) or int4 blocks, in C++ where it runs."""
     ext = None if backend == "torch" or qweight.device.type != "cpu" else extension()
@@ -72,7 +79,7 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto"):
     ext = _kernels(x, backend)
     if ext is not None:
         return ext.linear_q8(x, qweight, scales, bias)
-    if x.shape[0] > SMALL_BATCH:
+    if _dense(x):
         return F.linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
     qw = qweight.reshape(qweight.shape[0], -1, quant.BLOCK).float()  # (N, nb, 32)
@@ -85,7 +92,7 @@ def linear_int4(x, qweight, scales, mins, bias=None, backend="auto"):
     ext = _kernels(x, backend)
     if ext is not None:
         return ext.linear_q4(x, qweight, scales, mins, bias)
-    if x.shape[0] > SMALL_BATCH:
+    if _dense(x):
         return F.linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
     qw = quant.unpack_nibbles(qweight).float()  # (N, nb, 32)
