@@ -35,6 +35,7 @@ class ModelConfig:
     norm: Norm = "layernorm"
     norm_placement: NormPlacement = "pre"
     norm_eps: float = 1e-5
+    norm_bias: bool = True  # LayerNorm's additive bias (RMSNorm has none)
     activation: Activation = "gelu"
     gated: bool = False  # SwiGLU = silu + gated, GeGLU = gelu + gated
     attn_bias: bool = True  # biases on the Q, K, V projections

@@ -16,7 +16,6 @@ import torch
 from .kernels import QuantizedLinear
 from .kernels._build import extension
 from .kv_cache import KVCache
-from .layers.norm import LayerNorm
 from .layers.positions import rope_cos_sin
 from .model import Transformer
 from .quantize import linear_layers
@@ -64,7 +63,7 @@ class FastDecoder:
         tensors: list[torch.Tensor] = []
         layout: list[int] = []
         for block in model.blocks:
-            norm_bias = isinstance(block.norm1, LayerNorm)
+            norm_bias = getattr(block.norm1, "bias", None) is not None
             layout.append(int(norm_bias))
             for norm in (block.norm1, block.norm2):
                 tensors += [norm.weight.detach()] + ([norm.bias.detach()] if norm_bias else [])

@@ -13,7 +13,7 @@ from .kv_cache import KVCache
 from .layers.block import Block
 from .layers.embedding import Embedding
 from .layers.masking import AttentionMask
-from .layers.norm import NORMS
+from .layers.norm import make_norm
 from .layers.positions import alibi_slopes, rope_cos_sin, rope_inverse_frequencies
 
 
@@ -27,7 +27,7 @@ class Transformer(nn.Module):
         self.embed = Embedding(config, self.hooks)
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, self.hooks, i) for i in range(config.n_layers))
-        self.final_norm = NORMS[config.norm](config.d_model, config.norm_eps) if config.final_norm else None
+        self.final_norm = make_norm(config) if config.final_norm else None
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.tokens.weight  # W_head = E_token

@@ -38,7 +38,8 @@ def test_fused_step_equals_the_module_path(name, mode):
 
 def test_gelu_and_relu_feedforward():
     for activation in ("gelu", "relu", "silu"):
-        model = _converted("tiny-gpt2", "none", activation=activation, gated=activation == "silu")
+        model = _converted("tiny-gpt2", "none", activation=activation, gated=activation == "silu",
+                           norm_bias=activation != "gelu")
         ids = torch.randint(0, 96, (1, 6))
         with torch.no_grad():
             cache = KVCache(model.config, 1)

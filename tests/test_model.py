@@ -166,3 +166,12 @@ def test_runs_on_cuda_like_on_cpu():
     logits = model.cuda()(ids.cuda(), cache=cache)
     assert cache.keys[0].device.type == "cuda"
     torch.testing.assert_close(logits.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_layernorm_without_bias():
+    model = _model("tiny-gpt2", norm_bias=False)
+    assert model.blocks[0].norm1.bias is None and model.final_norm.bias is None
+    assert not any(name.endswith("norm1.bias") for name, _ in model.named_parameters())
+    x = torch.randn(2, 5, 32)
+    expected = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    torch.testing.assert_close(model.final_norm(x), expected, atol=1e-5, rtol=1e-5)

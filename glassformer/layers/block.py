@@ -15,7 +15,7 @@ from ..kv_cache import KVCache
 from .attention import Attention
 from .feedforward import FeedForward
 from .masking import AttentionMask
-from .norm import NORMS
+from .norm import make_norm
 
 
 class Block(nn.Module):
@@ -23,9 +23,9 @@ class Block(nn.Module):
         super().__init__()
         site = f"blocks.{layer}"
         self.pre_norm = config.norm_placement == "pre"
-        self.norm1 = NORMS[config.norm](config.d_model, config.norm_eps)
+        self.norm1 = make_norm(config)
         self.attn = Attention(config, hooks, site + ".attn", layer)
-        self.norm2 = NORMS[config.norm](config.d_model, config.norm_eps)
+        self.norm2 = make_norm(config)
         self.mlp = FeedForward(config, hooks, site + ".mlp")
         self.dropout = nn.Dropout(config.dropout)
         self.hooks, self.site = hooks, site

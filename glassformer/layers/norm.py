@@ -6,15 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ModelConfig
+
 
 class LayerNorm(nn.Module):
     """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, over the last dimension."""
 
-    def __init__(self, d_model: int, eps: float) -> None:
+    def __init__(self, d_model: int, eps: float, bias: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))  # (d,)
-        self.bias = nn.Parameter(torch.zeros(d_model))  # (d,)
+        self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None  # (d,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
@@ -34,4 +36,8 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The configured norm over d_model."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps)
+    return LayerNorm(config.d_model, config.norm_eps, config.norm_bias)
