@@ -23,7 +23,7 @@ class ChatSession:
     """`reply(text)` streams the assistant's answer as text pieces; `messages` is the history."""
 
     def __init__(self, model: Transformer, tokenizer, sampling: SamplingConfig | None = None,
-                 max_new_tokens: int = 512, system: str | None = None, max_context: int = 4096,
+                 max_new_tokens: int = 512, system: str | None = None, max_context: int = 2048,
                  seed: int | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat: this model's tokenizer has no chat template")

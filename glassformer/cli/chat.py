@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--weights", choices=("fp32", "gguf"), default="fp32",
                         help="gguf: keep a GGUF's quantized blocks (less memory, faster decode)")
-    parser.add_argument("--max-context", type=int, default=4096,
+    parser.add_argument("--max-context", type=int, default=2048,
                         help="tokens of conversation kept in the KV cache")
     parser.set_defaults(run=run)
 
