@@ -102,7 +102,8 @@ class Transformer(nn.Module):
         )
         rope = None
         if config.position == "rope":
-            rope = rope_cos_sin(self.rope_inv_freq, positions, self.rope_attention_factor)
+            rows = positions[:1] if contiguous else positions  # every row alike: compute once
+            rope = rope_cos_sin(self.rope_inv_freq, rows, self.rope_attention_factor)
             rope = tuple(t.to(self.embed.tokens.weight.dtype) for t in rope)
         x = self.dropout(self.embed(ids, positions))  # (B, T, d)
         for block in self.blocks:

@@ -97,10 +97,11 @@ class Recipe:
     description: str
 
 
-# nanoGPT's documented CPU recipe for shakespeare_char (no biases in linear layers).
+# nanoGPT's documented CPU recipe for shakespeare_char (bias=False: no biases anywhere).
 _NANOGPT_CHAR = ModelConfig(
     vocab_size=65, context_length=64, d_model=128, n_layers=4, n_heads=4, position="learned",
-    norm="layernorm", activation="gelu", attn_bias=False, attn_out_bias=False, mlp_bias=False,
+    norm="layernorm", norm_bias=False, activation="gelu", attn_bias=False, attn_out_bias=False,
+    mlp_bias=False,
     tie_embeddings=True, dropout=0.0,
 )
 
