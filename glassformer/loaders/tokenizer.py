@@ -14,7 +14,7 @@ from typing import Any
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from ..tokenizers import HFTokenizer
+from ..tokenizers import HFTokenizer, _token_text
 
 # GGUF tokenizer.ggml.token_type values
 _CONTROL, _USER_DEFINED = 3, 4
@@ -126,11 +126,6 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
 
     return ChatTokenizer(tokenizer, token("eos"), token("bos"), meta.get("tokenizer.chat_template"),
                          bool(meta.get("tokenizer.ggml.add_bos_token", False)))
-
-
-def _token_text(value: Any) -> str | None:
-    """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
-    return value.get("content") if isinstance(value, dict) else value
 
 
 def _raise(message: str) -> None:
