@@ -1,13 +1,18 @@
 """SmolLM2-135M-Instruct (Q4_1 GGUF): Glassformer vs transformers (which dequantizes to fp32).
 
-Glassformer runs twice: `fp32` (weights dequantized, the same arithmetic as transformers) and
-`gguf` (Q4_1 / Q8_0 blocks kept for the int4 / int8 decode kernels). Each run is its own
-subprocess so load time and peak memory (ru_maxrss) are its own: load the GGUF; greedy 128
-tokens after "The meaning of life is"; one 512-token prefill. Decode speed excludes the
-prompt: (128 - 1) / (time for 128 tokens - time for 1). Load is reported as wall time and as
-CPU time (user + system), which a busy machine inflates less.
+Glassformer runs once per weight mode of `glassformer.load(path, quantize=...)`: `reference`
+(plain nn.Linear modules, the readable path), `fp32` (the same float32 weights through the
+decode kernels and the fused C++ step), `bf16`, `int8`, `int4` (converted once) and `gguf`
+(the file's Q4_1 / Q8_0 blocks as they are). Each run is its own subprocess, so load time and
+peak memory (ru_maxrss) are its own: load the GGUF; greedy 128 tokens after "The meaning of
+life is"; one 512-token prefill. Decode speed excludes the prompt: (128 - 1) / (time for
+128 tokens - time for 1). Prefill is what generation does with a prompt: every position
+through the model, the head on the last one only (transformers: logits_to_keep=1). Load is
+reported as wall time and as CPU time (user + system), which a busy machine inflates less.
+llama.cpp's figures (81 tokens/s decode, 148-191 tokens/s prefill with Q4_1 on this kind of
+machine, measured separately with llama-cpp-python) are quoted for comparison.
 
-    .venv/bin/python benchmarks/pretrained_speed.py [--threads N] [--json]
+    .venv/bin/python benchmarks/pretrained_speed.py [--threads N] [--json] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def glassformer_worker(path: str, weights: str) -> dict:
-    from glassformer.generate import GenerationConfig, generate
-    from glassformer.loaders.gguf import load_gguf
+def glassformer_worker(path: str, mode: str) -> dict:
+    from glassformer import load
+    from glassformer.generate import GenerationConfig, generate, prefill
 
     start, cpu = time.perf_counter(), time.process_time()
-    model, tokenizer = load_gguf(path, weights=weights)
+    language_model = load(path, quantize=None if mode == "reference" else mode, progress=False)
+    model, tokenizer = language_model.model, language_model.tokenizer
     load_s, load_peak = time.perf_counter() - start, peak_mb()
     load_cpu = time.process_time() - cpu
     prompt = tokenizer.encode(PROMPT)
@@ -43,7 +49,8 @@ def glassformer_worker(path: str, weights: str) -> dict:
         result = generate(model, prompt, GenerationConfig(max_new_tokens=n, eos_ids=()))
         return time.perf_counter() - start, result.generated_ids
 
-    return _measure(load_s, load_cpu, load_peak, run, lambda ids: model(ids), tokenizer.encode)
+    return _measure(load_s, load_cpu, load_peak, run, lambda ids: prefill(model, ids),
+                    tokenizer.encode)
 
 
 def transformers_worker(path: str, weights: str) -> dict:
@@ -67,7 +74,7 @@ def transformers_worker(path: str, weights: str) -> dict:
                              max_new_tokens=n, min_new_tokens=n)
         return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
 
-    return _measure(load_s, load_cpu, load_peak, run, lambda x: model(x).logits,
+    return _measure(load_s, load_cpu, load_peak, run, lambda x: model(x, logits_to_keep=1).logits,
                     lambda text: tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -90,8 +97,8 @@ def _measure(load_s, load_cpu, load_peak, run, forward, encode) -> dict:
             "tokens": tokens, "threads": torch.get_num_threads()}
 
 
-RUNS = {"glassformer fp32": (glassformer_worker, "fp32"),
-        "glassformer gguf": (glassformer_worker, "gguf"),
+RUNS = {**{f"glassformer {mode}": (glassformer_worker, mode)
+           for mode in ("reference", "none", "bf16", "int8", "int4", "gguf")},
         "transformers": (transformers_worker, "fp32")}
 
 
@@ -99,6 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", nargs="+", choices=[n.split()[-1] for n in RUNS],
+                        help="glassformer modes to run (transformers always runs)")
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -115,6 +124,8 @@ def main() -> None:
     path = str(hub.model_path("smollm2-135m-instruct"))
     results = {}
     for name in RUNS:
+        if args.only and name != "transformers" and name.split()[-1] not in args.only:
+            continue
         command = [sys.executable, __file__, "--worker", name, "--path", path]
         if args.threads:
             command += ["--threads", str(args.threads)]
@@ -139,15 +150,15 @@ def main() -> None:
     names = list(results)
     print(f"SmolLM2-135M-Instruct Q4_1, {theirs['threads']} threads; (x): transformers / glassformer, "
           "> 1 is glassformer better")
-    print(f"{'':<36}" + "".join(f"{n:>24}" for n in names))
+    print(f"{'':<36}" + "".join(f"{n.replace('glassformer ', 'gf '):>19}" for n in names))
     for label, key, higher in rows:
         cells = []
         for name in names:
             value, base = results[name][key], theirs[key]
             ratio = (value / base if higher else base / value) if value and base else float("nan")
             shown = name != "transformers" and higher is not None
-            cells.append(f"{value:>14.1f}" + (f" ({ratio:5.2f}x)" if shown else " " * 9))
-        print(f"{label:<36}" + "".join(f"{c:>24}" for c in cells))
+            cells.append(f"{value:>9.1f}" + (f" ({ratio:5.2f}x)" if shown else " " * 9))
+        print(f"{label:<36}" + "".join(f"{c:>19}" for c in cells))
 
 
 if __name__ == "__main__":

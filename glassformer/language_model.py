@@ -20,6 +20,7 @@ import torch
 from . import checkpoint, hub
 from .generate import GenerationConfig, GenerationResult, generate
 from .model import Transformer
+from .quantize import QUANTIZE_MODES, quantize_model
 from .sampling import SamplingConfig
 from .trace import Names, run_with_cache
 
@@ -64,12 +65,18 @@ class LanguageModel:
 
 
 def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
-         weights: str = "fp32") -> LanguageModel:
+         quantize: str | None = None) -> LanguageModel:
     """Read a model from a known name, a .gguf file, a Hugging Face or a Glassformer folder.
 
-    weights="gguf" keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices in their blocks for the
-    int8 / int4 kernels (see loaders/gguf.py); "fp32" (default) dequantizes them exactly."""
+    quantize=None keeps plain nn.Linear layers (trainable; the reference path). Otherwise the
+    weights are converted once for fast inference (glassformer.quantize): "none" keeps them
+    in float32, "bf16" / "int8" / "int4" store them smaller, and "gguf" keeps a GGUF file's
+    Q8_0 / Q4_0 / Q4_1 blocks as they are (no requantization; see loaders/gguf.py)."""
     from .loaders.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
+
+    if quantize is not None and quantize not in (*QUANTIZE_MODES, "gguf"):
+        raise ValueError(f"quantize: choose one of {(*QUANTIZE_MODES, 'gguf')}, got {quantize!r}")
+    weights = "gguf" if quantize == "gguf" else "fp32"
 
     text = str(source)
     path = Path(source).expanduser()
@@ -82,13 +89,15 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
         model, tokenizer = load_gguf(path, dtype, weights)
     elif path.is_dir():
         if weights != "fp32":
-            raise ValueError(f"weights={weights!r} applies to GGUF files only")
+            raise ValueError("quantize='gguf' applies to GGUF files only")
         model, tokenizer = _load_folder(path, dtype)
     else:
         raise FileNotFoundError(
             f"no model at {text!r}: give a checkpoint folder, a .gguf file, a Hugging Face folder "
             f"or a known name ({', '.join(sorted(hub.MODELS))})"
         )
+    if quantize is not None:  # layers kept in GGUF blocks stay; the others get fp32 kernels
+        quantize_model(model, "none" if quantize == "gguf" else quantize)
     return LanguageModel(model, tokenizer, text)
 
 

@@ -26,7 +26,8 @@ def linear_layers(model: Transformer) -> list[tuple[nn.Module, str]]:
 
 
 def quantize_model(model: Transformer, mode: str) -> Transformer:
-    """Convert `model` in place for inference (no training afterwards) and return it."""
+    """Convert `model`'s nn.Linear layers in place for inference (no training afterwards) and
+    return it; layers converted before (e.g. kept in GGUF blocks) stay as they are."""
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"quantize: unknown mode {mode!r}; choose one of {QUANTIZE_MODES}")
     model.eval().requires_grad_(False)
@@ -34,6 +35,4 @@ def quantize_model(model: Transformer, mode: str) -> Transformer:
         layer = getattr(parent, name)
         if isinstance(layer, nn.Linear):
             setattr(parent, name, QuantizedLinear.from_linear(layer, _KERNEL_MODE[mode]))
-        elif layer.mode != _KERNEL_MODE[mode]:
-            raise ValueError(f"quantize: the model is already converted to {layer.mode}")
     return model

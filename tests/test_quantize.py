@@ -43,9 +43,32 @@ def test_fp32_kernels_keep_greedy_tokens():
             ids = torch.cat([ids, a[:, None]], dim=1)
 
 
-def test_unknown_mode_and_double_conversion():
+def test_unknown_mode_and_converted_layers_stay():
     _, model = _pair("int8")
     with pytest.raises(ValueError, match="quantize: unknown mode 'int3'"):
         quantize_model(model, "int3")
-    with pytest.raises(ValueError, match="already converted to int8"):
-        quantize_model(model, "int4")
+    quantize_model(model, "int4")
+    assert {b.attn.qkv.mode for b in model.blocks} == {"int8"}
+
+
+def test_load_and_the_cli_convert_once(tmp_path, capsys):
+    import json
+
+    from glassformer import load
+    from glassformer.checkpoint import write_checkpoint
+    from glassformer.cli import main
+    from glassformer.tokenizers import CharTokenizer
+
+    config = get_preset("tiny-llama")
+    tokenizer = CharTokenizer.train("".join(chr(c) for c in range(32, 127)))
+    model = Transformer(config.replace(vocab_size=tokenizer.vocab_size))
+    folder = write_checkpoint(tmp_path / "ckpt", model, tokenizer, {})
+    assert isinstance(load(folder).model.lm_head, torch.nn.Linear)  # default: reference layers
+    for mode in ("int8", "int4"):
+        converted = load(folder, quantize=mode).model
+        assert {b.mlp.down.mode for b in converted.blocks} == {mode}
+    with pytest.raises(ValueError, match="quantize='gguf' applies to GGUF files only"):
+        load(folder, quantize="gguf")
+    assert main(["generate", "--model", str(folder), "Hi", "-n", "3", "--quantize", "int8",
+                 "--ignore-eos", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_generated"] == 3

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .options import add_quantize
+
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
 
@@ -20,8 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--weights", choices=("fp32", "gguf"), default="fp32",
-                        help="gguf: keep a GGUF's quantized blocks (less memory, faster decode)")
+    add_quantize(parser)
     parser.add_argument("--max-context", type=int, default=2048,
                         help="tokens of conversation kept in the KV cache")
     parser.set_defaults(run=run)
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from ..language_model import load
     from ..sampling import SamplingConfig
 
-    language_model = load(args.model, weights=args.weights)
+    language_model = load(args.model, quantize=args.quantize)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty)
     session = ChatSession(language_model.model, language_model.tokenizer, sampling,

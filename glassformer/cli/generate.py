@@ -9,13 +9,16 @@ import sys
 from ..context_extension import extend_context
 from ..generate import GenerationConfig, generate, stream
 from ..language_model import load
+from ..quantize import quantize_model
 from ..sampling import SamplingConfig
+from .options import add_quantize
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="continue a prompt with a model")
     parser.add_argument("prompt", help="the text to continue")
     parser.add_argument("--model", required=True, help="checkpoint/HF folder, .gguf file or known name")
+    add_quantize(parser)
     parser.add_argument("-n", "--max-new-tokens", type=int, default=64, help="at most this many new tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     parser.add_argument("--top-k", type=int, default=None)
@@ -73,10 +76,13 @@ def run(args: argparse.Namespace) -> int:
         truncate=args.truncate,
         overflow="slide" if args.slide else "stop",
     )
-    language_model = load(args.model).to(args.device)
+    extend = args.rope_scaling is not None  # a new window first, then the weights converted
+    language_model = load(args.model, quantize=None if extend else args.quantize)
     model, tokenizer = language_model.model, language_model.tokenizer
-    if args.rope_scaling is not None:
+    if extend:
         model = extend_context(model, args.rope_scaling, args.rope_factor)
+        quantize_model(model, "none" if args.quantize == "gguf" else args.quantize)
+    model = model.to(args.device)
     prompt_ids = _prompt_ids(tokenizer, args.prompt, args.chat)
     if args.json or config.beams > 1:
         result = generate(model, prompt_ids, config, tokenizer)

@@ -12,6 +12,7 @@ from ..language_model import load
 from ..model import Transformer
 from ..presets import get_preset
 from ..tokenizers import CharTokenizer
+from .options import add_quantize
 
 PRINTABLE = "".join(chr(c) for c in range(32, 127))  # 95 characters + end-of-text = 96 ids
 
@@ -31,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--preset", help="a randomly initialised preset (e.g. tiny-llama) with a character tokenizer"
     )
+    add_quantize(parser, default=None)
     parser.add_argument("-o", "--output", help="HTML file to write (default journey.html)")
     parser.add_argument("--json", action="store_true", help="print tokens, sites and next tokens as JSON")
     parser.add_argument("--top-k", type=int, default=10, help="next tokens to list (default 10)")
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise ValueError(f"--top-k: must be at least 1, got {args.top_k}")
     if args.model is not None:
-        loaded = load(args.model).to(args.device)
+        loaded = load(args.model, quantize=args.quantize).to(args.device)
         model, tokenizer = loaded.model, loaded.tokenizer
     else:
         model, tokenizer = random_model(args.preset, args.seed, args.device)
