@@ -102,9 +102,14 @@ def main() -> None:
         print(f"{name:16s} {m:7.1f} ms/iter  {tokens_per_iter / (m / 1e3):8.0f} tokens/s  "
               f"{achieved:6.1f} GFLOP/s  {achieved / ceiling:5.1%} of ceiling  "
               f"(rounds: {', '.join(f'{v:.1f}' for v in values)})")
-    speedup = statistics.median(ms["nanoGPT recipe"]) / statistics.median(ms["glassformer"])
-    print(f"glassformer / nanoGPT recipe tokens/s: {speedup:.2f}x")
-    result["speedup"] = speedup
+    # Each round runs both back to back, so a round's ratio sees the same machine load; the
+    # best round of each is what a quiet machine gives.
+    per_round = [b / g for b, g in zip(ms["nanoGPT recipe"], ms["glassformer"], strict=True)]
+    speedup = statistics.median(per_round)
+    best = min(ms["nanoGPT recipe"]) / min(ms["glassformer"])
+    print(f"glassformer / nanoGPT recipe tokens/s: {speedup:.2f}x (median of rounds: "
+          f"{', '.join(f'{v:.2f}' for v in per_round)}; best round of each: {best:.2f}x)")
+    result["speedup"], result["speedup_best"] = speedup, best
     if args.full:
         base = nanogpt_recipe.run(tmp / "train.bin", tmp / "val.bin", vocab)
         ours = train(args.data, tmp / "full", recipe.model, recipe.train.replace(sample_tokens=0),
