@@ -112,15 +112,18 @@ RECIPES: dict[str, Recipe] = {
                     weight_decay=0.1, beta2=0.99, grad_clip=1.0, eval_interval=250, eval_iters=20),
         "nanoGPT's CPU recipe: 4 layers, 4 heads, d 128, context 64, batch 12, 2000 iterations",
     ),
-    # Same shape, faster learning: rotary positions (no position table to learn), a 4x higher
-    # peak rate with beta2 0.95 and a short warmup; reaches the recipe's 2000-iteration
-    # validation loss in about half the iterations.
+    # Same depth and width, more learnt per step: rotary positions (no position table to
+    # learn), RMSNorm, a SwiGLU feed-forward (d_ff 336: the plain MLP's weight count), a 4x
+    # higher peak rate with beta2 0.95 and a short warmup. Reaches the recipe's 2000-iteration
+    # validation loss in 750-800 iterations (about the same cost per iteration).
     "shakespeare-char-fast": Recipe(
-        _NANOGPT_CHAR.replace(position="rope"),
-        TrainConfig(batch_size=12, max_iters=1000, lr=4e-3, min_lr=1e-4, warmup_iters=30,
-                    weight_decay=0.1, beta2=0.95, grad_clip=1.0, eval_interval=500, eval_iters=20,
+        _NANOGPT_CHAR.replace(position="rope", norm="rmsnorm", activation="silu", gated=True,
+                              d_ff=336),
+        TrainConfig(batch_size=12, max_iters=800, lr=4e-3, min_lr=1e-4, warmup_iters=30,
+                    weight_decay=0.1, beta2=0.95, grad_clip=1.0, eval_interval=200, eval_iters=20,
                     sample_tokens=100),
-        "shakespeare-char with rotary positions and a short, hot schedule: 1000 iterations",
+        "shakespeare-char with rotary positions, RMSNorm, SwiGLU and a short, hot schedule: "
+        "800 iterations",
     ),
 }
 
