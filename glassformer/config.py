@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -14,8 +14,30 @@ AttentionKernel = Literal["reference", "sdpa", "flash"]
 RopeScaling = Literal["none", "linear", "ntk", "yarn"]
 
 
+Config = TypeVar("Config", bound="ConfigFields")
+
+
+class ConfigFields:
+    """JSON round trip and re-validated copies for the frozen config dataclasses."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[Config], values: dict[str, Any]) -> Config:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a {cls.__name__} field")
+        return cls(**values)
+
+    def replace(self: Config, **changes: Any) -> Config:
+        """A new, re-validated config with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ConfigFields):
     """The architecture. Optional sizes (`n_kv_heads`, `d_head`, `d_ff`) default through the
     properties `kv_heads`, `head_dim` and `ff_dim`; fields are never rewritten."""
 
@@ -118,20 +140,6 @@ class ModelConfig:
             return self.rope_original_context
         return int(self.context_length / self.rope_factor)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: not a ModelConfig field")
-        return cls(**values)
-
-    def replace(self, **changes: Any) -> ModelConfig:
-        """A new, re-validated config with some fields changed."""
-        return dataclasses.replace(self, **changes)
 
 
 def _positive(name: str, value: Any) -> None:

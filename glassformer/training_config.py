@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from .config import ModelConfig
+from .config import ConfigFields, ModelConfig
 
 # Fields a resumed run may change: budgets and observation, never the math of a step.
 RESUMABLE_CHANGES = frozenset(
@@ -16,7 +15,7 @@ RESUMABLE_CHANGES = frozenset(
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(ConfigFields):
     batch_size: int = 12  # sequences per micro-batch on each process
     grad_accum: int = 1  # micro-batches per optimizer step
     max_iters: int = 2000  # optimizer steps
@@ -73,19 +72,6 @@ class TrainConfig:
     def decay_iters(self) -> int:
         return self.max_iters if self.lr_decay_iters is None else self.lr_decay_iters
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: not a TrainConfig field")
-        return cls(**values)
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
