@@ -22,7 +22,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
 INCLUDED = [Path(__file__).with_name("decode_step.cpp")]  # #included by SOURCE
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+# -march=native: the build is for this machine's CPU (AVX-512 VNNI where it has it), so the
+# cache key covers the CPU's feature flags as well
+CFLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
 _UNSET = object()
@@ -33,6 +35,15 @@ def cache_dir() -> Path:
     home = os.environ.get("GLASSFORMER_HOME")
     root = Path(home) if home else Path.home() / ".cache" / "glassformer"
     return root / "kernels"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), which -march=native compiles for."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
 
 
 def _why_unavailable() -> str | None:
@@ -79,7 +90,7 @@ def _load() -> ModuleType | None:
         return None
     key = hashlib.sha256(
         b"".join(p.read_bytes() for p in [SOURCE, *INCLUDED])
-        + " ".join(CFLAGS + [torch.__version__]).encode()
+        + " ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     name = f"glassformer_kernels_{key}"
     directory = cache_dir() / key
