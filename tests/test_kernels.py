@@ -100,14 +100,22 @@ def test_cpp_and_torch_quantize_activations_alike(cpp, mode, shape):
     check_within(y, y_torch, 4 * float_bound(x, w_float) + 2 * U * b.abs() + 1e-6)
 
 
-def dense_input(x, mode):
-    """What the many-row path multiplies: bf16 layers round the activations to bfloat16 too."""
-    return x.to(torch.bfloat16).float() if mode == "bf16" else x
+def rounds_to_bf16(mode):
+    """Whether the many-row path multiplies bfloat16 operands: bf16 layers, and the quantized
+    ones where the CPU multiplies bfloat16 in hardware."""
+    return mode == "bf16" or (mode in ("int8", "int4") and ops.bf16_products_pay())
+
+
+def dense_operands(x, w_float, mode):
+    """What the many-row path multiplies."""
+    if rounds_to_bf16(mode):
+        return x.to(torch.bfloat16).float(), w_float.to(torch.bfloat16).float()
+    return x, w_float
 
 
 def assert_dense_close(y, expected, mode):
     """bf16 products also come back rounded to bfloat16: 8 bits of mantissa, 2^-8 relative."""
-    if mode == "bf16":
+    if rounds_to_bf16(mode):
         torch.testing.assert_close(y, expected, rtol=2**-7, atol=2**-7 * expected.abs().max().item())
     else:
         torch.testing.assert_close(y, expected)
@@ -118,7 +126,7 @@ def test_large_batch_uses_the_dense_product(cpp):
     for mode in MODES:
         tensors, w_float = quantized(w, mode)
         y = KERNELS[mode](x, *tensors, b, backend="cpp")
-        assert_dense_close(y, F.linear(dense_input(x, mode), w_float, b), mode)
+        assert_dense_close(y, F.linear(*dense_operands(x, w_float, mode), b), mode)
 
 
 def test_int8_weight_error_is_bounded():
@@ -178,7 +186,7 @@ def test_quantized_linear_any_leading_shape(mode):
     x2 = x.reshape(-1, 40)
     bound = float_bound(x2, w) if mode in ("fp32", "bf16") else activation_bound(x2, w)
     check_within(y.reshape(-1, 24), ref.reshape(-1, 24), bound + 1e-6)
-    dense = F.linear(dense_input(x, mode), w, linear.bias.detach())
+    dense = F.linear(*dense_operands(x, w, mode), linear.bias.detach())
     assert_dense_close(layer(x.repeat(2, 2, 1)), dense.repeat(2, 2, 1), mode)  # 24 rows: dense
 
 

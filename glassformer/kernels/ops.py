@@ -5,11 +5,14 @@ Every function takes x as a (M, K) float32 tensor and returns (M, N) float32. Up
 same thing: for int8/int4 it quantizes the activations per block exactly as the kernels do
 and sums the integer block products, so both give the same result up to float summation
 order. Larger batches (prefill), and inputs that require a gradient, use `torch.matmul` on
-the dequantized float32 weight, with unquantized activations. `backend` is "auto" (C++
-when built, else PyTorch), "cpp" or "torch".
+the dequantized weight, with unquantized activations: in bfloat16 where the CPU multiplies
+it several times faster than float32 (AMX or AVX-512 BF16) and no gradient is needed,
+else in float32. `backend` is "auto" (C++ when built, else PyTorch), "cpp" or "torch".
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +45,25 @@ def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: to
     return (dots * (dx.unsqueeze(1) * dw.unsqueeze(0))).sum(-1)  # (M, N)
 
 
+@functools.cache
+def bf16_products_pay() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AMX or AVX-512 BF16)."""
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+
+
+def _bf16_product(x: torch.Tensor, backend: str) -> bool:
+    """Whether a many-row product takes bfloat16 operands (float32 accumulation)."""
+    return backend != "torch" and not x.requires_grad and bf16_products_pay()
+
+
+def _dense_linear(x, weight, bias, backend):
+    """x @ weight^T + bias for many rows, weight float32 or bfloat16."""
+    if _bf16_product(x, backend):
+        y = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()  # (M, N)
+        return y if bias is None else y + bias
+    return F.linear(x, weight.float(), bias)
+
+
 def _dense(x: torch.Tensor) -> bool:
     """Large batches, and inputs that need a gradient (rounding has none), use the dense
     product with unquantized activations."""
@@ -68,13 +90,12 @@ def linear_fp32(x, weight, bias=None, backend="auto"):
 
 def linear_bf16(x, weight, bias=None, backend="auto"):
     """weight (N, K) bfloat16, products in float32. Many rows (prefill) multiply in bfloat16
-    (activations rounded too), which CPUs with AMX / AVX-512 BF16 do several times faster."""
+    (activations rounded too) where that pays (see bf16_products_pay)."""
     ext = _kernels(x, backend)
     if ext is not None:
         return ext.linear_bf16(x, weight, bias)
-    if x.shape[0] > SMALL_BATCH and backend != "torch" and not x.requires_grad:
-        y = F.linear(x.to(torch.bfloat16), weight).float()  # (M, N)
-        return y if bias is None else y + bias
+    if x.shape[0] > SMALL_BATCH:
+        return _dense_linear(x, weight, bias, backend)
     return F.linear(x, weight.float(), bias)
 
 
@@ -84,7 +105,7 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto"):
     if ext is not None:
         return ext.linear_q8(x, qweight, scales, bias)
     if _dense(x):
-        return F.linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias)
+        return _dense_linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias, backend)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
     qw = qweight.reshape(qweight.shape[0], -1, quant.BLOCK).float()  # (N, nb, 32)
     y = _block_products(qx, dx, qw, scales.float())
@@ -97,7 +118,7 @@ def linear_int4(x, qweight, scales, mins, bias=None, backend="auto"):
     if ext is not None:
         return ext.linear_q4(x, qweight, scales, mins, bias)
     if _dense(x):
-        return F.linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias)
+        return _dense_linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias, backend)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
     qw = quant.unpack_nibbles(qweight).float()  # (N, nb, 32)
     y = _block_products(qx, dx, qw, scales.float())
