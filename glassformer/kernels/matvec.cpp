@@ -23,6 +23,7 @@
 
 #include <torch/extension.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -660,6 +661,7 @@ torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d,
 }
 
 #include "decode_step.cpp"
+#include "train_ops.cpp"
 
 }  // namespace
 
@@ -678,5 +680,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("try_bf16", &try_bf16, "linear_bf16 for a small batch, else None");
   module.def("try_q8", &try_q8, "linear_q8 for a small batch of K features, else None");
   module.def("try_q4", &try_q4, "linear_q4 for a small batch of K features, else None");
+  module.def("rms_norm_forward", &rms_norm_forward, "RMSNorm rows: (y, 1/rms) (train_ops.cpp)");
+  module.def("rms_norm_backward", &rms_norm_backward, "RMSNorm gradients (dx, dw)");
+  module.def("rope", &rope, "rotary embedding of (B, H, T, D), inverse: the backward pass");
   module.attr("SMALL_BATCH") = kSmallBatch;
 }

@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..config import ModelConfig
+from ..kernels import fused as fused_ops
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -67,6 +68,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate queries or keys x (B, heads, T, d_head) by their positions' angles."""
+    fused = fused_ops.rope(x, cos, sin)  # training on the CPU: one pass
+    if fused is not None:
+        return fused
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 

@@ -1,0 +1,115 @@
+"""The fused RMSNorm and RoPE passes used in training equal the plain expressions: values and
+gradients, against a float64 oracle, on odd sizes and strided inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glassformer.config import ModelConfig
+from glassformer.kernels import _build, fused
+from glassformer.layers.positions import rope_cos_sin
+from glassformer.model import Transformer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpp():
+    if _build.extension() is None:
+        pytest.skip("the C++ kernels are not available here")
+
+
+def plain_rms_norm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def plain_rope(x, cos, sin):
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def values_and_grads(fn, inputs, grad_out):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    y = fn(*leaves)
+    y.backward(grad_out.to(y.dtype))
+    return y.detach(), [t.grad for t in leaves]
+
+
+def assert_matches_oracle(fused_fn, plain_fn, inputs, constants=()):
+    g = torch.Generator().manual_seed(1)
+    y64 = plain_fn(*[t.double() for t in inputs], *[c.double() for c in constants])
+    grad_out = torch.randn(y64.shape, generator=g, dtype=torch.float64)
+    y, grads = values_and_grads(lambda *t: fused_fn(*t, *constants), inputs, grad_out.float())
+    y_ref, grads_ref = values_and_grads(
+        lambda *t: plain_fn(*t, *[c.double() for c in constants]), [t.double() for t in inputs],
+        grad_out)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 16), (3, 5, 37), (1, 1, 128), (64, 130)])
+def test_rms_norm_values_and_gradients(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    calls = []
+
+    def fused_norm(x, w):
+        y = fused.rms_norm(x, w, 1e-5)
+        calls.append(y is not None)
+        return y
+
+    assert_matches_oracle(fused_norm, lambda x, w: plain_rms_norm(x, w, 1e-5), [x, w])
+    assert calls == [True]
+
+
+def test_rms_norm_takes_strided_input():
+    x = torch.randn(6, 5, 24).transpose(0, 1)  # (5, 6, 24), not contiguous
+    w = torch.randn(24)
+    assert_matches_oracle(lambda x, w: fused.rms_norm(x, w, 1e-6),
+                          lambda x, w: plain_rms_norm(x, w, 1e-6), [x, w])
+
+
+@pytest.mark.parametrize("batch_angles", [1, 2])
+@pytest.mark.parametrize("d_head", [8, 6, 64])
+def test_rope_values_and_gradients_on_a_transposed_view(batch_angles, d_head):
+    B, T, H = 2, 9, 3
+    g = torch.Generator().manual_seed(d_head)
+    x = torch.randn(B, T, H, d_head, generator=g).transpose(1, 2)  # (B, H, T, D): a view
+    positions = torch.arange(T).repeat(batch_angles, 1) + torch.arange(batch_angles)[:, None] * 5
+    inv_freq = 10000.0 ** -(torch.arange(0, d_head, 2).float() / d_head)  # (D/2,)
+    cos, sin = rope_cos_sin(inv_freq, positions)  # (B or 1, 1, T, D)
+    assert fused.rope(x.requires_grad_(True), cos, sin) is not None
+    assert_matches_oracle(fused.rope, plain_rope, [x.detach()], constants=(cos, sin))
+
+
+def test_inference_and_other_dtypes_keep_the_plain_expressions():
+    x, w = torch.randn(4, 8), torch.randn(8)
+    assert fused.rms_norm(x, w, 1e-5) is None  # no gradient needed
+    with torch.no_grad():
+        assert fused.rms_norm(x.requires_grad_(True), w, 1e-5) is None
+    xb = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert fused.rms_norm(xb, w.bfloat16(), 1e-5) is None
+
+
+def test_training_step_gradients_equal_the_plain_path(monkeypatch):
+    config = ModelConfig(vocab_size=50, context_length=16, d_model=48, n_layers=2, n_heads=4,
+                         n_kv_heads=2, position="rope", norm="rmsnorm", activation="silu",
+                         gated=True)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    ids = torch.randint(0, 50, (3, 17))
+
+    def loss_and_grads():
+        model.zero_grad()
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1))
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss, grads = loss_and_grads()
+    monkeypatch.setattr(fused, "_applies", lambda *tensors: False)
+    loss_plain, grads_plain = loss_and_grads()
+    torch.testing.assert_close(loss, loss_plain)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_plain[name], rtol=1e-4, atol=1e-6, msg=name)
