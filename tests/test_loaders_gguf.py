@@ -214,7 +214,7 @@ def test_not_a_file(tmp_path):
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
-    from glassformer.kernels import QuantizedLinear
+    from glassformer.kernels import QuantizedLinear, ops
 
     path = tmp_path / "k.gguf"
     write_gguf(path, source, qtype)
@@ -229,7 +229,10 @@ def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # decode kernels (<= 8 rows) round activations to int8: close only
         torch.testing.assert_close(compact(ids[:, :1]), exact(ids[:, :1]), atol=0.15, rtol=0.05)
-        torch.testing.assert_close(compact(ids), exact(ids), atol=1e-4, rtol=1e-4)  # prefill: fp32
+        # prefill: the dense product, with bfloat16 operands where the CPU multiplies them fast
+        bf16 = ops.bf16_products_pay()
+        torch.testing.assert_close(compact(ids), exact(ids), atol=0.15 if bf16 else 1e-4,
+                                   rtol=0.05 if bf16 else 1e-4)
 
 
 def test_unknown_weights_mode(f32_file):
