@@ -107,7 +107,7 @@ RECIPES: dict[str, Recipe] = {
         _NANOGPT_CHAR.replace(position="rope", norm="rmsnorm", activation="silu", gated=True,
                               d_ff=336),
         TrainConfig(batch_size=12, max_iters=900, lr=4e-3, min_lr=1e-4, warmup_iters=30,
-                    weight_decay=0.1, beta2=0.95, grad_clip=1.0, eval_interval=150, eval_iters=20,
+                    weight_decay=0.1, beta2=0.95, grad_clip=1.0, eval_interval=300, eval_iters=20,
                     sample_tokens=100),
         "shakespeare-char with rotary positions, RMSNorm, SwiGLU and a short, hot schedule: "
         "900 iterations",
