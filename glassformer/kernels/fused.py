@@ -17,7 +17,8 @@ from ._build import extension
 
 def _applies(*tensors: torch.Tensor) -> bool:
     return (
-        torch.is_grad_enabled()
+        not torch.compiler.is_compiling()  # torch.compile fuses the plain expressions itself
+        and torch.is_grad_enabled()
         and any(t.requires_grad for t in tensors)
         and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
         and extension() is not None
