@@ -22,7 +22,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
 # #included by SOURCE
-INCLUDED = [Path(__file__).with_name(name) for name in ("decode_step.cpp", "train_ops.cpp")]
+INCLUDED = [Path(__file__).with_name(name)
+            for name in ("quantized.cpp", "decode_step.cpp", "train_ops.cpp")]
 # -march=native: the build is for this machine's CPU (AVX-512 VNNI where it has it), so the
 # cache key covers the CPU's feature flags as well
 CFLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]

@@ -1,0 +1,372 @@
+// The quantized weight formats (q8, q4): activation quantization, the integer-dot kernels
+// and dequantization for large batches. Included into matvec.cpp, whose header describes the
+// formats; this part uses its helpers (prefetch, hsum, half, for_row_groups, kRows, kWide).
+
+// ------------------------------------------------------------ activation quantization (Q8)
+
+// Quantizes each row of x (M, K) in blocks of 32: q = round(x * 127 / amax), d = amax / 127,
+// s = d * sum(q) (used by the q4 minimum term). The tail past K is zero.
+void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8_t* q, float* d,
+                          float* s) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      alignas(32) float buf[32];
+      const float* src = x + m * K + b * 32;
+      const int64_t len = std::min<int64_t>(32, K - b * 32);
+      if (len < 32) {
+        for (int i = 0; i < 32; ++i) buf[i] = i < len ? src[i] : 0.0f;
+        src = buf;
+      }
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+      }
+      __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+      a = _mm_max_ss(a, _mm_movehdup_ps(a));
+      const float max_abs = _mm_cvtss_f32(a);
+      const float dm = max_abs / 127.0f;
+      const __m256 id = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+      __m256i qi[4];
+      for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+      const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                             _mm256_add_epi32(qi[2], qi[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32),
+                                 _mm256_extracti128_si256(sum32, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      s4 = _mm_hadd_epi32(s4, s4);
+      // packs interleave 128-bit lanes; the permutation restores element order
+      const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]);
+      const __m256i p23 = _mm256_packs_epi32(qi[2], qi[3]);
+      const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (m * nb + b) * 32), p);
+      d[m * nb + b] = dm;
+      s[m * nb + b] = dm * static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+  }
+}
+
+// n blocks of 32 from p reordered as [elements 0..15 of each block][elements 16..31 of each].
+inline void interleave_halves(int8_t* p, int n) {
+  alignas(32) int8_t tmp[4 * 32];
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(tmp + i * 16, p + i * 32, 16);
+    std::memcpy(tmp + (n + i) * 16, p + i * 32 + 16, 16);
+  }
+  std::memcpy(p, tmp, n * 32);
+}
+
+struct Activations {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+// Quantized activations in buffers reused across calls (no allocation per call). With
+// `paired` (for q4 weights), a group of 2 blocks (4 with kWide, from block 0 while whole
+// groups fit, then at most one pair) is stored as [elements 0..15 of each block]
+// [elements 16..31 of each block], the order in which one load of q4 nibbles unpacks.
+const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64_t nb,
+                            bool paired) {
+  thread_local Activations a;
+  a.q.resize(M * nb * 32);
+  a.d.resize(M * nb);
+  a.s.resize(M * nb);
+  quantize_activations(x.data_ptr<float>(), M, K, nb, a.q.data(), a.d.data(), a.s.data());
+  if (paired) {
+    const int64_t quads = kWide ? nb / 4 * 4 : 0;  // blocks in whole groups of 4
+    for (int64_t m = 0; m < M; ++m) {
+      int8_t* row = a.q.data() + m * nb * 32;
+      for (int64_t b = 0; b < quads; b += 4) interleave_halves(row + b * 32, 4);
+      for (int64_t b = quads; b + 2 <= nb; b += 2) interleave_halves(row + b * 32, 2);
+    }
+  }
+  return a;
+}
+
+// Sum over 8 int32 lanes of the 32 products of signed int8 w and x, as float.
+inline __m256 dot_q8(__m256i w, __m256i x) {
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+// The first len <= 8 values from p as floats, zeros after: masked loads where the CPU has
+// them, else an element-wise copy (copying through memcpy costs a call and a stalled load).
+inline __m256 load_floats(const float* p, int len) {
+#ifdef GLASSFORMER_WIDE
+  return _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << len) - 1), p);
+#else
+  if (len == 8) return _mm256_loadu_ps(p);
+  alignas(32) float v[8] = {};
+  for (int i = 0; i < len; ++i) v[i] = p[i];
+  return _mm256_load_ps(v);
+#endif
+}
+
+inline __m256 load_halves(const uint16_t* p, int len) {  // fp16 values
+#ifdef GLASSFORMER_WIDE
+  return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << len) - 1), p));
+#else
+  if (len == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t v[8] = {};
+  for (int i = 0; i < len; ++i) v[i] = p[i];
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(v)));
+#endif
+}
+
+// For the `len` <= 8 blocks b = b0 + j: s[m][r][j] = dw[r, b] dx[m, b], the scale of each
+// integer block product, computed 8 at a time instead of once per block; for q4 also
+// acc[m][r] += mw[r, b] sx[m, b], the minimum's term (sx = dx * sum of the block's qx).
+template <bool Q4, int R, int MB>
+inline void block_scales(const uint16_t* dw, const uint16_t* mw, const float* dx,
+                         const float* sx, int64_t nb, int64_t ld, int64_t b0, int len,
+                         float (&s)[MB][R][8], __m256 (&acc)[MB][R]) {
+  for (int m = 0; m < MB; ++m) {
+    const __m256 xd = load_floats(dx + m * nb + b0, len);
+    const __m256 xs = Q4 ? load_floats(sx + m * nb + b0, len) : xd;
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(s[m][r], _mm256_mul_ps(load_halves(dw + r * ld * nb + b0, len), xd));
+      if constexpr (Q4)
+        acc[m][r] = _mm256_fmadd_ps(load_halves(mw + r * ld * nb + b0, len), xs, acc[m][r]);
+    }
+  }
+}
+
+// ------------------------------------------------------------- quantized weights (q8, q4)
+
+// acc[m][r] += s[m][r][j] * (q8 block b of row r · activation block b of row m).
+template <int R, int MB>
+inline void step_q8(__m256 (&acc)[MB][R], const int8_t* w, const int8_t* xq, int64_t nb,
+                    int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
+  __m256i xv[MB];
+  for (int m = 0; m < MB; ++m)
+    xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * 32));
+  for (int r = 0; r < R; ++r) {
+    prefetch(w + (r * ld * nb + b) * 32);
+    const __m256i wv =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r * ld * nb + b) * 32));
+    for (int m = 0; m < MB; ++m)
+      acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&s[m][r][j]), dot_q8(wv, xv[m]), acc[m][r]);
+  }
+}
+
+// The same for the q4 blocks b and b + 1 (chunk positions j, j + 1) at once: one 32-byte load
+// holds both blocks' nibbles, and the paired activation layout puts their low and high halves
+// where the masked nibbles land, so each half needs a single maddubs.
+template <int R, int MB>
+inline void step_q4_pair(__m256 (&acc)[MB][R], const uint8_t* w, const int8_t* xq, int64_t nb,
+                         int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i xlo[MB], xhi[MB];
+  for (int m = 0; m < MB; ++m) {
+    const int8_t* xb = xq + (m * nb + b) * 32;
+    xlo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+    xhi[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32));
+  }
+  for (int r = 0; r < R; ++r) {
+    prefetch(w + (r * ld * nb + b) * 16);
+    const __m256i raw =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r * ld * nb + b) * 16));
+    const __m256i lo = _mm256_and_si256(raw, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo[m]),
+                                         _mm256_maddubs_epi16(hi, xhi[m]));
+      const __m256 scale = _mm256_blend_ps(_mm256_broadcast_ss(&s[m][r][j]),
+                                           _mm256_broadcast_ss(&s[m][r][j + 1]), 0xF0);
+      acc[m][r] =
+          _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), acc[m][r]);
+    }
+  }
+}
+
+// One unpaired q4 block (the last of an odd count).
+template <int R, int MB>
+inline void step_q4_single(__m256 (&acc)[MB][R], const uint8_t* w, const int8_t* xq, int64_t nb,
+                           int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    const __m128i raw =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (r * ld * nb + b) * 16));
+    const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i xv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * 32));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+      acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&s[m][r][j]), dot, acc[m][r]);
+    }
+  }
+}
+
+#ifdef GLASSFORMER_WIDE
+// The scales s[m][r][j..j+n) spread over 16 lanes, 16 / n lanes each (n = 2 or 4 blocks).
+inline __m512 spread_scales(const float* s, int j, __m512i lanes) {
+  return _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(j)),
+                               _mm512_castps256_ps512(_mm256_load_ps(s)));
+}
+
+// acc[m][r] += scale * (q8 blocks b, b + 1 of row r · activation blocks b, b + 1 of row m),
+// in one vpdpbusd: |w| (unsigned) times x with the sign of w.
+template <int R, int MB>
+inline void step_q8_wide(__m512 (&acc)[MB][R], const int8_t* w, const int8_t* xq, int64_t nb,
+                         int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512i xv[MB];
+  for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_si512(xq + (m * nb + b) * 32);
+  for (int r = 0; r < R; ++r) {
+    prefetch(w + (r * ld * nb + b) * 32);
+    const __m512i wv = _mm512_loadu_si512(w + (r * ld * nb + b) * 32);
+    const __m512i magnitude = _mm512_abs_epi8(wv);
+    const __mmask64 negative = _mm512_movepi8_mask(wv);
+    for (int m = 0; m < MB; ++m) {
+      const __m512i signed_x = _mm512_mask_sub_epi8(xv[m], negative, _mm512_setzero_si512(), xv[m]);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x);
+      acc[m][r] = _mm512_fmadd_ps(spread_scales(s[m][r], j, lanes), _mm512_cvtepi32_ps(dot),
+                                  acc[m][r]);
+    }
+  }
+}
+
+// The same for the q4 blocks b .. b + 3: one 64-byte load holds their nibbles, one 128-bit
+// lane per block, and the grouped activation layout matches the low and the high nibbles.
+template <int R, int MB>
+inline void step_q4_wide(__m512 (&acc)[MB][R], const uint8_t* w, const int8_t* xq, int64_t nb,
+                         int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i xlo[MB], xhi[MB];
+  for (int m = 0; m < MB; ++m) {
+    xlo[m] = _mm512_loadu_si512(xq + (m * nb + b) * 32);
+    xhi[m] = _mm512_loadu_si512(xq + (m * nb + b) * 32 + 64);
+  }
+  for (int r = 0; r < R; ++r) {
+    prefetch(w + (r * ld * nb + b) * 16);
+    const __m512i raw = _mm512_loadu_si512(w + (r * ld * nb + b) * 16);
+    const __m512i lo = _mm512_and_si512(raw, low4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+    for (int m = 0; m < MB; ++m) {
+      const __m512i dot = _mm512_dpbusd_epi32(
+          _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[m]), hi, xhi[m]);
+      acc[m][r] = _mm512_fmadd_ps(spread_scales(s[m][r], j, lanes), _mm512_cvtepi32_ps(dot),
+                                  acc[m][r]);
+    }
+  }
+}
+#endif
+
+// y[m, r] = sum_b d[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
+// sum_b m[r, b] dx[m, b] sum(qx[m, b])) for R weight rows ld rows apart and MB activation rows.
+// Blocks go in chunks of 8 so that their scales are converted and multiplied 8 at a time.
+template <bool Q4, int R, int MB>
+inline void tile_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                       int64_t ld, const Activations& a, int64_t m0, float* y, int64_t ldy,
+                       const float* bias) {
+  const int8_t* xq = a.q.data() + m0 * nb * 32;
+  const float* dx = a.d.data() + m0 * nb;
+  const float* sx = a.s.data() + m0 * nb;
+  const int8_t* wq = reinterpret_cast<const int8_t*>(w);
+  __m256 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  alignas(32) float s[MB][R][8];
+#ifdef GLASSFORMER_WIDE
+  constexpr int kGroup = Q4 ? 4 : 2;  // blocks per wide step
+  __m512 wide[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) wide[m][r] = _mm512_setzero_ps();
+  auto wide_step = [&](int64_t b, int j) {
+    if constexpr (Q4) step_q4_wide<R, MB>(wide, w, xq, nb, ld, b, s, j);
+    else step_q8_wide<R, MB>(wide, wq, xq, nb, ld, b, s, j);
+  };
+#endif
+  int64_t b0 = 0;
+  for (; b0 + 8 <= nb; b0 += 8) {
+    block_scales<Q4, R, MB>(dw, mw, dx, sx, nb, ld, b0, 8, s, acc);
+#ifdef GLASSFORMER_WIDE
+    for (int j = 0; j < 8; j += kGroup) wide_step(b0 + j, j);
+#else
+    for (int j = 0; j < 8; j += Q4 ? 2 : 1) {
+      if constexpr (Q4) step_q4_pair<R, MB>(acc, w, xq, nb, ld, b0 + j, s, j);
+      else step_q8<R, MB>(acc, wq, xq, nb, ld, b0 + j, s, j);
+    }
+#endif
+  }
+  if (b0 < nb) {  // the last chunk of fewer than 8 blocks
+    const int len = static_cast<int>(nb - b0);
+    block_scales<Q4, R, MB>(dw, mw, dx, sx, nb, ld, b0, len, s, acc);
+    int j = 0;
+#ifdef GLASSFORMER_WIDE
+    for (; j + kGroup <= len; j += kGroup) wide_step(b0 + j, j);
+#endif
+    for (; Q4 && j + 2 <= len; j += 2) step_q4_pair<R, MB>(acc, w, xq, nb, ld, b0 + j, s, j);
+    for (; j < len; ++j) {
+      if constexpr (Q4) step_q4_single<R, MB>(acc, w, xq, nb, ld, b0 + j, s, j);
+      else step_q8<R, MB>(acc, wq, xq, nb, ld, b0 + j, s, j);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float v = hsum(acc[m][r]) + (bias ? bias[r * ld] : 0.0f);
+#ifdef GLASSFORMER_WIDE
+      v += _mm512_reduce_add_ps(wide[m][r]);
+#endif
+      y[m * ldy + r * ld] = v;
+    }
+}
+
+template <bool Q4, int R>
+inline void rows_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                       int64_t ld, const Activations& a, int64_t M, float* y, int64_t N,
+                       const float* bias) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) tile_quant<Q4, R, 2>(w, dw, mw, nb, ld, a, m, y + m * N, N, bias);
+  if (m < M) tile_quant<Q4, R, 1>(w, dw, mw, nb, ld, a, m, y + m * N, N, bias);
+}
+
+template <bool Q4>
+void linear_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
+                  const Activations& a, const float* bias, float* y, int64_t M, int64_t N,
+                  int64_t nb) {
+  const int64_t row_bytes = nb * (Q4 ? 16 : 32);
+  for_row_groups(N, row_bytes, [&](int64_t n0, int64_t rows, int64_t ld) {
+    const float* b = bias ? bias + n0 : nullptr;
+    const uint16_t* m0 = Q4 ? mw + n0 * nb : nullptr;
+    if (rows == kRows)
+      rows_quant<Q4, kRows>(w + n0 * row_bytes, dw + n0 * nb, m0, nb, ld, a, M, y + n0, N, b);
+    else
+      rows_quant<Q4, 1>(w + n0 * row_bytes, dw + n0 * nb, m0, nb, 1, a, M, y + n0, N, b);
+  });
+}
+
+// ---------------------------------------------------------- dequantization (large batches)
+
+// Row n of the float weight: w[k] = d[k / 32] * q[k] (+ m[k / 32]) for k < K.
+template <bool Q4>
+void dequantize_row(const uint8_t* q, const uint16_t* d, const uint16_t* m, int64_t nb, int64_t K,
+                    float* out) {
+  alignas(32) float block[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 scale = _mm256_set1_ps(half(d + b));
+    const __m256 shift = Q4 ? _mm256_set1_ps(half(m + b)) : _mm256_setzero_ps();
+    __m256i bytes;  // 32 quantized values, in element order
+    if constexpr (Q4) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      bytes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                               _mm256_set1_epi8(0x0F));
+    } else {
+      bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 32));
+    }
+    float* dst = (b + 1) * 32 <= K ? out + b * 32 : block;
+    for (int i = 0; i < 4; ++i) {
+      const __m128i eight = i < 2 ? _mm256_castsi256_si128(bytes)
+                                  : _mm256_extracti128_si256(bytes, 1);
+      const __m128i part = (i & 1) ? _mm_srli_si128(eight, 8) : eight;
+      const __m256i wide = Q4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
+      _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(wide), shift));
+    }
+    if (dst == block) std::memcpy(out + b * 32, block, (K - b * 32) * sizeof(float));
+  }
+}
