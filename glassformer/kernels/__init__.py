@@ -1,9 +1,10 @@
 """Fast matrix-vector products for decoding, with weights in fp32, bf16, int8 or int4.
 
 Decoding one token reads every weight once, so its speed is set by how fast weights stream
-from memory. The C++ kernels here (AVX2 + FMA + OpenMP, `matvec.cpp`) read them near the
-memory bandwidth; the same products written in PyTorch remain the reference and the
-fallback (no compiler, non-x86 CPU, CUDA tensors, or `GLASSFORMER_KERNELS=torch`).
+from memory. The C++ kernels here (AVX2 + FMA + OpenMP, AVX-512 VNNI where present;
+`matvec.cpp`, `quantized.cpp`) read them at the memory bandwidth; the same products
+written in PyTorch remain the reference and the fallback (no compiler, non-x86 CPU, CUDA
+tensors, or `GLASSFORMER_KERNELS=torch`).
 The extension is compiled on first use (a one-line notice on stderr) and cached under
 `$GLASSFORMER_HOME/kernels` or `~/.cache/glassformer/kernels`.
 
@@ -15,7 +16,8 @@ Use in a model::
 
 - Up to 8 float32 rows (x.reshape(-1, in_features)) on the CPU go straight to the C++
   kernels in one call (about 2 µs of Python); more rows (prefill) run `torch.matmul` on the
-  dequantized float32 weight (dequantized in C++ per call). int8/int4 kernels quantize the
+  weight dequantized in C++ per call, in bfloat16 where the CPU multiplies it in hardware
+  (`ops.bf16_products_pay`), else in float32. int8/int4 kernels quantize the
   activations per block of 32 to int8 (like llama.cpp), so their outputs differ from
   `x @ layer.dequantized_weight().T` by that rounding (bounded in tests/test_kernels.py).
   The fp32 kernel sums in a different order than `F.linear`: equal up to float rounding,
@@ -25,6 +27,7 @@ Use in a model::
   buffers' dtypes are the format.
 - `QuantizedLinear.from_gguf(...)` builds int8/int4 layers from GGUF Q8_0/Q4_0/Q4_1 blocks
   without requantizing (see gguf_blocks.py); `from_weight(w, mode, bias)` from a tensor.
+- `fused.py` holds training's fused RMSNorm and RoPE passes (`train_ops.cpp`).
 - The functional kernels (`ops.linear_fp32/bf16/int8/int4`) take (M, K) float32 x and a
   `backend` of "auto", "cpp" or "torch"; the weight formats are described in quant.py.
 """
