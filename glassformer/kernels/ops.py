@@ -51,14 +51,10 @@ def bf16_products_pay() -> bool:
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
-def _bf16_product(x: torch.Tensor, backend: str) -> bool:
-    """Whether a many-row product takes bfloat16 operands (float32 accumulation)."""
-    return backend != "torch" and not x.requires_grad and bf16_products_pay()
-
-
 def _dense_linear(x, weight, bias, backend):
-    """x @ weight^T + bias for many rows, weight float32 or bfloat16."""
-    if _bf16_product(x, backend):
+    """x @ weight^T + bias for many rows, weight float32 or bfloat16: bfloat16 operands
+    (float32 accumulation) where that pays and no gradient is needed."""
+    if backend != "torch" and not x.requires_grad and bf16_products_pay():
         y = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()  # (M, N)
         return y if bias is None else y + bias
     return F.linear(x, weight.float(), bias)
