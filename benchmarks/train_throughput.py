@@ -2,19 +2,24 @@
 
     python benchmarks/train_throughput.py [--data PATH] [--iters 100] [--rounds 3] [--full]
 
-Both run in this process, in alternating rounds (so a busy machine slows both alike), with the
-same model shape, batch and optimizer settings. The baseline is nanoGPT's published CPU recipe
-re-expressed in plain PyTorch (benchmarks/nanogpt_recipe.py), not nanoGPT's own code. Prints
-ms/iteration, tokens/s, achieved FLOP/s and its fraction of this machine's fp32 matmul ceiling,
-measured here too. --full also trains both for the recipe's 2000 iterations and prints the
-validation losses.
+They run in alternating rounds (so a busy machine slows both alike), with the same model
+shape, batch and optimizer settings: Glassformer in this process, the baseline as its own
+process, as its users run it. The baseline is nanoGPT's published CPU recipe re-expressed in
+plain PyTorch (benchmarks/nanogpt_recipe.py), not nanoGPT's own code. A third contender is the
+same baseline with glibc's allocator set as Glassformer sets it (glassformer/allocator.py), to
+show what that setting alone is worth. Prints ms/iteration, tokens/s, achieved FLOP/s and its
+fraction of this machine's fp32 matmul ceiling (the faster of MKL and oneDNN on a 1024³
+product), measured here too. --full also trains both for the recipe's 2000 iterations and
+prints the validation losses.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,21 +31,40 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_recipe  # noqa: E402
 
+from glassformer import allocator  # noqa: E402
 from glassformer.train import train  # noqa: E402
 from glassformer.training_config import get_recipe  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def matmul_ceiling(n: int = 1024, repeats: int = 20) -> float:
-    """Best fp32 GFLOP/s of an n×n×n matmul with this process's threads."""
+def matmul_ceiling(n: int = 1024, repeats: int = 20) -> dict[str, float]:
+    """Best fp32 GFLOP/s of an n×n×n product with this process's threads: MKL (`a @ b`) and,
+    where PyTorch has it, oneDNN."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    products = {"mkl": lambda: a @ b}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        products["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    rates = {}
+    for name, product in products.items():
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - t0)
+        rates[name] = 2 * n**3 / best / 1e9
+    return rates
+
+
+def baseline_ms(tmp: Path, vocab: int, iters: int, env: dict[str, str]) -> float:
+    """ms per training iteration of the nanoGPT recipe, run as its own process."""
+    command = [sys.executable, str(Path(__file__).with_name("nanogpt_recipe.py")),
+               str(tmp / "train.bin"), str(tmp / "val.bin"), str(vocab), f"max_iters={iters}",
+               f"eval_interval={10**9}", "eval_iters=1"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True,
+                          env={**os.environ, **env})
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return 1e3 * result["train_seconds"] / result["iters"]
 
 
 def step_flops(model, batch: int) -> float:
@@ -75,41 +99,45 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe = get_recipe("shakespeare-char")
-    ceiling = matmul_ceiling()
+    rates = matmul_ceiling()
+    ceiling = max(rates.values())
     tmp = Path(tempfile.mkdtemp(prefix="glassformer-bench-"))
     vocab = prepare(args.data, tmp)
     flops = step_flops(recipe.model.replace(vocab_size=vocab), recipe.train.batch_size)
     tokens_per_iter = recipe.train.batch_size * recipe.model.context_length
-    ms = {"nanoGPT recipe": [], "glassformer": []}
+    kept = {"MALLOC_MMAP_THRESHOLD_": str(allocator.MMAP_THRESHOLD),
+            "MALLOC_TRIM_THRESHOLD_": str(allocator.TRIM_THRESHOLD)}
+    ms = {"nanoGPT recipe": [], "nanoGPT + allocator": [], "glassformer": []}
     for r in range(args.rounds):
-        base = nanogpt_recipe.run(tmp / "train.bin", tmp / "val.bin", vocab, max_iters=args.iters,
-                                  eval_interval=10**9, eval_iters=1)
-        ms["nanoGPT recipe"].append(1e3 * base["train_seconds"] / base["iters"])
+        ms["nanoGPT recipe"].append(baseline_ms(tmp, vocab, args.iters, {}))
+        ms["nanoGPT + allocator"].append(baseline_ms(tmp, vocab, args.iters, kept))
         ours = train(args.data, tmp / f"run{r}", recipe.model,
                      recipe.train.replace(max_iters=args.iters, eval_interval=10**9, eval_iters=1,
                                           sample_tokens=0, log_interval=args.iters),
                      progress=False, echo=lambda s: None)
         ms["glassformer"].append(1e3 * ours["iters"] * tokens_per_iter / ours["tokens_per_second"]
                                  / ours["iters"])
-    print(f"threads {torch.get_num_threads()}, fp32 matmul ceiling {ceiling:.1f} GFLOP/s, "
+    print(f"threads {torch.get_num_threads()}, fp32 matmul ceiling {ceiling:.1f} GFLOP/s "
+          f"({', '.join(f'{k} {v:.0f}' for k, v in rates.items())}), "
           f"{flops / 1e9:.2f} GFLOP per iteration, {tokens_per_iter} tokens per iteration")
-    result = {"ceiling_gflops": ceiling, "gflop_per_iter": flops / 1e9}
+    result = {"ceiling_gflops": ceiling, "product_gflops": rates, "gflop_per_iter": flops / 1e9}
     for name, values in ms.items():
         m = statistics.median(values)
         achieved = flops / (m / 1e3) / 1e9
         result[name] = {"ms_per_iter": m, "tokens_per_second": tokens_per_iter / (m / 1e3),
                         "gflops": achieved, "fraction_of_ceiling": achieved / ceiling}
-        print(f"{name:16s} {m:7.1f} ms/iter  {tokens_per_iter / (m / 1e3):8.0f} tokens/s  "
+        print(f"{name:19s} {m:7.1f} ms/iter  {tokens_per_iter / (m / 1e3):8.0f} tokens/s  "
               f"{achieved:6.1f} GFLOP/s  {achieved / ceiling:5.1%} of ceiling  "
               f"(rounds: {', '.join(f'{v:.1f}' for v in values)})")
     # Each round runs both back to back, so a round's ratio sees the same machine load; the
     # best round of each is what a quiet machine gives.
-    per_round = [b / g for b, g in zip(ms["nanoGPT recipe"], ms["glassformer"], strict=True)]
-    speedup = statistics.median(per_round)
-    best = min(ms["nanoGPT recipe"]) / min(ms["glassformer"])
-    print(f"glassformer / nanoGPT recipe tokens/s: {speedup:.2f}x (median of rounds: "
-          f"{', '.join(f'{v:.2f}' for v in per_round)}; best round of each: {best:.2f}x)")
-    result["speedup"], result["speedup_best"] = speedup, best
+    for base in ("nanoGPT recipe", "nanoGPT + allocator"):
+        per_round = [b / g for b, g in zip(ms[base], ms["glassformer"], strict=True)]
+        speedup = statistics.median(per_round)
+        best = min(ms[base]) / min(ms["glassformer"])
+        print(f"glassformer / {base} tokens/s: {speedup:.2f}x (median of rounds: "
+              f"{', '.join(f'{v:.2f}' for v in per_round)}; best round of each: {best:.2f}x)")
+        result[f"speedup vs {base}"], result[f"speedup_best vs {base}"] = speedup, best
     if args.full:
         base = nanogpt_recipe.run(tmp / "train.bin", tmp / "val.bin", vocab)
         ours = train(args.data, tmp / "full", recipe.model, recipe.train.replace(sample_tokens=0),

@@ -12,6 +12,7 @@ from .hooks import Hooks
 from .kv_cache import KVCache
 from .layers.block import Block
 from .layers.embedding import Embedding
+from .layers.linear import Linear
 from .layers.masking import AttentionMask
 from .layers.norm import make_norm
 from .layers.positions import alibi_slopes, rope_cos_sin, rope_inverse_frequencies
@@ -28,7 +29,7 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, self.hooks, i) for i in range(config.n_layers))
         self.final_norm = make_norm(config) if config.final_norm else None
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.tokens.weight  # W_head = E_token
         self.rope_attention_factor = 1.0

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from . import distributed
+from .allocator import keep_freed_memory
 from .checkpoint import Checkpoint, save_to_run
 from .config import ModelConfig
 from .data import TokenData, draw_starts, iter_documents, list_sources, windows, write_token_file
@@ -145,6 +146,7 @@ def train(data, out_dir, model_config: ModelConfig, config: TrainConfig, resume:
     `echo` prints the evaluations and samples. Returns a summary (iters, losses, tokens/s,
     checkpoint path ...)."""
     started = time.perf_counter()
+    keep_freed_memory()
     process = distributed.setup(config.device)
     try:
         return _train(data, Path(out_dir), model_config, config, resume, progress, echo,

@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from ..hooks import Hooks
 from ..kv_cache import KVCache
 from .kernels import KERNELS, reference_attention
+from .linear import Linear
 from .masking import AttentionMask
 from .positions import apply_rope
 
@@ -30,8 +31,8 @@ class Attention(nn.Module):
         self.layer = layer
         q_width, kv_width = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         self.split = (q_width, kv_width, kv_width)
-        self.qkv = nn.Linear(config.d_model, q_width + 2 * kv_width, bias=config.attn_bias)
-        self.out = nn.Linear(q_width, config.d_model, bias=config.attn_out_bias)
+        self.qkv = Linear(config.d_model, q_width + 2 * kv_width, bias=config.attn_bias)
+        self.out = Linear(q_width, config.d_model, bias=config.attn_out_bias)
         self.kernel = KERNELS[config.attention_kernel]
         self.dropout = config.dropout
         self.hooks, self.site = hooks, site

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..hooks import Hooks
+from .linear import Linear
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -28,8 +29,8 @@ class FeedForward(nn.Module):
         self.gated = config.gated
         self.activation = ACTIVATIONS[config.activation]
         width = config.ff_dim * (2 if config.gated else 1)
-        self.up = nn.Linear(config.d_model, width, bias=config.mlp_bias)
-        self.down = nn.Linear(config.ff_dim, config.d_model, bias=config.mlp_bias)
+        self.up = Linear(config.d_model, width, bias=config.mlp_bias)
+        self.down = Linear(config.ff_dim, config.d_model, bias=config.mlp_bias)
         self.hooks, self.site = hooks, site
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
