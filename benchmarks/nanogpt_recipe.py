@@ -103,10 +103,13 @@ def _lr(it, r):
     return r["min_lr"] + coeff * (r["learning_rate"] - r["min_lr"])
 
 
-def run(train_bin, val_bin, vocab_size, max_iters=None, target_loss=None, seed=1337, **changes):
+def run(train_bin, val_bin, vocab_size, max_iters=None, target_loss=None, seed=1337,
+        full_val=False, **changes):
     """Train with the recipe on uint16 token files; returns per-phase timings and losses.
 
     Stops early once the validation loss reaches `target_loss` (checked at each evaluation).
+    full_val: also report, untimed, the final model's loss over every non-overlapping window of
+    the whole validation split (`full_val_loss`), free of the sampling noise of eval_iters.
     """
     r = {**RECIPE, **changes}
     max_iters = r["max_iters"] if max_iters is None else max_iters
@@ -165,9 +168,26 @@ def run(train_bin, val_bin, vocab_size, max_iters=None, target_loss=None, seed=1
         loss.item()
         train_seconds += time.perf_counter() - t0
         it += 1
-    return {"iters": it, "train_seconds": train_seconds, "evals": evals,
-            "wall_seconds": time.perf_counter() - start,
-            "tokens_per_iter": r["batch_size"] * r["block_size"]}
+    result = {"iters": it, "train_seconds": train_seconds, "evals": evals,
+              "wall_seconds": time.perf_counter() - start,
+              "tokens_per_iter": r["batch_size"] * r["block_size"]}
+    if full_val:
+        result["full_val_loss"] = whole_split_loss(model, val_bin, r["block_size"])
+    return result
+
+
+@torch.no_grad()
+def whole_split_loss(model, path, block_size: int, rows: int = 256) -> float:
+    """Mean loss over every non-overlapping (block_size + 1)-token window of a uint16 file."""
+    model.eval()
+    data = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
+    starts = torch.arange(0, len(data) - block_size, block_size)  # (n,)
+    total = 0.0
+    for chunk in starts.split(rows):
+        idx = chunk[:, None] + torch.arange(block_size + 1)  # (rows, T + 1)
+        window = data[idx]
+        total += model(window[:, :-1], window[:, 1:].contiguous())[1].item() * len(chunk)
+    return total / len(starts)
 
 
 def main() -> None:

@@ -34,16 +34,15 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_losses(metrics_path: str | Path, png_path: str | Path) -> None:
-    """Training and validation loss against the iteration, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Training and validation loss against the iteration, as a PNG (a bare matplotlib
+    Figure: no pyplot, no global state)."""
+    from matplotlib.figure import Figure
 
     records = read_metrics(metrics_path)
     train = [(r["iter"], r["train_loss"]) for r in records if "lr" in r]
     val = [(r["iter"], r["val_loss"]) for r in records if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train, strict=True), label="train", linewidth=1)
     if val:
@@ -55,5 +54,4 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path) -> None:
     fig.tight_layout()
     tmp = Path(png_path).with_name(Path(png_path).name + ".tmp.png")
     fig.savefig(tmp)
-    plt.close(fig)
     os.replace(tmp, png_path)

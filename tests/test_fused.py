@@ -1,5 +1,5 @@
-"""The fused RMSNorm and RoPE passes used in training equal the plain expressions: values and
-gradients, against a float64 oracle, on odd sizes and strided inputs."""
+"""The fused RMSNorm, RoPE and SwiGLU passes used in training equal the plain expressions:
+values and gradients, against a float64 oracle, on odd sizes and strided inputs."""
 
 from __future__ import annotations
 
@@ -83,6 +83,18 @@ def test_rope_values_and_gradients_on_a_transposed_view(batch_angles, d_head):
     assert_matches_oracle(fused.rope, plain_rope, [x.detach()], constants=(cos, sin))
 
 
+def plain_swiglu(h):
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 2 * 37), (3, 64), (1, 1, 2 * 336)])
+def test_swiglu_values_and_gradients(shape):
+    h = torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 6
+    assert fused.swiglu(h.clone().requires_grad_(True)) is not None
+    assert_matches_oracle(fused.swiglu, plain_swiglu, [h])
+
+
 def test_inference_and_other_dtypes_keep_the_plain_expressions():
     x, w = torch.randn(4, 8), torch.randn(8)
     assert fused.rms_norm(x, w, 1e-5) is None  # no gradient needed
@@ -107,7 +119,11 @@ def test_training_step_gradients_equal_the_plain_path(monkeypatch):
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
+    calls = []
+    real_swiglu = fused.swiglu
+    monkeypatch.setattr(fused, "swiglu", lambda h: calls.append(1) or real_swiglu(h))
     loss, grads = loss_and_grads()
+    assert len(calls) == config.n_layers
     monkeypatch.setattr(fused, "_applies", lambda *tensors: False)
     loss_plain, grads_plain = loss_and_grads()
     torch.testing.assert_close(loss, loss_plain)

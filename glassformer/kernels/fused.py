@@ -1,4 +1,5 @@
-"""RMSNorm and rotary embeddings as single C++ passes (kernels/train_ops.cpp) for training.
+"""RMSNorm, rotary embeddings and SwiGLU as single C++ passes (kernels/train_ops.cpp) for
+training.
 
 The plain expressions in `glassformer.layers` take several elementwise ops each, forward and
 backward, and at the sizes of a small model on a CPU those ops' fixed costs add up to a large
@@ -55,6 +56,20 @@ class _Rope(torch.autograd.Function):
         return extension().rope(grad, cos, sin, True), None, None
 
 
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        rows = h.reshape(-1, h.shape[-1]).contiguous()  # (R, 2F)
+        ctx.save_for_backward(rows)
+        return extension().swiglu_forward(rows).view(*h.shape[:-1], h.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        grad_rows = grad.reshape(rows.shape[0], -1).contiguous()  # (R, F)
+        return extension().swiglu_backward(grad_rows, rows).view(*grad.shape[:-1], -1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x / sqrt(mean(x²) + eps) * weight over the last dimension, or None where the fused
     kernel does not apply (the caller then computes the plain expression)."""
@@ -72,3 +87,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
         return None
     angles = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # (B or 1, T, D) each
     return _Rope.apply(x, *angles)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for h = [gate | up] on its last dimension (..., 2F) -> (..., F), with
+    one gradient tensor for both halves; or None where the fused kernel does not apply."""
+    if not _applies(h) or h.shape[-1] % 2:
+        return None
+    return _SwiGLU.apply(h)

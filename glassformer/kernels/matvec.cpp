@@ -316,5 +316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rms_norm_forward", &rms_norm_forward, "RMSNorm rows: (y, 1/rms) (train_ops.cpp)");
   module.def("rms_norm_backward", &rms_norm_backward, "RMSNorm gradients (dx, dw)");
   module.def("rope", &rope, "rotary embedding of (B, H, T, D), inverse: the backward pass");
+  module.def("swiglu_forward", &swiglu_forward, "silu(g) u for h = [g | u] (R, 2F)");
+  module.def("swiglu_backward", &swiglu_backward, "SwiGLU gradient [dg | du] (R, 2F)");
   module.attr("SMALL_BATCH") = kSmallBatch;
 }

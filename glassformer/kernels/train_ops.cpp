@@ -1,9 +1,11 @@
-// Fused forward and backward passes of RMSNorm and rotary position embeddings for training.
+// Fused forward and backward passes of RMSNorm, rotary position embeddings and SwiGLU for
+// training.
 //
 // Included into matvec.cpp. Each function is one pass over its tensors where the plain
-// PyTorch expressions (glassformer/layers/norm.py, positions.py) take several elementwise
-// ops, each with its own autograd record, on every step. glassformer/kernels/fused.py wraps
-// them as autograd functions; the plain expressions remain the reference the tests use.
+// PyTorch expressions (glassformer/layers/norm.py, positions.py, feedforward.py) take several
+// elementwise ops, each with its own autograd record, on every step. glassformer/kernels/
+// fused.py wraps them as autograd functions; the plain expressions remain the reference the
+// tests use.
 
 // y = x r w with r = 1 / sqrt(mean(x²) + eps) for each row of x (R, d); returns y and r (R).
 std::vector<torch::Tensor> rms_norm_forward(const torch::Tensor& x, const torch::Tensor& w,
@@ -131,4 +133,95 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
         }
       }
   return y;
+}
+
+// e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (the
+// Cephes coefficients, within 2 ulp of expf), 2^n put in the exponent bits.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// σ(x) = 1 / (1 + e^-x) for 8 floats.
+static inline __m256 sigmoid8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+static void check_gated(const torch::Tensor& h) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat32 &&
+                  h.size(1) % 2 == 0,
+              "h must be a contiguous (R, 2F) float32 tensor");
+}
+
+// SwiGLU: y = silu(g) u = g σ(g) u for h = [g | u] (R, 2F); returns y (R, F).
+torch::Tensor swiglu_forward(const torch::Tensor& h) {
+  check_gated(h);
+  const int64_t R = h.size(0), F = h.size(1) / 2;
+  auto y = torch::empty({R, F}, h.options());  // (R, F)
+  const float* __restrict hp = h.data_ptr<float>();
+  float* __restrict yp = y.data_ptr<float>();
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < R; ++i) {
+    const float* __restrict g = hp + i * 2 * F;
+    const float* __restrict u = g + F;
+    float* __restrict y_row = yp + i * F;
+    int64_t j = 0;
+    for (; j + 8 <= F; j += 8) {
+      const __m256 g8 = _mm256_loadu_ps(g + j);
+      _mm256_storeu_ps(y_row + j, _mm256_mul_ps(_mm256_mul_ps(g8, sigmoid8(g8)),
+                                                _mm256_loadu_ps(u + j)));
+    }
+    for (; j < F; ++j) y_row[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+  }
+  return y;
+}
+
+// The gradient of swiglu_forward for the output gradient dy (R, F), as one (R, 2F) tensor
+// [dg | du]: du = dy silu(g), dg = dy u σ(g) (1 + g (1 - σ(g))).
+torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h) {
+  check_gated(h);
+  const int64_t R = h.size(0), F = h.size(1) / 2;
+  TORCH_CHECK(dy.dim() == 2 && dy.size(0) == R && dy.size(1) == F && dy.is_contiguous() &&
+                  dy.scalar_type() == torch::kFloat32,
+              "the gradient must be a contiguous (R, F) float32 tensor");
+  auto dh = torch::empty_like(h);  // (R, 2F)
+  const float* __restrict hp = h.data_ptr<float>();
+  const float* __restrict dyp = dy.data_ptr<float>();
+  float* __restrict dhp = dh.data_ptr<float>();
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < R; ++i) {
+    const float* __restrict g = hp + i * 2 * F;
+    const float* __restrict u = g + F;
+    const float* __restrict d = dyp + i * F;
+    float* __restrict dg = dhp + i * 2 * F;
+    float* __restrict du = dg + F;
+    const __m256 one = _mm256_set1_ps(1.f);
+    int64_t j = 0;
+    for (; j + 8 <= F; j += 8) {
+      const __m256 g8 = _mm256_loadu_ps(g + j), d8 = _mm256_loadu_ps(d + j);
+      const __m256 s8 = sigmoid8(g8);
+      const __m256 silu8 = _mm256_mul_ps(g8, s8);
+      _mm256_storeu_ps(du + j, _mm256_mul_ps(d8, silu8));
+      const __m256 slope = _mm256_mul_ps(s8, _mm256_fmadd_ps(g8, _mm256_sub_ps(one, s8), one));
+      _mm256_storeu_ps(dg + j, _mm256_mul_ps(_mm256_mul_ps(d8, _mm256_loadu_ps(u + j)), slope));
+    }
+    for (; j < F; ++j) {
+      const float s = 1.f / (1.f + std::exp(-g[j]));
+      du[j] = d[j] * g[j] * s;
+      dg[j] = d[j] * u[j] * s * (1.f + g[j] * (1.f - s));
+    }
+  }
+  return dh;
 }

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..hooks import Hooks
+from ..kernels import fused as fused_ops
 from .linear import Linear
 
 ACTIVATIONS = {
@@ -35,7 +36,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up(x)  # (B, T, d_ff) or (B, T, 2 d_ff)
-        if self.gated:
+        fused = fused_ops.swiglu(up) if self.gated and self.activation is F.silu else None
+        if fused is not None:  # training on the CPU: one pass, one gradient tensor
+            hidden = fused
+        elif self.gated:
             gate, up = up.chunk(2, dim=-1)  # (B, T, d_ff) each
             hidden = self.activation(gate) * up
         else:
