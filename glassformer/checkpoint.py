@@ -78,7 +78,7 @@ def optimizer_from_safe(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = value
     groups = [
-        {k: tuple(v) if k == "betas" else v for k, v in group.items()}
+        {k: tuple(v) if k in ("betas", "ns_coefficients") else v for k, v in group.items()}
         for group in meta["param_groups"]
     ]
     return {"state": state, "param_groups": groups}

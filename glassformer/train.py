@@ -2,8 +2,9 @@
 
 One optimizer step draws world_size · grad_accum · batch_size windows with the run's seeded
 generator; each process takes its own slice, so the result does not depend on how many
-processes share the work. AdamW (decay on matrices only), warmup + cosine, clipping,
-accumulation; evaluation on a fixed set of validation windows; checkpoints that resume exactly.
+processes share the work. AdamW (decay on matrices only) or Muon + AdamW (optim.py), warmup +
+cosine, clipping, accumulation; evaluation on a fixed set of validation windows; checkpoints
+that resume exactly.
 """
 
 from __future__ import annotations
@@ -26,20 +27,11 @@ from .config import ModelConfig
 from .data import TokenData, draw_starts, iter_documents, list_sources, windows, write_token_file
 from .kv_cache import KVCache
 from .model import Transformer
+from .optim import make_optimizer, set_learning_rate
 from .schedule import learning_rate
 from .tokenizers import train_tokenizer
 from .train_log import MetricsLog, plot_losses
 from .training_config import TrainConfig, resume_conflicts
-
-
-def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on ≥ 2-D parameters (matrices, embeddings) only; fused kernel."""
-    params = [p for p in model.parameters() if p.requires_grad]  # a tied weight appears once
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=True)
 
 
 def autocast(device: torch.device, dtype: str):
@@ -233,8 +225,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
             t0 = time.perf_counter()
             lr = learning_rate(state["step"], config.lr, config.min_lr, config.warmup_iters,
                                config.decay_iters)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_learning_rate(optimizer, lr, config)
             starts = draw_starts(len(tokens.train), T, process.world_size * n_local, data_gen)
             x, y = windows(tokens.train, starts[mine], T, device)
             loss = train_step(step_model, optimizer, x, y, config.grad_accum, config.grad_clip, amp)

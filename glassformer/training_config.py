@@ -25,6 +25,9 @@ class TrainConfig(ConfigFields):
     warmup_iters: int = 100
     lr_decay_iters: int | None = None  # None: max_iters
     weight_decay: float = 0.1  # on matrices (≥ 2-D parameters) only
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon for the blocks' matrices
+    muon_lr: float = 0.02  # Muon's peak rate (the schedule scales it like lr)
+    muon_momentum: float = 0.95
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # 0: no clipping
@@ -52,7 +55,11 @@ class TrainConfig(ConfigFields):
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr: {self.min_lr} is above lr={self.lr}")
-        for name in ("beta1", "beta2"):
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer: choose adamw or muon, got {self.optimizer!r}")
+        if self.muon_lr < 0:
+            raise ValueError(f"muon_lr: must be >= 0, got {self.muon_lr}")
+        for name in ("beta1", "beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}: must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 < self.val_fraction < 1.0:

@@ -14,7 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from glassformer import ModelConfig, Transformer
 from glassformer.checkpoint import load_model
-from glassformer.train import make_optimizer, train, train_step
+from glassformer.optim import make_optimizer
+from glassformer.train import train, train_step
 from glassformer.training_config import TrainConfig
 
 CONFIG = ModelConfig(vocab_size=17, context_length=8, d_model=16, n_layers=2, n_heads=2)

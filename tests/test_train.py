@@ -8,11 +8,12 @@ import torch
 
 from glassformer import ModelConfig, Transformer
 from glassformer import train as train_module
-from glassformer.checkpoint import load_model
+from glassformer.checkpoint import load_model, optimizer_from_safe, optimizer_to_safe
 from glassformer.data import TokenData, draw_starts
 from glassformer.distributed import Process
+from glassformer.optim import make_optimizer, set_learning_rate
 from glassformer.schedule import learning_rate
-from glassformer.train import bf16_supported, lm_loss, make_optimizer, train, train_step
+from glassformer.train import bf16_supported, lm_loss, train, train_step
 from glassformer.train_log import read_metrics
 from glassformer.training_config import RECIPES, TrainConfig, get_recipe
 
@@ -56,6 +57,41 @@ def test_optimizer_decays_matrices_only():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
     assert any(p is model.lm_head.weight for p in decay["params"])  # tied: counted once
     assert decay["fused"]
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    model = Transformer(MODEL.replace(vocab_size=10))
+    opt = make_optimizer(model, TRAIN.replace(optimizer="muon", muon_lr=0.05))
+    muon, adamw = opt.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    hidden = {id(p) for g in muon.param_groups for p in g["params"]}
+    rest = {id(p) for g in adamw.param_groups for p in g["params"]}
+    assert not hidden & rest and len(hidden | rest) == len(list(model.parameters()))
+    assert hidden == {id(m.weight) for b in model.blocks
+                      for m in (b.attn.qkv, b.attn.out, b.mlp.up, b.mlp.down)}
+    assert id(model.lm_head.weight) in rest  # the tied embedding stays with AdamW
+    set_learning_rate(opt, 1e-3, TRAIN)  # a third of the peak: both rates scale alike
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.05 / 3)
+    assert all(g["lr"] == pytest.approx(1e-3) for g in adamw.param_groups)
+
+
+def test_muon_and_adamw_state_round_trips_through_a_checkpoint():
+    torch.manual_seed(0)
+    config, x = TRAIN.replace(optimizer="muon"), torch.randint(0, 10, (4, 16))
+    models = [Transformer(MODEL.replace(vocab_size=10, dropout=0.0)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [make_optimizer(m, config) for m in models]
+    amp = torch.autocast("cpu", enabled=False)
+    train_step(models[0], opts[0], x, x, 1, 1.0, amp)
+    models[1].load_state_dict(models[0].state_dict())
+    tensors, meta = optimizer_to_safe(opts[0])
+    assert any("momentum_buffer" in k for k in tensors) and any("exp_avg" in k for k in tensors)
+    saved = {k: v.clone() for k, v in tensors.items()}, json.loads(json.dumps(meta))  # a file's
+    opts[1].load_state_dict(optimizer_from_safe(*saved))
+    for model, opt in zip(models, opts, strict=True):
+        train_step(model, opt, x, x, 1, 1.0, amp)
+    for name, tensor in models[0].state_dict().items():
+        torch.testing.assert_close(models[1].state_dict()[name], tensor, msg=name)
 
 
 def test_accumulation_equals_one_large_batch():
@@ -113,9 +149,11 @@ def summary_vocab(out):
     return json.loads((out / "latest" / "config.json").read_text())["model"]["vocab_size"]
 
 
-def test_interrupted_and_resumed_equals_uninterrupted(corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_interrupted_and_resumed_equals_uninterrupted(corpus, tmp_path, monkeypatch, optimizer):
+    config = TRAIN.replace(optimizer=optimizer)
     full = tmp_path / "full"
-    train(corpus, full, MODEL, TRAIN, progress=False)
+    train(corpus, full, MODEL, config, progress=False)
 
     part = tmp_path / "part"
     real_step, calls = train_module.train_step, []
@@ -128,12 +166,12 @@ def test_interrupted_and_resumed_equals_uninterrupted(corpus, tmp_path, monkeypa
 
     monkeypatch.setattr(train_module, "train_step", step_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        train(corpus, part, MODEL, TRAIN, progress=False)
+        train(corpus, part, MODEL, config, progress=False)
     monkeypatch.undo()
     assert json.loads((part / "latest" / "config.json").read_text())["state"]["step"] == 3
 
     # A budget (max_iters) may change on resume; the schedule is pinned by lr_decay_iters.
-    pinned = TRAIN.replace(lr_decay_iters=8)
+    pinned = config.replace(lr_decay_iters=8)
     train(corpus, part, MODEL, pinned.replace(max_iters=6), resume=True, progress=False)
     summary = train(corpus, part, MODEL, pinned, resume=True, progress=False)
     a, b = _train_losses(full), _train_losses(part)
