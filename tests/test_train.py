@@ -11,7 +11,7 @@ from glassformer import train as train_module
 from glassformer.checkpoint import load_model, optimizer_from_safe, optimizer_to_safe
 from glassformer.data import TokenData, draw_starts
 from glassformer.distributed import Process
-from glassformer.optim import make_optimizer, set_learning_rate
+from glassformer.optim import StackedMuon, make_optimizer, set_learning_rate
 from glassformer.schedule import learning_rate
 from glassformer.train import bf16_supported, lm_loss, train, train_step
 from glassformer.train_log import read_metrics
@@ -63,7 +63,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     model = Transformer(MODEL.replace(vocab_size=10))
     opt = make_optimizer(model, TRAIN.replace(optimizer="muon", muon_lr=0.05))
     muon, adamw = opt.optimizers
-    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert isinstance(muon, StackedMuon) and isinstance(adamw, torch.optim.AdamW)
     hidden = {id(p) for g in muon.param_groups for p in g["params"]}
     rest = {id(p) for g in adamw.param_groups for p in g["params"]}
     assert not hidden & rest and len(hidden | rest) == len(list(model.parameters()))
@@ -73,6 +73,26 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     set_learning_rate(opt, 1e-3, TRAIN)  # a third of the peak: both rates scale alike
     assert muon.param_groups[0]["lr"] == pytest.approx(0.05 / 3)
     assert all(g["lr"] == pytest.approx(1e-3) for g in adamw.param_groups)
+
+
+@pytest.mark.parametrize("options", [{}, {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"}])
+def test_stacked_muon_equals_torch_muon(options):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(24, 8), (8, 8), (24, 8), (8, 20), (8, 20), (8, 8)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    stacked = StackedMuon(ours, lr=0.03, weight_decay=0.1, **options)
+    reference = torch.optim.Muon(theirs, lr=0.03, weight_decay=0.1, **options)
+    for _ in range(3):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        stacked.step()
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        torch.testing.assert_close(stacked.state[a]["momentum_buffer"],
+                                   reference.state[b]["momentum_buffer"], rtol=0, atol=1e-6)
 
 
 def test_muon_and_adamw_state_round_trips_through_a_checkpoint():
