@@ -27,7 +27,9 @@ Use in a model::
   buffers' dtypes are the format.
 - `QuantizedLinear.from_gguf(...)` builds int8/int4 layers from GGUF Q8_0/Q4_0/Q4_1 blocks
   without requantizing (see gguf_blocks.py); `from_weight(w, mode, bias)` from a tensor.
-- `fused.py` holds training's fused RMSNorm and RoPE passes (`train_ops.cpp`).
+- `fused.py` holds training's fused RMSNorm, RoPE and SwiGLU passes (`train_ops.cpp`);
+  `onednn.py` routes training's float32 products through oneDNN on CPUs whose AVX-512 MKL
+  leaves unused (AMD Zen 4/5), about twice MKL's speed there.
 - The functional kernels (`ops.linear_fp32/bf16/int8/int4`) take (M, K) float32 x and a
   `backend` of "auto", "cpp" or "torch"; the weight formats are described in quant.py.
 """
