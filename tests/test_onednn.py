@@ -68,6 +68,8 @@ def test_linear_applies_only_to_float32_cpu_training_products(monkeypatch):
         assert onednn.linear(x, w) is None
     assert onednn.linear(x, w.detach()) is None  # nothing needs a gradient
     assert onednn.linear(x.bfloat16(), w.bfloat16()) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's bfloat16 product instead
+        assert onednn.linear(x, w) is None
     monkeypatch.setattr(onednn, "onednn_pays", lambda: False)
     assert onednn.linear(x, w) is None
 

@@ -69,10 +69,11 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x (..., K) @ weight (N, K)^T + bias through oneDNN where that pays for a training
-    product (float32 CPU tensors needing a gradient), else None."""
+    product (float32 CPU tensors needing a gradient, no autocast), else None."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if (
         torch.compiler.is_compiling()
+        or torch.is_autocast_enabled("cpu")
         or not torch.is_grad_enabled()
         or not any(t.requires_grad for t in tensors)
         or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
