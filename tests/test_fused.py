@@ -95,6 +95,12 @@ def test_swiglu_values_and_gradients(shape):
     assert_matches_oracle(fused.swiglu, plain_swiglu, [h])
 
 
+@pytest.mark.parametrize("shape", [(768, 128), (13, 21), (8, 16), (9, 7), (1, 5), (65, 768)])
+def test_transpose_tiles(shape):
+    x = torch.randn(shape)
+    assert torch.equal(_build.extension().transpose(x), x.t().contiguous())
+
+
 def test_inference_and_other_dtypes_keep_the_plain_expressions():
     x, w = torch.randn(4, 8), torch.randn(8)
     assert fused.rms_norm(x, w, 1e-5) is None  # no gradient needed

@@ -61,6 +61,18 @@ def test_linear_takes_a_strided_input():
     torch.testing.assert_close(dw.double(), dw64, rtol=1e-4, atol=1e-4)
 
 
+@needs_onednn
+@pytest.mark.parametrize("n", [40, 8])  # weight taller than wide, and not
+def test_linear_takes_a_broadcast_gradient(n):
+    x, w = torch.randn(3, 10, 16), torch.randn(n, 16)
+    _, (dx, dw) = values_and_grads(lambda x, w: onednn._Linear.apply(x, w, None).sum(), [x, w],
+                                   torch.tensor(1.0))  # the gradient reaches it with stride 0
+    _, (dx64, dw64) = values_and_grads(lambda x, w: F.linear(x, w).sum(),
+                                       [x.double(), w.double()], torch.tensor(1.0).double())
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw.double(), dw64, rtol=1e-4, atol=1e-4)
+
+
 def test_linear_applies_only_to_float32_cpu_training_products(monkeypatch):
     monkeypatch.setattr(onednn, "onednn_pays", lambda: True)
     x, w = torch.randn(4, 8), torch.randn(3, 8, requires_grad=True)

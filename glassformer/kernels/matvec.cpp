@@ -318,5 +318,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rope", &rope, "rotary embedding of (B, H, T, D), inverse: the backward pass");
   module.def("swiglu_forward", &swiglu_forward, "silu(g) u for h = [g | u] (R, 2F)");
   module.def("swiglu_backward", &swiglu_backward, "SwiGLU gradient [dg | du] (R, 2F)");
+  module.def("transpose", &transpose, "(M, K) -> contiguous (K, M), float32");
   module.attr("SMALL_BATCH") = kSmallBatch;
 }

@@ -225,3 +225,46 @@ torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h) {
   }
   return dh;
 }
+
+// The transpose of a contiguous (M, K) float32 matrix, as a contiguous (K, M) one: 8 × 8 tiles
+// transposed in registers (training's weight gradients read their operands transposed).
+torch::Tensor transpose(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "x must be a contiguous (M, K) float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({K, M}, x.options());  // (K, M)
+  const float* __restrict xp = x.data_ptr<float>();
+  float* __restrict yp = y.data_ptr<float>();
+  const int64_t M8 = M / 8 * 8, K8 = K / 8 * 8;
+  // Each thread takes a band of 8 output rows at a time and fills it left to right, so the
+  // writes stream; the reads gather 8 rows of x.
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t j = 0; j < K8; j += 8) {
+    for (int64_t i = 0; i < M8; i += 8) {
+      __m256 r[8], t[8];
+      for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(xp + (i + a) * K + j);
+      for (int a = 0; a < 8; a += 2) {  // pairs of rows interleaved
+        t[a] = _mm256_unpacklo_ps(r[a], r[a + 1]);
+        t[a + 1] = _mm256_unpackhi_ps(r[a], r[a + 1]);
+      }
+      for (int a = 0; a < 8; a += 4)  // then quadruples
+        for (int b = 0; b < 2; ++b) {
+          r[a + b] = _mm256_shuffle_ps(t[a + b], t[a + b + 2], _MM_SHUFFLE(1, 0, 1, 0));
+          r[a + b + 2] = _mm256_shuffle_ps(t[a + b], t[a + b + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+      // r[0..3] hold columns {0, 2, 1, 3} of rows 0-3 (low lanes) and {4, 6, 5, 7} (high);
+      // the same for rows 4-7 in r[4..7]: join the 128-bit halves.
+      static constexpr int order[4] = {0, 2, 1, 3};
+      for (int c = 0; c < 4; ++c) {
+        const __m256 top = r[order[c]], bottom = r[4 + order[c]];
+        _mm256_storeu_ps(yp + (j + c) * M + i, _mm256_permute2f128_ps(top, bottom, 0x20));
+        _mm256_storeu_ps(yp + (j + c + 4) * M + i, _mm256_permute2f128_ps(top, bottom, 0x31));
+      }
+    }
+    for (int64_t c = j; c < j + 8; ++c)
+      for (int64_t i = M8; i < M; ++i) yp[c * M + i] = xp[i * K + c];
+  }
+  for (int64_t c = K8; c < K; ++c)
+    for (int64_t i = 0; i < M; ++i) yp[c * M + i] = xp[i * K + c];
+  return y;
+}
