@@ -3,7 +3,7 @@ the rest.
 
 AdamW (Loshchilov & Hutter, 2019) decays matrices and embeddings, not gains or biases.
 Muon (Jordan et al., 2024; `torch.optim.Muon`) takes the momentum of each hidden weight
-matrix and replaces it by the nearest semi-orthogonal matrix (a few Newton–Schulz
+matrix and replaces it by about the nearest semi-orthogonal matrix (a few Newton–Schulz
 iterations), so every direction of the update moves at the same rate; it applies to the
 matrices inside the blocks only. Embeddings, the head, gains and biases stay with AdamW.
 `StackedMuon` runs torch's update with the iterations of same-shaped matrices batched into
