@@ -29,14 +29,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_recipe  # noqa: E402
 
 from glassformer import allocator  # noqa: E402
 from glassformer.checkpoint import load_model  # noqa: E402
-from glassformer.data import TokenData, windows  # noqa: E402
+from glassformer.data import TokenData  # noqa: E402
+from glassformer.perplexity import perplexity  # noqa: E402
 from glassformer.train import train  # noqa: E402
 from glassformer.training_config import get_recipe  # noqa: E402
 
@@ -83,19 +83,12 @@ def step_flops(model, batch: int) -> float:
     return 3 * batch * c.context_length * (2 * matrix + attention)
 
 
-@torch.no_grad()
 def whole_split_loss(run_dir: Path) -> float:
     """A trained run's mean loss over every non-overlapping window of its validation split."""
     model, _, meta = load_model(run_dir / "latest")
-    model.eval()
     T = model.config.context_length
     val = TokenData.open(run_dir / "tokens.bin", T, meta["train"]["val_fraction"]).val
-    starts = torch.arange(0, len(val) - T, T)  # (n,)
-    total = 0.0
-    for chunk in starts.split(256):
-        x, y = windows(val, chunk, T, "cpu")  # (rows, T) each
-        total += F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
-    return total / (len(starts) * T)
+    return perplexity(model, val, batch_size=256)["loss"]
 
 
 def prepare(text_path: Path, folder: Path) -> int:

@@ -13,10 +13,9 @@ group carries its own `initial_lr`; the schedule scales them all alike.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
+from torch.optim._muon import _adjust_lr
 
 from .training_config import TrainConfig
 
@@ -94,15 +93,15 @@ class StackedMuon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            by_shape: dict[tuple[int, ...], list[nn.Parameter]] = {}
+            by_shape: dict[torch.Size, list[nn.Parameter]] = {}
             for p in group["params"]:
                 if p.grad is not None:
-                    by_shape.setdefault(tuple(p.shape), []).append(p)
+                    by_shape.setdefault(p.shape, []).append(p)
             for shape, params in by_shape.items():
                 self._update(group, shape, params)
         return loss
 
-    def _update(self, group: dict, shape: tuple[int, ...], params: list[nn.Parameter]) -> None:
+    def _update(self, group: dict, shape: torch.Size, params: list[nn.Parameter]) -> None:
         lr, momentum = group["lr"], group["momentum"]
         grads = [p.grad for p in params]
         buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
@@ -112,11 +111,9 @@ class StackedMuon(torch.optim.Muon):
         else:
             updates = torch.stack(buffers)
         ortho = orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
-        rows, cols = shape
-        ratio = {None: math.sqrt(max(1, rows / cols)), "original": math.sqrt(max(1, rows / cols)),
-                 "match_rms_adamw": 0.2 * math.sqrt(max(rows, cols))}.get(group["adjust_lr_fn"], 1.0)
         torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        torch._foreach_add_(params, list(ortho.float().unbind(0)), alpha=-lr * ratio)
+        step = _adjust_lr(lr, group["adjust_lr_fn"], shape)  # torch's own rule
+        torch._foreach_add_(params, list(ortho.float().unbind(0)), alpha=-step)
 
 
 def _adamw_groups(params: list[nn.Parameter], config: TrainConfig) -> list[dict]:

@@ -6,7 +6,7 @@ half their speed. oneDNN, also inside PyTorch, chooses its kernels from the inst
 `linear` sends a training step's three products (output, input gradient, weight gradient)
 through oneDNN on such CPUs: the same float32 arithmetic, summed in another order. Elsewhere,
 and under torch.compile or `GLASSFORMER_KERNELS=torch`, it returns None and the caller keeps
-`F.linear` (tests/test_fused.py compares both, values and gradients).
+`F.linear` (tests/test_onednn.py compares both, values and gradients).
 """
 
 from __future__ import annotations
