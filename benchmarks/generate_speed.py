@@ -19,9 +19,9 @@ import torch
 import transformers
 
 from glassformer import Transformer
-from glassformer.generate import GenerationConfig, decode_one_token, generate, prefill
-from glassformer.kv_cache import KVCache
-from glassformer.loaders.huggingface import config_from_hf, state_dict
+from glassformer.formats.huggingface import config_from_hf, state_dict
+from glassformer.generation.generate import GenerationConfig, decode_one_token, generate, prefill
+from glassformer.model.kv_cache import KVCache
 
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
               "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -41,8 +41,8 @@ def small_models() -> tuple[Transformer, torch.nn.Module]:
 
 
 def smollm2_models() -> tuple[Transformer, torch.nn.Module]:
-    from glassformer.hub import model_path
-    from glassformer.loaders.gguf import load_gguf
+    from glassformer.formats.gguf import load_gguf
+    from glassformer.formats.hub import model_path
 
     path = model_path("smollm2-135m-instruct")
     ours, _ = load_gguf(path)

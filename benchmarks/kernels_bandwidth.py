@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from glassformer.kernels import QuantizedLinear
+from glassformer.accel import QuantizedLinear
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 HEAD = (49152, 576)

@@ -35,7 +35,7 @@ def peak_mb() -> float:
 
 def glassformer_worker(path: str, mode: str) -> dict:
     from glassformer import load
-    from glassformer.generate import GenerationConfig, generate, prefill
+    from glassformer.generation.generate import GenerationConfig, generate, prefill
 
     start, cpu = time.perf_counter(), time.process_time()
     language_model = load(path, quantize=None if mode == "reference" else mode, progress=False)
@@ -119,7 +119,7 @@ def main() -> None:
         worker, weights = RUNS[args.worker]
         print(json.dumps(worker(args.path, weights)))
         return
-    from glassformer import hub
+    from glassformer.formats import hub
 
     path = str(hub.model_path("smollm2-135m-instruct"))
     results = {}

@@ -27,11 +27,11 @@ import types
 import torch
 
 from glassformer import Transformer, get_preset
-from glassformer.layers.attention import Attention
-from glassformer.layers.block import Block
-from glassformer.layers.embedding import Embedding
-from glassformer.layers.feedforward import FeedForward
-from glassformer.trace import site_names
+from glassformer.interpret.trace import site_names
+from glassformer.model.layers.attention import Attention
+from glassformer.model.layers.block import Block
+from glassformer.model.layers.embedding import Embedding
+from glassformer.model.layers.feedforward import FeedForward
 
 METHODS = {
     Transformer: ("forward_hidden", "head"), Block: ("forward",), Attention: ("forward",),

@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_recipe  # noqa: E402
 
 from glassformer import allocator  # noqa: E402
-from glassformer.checkpoint import load_model  # noqa: E402
-from glassformer.data import TokenData  # noqa: E402
-from glassformer.perplexity import perplexity  # noqa: E402
-from glassformer.train import train  # noqa: E402
-from glassformer.training_config import get_recipe  # noqa: E402
+from glassformer.formats.checkpoint import load_model  # noqa: E402
+from glassformer.training.config import get_recipe  # noqa: E402
+from glassformer.training.data import TokenData  # noqa: E402
+from glassformer.training.loop import train  # noqa: E402
+from glassformer.training.perplexity import perplexity  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, hub
-from .generate import GenerationConfig, GenerationResult, generate
-from .model import Transformer
-from .quantize import QUANTIZE_MODES, quantize_model
-from .sampling import SamplingConfig
-from .trace import Names, run_with_cache
+from .accel.quantize import QUANTIZE_MODES, quantize_model
+from .formats import checkpoint, hub
+from .generation.generate import GenerationConfig, GenerationResult, generate
+from .generation.sampling import SamplingConfig
+from .interpret.trace import Names, run_with_cache
+from .model.transformer import Transformer
 
 Prompt = str | Sequence[int]
 
@@ -72,7 +72,7 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
     weights are converted once for fast inference (glassformer.quantize): "none" keeps them
     in float32, "bf16" / "int8" / "int4" store them smaller, and "gguf" keeps a GGUF file's
     Q8_0 / Q4_0 / Q4_1 blocks as they are (no requantization; see loaders/gguf.py)."""
-    from .loaders.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
+    from .formats.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
 
     if quantize is not None and quantize not in (*QUANTIZE_MODES, "gguf"):
         raise ValueError(f"quantize: choose one of {(*QUANTIZE_MODES, 'gguf')}, got {quantize!r}")
@@ -102,8 +102,8 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
 
 
 def _load_folder(path: Path, dtype: torch.dtype):
-    from .loaders.huggingface import load_hf
-    from .loaders.tokenizer import ChatTokenizer
+    from .formats.chat_tokenizer import ChatTokenizer
+    from .formats.huggingface import load_hf
 
     config_path = path / "config.json"
     meta = json.loads(config_path.read_text()) if config_path.is_file() else {}

@@ -5,14 +5,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glassformer.layers.kernels import (
+from glassformer.model.layers.attention_backends import (
     flash_attention,
     reference_attention,
     repeat_kv,
     sdpa_attention,
 )
-from glassformer.layers.masking import AttentionMask
-from glassformer.layers.positions import alibi_slopes
+from glassformer.model.layers.masking import AttentionMask
+from glassformer.model.layers.positions import alibi_slopes
 
 
 def _mask(B, Tq, Tk, causal, window, alibi, H, padding, generator):

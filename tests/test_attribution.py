@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from glassformer import Transformer, get_preset
-from glassformer.attribution import TENTHS, attention_rollout, integrated_gradients, token_baseline
-from glassformer.trace import run_with_cache
+from glassformer.interpret.attribution import TENTHS, attention_rollout, integrated_gradients, token_baseline
+from glassformer.interpret.trace import run_with_cache
 
 
 def sharp_model(name: str = "tiny-llama") -> Transformer:

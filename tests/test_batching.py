@@ -1,9 +1,9 @@
 import torch
 
 from glassformer import Transformer, get_preset
-from glassformer.batching import left_pad, select_rows
-from glassformer.generate import decode_one_token, prefill
-from glassformer.kv_cache import KVCache
+from glassformer.generation.batching import left_pad, select_rows
+from glassformer.generation.generate import decode_one_token, prefill
+from glassformer.model.kv_cache import KVCache
 
 
 def test_left_pad_positions_count_real_tokens_only():

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from glassformer import Transformer, get_preset
-from glassformer.beam import Hypothesis, beam_search
-from glassformer.generate import GenerationConfig, generate
-from glassformer.sampling import SamplingConfig
+from glassformer.generation.beam import Hypothesis, beam_search
+from glassformer.generation.generate import GenerationConfig, generate
+from glassformer.generation.sampling import SamplingConfig
 
 
 def _model(name: str = "tiny-llama", **changes) -> Transformer:

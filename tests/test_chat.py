@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from glassformer import ModelConfig, Transformer
-from glassformer.chat import ChatSession
 from glassformer.cli import main
-from glassformer.generate import GenerationConfig, generate
-from glassformer.loaders.export import export_hf
-from glassformer.loaders.tokenizer import ChatTokenizer
-from glassformer.tokenizers import HFTokenizer
+from glassformer.formats.chat_tokenizer import ChatTokenizer
+from glassformer.formats.export import export_hf
+from glassformer.formats.tokenizers import HFTokenizer
+from glassformer.generation.chat import ChatSession
+from glassformer.generation.generate import GenerationConfig, generate
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -6,8 +6,8 @@ import safetensors.torch
 import torch
 
 from glassformer import ModelConfig, Transformer
-from glassformer import checkpoint as ckpt
-from glassformer.tokenizers import CharTokenizer
+from glassformer.formats import checkpoint as ckpt
+from glassformer.formats.tokenizers import CharTokenizer
 
 CONFIG = ModelConfig(vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2)
 TOKENIZER = CharTokenizer("abcdefghij")

@@ -9,10 +9,10 @@ import torch
 
 from glassformer import ModelConfig, Transformer
 from glassformer.cli import main
-from glassformer.compare import compare, hf_reference, sites
-from glassformer.loaders.export import export_hf
-from glassformer.loaders.huggingface import load_hf
-from glassformer.tokenizers import HFTokenizer
+from glassformer.formats.export import export_hf
+from glassformer.formats.huggingface import load_hf
+from glassformer.formats.tokenizers import HFTokenizer
+from glassformer.interpret.compare import compare, hf_reference, sites
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 300

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from glassformer import ModelConfig, Transformer, get_preset
-from glassformer.context_extension import extend_context
-from glassformer.generate import GenerationConfig, generate
-from glassformer.layers.positions import rope_cos_sin, rope_inverse_frequencies
+from glassformer.generation.context_extension import extend_context
+from glassformer.generation.generate import GenerationConfig, generate
+from glassformer.model.layers.positions import rope_cos_sin, rope_inverse_frequencies
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import _compute_yarn_parameters  # noqa: E402

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from glassformer.data import (
+from glassformer.formats.tokenizers import CharTokenizer, HFTokenizer
+from glassformer.training.data import (
     TokenData,
     draw_starts,
     iter_documents,
@@ -13,7 +14,6 @@ from glassformer.data import (
     windows,
     write_token_file,
 )
-from glassformer.tokenizers import CharTokenizer, HFTokenizer
 
 
 def _write(path, text):

@@ -13,10 +13,10 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from glassformer import ModelConfig, Transformer
-from glassformer.checkpoint import load_model
-from glassformer.optim import make_optimizer
-from glassformer.train import train, train_step
-from glassformer.training_config import TrainConfig
+from glassformer.formats.checkpoint import load_model
+from glassformer.training.config import TrainConfig
+from glassformer.training.loop import train, train_step
+from glassformer.training.optim import make_optimizer
 
 CONFIG = ModelConfig(vocab_size=17, context_length=8, d_model=16, n_layers=2, n_heads=2)
 STEP = TrainConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5)

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from glassformer import KVCache, Transformer, get_preset
-from glassformer.fast_decode import fast_decoder, why_not
-from glassformer.kernels._build import extension
-from glassformer.quantize import quantize_model
+from glassformer.accel.build import extension
+from glassformer.accel.fast_decode import fast_decoder, why_not
+from glassformer.accel.quantize import quantize_model
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ kernels are not available")
 
@@ -61,7 +61,8 @@ def test_when_it_does_not_apply():
 
 
 def test_generation_takes_the_fused_step_and_keeps_greedy_tokens(monkeypatch):
-    from glassformer import fast_decode, generate
+    from glassformer.accel import fast_decode
+    from glassformer.generation import generate
 
     model = _converted("tiny-llama", "none")
     config = generate.GenerationConfig(max_new_tokens=12)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from glassformer import PRESETS, Transformer, get_preset
-from glassformer.generate import (
+from glassformer.formats.tokenizers import CharTokenizer
+from glassformer.generation.generate import (
     GenerationConfig,
     decode_one_token,
     generate,
@@ -13,9 +14,8 @@ from glassformer.generate import (
     prefill,
     stream,
 )
-from glassformer.kv_cache import KVCache
-from glassformer.sampling import SamplingConfig
-from glassformer.tokenizers import CharTokenizer
+from glassformer.generation.sampling import SamplingConfig
+from glassformer.model.kv_cache import KVCache
 
 CAUSAL = sorted(n for n in PRESETS if n.startswith("tiny-") and get_preset(n).causal)
 GREEDY = dict(eos_ids=())  # no end-of-text: runs are as long as asked
@@ -219,7 +219,7 @@ def test_config_rejects_bad_values(changes):
 
 
 def _checkpoint(tmp_path, model: Transformer):
-    from glassformer.checkpoint import write_checkpoint
+    from glassformer.formats.checkpoint import write_checkpoint
 
     return write_checkpoint(tmp_path / "ckpt", model, _chars(), {})
 

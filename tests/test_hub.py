@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from glassformer import hub
+from glassformer.formats import hub
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 50
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from glassformer import Transformer, get_preset
-from glassformer.checkpoint import write_checkpoint
 from glassformer.cli import main
-from glassformer.journey import collect_journey, render_html, summary
-from glassformer.tokenizers import CharTokenizer
-from glassformer.trace import run_with_cache, site_names
+from glassformer.formats.checkpoint import write_checkpoint
+from glassformer.formats.tokenizers import CharTokenizer
+from glassformer.interpret.journey import collect_journey, render_html, summary
+from glassformer.interpret.trace import run_with_cache, site_names
 
 TEXT = "The cat sat"
 TOKENIZER = CharTokenizer("".join(chr(c) for c in range(32, 127)))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from glassformer import Transformer, get_preset
-from glassformer.journey import collect_journey, write_html
-from glassformer.tokenizers import CharTokenizer
+from glassformer.formats.tokenizers import CharTokenizer
+from glassformer.interpret.journey import collect_journey, write_html
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glassformer.kernels import QuantizedLinear, _build, ops, quant
+from glassformer.accel import QuantizedLinear, build, ops
+from glassformer.accel import weight_formats as quant
 
 U = 2.0**-24
 # (M, N, K): one row and several; N and K not multiples of 4, 8 or 32 included
@@ -23,7 +24,7 @@ MODES = ["fp32", "bf16", "int8", "int4"]
 
 @pytest.fixture(scope="module")
 def cpp():
-    if _build.extension() is None:
+    if build.extension() is None:
         pytest.skip("the C++ kernels are not available here")
     return "cpp"
 
@@ -212,9 +213,9 @@ def test_quantized_linear_rejects_bad_input():
 
 def test_environment_variable_forces_the_torch_path(monkeypatch):
     monkeypatch.setenv("GLASSFORMER_KERNELS", "torch")
-    _build.reset()
+    build.reset()
     try:
-        assert _build.extension() is None
+        assert build.extension() is None
         with pytest.raises(RuntimeError, match="not available"):
             ops.linear_fp32(torch.randn(1, 8), torch.randn(4, 8), backend="cpp")
         layer = QuantizedLinear.from_weight(torch.randn(4, 64), "int8")
@@ -223,7 +224,7 @@ def test_environment_variable_forces_the_torch_path(monkeypatch):
                                                              backend="torch"))
     finally:
         monkeypatch.delenv("GLASSFORMER_KERNELS")
-        _build.reset()
+        build.reset()
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
@@ -252,9 +253,9 @@ def test_gguf_blocks_reject_unsupported_input():
 def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("GLASSFORMER_HOME", str(tmp_path))  # no cached build there
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    _build.reset()
+    build.reset()
     try:
-        assert _build.extension() is None
+        assert build.extension() is None
         assert "no C++ compiler" in capsys.readouterr().err
         layer = QuantizedLinear.from_weight(torch.randn(5, 40), "int4")
         x = torch.randn(2, 40)
@@ -263,7 +264,7 @@ def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path, capsys
         )
     finally:
         monkeypatch.undo()
-        _build.reset()
+        build.reset()
 
 
 @pytest.mark.parametrize("k", [31, 64, 100, 576])
@@ -276,7 +277,7 @@ def test_cpp_dequantize_equals_the_torch_one(cpp, k):
 
 
 def test_cpp_small_batch_matches_the_python_side(cpp):
-    assert _build.extension().SMALL_BATCH == ops.SMALL_BATCH
+    assert build.extension().SMALL_BATCH == ops.SMALL_BATCH
 
 
 def test_loading_a_state_dict_updates_a_used_layer():

@@ -12,9 +12,9 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from glassformer import ModelConfig, Transformer
-from glassformer.loaders.gguf import load_gguf, unpermute_rows
-from glassformer.loaders.gguf_file import GGUFFile
-from glassformer.tokenizers import HFTokenizer
+from glassformer.formats.gguf import load_gguf, unpermute_rows
+from glassformer.formats.gguf_file import GGUFFile
+from glassformer.formats.tokenizers import HFTokenizer
 
 Q = gguf.GGMLQuantizationType
 VOCAB = 300
@@ -214,7 +214,7 @@ def test_not_a_file(tmp_path):
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
-    from glassformer.kernels import QuantizedLinear, ops
+    from glassformer.accel import QuantizedLinear, ops
 
     path = tmp_path / "k.gguf"
     write_gguf(path, source, qtype)

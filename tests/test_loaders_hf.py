@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from glassformer.generate import GenerationConfig, generate
-from glassformer.loaders.huggingface import config_from_hf, load_hf
-from glassformer.tokenizers import HFTokenizer
+from glassformer.formats.huggingface import config_from_hf, load_hf
+from glassformer.formats.tokenizers import HFTokenizer
+from glassformer.generation.generate import GenerationConfig, generate
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 300
@@ -189,7 +189,7 @@ EXPORTABLE = {
 def test_export_loads_in_transformers(tmp_path, family):
     from glassformer import ModelConfig, Transformer
     from glassformer.cli import main
-    from glassformer.loaders.export import export_hf
+    from glassformer.formats.export import export_hf
 
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=VOCAB, context_length=32, d_model=32, n_layers=2, n_heads=4,
@@ -210,7 +210,7 @@ def test_export_loads_in_transformers(tmp_path, family):
 
 def test_export_refuses_what_hf_cannot_express(tmp_path):
     from glassformer import ModelConfig, Transformer
-    from glassformer.loaders.export import export_hf
+    from glassformer.formats.export import export_hf
 
     model = Transformer(ModelConfig(vocab_size=VOCAB, context_length=16, d_model=16, n_layers=1,
                                     n_heads=2, norm_placement="post"))

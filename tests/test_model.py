@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from glassformer import PRESETS, KVCache, ModelConfig, Transformer, get_preset
-from glassformer.layers.positions import alibi_slopes, apply_rope, rope_cos_sin, rope_inverse_frequencies
+from glassformer.model.layers.positions import (
+    alibi_slopes,
+    apply_rope,
+    rope_cos_sin,
+    rope_inverse_frequencies,
+)
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
 CAUSAL = [name for name in TINY if PRESETS[name].causal]

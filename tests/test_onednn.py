@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glassformer.config import ModelConfig
-from glassformer.kernels import onednn
-from glassformer.layers.linear import Linear
-from glassformer.model import Transformer
+from glassformer.accel import onednn
+from glassformer.model.config import ModelConfig
+from glassformer.model.layers.linear import Linear
+from glassformer.model.transformer import Transformer
 
 needs_onednn = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
@@ -126,7 +126,7 @@ def test_training_step_gradients_equal_the_plain_path(monkeypatch):
 
 FAULTS = """
 import resource, sys, torch
-from glassformer.allocator import keep_freed_memory
+from glassformer.training.allocator import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 

@@ -4,7 +4,7 @@ import torch
 
 from glassformer import Transformer, get_preset
 from glassformer.cli import main
-from glassformer.params import count_parameters
+from glassformer.interpret.params import count_parameters
 
 
 def _meta_model(name):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glassformer import hub
-from glassformer.generate import GenerationConfig, generate
-from glassformer.loaders.gguf import load_gguf
+from glassformer.formats import hub
+from glassformer.formats.gguf import load_gguf
+from glassformer.generation.generate import GenerationConfig, generate
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from glassformer import ModelConfig, Transformer
-from glassformer.perplexity import corpus_ids, perplexity
-from glassformer.tokenizers import CharTokenizer
+from glassformer.formats.tokenizers import CharTokenizer
+from glassformer.training.perplexity import corpus_ids, perplexity
 
 
 def test_perplexity_is_exp_of_the_mean_loss_over_consecutive_windows():

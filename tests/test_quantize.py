@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from glassformer import KVCache, Transformer, get_preset
-from glassformer.kernels import QuantizedLinear
-from glassformer.quantize import QUANTIZE_MODES, quantize_model
+from glassformer.accel import QuantizedLinear
+from glassformer.accel.quantize import QUANTIZE_MODES, quantize_model
 
 # How far each mode's logits may drift from float32 on a tiny random model.
 TOLERANCE = {"none": 1e-5, "bf16": 3e-2, "int8": 3e-2, "int4": 2e-1}
@@ -55,9 +55,9 @@ def test_load_and_the_cli_convert_once(tmp_path, capsys):
     import json
 
     from glassformer import load
-    from glassformer.checkpoint import write_checkpoint
     from glassformer.cli import main
-    from glassformer.tokenizers import CharTokenizer
+    from glassformer.formats.checkpoint import write_checkpoint
+    from glassformer.formats.tokenizers import CharTokenizer
 
     config = get_preset("tiny-llama")
     tokenizer = CharTokenizer.train("".join(chr(c) for c in range(32, 127)))

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glassformer.sampling import (
+from glassformer.generation.sampling import (
     SamplingConfig,
     apply_presence_frequency_penalty,
     apply_repetition_penalty,

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glassformer.stopping import IncrementalDecoder, TextStream
+from glassformer.generation.stopping import IncrementalDecoder, TextStream
 
 
 class Bytes:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glassformer.tokenizers import (
+from glassformer.formats.tokenizers import (
     EOT,
     CharTokenizer,
     HFTokenizer,

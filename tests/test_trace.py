@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from glassformer import PRESETS, KVCache, Transformer, get_preset
-from glassformer.layers import attention
-from glassformer.layers.kernels import repeat_kv
-from glassformer.trace import ablate, capture, patch, run_with_cache, site_dims, site_names
+from glassformer.interpret.trace import ablate, capture, patch, run_with_cache, site_dims, site_names
+from glassformer.model.layers import attention
+from glassformer.model.layers.attention_backends import repeat_kv
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
 T = 6

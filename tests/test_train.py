@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from glassformer import ModelConfig, Transformer
-from glassformer import train as train_module
-from glassformer.checkpoint import load_model, optimizer_from_safe, optimizer_to_safe
-from glassformer.data import TokenData, draw_starts
-from glassformer.distributed import Process
-from glassformer.optim import StackedMuon, make_optimizer, set_learning_rate
-from glassformer.schedule import learning_rate
-from glassformer.train import bf16_supported, lm_loss, train, train_step
-from glassformer.train_log import read_metrics
-from glassformer.training_config import RECIPES, TrainConfig, get_recipe
+from glassformer.formats.checkpoint import load_model, optimizer_from_safe, optimizer_to_safe
+from glassformer.training import loop as train_module
+from glassformer.training.config import RECIPES, TrainConfig, get_recipe
+from glassformer.training.data import TokenData, draw_starts
+from glassformer.training.distributed import Process
+from glassformer.training.loop import bf16_supported, lm_loss, train, train_step
+from glassformer.training.metrics import read_metrics
+from glassformer.training.optim import StackedMuon, make_optimizer, set_learning_rate
+from glassformer.training.schedule import learning_rate
 
 MODEL = ModelConfig(vocab_size=1, context_length=16, d_model=32, n_layers=2, n_heads=2,
                     dropout=0.1)

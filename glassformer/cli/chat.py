@@ -29,9 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..chat import ChatSession
+    from ..generation.chat import ChatSession
+    from ..generation.sampling import SamplingConfig
     from ..language_model import load
-    from ..sampling import SamplingConfig
 
     language_model = load(args.model, quantize=args.quantize)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

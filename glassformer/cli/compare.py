@@ -24,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..compare import compare, hf_reference
+    from ..interpret.compare import compare, hf_reference
     from ..language_model import load
 
     language_model = load(args.model, progress=not args.json)

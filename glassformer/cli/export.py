@@ -18,8 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..formats.export import export_hf
     from ..language_model import load
-    from ..loaders.export import export_hf
 
     language_model = load(args.model)
     folder = export_hf(language_model.model, language_model.tokenizer, args.output)

@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-from ..context_extension import extend_context
-from ..generate import GenerationConfig, generate, stream
+from ..accel.quantize import quantize_model
+from ..generation.context_extension import extend_context
+from ..generation.generate import GenerationConfig, generate, stream
+from ..generation.sampling import SamplingConfig
 from ..language_model import load
-from ..quantize import quantize_model
-from ..sampling import SamplingConfig
 from .options import add_quantize
 
 

@@ -7,10 +7,10 @@ import json
 
 import torch
 
-from ..config import ModelConfig
-from ..model import Transformer
-from ..params import count_parameters
-from ..presets import get_preset
+from ..interpret.params import count_parameters
+from ..model.config import ModelConfig
+from ..model.presets import get_preset
+from ..model.transformer import Transformer
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -7,11 +7,11 @@ import json
 
 import torch
 
-from ..journey import collect_journey, summary, write_html
+from ..formats.tokenizers import CharTokenizer
+from ..interpret.journey import collect_journey, summary, write_html
 from ..language_model import load
-from ..model import Transformer
-from ..presets import get_preset
-from ..tokenizers import CharTokenizer
+from ..model.presets import get_preset
+from ..model.transformer import Transformer
 from .options import add_quantize
 
 PRINTABLE = "".join(chr(c) for c in range(32, 127))  # 95 characters + end-of-text = 96 ids

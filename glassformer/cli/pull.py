@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .. import hub
+from ..formats import hub
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

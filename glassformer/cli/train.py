@@ -12,10 +12,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..checkpoint import Checkpoint
-from ..config import ModelConfig
-from ..presets import PRESETS
-from ..training_config import RECIPES, TrainConfig
+from ..formats.checkpoint import Checkpoint
+from ..model.config import ModelConfig
+from ..model.presets import PRESETS
+from ..training.config import RECIPES, TrainConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -101,7 +101,7 @@ def _base_configs(args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train import train  # the loop pulls in torch.distributed; only load it when training
+    from ..training.loop import train  # the loop pulls in torch.distributed; only load it when training
 
     model, train_values = _base_configs(args)
     model.setdefault("vocab_size", 1)  # replaced by the tokenizer's
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     from ..language_model import load  # imported here: loading pulls in every loader
-    from ..perplexity import corpus_ids, perplexity
+    from ..training.perplexity import corpus_ids, perplexity
 
     language_model = load(args.model)
     model, tokenizer = language_model.model.to(args.device), language_model.tokenizer

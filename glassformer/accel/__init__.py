@@ -1,0 +1,54 @@
+"""Fast matrix-vector products for decoding, with weights in fp32, bf16, int8 or int4.
+
+Decoding one token reads every weight once, so its speed is set by how fast weights stream
+from memory. The C++ kernels here (AVX2 + FMA + OpenMP, AVX-512 VNNI where present;
+`matvec.cpp`, `quantized.cpp`) read them at the memory bandwidth; the same products
+written in PyTorch remain the reference and the fallback (no compiler, non-x86 CPU, CUDA
+tensors, or `GLASSFORMER_KERNELS=torch`).
+The extension is compiled on first use (a one-line notice on stderr) and cached under
+`$GLASSFORMER_HOME/kernels` or `~/.cache/glassformer/kernels`.
+
+Use in a model::
+
+    from glassformer.accel import QuantizedLinear
+    layer = QuantizedLinear.from_linear(linear, "int8")   # "fp32" | "bf16" | "int8" | "int4"
+    y = layer(x)                                           # x (..., in_features) -> (..., out)
+
+- Up to 8 float32 rows (x.reshape(-1, in_features)) on the CPU go straight to the C++
+  kernels in one call (about 2 µs of Python); more rows (prefill) run `torch.matmul` on the
+  weight dequantized in C++ per call, in bfloat16 where the CPU multiplies it in hardware
+  (`ops.bf16_products_pay`), else in float32. int8/int4 kernels quantize the
+  activations per block of 32 to int8 (like llama.cpp), so their outputs differ from
+  `x @ layer.dequantized_weight().T` by that rounding (bounded in tests/test_kernels.py).
+  The fp32 kernel sums in a different order than `F.linear`: equal up to float rounding,
+  not bit for bit.
+- Inputs that require a gradient take the dense PyTorch product (rounding has no gradient);
+  the weights never get one. Move a layer with `.to(device)`, never `.to(dtype)`: its
+  buffers' dtypes are the format.
+- `QuantizedLinear.from_gguf(...)` builds int8/int4 layers from GGUF Q8_0/Q4_0/Q4_1 blocks
+  without requantizing (see gguf_blocks.py); `from_weight(w, mode, bias)` from a tensor.
+- `fused.py` holds training's fused RMSNorm, RoPE and SwiGLU passes (`train_ops.cpp`);
+  `onednn.py` routes training's float32 products through oneDNN on CPUs whose AVX-512 MKL
+  leaves unused (AMD Zen 4/5), about twice MKL's speed there.
+- The functional kernels (`ops.linear_fp32/bf16/int8/int4`) take (M, K) float32 x and a
+  `backend` of "auto", "cpp" or "torch"; the weight formats are described in quant.py.
+"""
+
+from .quantized_linear import MODES, QuantizedLinear
+from .weight_formats import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_activations,
+    quantize_int4,
+    quantize_int8,
+)
+
+__all__ = [
+    "MODES",
+    "QuantizedLinear",
+    "dequantize_int4",
+    "dequantize_int8",
+    "quantize_activations",
+    "quantize_int4",
+    "quantize_int8",
+]

@@ -1,0 +1,97 @@
+"""RMSNorm, rotary embeddings and SwiGLU as single C++ passes (kernels/train_ops.cpp) for
+training.
+
+The plain expressions in `glassformer.layers` take several elementwise ops each, forward and
+backward, and at the sizes of a small model on a CPU those ops' fixed costs add up to a large
+share of a training step. These autograd functions compute the same values in one pass each
+way. They apply to float32 CPU tensors that need a gradient, with the kernels built; every
+other call (inference, other dtypes or devices) keeps the plain expressions, which remain
+the reference (tests/test_fused.py compares both, values and gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import extension
+
+
+def _applies(*tensors: torch.Tensor) -> bool:
+    return (
+        not torch.compiler.is_compiling()  # torch.compile fuses the plain expressions itself
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in tensors)
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and extension() is not None
+    )
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, d)
+        y, inv_rms = extension().rms_norm_forward(rows, weight, eps)  # (R, d), (R,)
+        ctx.save_for_backward(rows, weight, inv_rms)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weight, inv_rms = ctx.saved_tensors
+        grad_rows = grad.reshape(rows.shape).contiguous()  # (R, d)
+        dx, dw = extension().rms_norm_backward(grad_rows, rows, weight, inv_rms)
+        return dx.view(grad.shape), dw, None
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return extension().rope(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        return extension().rope(grad, cos, sin, True), None, None
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        rows = h.reshape(-1, h.shape[-1]).contiguous()  # (R, 2F)
+        ctx.save_for_backward(rows)
+        return extension().swiglu_forward(rows).view(*h.shape[:-1], h.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        grad_rows = grad.reshape(rows.shape[0], -1).contiguous()  # (R, F)
+        return extension().swiglu_backward(grad_rows, rows).view(*grad.shape[:-1], -1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x / sqrt(mean(x²) + eps) * weight over the last dimension, or None where the fused
+    kernel does not apply (the caller then computes the plain expression)."""
+    if not _applies(x, weight):
+        return None
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x cos + rotate_half(x) sin for x (B, H, T, D) and cos, sin (B or 1, 1, T, D), or None
+    where the fused kernel does not apply."""
+    if not _applies(x) or cos.requires_grad or sin.requires_grad or x.stride(-1) != 1:
+        return None
+    if cos.dtype != torch.float32 or cos.shape[0] not in (1, x.shape[0]) or cos.shape[1] != 1:
+        return None
+    angles = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # (B or 1, T, D) each
+    return _Rope.apply(x, *angles)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for h = [gate | up] on its last dimension (..., 2F) -> (..., F), with
+    one gradient tensor for both halves; or None where the fused kernel does not apply."""
+    if not _applies(h) or h.shape[-1] % 2:
+        return None
+    return _SwiGLU.apply(h)

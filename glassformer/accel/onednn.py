@@ -1,0 +1,94 @@
+"""Training's float32 matrix products through oneDNN, on CPUs where MKL would not use AVX-512.
+
+PyTorch multiplies float32 matrices on the CPU with MKL, which runs its AVX-512 kernels only
+on Intel processors: on other AVX-512 CPUs (AMD Zen 4 and 5) it takes its AVX2 path, about
+half their speed. oneDNN, also inside PyTorch, chooses its kernels from the instruction set.
+`linear` sends a training step's three products (output, input gradient, weight gradient)
+through oneDNN on such CPUs: the same float32 arithmetic, summed in another order. Elsewhere,
+and under torch.compile or `GLASSFORMER_KERNELS=torch`, it returns None and the caller keeps
+`F.linear` (tests/test_onednn.py compares both, values and gradients).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from .build import extension
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """t (M, K) as a contiguous (K, M) tensor: in 8 × 8 register tiles where the C++ kernels
+    are built (about 5× PyTorch's strided copy at these sizes)."""
+    ext = extension()
+    if ext is None or not t.is_contiguous():
+        return t.t().contiguous()
+    return ext.transpose(t)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a (M, K) @ b (N, K)^T (+ bias) -> (M, N); strided operands are read in place."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_pays() -> bool:
+    """Whether this CPU has AVX-512 that MKL leaves unused (a non-Intel x86 processor) and
+    this PyTorch has oneDNN's linear."""
+    if os.environ.get("GLASSFORMER_KERNELS", "").lower() == "torch":
+        return False
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "vendor_id" in cpuinfo and "GenuineIntel" not in cpuinfo
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        rows = x.reshape(-1, x.shape[-1])  # (M, K)
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        return _product(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])  # (..., N)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weight = ctx.saved_tensors  # (M, K), (N, K)
+        grad_rows = grad.reshape(-1, grad.shape[-1])  # (M, N)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _product(grad_rows, weight.t()).view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1]:
+            # dW = g^T x (N, K), a sum over the M rows; oneDNN wants its left operand
+            # contiguous, and is quicker producing the taller of dW and dW^T.
+            if weight.shape[0] > weight.shape[1]:
+                dw = _transposed(_product(_transposed(rows), grad_rows.t()))
+            else:
+                dw = _product(_transposed(grad_rows), rows.t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = grad_rows.sum(0)  # (N,)
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x (..., K) @ weight (N, K)^T + bias through oneDNN where that pays for a training
+    product (float32 CPU tensors needing a gradient, no autocast), else None."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if (
+        torch.compiler.is_compiling()
+        or torch.is_autocast_enabled("cpu")
+        or not torch.is_grad_enabled()
+        or not any(t.requires_grad for t in tensors)
+        or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        or not onednn_pays()
+    ):
+        return None
+    return _Linear.apply(x, weight, bias)

@@ -1,0 +1,163 @@
+"""QuantizedLinear: an inference-only nn.Linear whose weight is stored in one of four formats."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops
+from . import weight_formats as quant
+from .build import extension
+from .gguf_blocks import from_gguf_blocks
+
+MODES = ("fp32", "bf16", "int8", "int4")
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W held as fp32, bf16, int8 or int4 blocks (see quant.py).
+
+    Buffers by mode (all saved in the state dict): fp32 `weight` (N, K) float32; bf16
+    `weight` (N, K) bfloat16; int8 `qweight` (N, nb·32) int8 + `scales` (N, nb) fp16;
+    int4 `qweight` (N, nb·16) uint8 + `scales`, `mins` (N, nb) fp16; and `bias` (N,) float32
+    or None. No gradients flow to the weight.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        mode: str,
+        tensors: dict[str, torch.Tensor],
+        bias: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
+        self.in_features, self.out_features, self.mode, self.backend = (
+            in_features, out_features, mode, backend
+        )
+        expected = _shapes(mode, out_features, in_features)
+        if set(tensors) != set(expected):
+            raise ValueError(f"mode {mode} needs tensors {sorted(expected)}, got {sorted(tensors)}")
+        for name, (shape, dtype) in expected.items():
+            t = tensors[name]
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"{name} must be {dtype} of shape {shape}, got {t.dtype} {tuple(t.shape)}"
+                )
+            self.register_buffer(name, t.contiguous())
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._fast: tuple | None = None  # (C++ entry point, its arguments), found on first use
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str, backend: str = "auto") -> QuantizedLinear:
+        """Quantizes an nn.Linear's weight once (the bias stays float32)."""
+        return cls.from_weight(linear.weight, mode, linear.bias, backend)
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        mode: str,
+        bias: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> QuantizedLinear:
+        """From a float (out_features, in_features) weight."""
+        w = weight.detach()
+        if mode == "fp32":
+            tensors = {"weight": w.float()}
+        elif mode == "bf16":
+            tensors = {"weight": w.to(torch.bfloat16)}
+        elif mode == "int8":
+            tensors = dict(zip(("qweight", "scales"), quant.quantize_int8(w), strict=True))
+        elif mode == "int4":
+            tensors = dict(zip(("qweight", "scales", "mins"), quant.quantize_int4(w), strict=True))
+        else:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        return cls(w.shape[1], w.shape[0], mode, tensors, bias, backend)
+
+    @classmethod
+    def from_gguf(
+        cls,
+        data,
+        qtype,
+        shape: tuple[int, int],
+        bias: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> QuantizedLinear:
+        """From the raw GGUF Q8_0 / Q4_0 / Q4_1 blocks of an (out, in) = `shape` matrix."""
+        mode, tensors = from_gguf_blocks(data, qtype, shape)
+        return cls(shape[1], shape[0], mode, tensors, bias, backend)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The (out_features, in_features) float32 weight this layer multiplies by."""
+        if self.mode in ("fp32", "bf16"):
+            return self.weight.float()
+        if self.mode == "int8":
+            return quant.dequantize_int8(self.qweight, self.scales, self.in_features)
+        return quant.dequantize_int4(self.qweight, self.scales, self.mins, self.in_features)
+
+    def _fast_path(self) -> tuple:
+        """The C++ try_* entry point and its arguments, or () where there is none."""
+        ext = None if self.backend == "torch" else extension()
+        if ext is None:
+            return ()
+        if self.mode in ("fp32", "bf16"):
+            kernel = ext.try_f32 if self.mode == "fp32" else ext.try_bf16
+            return kernel, (self.weight, self.bias)
+        if self.mode == "int8":
+            return ext.try_q8, (self.qweight, self.scales, self.bias, self.in_features)
+        return ext.try_q4, (self.qweight, self.scales, self.mins, self.bias, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = self._fast_path()
+        if fast:  # one C++ call for a few float32 rows on the CPU (decode)
+            y = fast[0](x, *fast[1])
+            if y is not None:
+                return y
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+        x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
+        mode, backend = self.mode, self.backend
+        if mode == "fp32":
+            y = ops.linear_fp32(x2, self.weight, self.bias, backend)
+        elif mode == "bf16":
+            y = ops.linear_bf16(x2, self.weight, self.bias, backend)
+        elif mode == "int8":
+            y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend)
+        else:
+            y = ops.linear_int4(x2, self.qweight, self.scales, self.mins, self.bias, backend)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
+
+    def _apply(self, fn, recurse=True):
+        self._fast = None  # the buffers may be replaced (.to(), .cuda())
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._fast = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+
+
+def _shapes(mode: str, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    nb = quant.n_blocks(k)
+    if mode == "fp32":
+        return {"weight": ((n, k), torch.float32)}
+    if mode == "bf16":
+        return {"weight": ((n, k), torch.bfloat16)}
+    if mode == "int8":
+        return {"qweight": ((n, nb * quant.BLOCK), torch.int8), "scales": ((n, nb), torch.float16)}
+    return {
+        "qweight": ((n, nb * quant.BLOCK // 2), torch.uint8),
+        "scales": ((n, nb), torch.float16),
+        "mins": ((n, nb), torch.float16),
+    }

@@ -1,0 +1,132 @@
+"""The tokenizer of a pretrained model: an HFTokenizer plus whether to add BOS and a chat template.
+
+Built from a GGUF vocabulary (`from_gguf_metadata`) or read from a Hugging Face folder
+(`tokenizer.json` + `tokenizer_config.json`); saved in the Hugging Face layout so both
+`transformers` and `ChatTokenizer.load` read it back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from .tokenizers import HFTokenizer, _token_text
+
+# GGUF tokenizer.ggml.token_type values
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _gpt2() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _gpt2()]
+    )
+
+
+# GGUF tokenizer.ggml.pre -> the pre-tokenizer of the original tokenizer.json
+PRE_TOKENIZERS = {
+    "default": _gpt2,
+    "gpt-2": _gpt2,
+    "smollm": _digits_then_gpt2,
+    "starcoder": _digits_then_gpt2,
+    "refact": _digits_then_gpt2,
+}
+
+
+class ChatTokenizer(HFTokenizer):
+    """An HFTokenizer that also knows whether to prepend BOS and the model's chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token: str | None = None,
+                 bos_token: str | None = None, chat_template: str | None = None,
+                 add_bos: bool = False):
+        super().__init__(tokenizer, eos_token, bos_token)
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+
+    def encode(self, text: str) -> list[int]:
+        ids = super().encode(text)
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation as text, through the model's own Jinja chat template."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation (the template writes any BOS itself)."""
+        return super().encode(self.render_chat(messages, add_generation_prompt))
+
+    def save(self, path: str | Path) -> None:
+        """tokenizer.json at `path` and tokenizer_config.json beside it (Hugging Face layout)."""
+        path = Path(path)
+        super().save(path)
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "bos_token": self.bos_token, "eos_token": self.eos_token,
+                                  "add_bos_token": self.add_bos}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        path.with_name("tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ChatTokenizer:
+        """From a tokenizer.json (or the folder holding it) and its tokenizer_config.json."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer file at {path}")
+        side = path.with_name("tokenizer_config.json")
+        config = json.loads(side.read_text(encoding="utf-8")) if side.is_file() else {}
+        template = config.get("chat_template")
+        if not isinstance(template, str):  # a list of named templates is not supported
+            template = None
+        return cls(Tokenizer.from_file(str(path)), _token_text(config.get("eos_token")),
+                   _token_text(config.get("bos_token")), template,
+                   bool(config.get("add_bos_token", False)))
+
+
+def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
+    """Rebuild a byte-level BPE tokenizer from `tokenizer.ggml.*` metadata."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer {kind!r} (supported: byte-level BPE 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
+                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("GGUF lacks its vocabulary (tokenizer.ggml.tokens)")
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
+    tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_tokens([AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
+                          for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED)])
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    return ChatTokenizer(tokenizer, token("eos"), token("bos"), meta.get("tokenizer.chat_template"),
+                         bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+
+def _raise(message: str) -> None:
+    raise ValueError(f"chat template: {message}")

@@ -1,0 +1,202 @@
+"""Checkpoints: safetensors for tensors, JSON for everything else, written atomically.
+
+A checkpoint folder holds
+
+    model.safetensors           the weights (a tied head is stored once)
+    config.json                 {"model": ModelConfig.to_dict(), "train": {...}, "state": {...},
+                                 "optimizer": {"param_groups": [...]}}
+    tokenizer.json              see glassformer.tokenizers
+    training_state.safetensors  optimizer moments and RNG states (only when training)
+
+A training run folder keeps its checkpoints as `step-NNNNNNN/` folders and two symbolic links,
+`latest` and `best`. A checkpoint is written whole into a temporary folder, every file is
+fsynced, the folder is renamed into place, and only then is the link swapped (os.replace on a
+link is atomic). A crash or Ctrl-C at any moment leaves the previous `latest` intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer
+from .tokenizers import load_tokenizer
+
+LINKS = ("latest", "best")
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint folder `path` names: itself, or a run folder's `latest`."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        return path
+    if (path / "latest" / "model.safetensors").is_file():
+        return (path / "latest").resolve()
+    raise FileNotFoundError(f"no glassformer checkpoint in {path} (expected model.safetensors)")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+
+
+def optimizer_to_safe(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer state_dict as (tensors for safetensors, JSON-able rest). No pickle."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, state in sd["state"].items():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"optimizer.{index}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{index}.{name}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_safe(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    for key, value in meta["scalars"].items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    groups = [
+        {k: tuple(v) if k in ("betas", "ns_coefficients") else v for k, v in group.items()}
+        for group in meta["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def write_checkpoint(
+    folder: str | Path,
+    model: torch.nn.Module,
+    tokenizer,
+    meta: dict,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write one complete checkpoint folder (created fresh; it must not exist yet)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    safetensors.torch.save_model(model, str(folder / "model.safetensors"))
+    meta = {**meta, "model": model.config.to_dict()}
+    tensors = dict(extra_tensors or {})
+    if optimizer is not None:
+        opt_tensors, meta["optimizer"] = optimizer_to_safe(optimizer)
+        tensors.update(opt_tensors)
+    if tensors:
+        safetensors.torch.save_file(tensors, str(folder / "training_state.safetensors"))
+    _write_json(folder / "config.json", meta)
+    tokenizer.save(folder / "tokenizer.json")
+    for path in folder.iterdir():
+        _fsync(path)
+    _fsync(folder)
+    return folder
+
+
+def save_to_run(
+    run_dir: str | Path,
+    step: int,
+    links: tuple[str, ...],
+    model: torch.nn.Module,
+    tokenizer,
+    meta: dict,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Save the state at `step` as run_dir/step-NNNNNNN and point `links` (e.g. latest) at it.
+    Checkpoints no link points to any more are removed."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:07d}"
+    final = run_dir / name
+    if not (final.exists() and name in _linked(run_dir)):
+        tmp = run_dir / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            write_checkpoint(tmp, model, tokenizer, meta, optimizer, extra_tensors)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(final, ignore_errors=True)  # an unlinked leftover of an earlier crash
+        os.replace(tmp, final)
+        _fsync(run_dir)
+    for link in links:
+        tmp_link = run_dir / f".{link}.tmp"
+        tmp_link.unlink(missing_ok=True)
+        os.symlink(name, tmp_link)
+        os.replace(tmp_link, run_dir / link)
+    _fsync(run_dir)
+    keep = _linked(run_dir)
+    for path in run_dir.glob("step-*"):
+        if path.name not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def _linked(run_dir: Path) -> set[str]:
+    return {os.readlink(run_dir / link) for link in LINKS if (run_dir / link).is_symlink()}
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder read back: everything except the weights, which `load_weights`
+    copies into a model."""
+
+    folder: Path
+    config: ModelConfig
+    meta: dict
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        folder = resolve(path)
+        meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
+
+    def tokenizer(self):
+        return load_tokenizer(self.folder / "tokenizer.json")
+
+    def load_weights(self, model: torch.nn.Module, device: str | torch.device = "cpu") -> None:
+        load_weights(model, self.folder / "model.safetensors", device)
+
+    def training_state(self) -> dict[str, torch.Tensor]:
+        path = self.folder / "training_state.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.folder} holds no training state to resume from")
+        return safetensors.torch.load_file(str(path))
+
+    def load_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.load_state_dict(optimizer_from_safe(self.training_state(), self.meta["optimizer"]))
+
+
+def load_weights(model: torch.nn.Module, path: str | Path, device: str | torch.device = "cpu") -> None:
+    """Strictly load a model.safetensors written by `write_checkpoint` (tied weights included)."""
+    try:
+        safetensors.torch.load_model(model, str(path), strict=True, device=str(device))
+    except RuntimeError as error:  # missing, unexpected or misshapen tensors
+        raise ValueError(f"{path}: the weights do not fit the model: {error}") from None
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """(Transformer, tokenizer, meta) from a checkpoint folder or a run folder."""
+    checkpoint = Checkpoint.open(path)
+    model = Transformer(checkpoint.config).to(device)
+    checkpoint.load_weights(model, device)
+    return model, checkpoint.tokenizer(), checkpoint.meta

@@ -1,0 +1,118 @@
+"""Glassformer -> a Hugging Face model folder that `transformers` loads (the reverse of huggingface.py).
+
+The family is read off the config: GPT-2 (learned positions, LayerNorm, biases, tied head) or
+Llama (RoPE, RMSNorm, SwiGLU, no biases), Qwen2 (q/k/v biases only) and Mistral (a sliding
+window). A config that none of them can express is refused with the field that stops it.
+The folder is written whole beside its destination and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer
+from .huggingface import GPT2_ACTIVATIONS, key_map
+from .tokenizers import HFTokenizer
+
+_GPT2_NAMES = {ours: theirs for theirs, ours in GPT2_ACTIVATIONS.items() if theirs != "gelu_pytorch_tanh"}
+
+
+def _require(config: ModelConfig, family: str, **expected: Any) -> None:
+    for field, value in expected.items():
+        if getattr(config, field) != value:
+            raise ValueError(f"{field}: {getattr(config, field)!r} cannot be exported as {family} "
+                             f"(needs {value!r})")
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config.json for a Glassformer config."""
+    _require(config, "a Hugging Face model", norm_placement="pre", final_norm=True, causal=True,
+             lm_head_bias=False)
+    if config.position == "learned":
+        _require(config, "GPT-2", norm="layernorm", gated=False, attn_bias=True, attn_out_bias=True,
+                 mlp_bias=True, tie_embeddings=True, kv_heads=config.n_heads,
+                 head_dim=config.d_model // config.n_heads, sliding_window=None)
+        if config.activation not in _GPT2_NAMES:
+            raise ValueError(f"activation: {config.activation!r} cannot be exported as GPT-2")
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": config.vocab_size, "n_positions": config.context_length,
+                "n_embd": config.d_model, "n_layer": config.n_layers, "n_head": config.n_heads,
+                "n_inner": config.ff_dim, "activation_function": _GPT2_NAMES[config.activation],
+                "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": True,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    _require(config, "Llama", position="rope", norm="rmsnorm", activation="silu", gated=True)
+    if config.attn_out_bias and not config.attn_bias:
+        raise ValueError("attn_out_bias: a bias on W_O alone cannot be exported")
+    qwen = config.attn_bias and not config.attn_out_bias  # Qwen2: biases on q, k, v only
+    if config.rope_scaling not in ("none", "linear"):
+        raise ValueError(f"rope_scaling: {config.rope_scaling!r} cannot be exported (none, linear)")
+    kind = "qwen2" if qwen else "mistral" if config.sliding_window else "llama"
+    out = {"model_type": kind,
+           "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM"}[kind]],
+           "vocab_size": config.vocab_size, "max_position_embeddings": config.context_length,
+           "hidden_size": config.d_model, "intermediate_size": config.ff_dim,
+           "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+           "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
+           "rms_norm_eps": config.norm_eps, "hidden_act": "silu", "rope_theta": config.rope_theta,
+           "rope_scaling": None if config.rope_scaling == "none"
+           else {"rope_type": "linear", "factor": config.rope_factor},
+           "tie_word_embeddings": config.tie_embeddings, "attention_bias": config.attn_out_bias,
+           "mlp_bias": config.mlp_bias, "attention_dropout": 0.0}
+    if kind == "mistral":
+        _require(config, "Mistral", attn_bias=False)
+        out["sliding_window"] = config.sliding_window
+    elif kind == "llama":
+        _require(config, "Llama", sliding_window=None)
+    if kind == "qwen2":
+        _require(config, "Qwen2", mlp_bias=False)
+        out |= {"use_sliding_window": config.sliding_window is not None,
+                "sliding_window": config.sliding_window, "max_window_layers": config.n_layers}
+    return out
+
+
+def export_hf(model: Transformer, tokenizer: Any, folder: str | Path) -> Path:
+    """Write config.json, model.safetensors and (for tokenizers.json-based tokenizers) the
+    tokenizer files into a new folder; returns it."""
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        raise FileExistsError(f"{folder} exists and is not empty")
+    config = model.config
+    hf = hf_config(config)
+    ours = model.state_dict()
+    tensors = {}
+    for e in key_map(config, hf["model_type"]):
+        t = ours[e.ours] if e.rows is None else ours[e.ours][e.rows[0]:e.rows[1]]
+        tensors[e.hf] = (t.T if e.transpose else t).detach().to("cpu").contiguous()
+    if isinstance(tokenizer, HFTokenizer):
+        hf |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if isinstance(tokenizer, HFTokenizer):
+            _save_tokenizer(tokenizer, tmp)
+        if folder.exists():
+            folder.rmdir()
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _save_tokenizer(tokenizer: HFTokenizer, folder: Path) -> None:
+    tokenizer.save(folder / "tokenizer.json")  # a ChatTokenizer also writes tokenizer_config.json
+    side = folder / "tokenizer_config.json"
+    if not side.is_file():
+        side.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                    "bos_token": tokenizer.bos_token,
+                                    "eos_token": tokenizer.eos_token}, indent=2) + "\n")

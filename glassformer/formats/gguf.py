@@ -1,0 +1,243 @@
+"""GGUF files (llama.cpp's format) -> ModelConfig + Transformer weights + tokenizer.
+
+Tensors are dequantized to float32 with `gguf.quants.dequantize`, a block of rows at a time,
+straight into the model's parameters, so memory never holds a second copy of the model.
+
+llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (like Hugging Face
+Llama) rotates halves (x_i, x_i+d/2). Its converter therefore permutes the rows of W_Q and W_K
+within each head: row (half, i) of the original is stored at (i, half). `unpermute_rows` puts
+them back, so the model computes exactly what the original checkpoint computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer
+from .chat_tokenizer import ChatTokenizer, from_gguf_metadata
+from .empty_model import empty_model
+from .gguf_file import GGUFFile
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+WEIGHT_MODES = ("fp32", "gguf")
+_CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one GGUF tensor goes: a parameter, a block of its rows, and the heads to un-permute."""
+
+    param: str
+    rows: tuple[int, int] | None = None  # [start, stop) of the parameter's rows; None: all
+    heads: int | None = None  # set for W_Q / W_K stored in llama.cpp's RoPE layout
+
+
+def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+    """The Llama-family architecture described by `{arch}.*` metadata."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    n_heads = int(get("attention.head_count"))
+    d_model = int(get("embedding_length"))
+    d_head = int(get("attention.key_length", d_model // max(n_heads, 1)))
+    rotary = int(get("rope.dimension_count", d_head))
+    if rotary != d_head:
+        raise ValueError(f"unsupported GGUF: RoPE on {rotary} of {d_head} head dimensions")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"unsupported GGUF RoPE scaling {scaling!r}")
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF lacks the tensor token_embd.weight")
+    return ModelConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[0]),
+        context_length=int(get("context_length")),
+        d_model=d_model,
+        n_layers=int(get("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        d_head=d_head if d_head * n_heads != d_model else None,
+        d_ff=int(get("feed_forward_length")),
+        position="rope",
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rope_factor=float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+        norm="rmsnorm",
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        activation="silu",
+        gated=True,
+        attn_bias=False,
+        attn_out_bias=False,
+        mlp_bias=False,
+        tie_embeddings="output.weight" not in tensors,
+    )
+
+
+def tensor_map(config: ModelConfig) -> dict[str, Target]:
+    """GGUF tensor name -> Target, for every tensor a Llama-family file must hold."""
+    H, KV, dh, ff = config.n_heads, config.kv_heads, config.head_dim, config.ff_dim
+    names = {
+        "token_embd.weight": Target("embed.tokens.weight"),
+        "output_norm.weight": Target("final_norm.weight"),
+    }
+    if not config.tie_embeddings:
+        names["output.weight"] = Target("lm_head.weight")
+    for i in range(config.n_layers):
+        b = f"blocks.{i}"
+        names.update({
+            f"blk.{i}.attn_norm.weight": Target(f"{b}.norm1.weight"),
+            f"blk.{i}.attn_q.weight": Target(f"{b}.attn.qkv.weight", (0, H * dh), H),
+            f"blk.{i}.attn_k.weight": Target(f"{b}.attn.qkv.weight",
+                                             (H * dh, (H + KV) * dh), KV),
+            f"blk.{i}.attn_v.weight": Target(f"{b}.attn.qkv.weight",
+                                             ((H + KV) * dh, (H + 2 * KV) * dh)),
+            f"blk.{i}.attn_output.weight": Target(f"{b}.attn.out.weight"),
+            f"blk.{i}.ffn_norm.weight": Target(f"{b}.norm2.weight"),
+            f"blk.{i}.ffn_gate.weight": Target(f"{b}.mlp.up.weight", (0, ff)),
+            f"blk.{i}.ffn_up.weight": Target(f"{b}.mlp.up.weight", (ff, 2 * ff)),
+            f"blk.{i}.ffn_down.weight": Target(f"{b}.mlp.down.weight"),
+        })
+    return names
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the parameters `tensor_map` fills, from the config alone (nothing allocated)."""
+    d, V, ff = config.d_model, config.vocab_size, config.ff_dim
+    H, KV = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+    shapes = {"embed.tokens.weight": (V, d), "final_norm.weight": (d,), "lm_head.weight": (V, d)}
+    for i in range(config.n_layers):
+        b = f"blocks.{i}."
+        shapes |= {b + "norm1.weight": (d,), b + "attn.qkv.weight": (H + 2 * KV, d),
+                   b + "attn.out.weight": (d, H), b + "norm2.weight": (d,),
+                   b + "mlp.up.weight": (2 * ff, d), b + "mlp.down.weight": (d, ff)}
+    return shapes
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K permutation: per head, rows (i, half) -> (half, i)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str = "fp32",
+              ) -> tuple[Transformer, ChatTokenizer]:
+    """Read a GGUF file: the model (eval mode, on CPU) and its tokenizer.
+
+    weights="fp32" dequantizes every tensor (exactly what transformers computes);
+    weights="gguf" keeps Q8_0 / Q4_0 / Q4_1 matrices in their blocks as QuantizedLinear
+    layers (glassformer.kernels): the same weights in a quarter of the memory, multiplied by
+    the int8 / int4 decode kernels (which round the activations to int8, like llama.cpp).
+    """
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights: choose one of {WEIGHT_MODES}, got {weights!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    with GGUFFile(path) as file:
+        config = config_from_metadata(file.metadata, file.tensors)
+        targets = tensor_map(config)
+        _check_tensors(file, config, targets)
+        tokenizer = from_gguf_metadata(file.metadata)
+        if tokenizer.vocab_size != config.vocab_size:
+            raise ValueError(f"{path}: {tokenizer.vocab_size} tokens in the vocabulary but "
+                             f"{config.vocab_size} rows in token_embd.weight")
+        model = empty_model(config, dtype)
+        done = _keep_blocks(file, model, targets) if weights == "gguf" else set()
+        params = dict(model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, target in targets.items():
+                if name in done:
+                    continue
+                dest = params[target.param]
+                if target.rows is not None:
+                    dest = dest[target.rows[0]:target.rows[1]]
+                _fill(file, name, dest, target.heads)
+                file.release(name)
+    return model.eval(), tokenizer
+
+
+def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target]) -> set[str]:
+    """Swap each linear layer whose GGUF tensors all share a block type the kernels read for
+    a QuantizedLinear built from those blocks; returns the tensor names so consumed. Blocks
+    hold whole rows, so fusing (q; k; v) and un-permuting rows work on the bytes."""
+    from ..accel import QuantizedLinear
+    from ..accel.gguf_blocks import BLOCK_BYTES
+
+    layers: dict[str, list[str]] = {}
+    for name, target in targets.items():
+        if target.param.endswith(("qkv.weight", "out.weight", "up.weight", "down.weight")):
+            layers.setdefault(target.param.removesuffix(".weight"), []).append(name)
+    layers["lm_head"] = ["output.weight" if "output.weight" in targets else "token_embd.weight"]
+    done: set[str] = set()
+    for layer, names in layers.items():
+        types = {file.tensors[n].qtype.name for n in names}
+        if len(types) != 1 or next(iter(types)) not in BLOCK_BYTES:
+            continue
+        rows = []
+        for n in sorted(names, key=lambda n: targets[n].rows or (0, 0)):
+            raw = file.raw(n)
+            heads = targets[n].heads
+            rows.append(unpermute_rows(raw, heads) if heads else raw)
+        raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        shape = (sum(file.tensors[n].shape[0] for n in names), file.tensors[names[0]].shape[1])
+        parent, _, attr = layer.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, attr, QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape))
+        done.update(n for n in names if n != "token_embd.weight")  # the embedding stays fp32
+    return done
+
+
+def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Target]) -> None:
+    """Names, shapes and types, all checked before any memory is allocated for the model."""
+    missing = sorted(set(targets) - set(file.tensors))
+    if missing:
+        raise ValueError(f"{file.path}: missing tensor {missing[0]} "
+                         f"({len(missing)} missing in all)")
+    unknown = sorted(set(file.tensors) - set(targets))
+    if unknown:
+        raise ValueError(f"{file.path}: unexpected tensor {unknown[0]} for a "
+                         f"{config.n_layers}-layer Llama model")
+    shapes = param_shapes(config)
+    for name, target in targets.items():
+        info = file.tensors[name]
+        rows, cols = shapes[target.param][0], shapes[target.param][1:]
+        if target.rows is not None:
+            rows = target.rows[1] - target.rows[0]
+        if info.shape != (rows, *cols):
+            raise ValueError(f"{file.path}: tensor {name} has shape {info.shape}, "
+                             f"expected {(rows, *cols)}")
+        try:
+            dequantize(file.raw(name, slice(0, 1)), info.qtype)
+        except NotImplementedError:
+            raise ValueError(f"{file.path}: unsupported quantization type {info.qtype.name} "
+                             f"(tensor {name})") from None
+
+
+def _fill(file: GGUFFile, name: str, dest: torch.Tensor, heads: int | None) -> None:
+    """Dequantize tensor `name` into `dest`, a block of rows at a time."""
+    info = file.tensors[name]
+    if heads is not None:  # the permutation mixes rows within a head: take it whole
+        values = unpermute_rows(dequantize(file.raw(name), info.qtype), heads)
+        dest.copy_(torch.from_numpy(np.ascontiguousarray(values)))
+        return
+    n_rows = dest.shape[0] if dest.dim() > 1 else 1
+    step = max(1, _CHUNK_ELEMENTS // max(1, dest.numel() // n_rows))
+    flat = dest.view(n_rows, -1)
+    for start in range(0, n_rows, step):
+        rows = slice(start, min(start + step, n_rows))
+        values = dequantize(file.raw(name, rows), info.qtype)
+        flat[rows].copy_(torch.from_numpy(values if values.flags.writeable else values.copy()))

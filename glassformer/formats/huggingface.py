@@ -1,0 +1,222 @@
+"""Hugging Face model folders (config.json, *.safetensors [+ index], tokenizer.json) -> Glassformer.
+
+Two families, each an explicit key map (`key_map`) between Hugging Face names and ours:
+- GPT-2 (`model_type` gpt2): learned positions, LayerNorm, GELU (tanh), fused c_attn. Its
+  Conv1D layers store weights as (in, out), so they are transposed.
+- Llama (llama, mistral with its sliding window, qwen2 with q/k/v biases): RoPE (rotate-half),
+  RMSNorm, SwiGLU. q/k/v_proj are stacked into our fused `qkv`, gate/up_proj into `mlp.up`.
+Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer
+from .chat_tokenizer import ChatTokenizer
+from .empty_model import empty_model
+
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+                    "relu": "relu"}
+LLAMA_TYPES = ("llama", "mistral", "qwen2")
+# Buffers some transformers versions save, carrying no weights.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One Hugging Face tensor: our parameter, the block of its rows, and whether to transpose."""
+
+    hf: str
+    ours: str
+    rows: tuple[int, int] | None = None
+    transpose: bool = False
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig equal to a Hugging Face config.json (as a dict)."""
+    kind = hf.get("model_type")
+    try:
+        if kind == "gpt2":
+            return _gpt2_config(hf)
+        if kind in LLAMA_TYPES:
+            return _llama_config(hf)
+    except KeyError as error:
+        raise ValueError(f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
+    raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)})")
+
+
+def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in GPT2_ACTIVATIONS:
+        raise ValueError(f"unsupported GPT-2 activation_function {act!r}")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if hf.get(flag):
+            raise ValueError(f"unsupported GPT-2 option {flag}=true")
+    if hf.get("scale_attn_weights") is False:
+        raise ValueError("unsupported GPT-2 option scale_attn_weights=false")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], context_length=hf["n_positions"], d_model=hf["n_embd"],
+        n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner"),
+        position="learned", norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        activation=GPT2_ACTIVATIONS[act], tie_embeddings=hf.get("tie_word_embeddings", True),
+    )
+
+
+def _llama_config(hf: dict[str, Any]) -> ModelConfig:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (expected silu)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear"):
+        raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    qwen = hf["model_type"] == "qwen2"
+    window = hf.get("sliding_window")
+    if qwen:  # Qwen2 names a window but uses it only with use_sliding_window
+        if hf.get("use_sliding_window") and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]:
+            raise ValueError("unsupported: sliding window on some layers only (max_window_layers)")
+        window = window if hf.get("use_sliding_window") else None
+    n_heads = hf["num_attention_heads"]
+    d_head = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
+        d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        d_head=d_head if d_head * n_heads != hf["hidden_size"] else None,
+        d_ff=hf["intermediate_size"], position="rope", rope_theta=float(theta),
+        rope_scaling="linear" if rope_type == "linear" else "none",
+        rope_factor=float(rope.get("factor", 1.0)) if rope_type == "linear" else 1.0,
+        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="silu", gated=True,
+        attn_bias=qwen or bool(hf.get("attention_bias", False)),
+        attn_out_bias=not qwen and bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
+    )
+
+
+def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
+    """Every Hugging Face tensor of the family with where it goes in Glassformer."""
+    if model_type == "gpt2":
+        return _gpt2_keys(config)
+    return _llama_keys(config)
+
+
+def _gpt2_keys(c: ModelConfig) -> list[Entry]:
+    p = "transformer."
+    entries = [Entry(p + "wte.weight", "embed.tokens.weight"),
+               Entry(p + "wpe.weight", "embed.positions.weight")]
+    for i in range(c.n_layers):
+        h, b = f"{p}h.{i}.", f"blocks.{i}."
+        for ours, theirs, conv in (("norm1", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
+                                   ("attn.out", "attn.c_proj", True), ("norm2", "ln_2", False),
+                                   ("mlp.up", "mlp.c_fc", True), ("mlp.down", "mlp.c_proj", True)):
+            entries.append(Entry(f"{h}{theirs}.weight", f"{b}{ours}.weight", transpose=conv))
+            entries.append(Entry(f"{h}{theirs}.bias", f"{b}{ours}.bias"))
+    entries += [Entry(p + "ln_f.weight", "final_norm.weight"), Entry(p + "ln_f.bias", "final_norm.bias")]
+    if not c.tie_embeddings:
+        entries.append(Entry("lm_head.weight", "lm_head.weight"))
+    return entries
+
+
+def _llama_keys(c: ModelConfig) -> list[Entry]:
+    H, KV, ff = c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.ff_dim
+    entries = [Entry("model.embed_tokens.weight", "embed.tokens.weight"),
+               Entry("model.norm.weight", "final_norm.weight")]
+    for i in range(c.n_layers):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        entries += [Entry(h + "input_layernorm.weight", b + "norm1.weight"),
+                    Entry(h + "post_attention_layernorm.weight", b + "norm2.weight")]
+        kinds = [("weight", True), ("bias", c.attn_bias)]
+        for name, rows in (("q_proj", (0, H)), ("k_proj", (H, H + KV)), ("v_proj", (H + KV, H + 2 * KV))):
+            entries += [Entry(f"{h}self_attn.{name}.{k}", f"{b}attn.qkv.{k}", rows) for k, on in kinds if on]
+        entries += [Entry(f"{h}self_attn.o_proj.{k}", f"{b}attn.out.{k}")
+                    for k, on in (("weight", True), ("bias", c.attn_out_bias)) if on]
+        for name, ours, rows in (("gate_proj", "up", (0, ff)), ("up_proj", "up", (ff, 2 * ff)),
+                                 ("down_proj", "down", None)):
+            entries += [Entry(f"{h}mlp.{name}.{k}", f"{b}mlp.{ours}.{k}", rows)
+                        for k, on in (("weight", True), ("bias", c.mlp_bias)) if on]
+    if not c.tie_embeddings:
+        entries.append(Entry("lm_head.weight", "lm_head.weight"))
+    return entries
+
+
+def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,
+            ) -> tuple[Transformer, ChatTokenizer]:
+    """Read a Hugging Face model folder: the model (eval mode, on CPU) and its tokenizer."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    hf = json.loads(config_path.read_text())
+    config = config_from_hf(hf)
+    tokenizer = ChatTokenizer.load(folder)
+    model = empty_model(config, dtype)
+    tensors = read_safetensors(folder)
+    model.load_state_dict(state_dict(config, hf["model_type"], tensors, model), strict=True)
+    return model.eval(), tokenizer
+
+
+def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Tensor],
+               model: Transformer) -> dict[str, torch.Tensor]:
+    """Our state dict from the Hugging Face tensors, after strict name and shape checks."""
+    entries = key_map(config, model_type)
+    prefix = "transformer." if model_type == "gpt2" else ""
+    if prefix and not any(k.startswith(prefix) for k in tensors):  # original GPT-2 files omit it
+        tensors = {prefix + k if k != "lm_head.weight" else k: v for k, v in tensors.items()}
+    wanted = {e.hf for e in entries}
+    missing = sorted(wanted - set(tensors))
+    if missing:
+        raise ValueError(f"missing tensor {missing[0]} ({len(missing)} missing in all)")
+    tied_head = config.tie_embeddings and "lm_head.weight" in tensors
+    unknown = sorted(k for k in set(tensors) - wanted
+                     if not k.endswith(_IGNORED_SUFFIXES) and not (tied_head and k == "lm_head.weight"))
+    if unknown:
+        raise ValueError(f"unexpected tensor {unknown[0]} for this {model_type} configuration")
+    params = dict(model.state_dict())
+    parts: dict[str, list[tuple[Entry, torch.Tensor]]] = {}
+    for e in entries:
+        t = tensors[e.hf].T if e.transpose else tensors[e.hf]
+        target = params[e.ours].shape
+        shape = (e.rows[1] - e.rows[0], *target[1:]) if e.rows else tuple(target)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"tensor {e.hf} has shape {tuple(tensors[e.hf].shape)}, "
+                             f"expected {tuple(shape)}{' transposed' if e.transpose else ''}")
+        parts.setdefault(e.ours, []).append((e, t))
+    out = {}
+    for name, pieces in parts.items():
+        pieces.sort(key=lambda p: p[0].rows or (0, 0))
+        out[name] = pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces])
+    if config.tie_embeddings:
+        out["lm_head.weight"] = out["embed.tokens.weight"]
+    return out
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(folder.glob("*.safetensors"))]
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder}: shard {name} listed in the index is missing")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except SafetensorError as error:
+            raise ValueError(f"{path}: corrupt or truncated safetensors file ({error})") from None
+    return tensors

@@ -1,0 +1,141 @@
+"""Beam search: keep the W most likely continuations, not just the single most likely token.
+
+Each step extends every running beam by every token, scores a candidate by the sum of its
+log-probabilities, and keeps the best W. A candidate that ends in end-of-text (or a stop
+string) is set aside as finished with score  sum log p / n_generated^length_penalty
+(length_penalty > 0 favours longer texts). Search ends once W are finished, at
+max_new_tokens or at the end of the window; the best finished (or running) beam wins.
+With W = 1 the kept candidate is always the argmax: exactly greedy decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..model.kv_cache import KVCache
+from ..model.transformer import Transformer
+from .batching import select_rows
+from .generate import (
+    GenerationConfig,
+    GenerationResult,
+    _eos_ids,
+    _sync,
+    decode_one_token,
+    fit_prompt,
+    prefill,
+)
+from .stopping import Decoder, TextStream
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    ids: tuple[int, ...]  # generated tokens
+    log_prob: float  # their summed log-probabilities
+
+    def score(self, length_penalty: float) -> float:
+        return self.log_prob / max(len(self.ids), 1) ** length_penalty
+
+
+def beam_search(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    config: GenerationConfig,
+    tokenizer: Decoder | None = None,
+) -> GenerationResult:
+    if not config.sampling.greedy or config.sampling.uses_counts:
+        raise ValueError("beams: beam search ranks raw log-probabilities; drop sampling and penalties")
+    if config.overflow != "stop":
+        raise ValueError("overflow: beam search stops at the end of the window; it cannot slide")
+    if config.stop and tokenizer is None:
+        raise ValueError("stop: stop strings need a tokenizer to decode the text")
+    mc, W = model.config, config.beams
+    prompt = fit_prompt(prompt_ids, mc.context_length, config)
+    eos = _eos_ids(config, tokenizer)
+    device = model.embed.tokens.weight.device
+
+    def ends(ids: tuple[int, ...]) -> bool:
+        if ids[-1] in eos:
+            return True
+        return bool(config.stop) and any(s in tokenizer.decode(list(ids)) for s in config.stop)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            start = _sync(device)
+            cache = None
+            if config.use_cache:
+                room = min(mc.context_length, len(prompt) + config.max_new_tokens)
+                cache = KVCache(mc, 1, max_length=room)
+            logits = prefill(model, torch.tensor([prompt], device=device), cache)  # (1, V)
+            prefill_seconds = (decode_start := _sync(device)) - start
+            running = [Hypothesis((), 0.0)]
+            finished: list[Hypothesis] = []
+            steps, window_full = 0, False
+            while True:
+                log_probs = logits.float().log_softmax(dim=-1)  # (n_running, V)
+                totals = torch.tensor([h.log_prob for h in running], device=device)[:, None] + log_probs
+                n_candidates = min(2 * W, totals.numel())
+                best = torch.topk(totals.flatten(), n_candidates)  # sorted, best first
+                V = log_probs.shape[-1]
+                survivors, sources = [], []
+                ranked = zip(best.values.tolist(), best.indices.tolist(), strict=True)
+                for rank, (total, flat) in enumerate(ranked):
+                    source, token = divmod(flat, V)
+                    candidate = Hypothesis(running[source].ids + (token,), total)
+                    if ends(candidate.ids):
+                        if rank < W:  # as in Hugging Face: only a top-W candidate may finish
+                            finished.append(candidate)
+                    elif len(survivors) < W:
+                        survivors.append(candidate)
+                        sources.append(source)
+                length = len(survivors[0].ids) if survivors else 0
+                done = length >= config.max_new_tokens
+                window_full = not done and len(prompt) + length > mc.context_length  # no position left
+                if len(finished) >= W or not survivors or done or window_full:
+                    break
+                steps += 1
+                running = survivors
+                tokens = torch.tensor([h.ids[-1] for h in running], device=device)  # (W,)
+                if cache is not None:
+                    select_rows(cache, torch.tensor(sources, device=device))
+                    logits = decode_one_token(model, tokens, cache)
+                else:
+                    ids = torch.tensor([prompt + list(h.ids) for h in running], device=device)
+                    logits = prefill(model, ids)
+            decode_seconds = _sync(device) - decode_start
+    finally:
+        model.train(was_training)
+
+    pool = finished if len(finished) >= W or not survivors else finished + survivors
+    winner = max(pool, key=lambda h: h.score(config.length_penalty))
+    text, stop_string = None, None
+    if tokenizer is not None:
+        stream = TextStream(tokenizer, config.stop, prompt[-4:])
+        for token in winner.ids:
+            if token in eos or stream.stop_string is not None:
+                break
+            stream.push(token)
+        stream.flush()
+        text, stop_string = stream.text, stream.stop_string
+    if winner.ids[-1] in eos:
+        reason = "eos"
+    elif stop_string is not None:
+        reason = "stop_string"
+    else:
+        reason = "context_full" if window_full else "max_new_tokens"
+    return GenerationResult(
+        prompt_ids=prompt,
+        generated_ids=list(winner.ids),
+        text=text,
+        stop_reason=reason,
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+        decode_steps=steps,
+        truncated_tokens=len(prompt_ids) - len(prompt),
+        log_prob=winner.log_prob,
+        stop_string=stop_string,
+    )

@@ -1,0 +1,140 @@
+"""Glassformer against a reference implementation, layer by layer, on the same weights and tokens.
+
+For each place in the forward pass (embeddings; each block's attention output and residual
+stream; the final norm; the logits) the largest absolute difference is reported, and the first
+place that exceeds `atol + rtol · max|reference|` is named: a wrong port shows where it starts.
+
+The reference is Hugging Face `transformers` (an optional dependency, imported only here):
+ours are read at our hook sites, theirs with forward hooks on the matching submodules.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..formats import hub
+from ..model.transformer import Transformer
+from .trace import capture
+
+# model_type -> (base model attribute, its layer list, a layer's attention, the final norm)
+LAYOUTS = {
+    "gpt2": ("transformer", "h", "attn", "ln_f"),
+    "llama": ("model", "layers", "self_attn", "norm"),
+    "mistral": ("model", "layers", "self_attn", "norm"),
+    "qwen2": ("model", "layers", "self_attn", "norm"),
+}
+
+
+@dataclass(frozen=True)
+class SiteDiff:
+    site: str  # our hook site name
+    max_abs_diff: float
+    tolerance: float
+    reference_max: float  # max |reference| at this site, for scale
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+
+@dataclass(frozen=True)
+class Comparison:
+    sites: list[SiteDiff]
+    n_tokens: int
+
+    @property
+    def first_failure(self) -> SiteDiff | None:
+        return next((s for s in self.sites if not s.ok), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        failure = self.first_failure
+        return {"n_tokens": self.n_tokens, "ok": failure is None,
+                "first_failure": None if failure is None else failure.site,
+                "sites": [asdict(s) | {"ok": s.ok} for s in self.sites]}
+
+
+def sites(n_layers: int) -> list[str]:
+    """The compared places, in forward order, as our hook site names."""
+    names = ["embed.out"]
+    for i in range(n_layers):
+        names += [f"blocks.{i}.attn.out", f"blocks.{i}.resid_post"]
+    return [*names, "final_norm", "logits"]
+
+
+def compare(model: Transformer, reference: torch.nn.Module, ids: torch.Tensor,
+            atol: float = 1e-4, rtol: float = 1e-4) -> Comparison:
+    """Run both on ids (1, T) and diff every site."""
+    theirs = reference_activations(reference, ids)
+    with torch.no_grad(), capture(model, list(theirs)) as ours:
+        model(ids)
+    rows = []
+    for site, expected in theirs.items():
+        diff = (ours[site].float() - expected.float()).abs().max().item()
+        scale = expected.abs().max().item()
+        rows.append(SiteDiff(site, diff, atol + rtol * scale, scale))
+    return Comparison(rows, ids.shape[1])
+
+
+def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The reference's tensors at our sites, from output_hidden_states and forward hooks."""
+    kind = reference.config.model_type
+    if kind not in LAYOUTS:
+        raise ValueError(f"compare: no layout for reference model_type {kind!r}")
+    base_name, layers_name, attn_name, norm_name = LAYOUTS[kind]
+    base = getattr(reference, base_name)
+    layers = getattr(base, layers_name)
+    found: dict[str, torch.Tensor] = {}
+
+    def keep(site: str):
+        def hook(module, args, output):
+            found[site] = (output[0] if isinstance(output, tuple) else output).detach()
+        return hook
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(getattr(layer, attn_name).register_forward_hook(keep(f"blocks.{i}.attn.out")))
+        handles.append(layer.register_forward_hook(keep(f"blocks.{i}.resid_post")))
+    handles.append(getattr(base, norm_name).register_forward_hook(keep("final_norm")))
+    try:
+        with torch.no_grad():
+            out = reference(ids, output_hidden_states=True, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    found["embed.out"] = out.hidden_states[0]
+    found["logits"] = out.logits
+    return {site: found[site] for site in sites(len(layers))}
+
+
+def hf_reference(source: str, model: Transformer, tokenizer: Any) -> torch.nn.Module:
+    """transformers' model for `source`: the GGUF or Hugging Face folder itself, or, for a
+    Glassformer checkpoint, our weights exported to a Hugging Face folder."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("compare --reference hf needs transformers: pip install transformers") from None
+    path = Path(source).expanduser()
+    if not path.exists() and source in hub.MODELS:
+        path = hub.model_path(source)
+    def load(folder: Path, **kwargs: Any) -> torch.nn.Module:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager", **kwargs)
+
+    config_path = path / "config.json"
+    if path.is_file():
+        reference = load(path.parent, gguf_file=path.name)
+    elif config_path.is_file() and "model_type" in json.loads(config_path.read_text()):
+        reference = load(path)
+    else:
+        from ..formats.export import export_hf
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = export_hf(model, tokenizer, Path(tmp) / "hf")
+            reference = load(folder)
+    return reference.eval()

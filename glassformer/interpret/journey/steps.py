@@ -1,0 +1,112 @@
+"""The walkthrough's text: each hook site as a step of the forward pass, with its equation.
+
+Steps follow the order of the pass; a layer's steps are written once (site names relative to
+`blocks.{i}`) and shown for whichever layer is selected.
+"""
+
+from __future__ import annotations
+
+from ...model.config import ModelConfig
+from ..trace import site_names
+
+# How a named dimension is written in the equations (c: tokens in the context).
+DIM_SYMBOLS = {
+    "batch": "B", "pos": "c", "query": "c", "key": "c", "d_model": "d", "head": "H",
+    "kv_head": "KV", "d_head": "d_head", "d_ff": "d_ff", "vocab": "v",
+}
+ACTIVATION_NAMES = {"relu": "ReLU", "gelu": "GELU", "gelu_tanh": "GELU", "silu": "SiLU"}
+
+
+def _norm(config: ModelConfig) -> str:
+    if config.norm == "rmsnorm":
+        return "RMSNorm(x) = x / √(mean(x²) + ε) ⊙ g"
+    return "LayerNorm(x) = (x − mean(x)) / √(var(x) + ε) ⊙ g + b"
+
+
+def input_steps(config: ModelConfig) -> list[dict]:
+    pe = {
+        "learned": ("E_pos[0 … c−1]", "rows of the learned (context × d) position table"),
+        "sinusoidal": ("PE(m, 2i) = sin(m / 10000^(2i/d)),  PE(m, 2i+1) = cos(m / 10000^(2i/d))",
+                       "fixed sinusoids, one frequency per pair of dimensions"),
+    }
+    position_note = {
+        "rope": "No position vector is added: RoPE rotates Q and K by their positions in every layer.",
+        "alibi": "No position vector is added: ALiBi adds −slope·(i − j) to every attention score.",
+        "none": "No position information at all: only the causal mask tells tokens apart.",
+    }
+    steps = [{"site": "embed.tokens", "title": "Token embedding lookup", "equation": "E_token[ids]",
+              "note": "row ids[i] of the (v × d) table E_token for every token"}]
+    if config.position in pe:
+        equation, note = pe[config.position]
+        steps.append({"site": "embed.positions", "title": "Position encoding", "equation": equation,
+                      "note": note})
+        steps.append({"site": "embed.out", "title": "Input embedding",
+                      "equation": "I_emb = E_token[ids] + E_pos", "note": "the residual stream begins"})
+    else:
+        steps.append({"site": "embed.out", "title": "Input embedding", "equation": "I_emb = E_token[ids]",
+                      "note": position_note[config.position]})
+    return steps
+
+
+def layer_steps(config: ModelConfig) -> list[dict]:
+    pre = config.norm_placement == "pre"
+    x_in = "x̂" if pre else "x"
+    q, k = (f"RoPE({x_in} W_Q)", f"RoPE({x_in} W_K)") if config.position == "rope" else (
+        f"{x_in} W_Q", f"{x_in} W_K")
+    mask = "M: 0 where query i may see key j, −∞ where it may not"
+    if config.causal:
+        mask += " (j > i: the future)"
+    if config.sliding_window:
+        mask += f", or i − j ≥ {config.sliding_window} (outside the window)"
+    if config.position == "alibi":
+        mask += "; plus the ALiBi bias −slope_h·(i − j)"
+    act = ACTIVATION_NAMES[config.activation]
+    hidden = (f"{act}({x_in} W_gate) ⊙ ({x_in} W_up)" if config.gated else f"{act}({x_in} W_1 + b_1)")
+    gqa = ""
+    if config.kv_heads < config.n_heads:
+        gqa = f"; {config.kv_heads} key/value heads, each shared by {config.n_rep} query heads (GQA)"
+    steps = [
+        {"site": "resid_pre", "title": "Residual stream in", "equation": "x",
+         "note": "what the layer reads (and adds to)"},
+        {"site": "norm1", "title": "Norm before attention" if pre else "Add & norm (attention)",
+         "equation": f"x̂ = {_norm(config)}" if pre else "x = Norm(x + MultiHead(x))",
+         "note": "" if pre else "post-norm: the norm follows the residual add"},
+        {"site": "attn.q", "title": "Queries", "equation": f"Q = {q}",
+         "note": "split into H heads of d_head dimensions"},
+        {"site": "attn.k", "title": "Keys", "equation": f"K = {k}",
+         "note": "one key per token" + gqa},
+        {"site": "attn.v", "title": "Values", "equation": f"V = {x_in} W_V",
+         "note": "what each token hands on when attended to" + gqa},
+        {"site": "attn.scores", "title": "Raw scores", "equation": "A = Q Kᵀ / √d_head",
+         "note": "row i: how well query i matches every key"},
+        {"site": "attn.masked_scores", "title": "Mask", "equation": "A_masked = A + M", "note": mask},
+        {"site": "attn.pattern", "title": "Attention weights", "equation": "α = softmax(A_masked)",
+         "note": "each row sums to 1; hover the heatmap for a weight"},
+        {"site": "attn.context", "title": "Weighted sum of values", "equation": "head_h = α V",
+         "note": "each query's mix of the values it attends to"},
+        {"site": "attn.out", "title": "Concatenate heads, project",
+         "equation": "MultiHead = concat(head_1, …, head_H) W_O", "note": "back to d dimensions"},
+        {"site": "resid_mid", "title": "Residual add",
+         "equation": "x ← x + MultiHead(x̂)" if pre else "x (after the first add & norm)",
+         "note": "attention writes into the residual stream"},
+        {"site": "norm2", "title": "Norm before the feed-forward" if pre else "Add & norm (feed-forward)",
+         "equation": f"x̂ = {_norm(config)}" if pre else "x = Norm(x + FFN(x))", "note": ""},
+        {"site": "mlp.hidden", "title": "Feed-forward hidden layer", "equation": hidden,
+         "note": "position-wise: every token alone, d → d_ff"},
+        {"site": "mlp.out", "title": "Feed-forward output", "equation": "FFN = hidden W_2",
+         "note": "d_ff → d"},
+        {"site": "resid_post", "title": "Residual stream out",
+         "equation": "x ← x + FFN(x̂)" if pre else "x", "note": "the input of the next layer"},
+    ]
+    present = set(site_names(config))
+    return [step for step in steps if f"blocks.0.{step['site']}" in present]
+
+
+def output_steps(config: ModelConfig) -> list[dict]:
+    steps = []
+    if config.final_norm:
+        steps.append({"site": "final_norm", "title": "Final norm", "equation": f"h = {_norm(config)}",
+                      "note": ""})
+    head = "W_head = E_token (tied)" if config.tie_embeddings else "W_head: its own (v × d) matrix"
+    steps.append({"site": "logits", "title": "Logits", "equation": "logits = h W_headᵀ", "note": head})
+    return steps

@@ -1,0 +1,193 @@
+"""Named hook sites: read, ablate or patch any intermediate tensor of the forward pass.
+
+Every site, in the order the forward pass reaches it, with the tensor's dimensions
+(T: tokens in this call; S: keys seen, = cache length + T when decoding with a KVCache):
+
+    embed.tokens               (batch, pos, d_model)            E_token[ids]
+    embed.positions            (batch, pos, d_model)            E_pos (learned / sinusoidal only)
+    embed.out                  (batch, pos, d_model)            I_emb = E_token[ids] + E_pos
+    blocks.{i}.resid_pre       (batch, pos, d_model)            residual stream entering block i
+    blocks.{i}.norm1           (batch, pos, d_model)            Norm(x) (post-norm: Norm(x + Attn(x)))
+    blocks.{i}.attn.q          (batch, head, pos, d_head)       Q = x W_Q (after RoPE)
+    blocks.{i}.attn.k          (batch, kv_head, pos, d_head)    K = x W_K (after RoPE; new rows only)
+    blocks.{i}.attn.v          (batch, kv_head, pos, d_head)    V = x W_V (new rows only)
+    blocks.{i}.attn.scores     (batch, head, query, key)        A = Q Kᵀ / √d_head      (T × S)
+    blocks.{i}.attn.masked_scores (batch, head, query, key)     A + M (-inf where masked)
+    blocks.{i}.attn.pattern    (batch, head, query, key)        α = softmax(A + M)
+    blocks.{i}.attn.context    (batch, head, pos, d_head)       α V
+    blocks.{i}.attn.out        (batch, pos, d_model)            concat(heads) W_O
+    blocks.{i}.resid_mid       (batch, pos, d_model)            x + Attn(...)
+    blocks.{i}.norm2           (batch, pos, d_model)            Norm(x) (post-norm: Norm(x + FFN(x)))
+    blocks.{i}.mlp.hidden      (batch, pos, d_ff)               σ(x W_up), or σ(x W_gate) ⊙ x W_up
+    blocks.{i}.mlp.out         (batch, pos, d_model)            hidden W_down
+    blocks.{i}.resid_post      (batch, pos, d_model)            residual stream leaving block i
+    final_norm                 (batch, pos, d_model)            h = Norm(x) (when the model has one)
+    logits                     (batch, pos, vocab)              h W_headᵀ
+
+With grouped-query attention q has n_heads heads and k, v have n_kv_heads. Asking for
+scores, masked_scores or pattern switches that layer to the reference attention kernel (the
+fused kernels never form the weights); every other site leaves the fast kernel in place.
+Hooks are installed by context managers and always removed on exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.hooks import HookFn
+from ..model.kv_cache import KVCache
+from ..model.transformer import Transformer
+
+EMBED_SITES = {
+    "embed.tokens": ("batch", "pos", "d_model"),
+    "embed.positions": ("batch", "pos", "d_model"),
+    "embed.out": ("batch", "pos", "d_model"),
+}
+LAYER_SITES = {
+    "resid_pre": ("batch", "pos", "d_model"),
+    "norm1": ("batch", "pos", "d_model"),
+    "attn.q": ("batch", "head", "pos", "d_head"),
+    "attn.k": ("batch", "kv_head", "pos", "d_head"),
+    "attn.v": ("batch", "kv_head", "pos", "d_head"),
+    "attn.scores": ("batch", "head", "query", "key"),
+    "attn.masked_scores": ("batch", "head", "query", "key"),
+    "attn.pattern": ("batch", "head", "query", "key"),
+    "attn.context": ("batch", "head", "pos", "d_head"),
+    "attn.out": ("batch", "pos", "d_model"),
+    "resid_mid": ("batch", "pos", "d_model"),
+    "norm2": ("batch", "pos", "d_model"),
+    "mlp.hidden": ("batch", "pos", "d_ff"),
+    "mlp.out": ("batch", "pos", "d_model"),
+    "resid_post": ("batch", "pos", "d_model"),
+}
+OUTPUT_SITES = {
+    "final_norm": ("batch", "pos", "d_model"),
+    "logits": ("batch", "pos", "vocab"),
+}
+HEAD_DIMS = ("head", "kv_head")
+
+Names = Iterable[str] | Callable[[str], bool] | None
+
+
+def site_names(config: ModelConfig) -> list[str]:
+    """Every site this configuration has, in the order the forward pass reaches it."""
+    names = ["embed.tokens"]
+    if config.position in ("learned", "sinusoidal"):
+        names.append("embed.positions")
+    names.append("embed.out")
+    layer = list(LAYER_SITES)
+    if config.norm_placement == "post":  # each norm follows its residual add
+        for norm, before in (("norm1", "resid_mid"), ("norm2", "resid_post")):
+            layer.remove(norm)
+            layer.insert(layer.index(before), norm)
+    for i in range(config.n_layers):
+        names += [f"blocks.{i}.{site}" for site in layer]
+    if config.final_norm:
+        names.append("final_norm")
+    return names + ["logits"]
+
+
+def site_dims(name: str) -> tuple[str, ...]:
+    """The named dimensions of a site's tensor, e.g. ("batch", "head", "pos", "d_head")."""
+    if name in EMBED_SITES:
+        return EMBED_SITES[name]
+    if name in OUTPUT_SITES:
+        return OUTPUT_SITES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in LAYER_SITES:
+        return LAYER_SITES[parts[2]]
+    raise ValueError(f"unknown hook site {name!r}; see glassformer.trace for the names")
+
+
+def resolve_names(config: ModelConfig, names: Names) -> list[str]:
+    """Exact site names from None (all), a predicate, or an iterable (checked to exist)."""
+    known = site_names(config)
+    if names is None:
+        return known
+    if callable(names):
+        return [name for name in known if names(name)]
+    names = [names] if isinstance(names, str) else list(names)
+    missing = sorted(set(names) - set(known))
+    if missing:
+        raise ValueError(f"unknown hook site(s) for this model: {', '.join(missing)}")
+    return names
+
+
+@contextmanager
+def capture(model: Transformer, names: Names = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Record the tensors at `names` (detached) into the yielded dict while the block runs."""
+    store: dict[str, torch.Tensor] = {}
+
+    def record(tensor: torch.Tensor, site: str) -> None:
+        store[site] = tensor.detach()
+
+    with model.hooks.installed({name: record for name in resolve_names(model.config, names)}):
+        yield store
+
+
+def run_with_cache(
+    model: Transformer,
+    ids: torch.Tensor,
+    names: Names = None,
+    cache: KVCache | None = None,
+    positions: torch.Tensor | None = None,
+    pad_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward pass without gradients: (logits (B, T, vocab), {site: tensor}).
+
+    With a KVCache this is a decode step: q and the attention sites show the new query rows
+    against every cached key, e.g. pattern (B, H, 1, S) for one new token.
+    """
+    with torch.no_grad(), capture(model, names) as store:
+        logits = model(ids, cache=cache, positions=positions, pad_mask=pad_mask)
+    return logits, store
+
+
+@contextmanager
+def intervene(model: Transformer, hooks: Mapping[str, HookFn]) -> Iterator[None]:
+    """Install arbitrary hooks {site: fn(tensor, site) -> tensor | None} after checking names."""
+    resolve_names(model.config, hooks.keys())
+    with model.hooks.installed(hooks):
+        yield
+
+
+@contextmanager
+def ablate(
+    model: Transformer, sites: str | Iterable[str], heads: Sequence[int] | None = None
+) -> Iterator[None]:
+    """Zero the tensors at `sites`; with `heads`, only those heads (dimension 1) of head sites."""
+    sites = [sites] if isinstance(sites, str) else list(sites)
+    if heads is not None:
+        for site in sites:
+            if site_dims(site)[1] not in HEAD_DIMS:
+                raise ValueError(f"heads: site {site!r} has no head dimension")
+
+    def zero(tensor: torch.Tensor, site: str) -> torch.Tensor:
+        if heads is None:
+            return torch.zeros_like(tensor)
+        out = tensor.clone()
+        out[:, list(heads)] = 0
+        return out
+
+    with intervene(model, {site: zero for site in sites}):
+        yield
+
+
+@contextmanager
+def patch(model: Transformer, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Replace each site's tensor by the given one (e.g. captured on another input)."""
+
+    def replace(tensor: torch.Tensor, site: str) -> torch.Tensor:
+        value = values[site]
+        if value.shape != tensor.shape:
+            raise ValueError(
+                f"patch: {site} has shape {tuple(tensor.shape)}, got {tuple(value.shape)}"
+            )
+        return value.to(device=tensor.device, dtype=tensor.dtype)
+
+    with intervene(model, {site: replace for site in values}):
+        yield

@@ -1,0 +1,67 @@
+"""Masked multi-head attention with n_kv_heads key/value heads (MHA, GQA, MQA).
+
+    Q, K, V = x W_Q, x W_K, x W_V          one fused product, split into heads
+    Q, K    = rope(Q), rope(K)             when position = "rope"
+    K, V    = cache.update(K, V)           when decoding: the new rows join the cached ones
+    A       = Q Kᵀ / √d_head + M           M: -inf where masked (+ ALiBi distances)
+    out     = softmax(A) V  ->  concat heads  ->  W_O
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..hooks import Hooks
+from ..kv_cache import KVCache
+from .attention_backends import KERNELS, reference_attention
+from .linear import Linear
+from .masking import AttentionMask
+from .positions import apply_rope
+
+# Sites that only the reference kernel can show.
+WEIGHT_SITES = ("scores", "masked_scores", "pattern")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, hooks: Hooks, site: str, layer: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.d_head = config.n_heads, config.kv_heads, config.head_dim
+        self.layer = layer
+        q_width, kv_width = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        self.split = (q_width, kv_width, kv_width)
+        self.qkv = Linear(config.d_model, q_width + 2 * kv_width, bias=config.attn_bias)
+        self.out = Linear(q_width, config.d_model, bias=config.attn_out_bias)
+        self.kernel = KERNELS[config.attention_kernel]
+        self.dropout = config.dropout
+        self.hooks, self.site = hooks, site
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        hook, site = self.hooks, self.site
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_head)
+        k = k.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
+        v = v.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = hook(site + ".q", q), hook(site + ".k", k), hook(site + ".v", v)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # (B, KV, S, d_head): cached + new rows
+        dropout = self.dropout if self.training else 0.0
+        if hook and any(hook.wants(f"{site}.{name}") for name in WEIGHT_SITES):
+            context, _ = reference_attention(
+                q, k, v, mask, dropout, hook=lambda name, t: hook(f"{site}.{name}", t)
+            )
+        else:
+            context = self.kernel(q, k, v, mask, dropout)  # (B, H, T, d_head)
+        context = hook(site + ".context", context)
+        merged = context.transpose(1, 2).reshape(B, T, -1)  # (B, T, H·d_head): heads side by side
+        return hook(site + ".out", self.out(merged))  # (B, T, d)

@@ -1,0 +1,47 @@
+"""Normalisation: LayerNorm (Ba et al., 2016) and RMSNorm (Zhang & Sennrich, 2019)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...accel import fused as fused_ops
+from ..config import ModelConfig
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, over the last dimension."""
+
+    def __init__(self, d_model: int, eps: float, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))  # (d,)
+        self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None  # (d,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) * weight: no centring, no bias (computed in float32)."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))  # (d,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_ops.rms_norm(x, self.weight, self.eps)  # training on the CPU: one pass
+        if fused is not None:
+            return fused
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    """The configured norm over d_model."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps)
+    return LayerNorm(config.d_model, config.norm_eps, config.norm_bias)

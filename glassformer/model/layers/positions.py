@@ -1,0 +1,92 @@
+"""Relative position schemes: rotary embeddings (RoPE, with context extension) and ALiBi.
+
+RoPE (Su et al., 2021) rotates each (x_i, x_{i+d/2}) pair of a query or key at position m by the
+angle m·θ_i with θ_i = base^(-2i/d), so that q_m·k_n depends only on m - n. ALiBi (Press et al.,
+2022) adds -slope_h·(m - n) to the attention score of head h instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...accel import fused as fused_ops
+from ..config import ModelConfig
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """θ_i for i < d_head/2, and the attention factor that scales cos and sin (1 except YaRN).
+
+    - linear (position interpolation, Chen et al. 2023): θ_i / s, i.e. positions m/s.
+    - ntk (NTK-aware scaling, bloc97 2023): base' = base · s^(d/(d-2)), low frequencies stretch
+      most, the highest is kept.
+    - yarn (Peng et al. 2023): per band, interpolate θ_i/s where a wavelength exceeds the original
+      context (fewer than β_slow=1 turns), keep θ_i where it has more than β_fast=32 turns, ramp
+      linearly between; and scale attention logits by (0.1·ln s + 1)² via cos and sin.
+    with s = rope_factor.
+    """
+    d, base, s = config.head_dim, config.rope_theta, config.rope_factor
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (d/2,)
+    if config.rope_scaling == "ntk":
+        base = base * s ** (d / (d - 2))
+    inv_freq = 1.0 / (base**exponents)  # (d/2,)
+    if config.rope_scaling == "linear":
+        return inv_freq / s, 1.0
+    if config.rope_scaling == "yarn":
+        low, high = _yarn_band(32.0, 1.0, d, base, config.original_context)
+        ramp = (torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+        keep = 1.0 - ramp.clamp(0.0, 1.0)  # 1: extrapolate (keep θ_i), 0: interpolate (θ_i / s)
+        inv_freq = inv_freq / s * (1.0 - keep) + inv_freq * keep
+        return inv_freq, 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+    return inv_freq, 1.0
+
+
+def _yarn_band(fast: float, slow: float, d: int, base: float, context: int) -> tuple[int, int]:
+    """The dimension indices where a pair turns `fast` and `slow` times over `context`."""
+
+    def dim_for(turns: float) -> float:
+        return d * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(math.floor(dim_for(fast)), 0), min(math.ceil(dim_for(slow)), d - 1)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, attention_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of m·θ_i for positions m (B, T), each (B, 1, T, d_head) ready to broadcast."""
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)  # (B, T, d/2)
+    angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, d_head)
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x_1, x_2) -> (-x_2, x_1) on the two halves of the last dimension."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate queries or keys x (B, heads, T, d_head) by their positions' angles."""
+    fused = fused_ops.rope(x, cos, sin)  # training on the CPU: one pass
+    if fused is not None:
+        return fused
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """Head slopes 2^(-8k/n) for k = 1..n when n is a power of two; otherwise the slopes of the
+    nearest lower power of two p, then every other slope of 2p (Press et al., 2022)."""
+
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+
+    p = 2 ** math.floor(math.log2(n_heads))
+    slopes = geometric(p) + geometric(2 * p)[0::2][: n_heads - p]
+    return torch.tensor(slopes)  # (H,)
+
+
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """-slope_h · (m - n) for queries at m (B, Tq) and keys at n (B, Tk): (B, H, Tq, Tk)."""
+    distance = (q_pos[:, :, None] - k_pos[:, None, :]).float()  # (B, Tq, Tk)
+    return -slopes.to(q_pos.device)[None, :, None, None] * distance[:, None]

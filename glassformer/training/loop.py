@@ -1,0 +1,282 @@
+"""The training loop, as a library function: `train(data, out_dir, model_config, train_config)`.
+
+One optimizer step draws world_size · grad_accum · batch_size windows with the run's seeded
+generator; each process takes its own slice, so the result does not depend on how many
+processes share the work. AdamW (decay on matrices only) or Muon + AdamW (optim.py), warmup +
+cosine, clipping, accumulation; evaluation on a fixed set of validation windows; checkpoints
+that resume exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from ..formats.checkpoint import Checkpoint, save_to_run
+from ..formats.tokenizers import train_tokenizer
+from ..model.config import ModelConfig
+from ..model.kv_cache import KVCache
+from ..model.transformer import Transformer
+from . import distributed
+from .allocator import keep_freed_memory
+from .config import TrainConfig, resume_conflicts
+from .data import TokenData, draw_starts, iter_documents, list_sources, windows, write_token_file
+from .metrics import MetricsLog, plot_losses
+from .optim import make_optimizer, set_learning_rate
+from .schedule import learning_rate
+
+
+def autocast(device: torch.device, dtype: str):
+    """bf16 autocast where the hardware has bf16 arithmetic; float32 otherwise."""
+    if dtype == "bfloat16" and bf16_supported(device):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def bf16_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, reduction="mean"):
+    logits = model(x)  # (B, T, vocab)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction=reduction)
+
+
+def train_step(model, optimizer, x, y, grad_accum: int, grad_clip: float, amp) -> torch.Tensor:
+    """One optimizer step over `grad_accum` micro-batches of (x, y) (n, T). Returns the loss."""
+    total = torch.zeros((), device=x.device)
+    for i, (xb, yb) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)):
+        last = i == grad_accum - 1
+        sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with amp:
+                loss = lm_loss(model, xb, yb) / grad_accum
+            loss.backward()
+        total += loss.detach()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, tokens, starts, context_length, batch_size, process, amp) -> float:
+    """Mean validation loss over the windows at `starts` (this process's share)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=process.device)  # (loss sum, tokens)
+    for chunk in starts.split(batch_size):
+        x, y = windows(tokens, chunk, context_length, process.device)
+        with amp:
+            totals[0] += lm_loss(model, x, y, reduction="sum").double()
+        totals[1] += y.numel()
+    distributed.all_reduce_sum(process, totals)
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+@torch.no_grad()
+def sample_text(model: Transformer, tokenizer, n_tokens: int, generator: torch.Generator,
+                temperature: float = 0.8) -> str:
+    """Text drawn after an end-of-text token; past the context the cache restarts from the
+    most recent half."""
+    model.eval()
+    device, T = model.lm_head.weight.device, model.config.context_length
+    cache = KVCache(model.config, 1, device=device)
+    out: list[int] = []
+    logits = model(torch.tensor([[tokenizer.eos_id]], device=device), cache)[0, -1]  # (vocab,)
+    for _ in range(n_tokens):
+        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        out.append(int(torch.multinomial(probs, 1, generator=generator)))
+        if cache.length >= T:
+            cache.reset()
+            recent = out[-(T // 2):]
+        else:
+            recent = out[-1:]
+        logits = model(torch.tensor([recent], device=device), cache)[0, -1]
+    model.train()
+    return tokenizer.decode(out)
+
+
+def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, resume: bool,
+             process):
+    """Checks everything that could refuse the run before anything is written."""
+    sources = list_sources(data)
+    has_run = (out / "latest").exists()
+    if has_run and not resume:
+        raise ValueError(f"{out} already holds a training run: pass --resume, or choose another --out")
+    if not resume:
+        docs = iter_documents(sources, config.documents)
+        tokenizer = train_tokenizer(config.tokenizer, docs, config.vocab_size)
+        return sources, tokenizer, model_config.replace(vocab_size=tokenizer.vocab_size), None
+    if not has_run:
+        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
+    checkpoint = Checkpoint.open(out)
+    tokenizer = checkpoint.tokenizer()
+    model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
+    saved, asked = checkpoint.config.to_dict(), model_config.to_dict()
+    conflicts = [f"{k}={asked[k]!r} (saved {saved[k]!r})" for k in saved if saved[k] != asked[k]]
+    conflicts += resume_conflicts(TrainConfig.from_dict(checkpoint.meta["train"]), config)
+    if conflicts:
+        raise ValueError(f"cannot resume {out}: this run asks for {', '.join(conflicts)}")
+    return sources, tokenizer, model_config, checkpoint
+
+
+def train(data, out_dir, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
+          progress: bool = True, echo=tqdm.write) -> dict:
+    """Train on the text at `data` (file(s) or folder) into the run folder `out_dir`.
+    `echo` prints the evaluations and samples. Returns a summary (iters, losses, tokens/s,
+    checkpoint path ...)."""
+    started = time.perf_counter()
+    keep_freed_memory()
+    process = distributed.setup(config.device)
+    try:
+        return _train(data, Path(out_dir), model_config, config, resume, progress, echo,
+                      process, started)
+    finally:
+        distributed.teardown(process)
+
+
+def _train(data, out, model_config, config, resume, progress, echo, process, started):
+    sources, tokenizer, model_config, checkpoint = _prepare(
+        data, out, model_config, config, resume, process
+    )
+    config = config.replace(lr_decay_iters=config.decay_iters)  # saved pinned: budgets may grow
+    T, main, device = model_config.context_length, process.is_main, process.device
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_token_file(sources, tokenizer, out / "tokens.bin", config.documents)
+    distributed.barrier(process)
+    tokens = TokenData.open(out / "tokens.bin", T, config.val_fraction)
+
+    torch.manual_seed(config.seed)
+    model = Transformer(model_config).to(device)
+    optimizer = make_optimizer(model, config)
+    data_gen = torch.Generator().manual_seed(config.seed)
+    state = {"step": 0, "tokens_seen": 0, "best_val_loss": math.inf, "train_seconds": 0.0}
+    if checkpoint is not None:
+        checkpoint.load_weights(model, device)
+        checkpoint.load_optimizer(optimizer)
+        saved = checkpoint.training_state()
+        data_gen.set_state(saved["rng.data"])
+        torch.set_rng_state(saved["rng.torch"])
+        state.update(checkpoint.meta["state"])
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=main)
+    metrics.truncate_after(state["step"])  # a fresh run starts a fresh log
+
+    step_model = torch.compile(model) if config.compile else model
+    if process.world_size > 1:
+        step_model = DistributedDataParallel(
+            step_model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    amp = autocast(device, config.dtype)
+    n_local = config.grad_accum * config.batch_size
+    mine = slice(process.rank * n_local, (process.rank + 1) * n_local)
+    val_starts = draw_starts(len(tokens.val), T, config.eval_iters * config.batch_size,
+                             torch.Generator().manual_seed(config.seed + 1))
+    val_starts = val_starts[process.rank::process.world_size]
+    tokens_per_step = process.world_size * n_local * T
+
+    def save(links):
+        meta = {"train": config.to_dict(), "state": dict(state)}
+        rng = {"rng.data": data_gen.get_state(), "rng.torch": torch.get_rng_state()}
+        if main:
+            save_to_run(out, state["step"], links, model, tokenizer, meta, optimizer, rng)
+
+    def run_eval(train_loss):
+        val_loss = evaluate(step_model, tokens.val, val_starts, T, config.batch_size, process, amp)
+        best = val_loss < state["best_val_loss"]
+        state["best_val_loss"] = min(val_loss, state["best_val_loss"])
+        record = {"iter": state["step"], "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
+                  "train_loss": train_loss, "best": best,
+                  "elapsed": time.perf_counter() - started}
+        if main and config.sample_tokens:
+            gen = torch.Generator().manual_seed(config.seed + state["step"])
+            record["sample"] = sample_text(model, tokenizer, config.sample_tokens, gen)
+        metrics.append(record)
+        if main:
+            echo(f"step {state['step']}: val loss {val_loss:.4f} (perplexity "
+                 f"{math.exp(val_loss):.2f}){' best' if best else ''}")
+            if record.get("sample"):
+                echo(record["sample"])
+        save(("latest", "best") if best else ("latest",))
+        return val_loss
+
+    interrupted = []
+    previous = _on_sigint(lambda: interrupted.append(True))
+    bar = tqdm(total=config.max_iters, initial=state["step"], disable=not (main and progress),
+               unit="it", dynamic_ncols=True)
+    loop_start, run_tokens, run_train_seconds = time.perf_counter(), 0, 0.0
+    train_loss, val_loss, last_eval = math.nan, math.nan, -1
+    try:
+        while state["step"] < config.max_iters and not interrupted:
+            if config.max_time and time.perf_counter() - loop_start >= config.max_time:
+                break
+            t0 = time.perf_counter()
+            lr = learning_rate(state["step"], config.lr, config.min_lr, config.warmup_iters,
+                               config.decay_iters)
+            set_learning_rate(optimizer, lr, config)
+            starts = draw_starts(len(tokens.train), T, process.world_size * n_local, data_gen)
+            x, y = windows(tokens.train, starts[mine], T, device)
+            loss = train_step(step_model, optimizer, x, y, config.grad_accum, config.grad_clip, amp)
+            state["step"] += 1
+            state["tokens_seen"] += tokens_per_step
+            run_tokens += tokens_per_step
+            seconds = time.perf_counter() - t0
+            run_train_seconds += seconds
+            state["train_seconds"] += seconds
+            bar.update(1)
+            if state["step"] % config.log_interval == 0 or state["step"] == config.max_iters:
+                train_loss = distributed.all_reduce_sum(process, loss).item() / process.world_size
+                rate = run_tokens / max(run_train_seconds, 1e-9)
+                bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
+                metrics.append({"iter": state["step"], "train_loss": train_loss, "lr": lr,
+                                "tokens_seen": state["tokens_seen"], "tokens_per_second": rate})
+            if state["step"] % config.eval_interval == 0:
+                val_loss, last_eval = run_eval(train_loss), state["step"]
+        if interrupted:
+            save(("latest",))
+        elif last_eval != state["step"]:
+            val_loss = run_eval(train_loss)
+    finally:
+        bar.close()
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if main and (out / "metrics.jsonl").is_file():
+        plot_losses(out / "metrics.jsonl", out / "loss.png")
+    if interrupted:
+        raise KeyboardInterrupt
+    return {
+        "iters": state["step"], "tokens_seen": state["tokens_seen"], "train_loss": train_loss,
+        "val_loss": val_loss, "val_perplexity": math.exp(val_loss) if val_loss == val_loss else None,
+        "best_val_loss": state["best_val_loss"],
+        "tokens_per_second": run_tokens / max(run_train_seconds, 1e-9),
+        "wall_seconds": time.perf_counter() - started, "checkpoint": str(out / "latest"),
+        "best_checkpoint": str(out / "best"), "metrics": str(out / "metrics.jsonl"),
+        "loss_curve": str(out / "loss.png"), "world_size": process.world_size,
+        "rank": process.rank,
+        "dtype": "bfloat16" if config.dtype == "bfloat16" and bf16_supported(device) else "float32",
+    }
+
+
+def _on_sigint(handler):
+    """Ctrl-C finishes the current step and saves `latest`; a second one stops at once."""
+
+    def first(signum, frame):
+        handler()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    try:
+        return signal.signal(signal.SIGINT, first)
+    except ValueError:  # not the main thread: leave Ctrl-C alone
+        return None

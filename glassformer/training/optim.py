@@ -1,0 +1,150 @@
+"""The optimizers: AdamW for every parameter, or Muon for the blocks' matrices with AdamW for
+the rest.
+
+AdamW (Loshchilov & Hutter, 2019) decays matrices and embeddings, not gains or biases.
+Muon (Jordan et al., 2024; `torch.optim.Muon`) takes the momentum of each hidden weight
+matrix and replaces it by about the nearest semi-orthogonal matrix (a few Newton–Schulz
+iterations), so every direction of the update moves at the same rate; it applies to the
+matrices inside the blocks only. Embeddings, the head, gains and biases stay with AdamW.
+`StackedMuon` runs torch's update with the iterations of same-shaped matrices batched into
+one product each (at this scale, most of Muon's time is the per-product cost). Each param
+group carries its own `initial_lr`; the schedule scales them all alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim._muon import _adjust_lr
+
+from .config import TrainConfig
+
+
+class Optimizers:
+    """Several optimizers over disjoint parameters, stepped, zeroed and saved as one.
+
+    state_dict() has the layout of a single optimizer's (parameters numbered across all), so
+    checkpoints store it the same way."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        state, groups, offset = {}, [], 0
+        for opt in self.optimizers:
+            sd = opt.state_dict()
+            state.update({offset + i: s for i, s in sd["state"].items()})
+            groups += [{**g, "params": [offset + i for i in g["params"]]} for g in sd["param_groups"]]
+            offset += sum(len(g["params"]) for g in sd["param_groups"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups, offset = list(state_dict["param_groups"]), 0
+        if len(groups) != len(self.param_groups):
+            raise ValueError("the saved optimizer state has a different set of parameter groups")
+        for opt in self.optimizers:
+            mine, groups = groups[: len(opt.param_groups)], groups[len(opt.param_groups):]
+            count = sum(len(g["params"]) for g in mine)
+            opt.load_state_dict({
+                "state": {i - offset: s for i, s in state_dict["state"].items()
+                          if offset <= i < offset + count},
+                "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in mine],
+            })
+            offset += count
+
+
+def orthogonalize(updates: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+    """Newton–Schulz iterations X <- a X + (b A + c A²) X with A = X Xᵀ, on a stack of
+    matrices (n, rows, cols) in bfloat16, each first scaled to Frobenius norm 1; they drive
+    every singular value towards 1 (to about 0.7-1.2 with Muon's coefficients)."""
+    a, b, c = coefficients
+    x = updates.bfloat16()
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:  # iterate on the wide orientation: the smaller Gram matrix
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT  # (n, short, short)
+        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, polynomial, x, beta=a)
+    return x.mT if tall else x
+
+
+class StackedMuon(torch.optim.Muon):
+    """torch.optim.Muon, same arguments, state and result, with each param group's matrices
+    of one shape updated together."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            by_shape: dict[torch.Size, list[nn.Parameter]] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_shape.setdefault(p.shape, []).append(p)
+            for shape, params in by_shape.items():
+                self._update(group, shape, params)
+        return loss
+
+    def _update(self, group: dict, shape: torch.Size, params: list[nn.Parameter]) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        grads = [p.grad for p in params]
+        buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+        torch._foreach_lerp_(buffers, grads, 1 - momentum)
+        if group["nesterov"]:
+            updates = torch.stack(grads).lerp_(torch.stack(buffers), momentum)  # (n, rows, cols)
+        else:
+            updates = torch.stack(buffers)
+        ortho = orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        step = _adjust_lr(lr, group["adjust_lr_fn"], shape)  # torch's own rule
+        torch._foreach_add_(params, list(ortho.float().unbind(0)), alpha=-step)
+
+
+def _adamw_groups(params: list[nn.Parameter], config: TrainConfig) -> list[dict]:
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay,
+         "initial_lr": config.lr},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0,
+         "initial_lr": config.lr},
+    ]
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW | Optimizers:
+    """config.optimizer "adamw": fused AdamW, weight decay on ≥ 2-D parameters (matrices,
+    embeddings) only. "muon": Muon for the weights of the blocks' linear layers, at
+    config.muon_lr, and that AdamW for every other parameter."""
+    params = [p for p in model.parameters() if p.requires_grad]  # a tied weight appears once
+    adamw = dict(betas=(config.beta1, config.beta2), fused=True)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(_adamw_groups(params, config), lr=config.lr, **adamw)
+    hidden = {id(m.weight): m.weight for block in model.blocks for m in block.modules()
+              if isinstance(m, nn.Linear) and m.weight.requires_grad}
+    rest = [p for p in params if id(p) not in hidden]
+    muon = StackedMuon(
+        [{"params": list(hidden.values()), "initial_lr": config.muon_lr}], lr=config.muon_lr,
+        weight_decay=config.weight_decay, momentum=config.muon_momentum,
+    )
+    return Optimizers([muon, torch.optim.AdamW(_adamw_groups(rest, config), lr=config.lr, **adamw)])
+
+
+def set_learning_rate(optimizer, lr: float, config: TrainConfig) -> None:
+    """Scale every group's initial rate by lr / config.lr (the schedule's factor)."""
+    factor = lr / config.lr if config.lr else 0.0
+    for group in optimizer.param_groups:
+        group["lr"] = factor * group.get("initial_lr", config.lr)
