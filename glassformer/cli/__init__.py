@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from . import chat, compare, export, generate, info, journey, pull, train
+from . import eval as evaluate
 
 # Each command module defines add_parser(subparsers) and run(args) -> exit status.
-COMMANDS = [info, train, journey, pull, export, compare, generate, chat]
+COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, chat]
 
 
 class UserError(Exception):

@@ -1,4 +1,4 @@
-"""`glassformer train` and `glassformer eval`: argument parsing around glassformer.train."""
+"""`glassformer train`: argument parsing around glassformer.training.loop.train."""
 
 from __future__ import annotations
 
@@ -37,17 +37,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train_args = parser.add_argument_group("training (TrainConfig fields)")
     _add_fields(train_args, TrainConfig, skip=set(), prefix="train.")
     parser.set_defaults(run=run)
-
-    evaluate = subparsers.add_parser("eval", help="perplexity of a model on a text")
-    evaluate.add_argument("--model", required=True,
-                          help="a run or checkpoint folder, .gguf file, HF folder or known name")
-    evaluate.add_argument("--data", required=True, nargs="+", help="text file(s) or folder(s)")
-    evaluate.add_argument("--documents", choices=("file", "line", "blank"), default="file")
-    evaluate.add_argument("--batch-size", type=int, default=8)
-    evaluate.add_argument("--max-tokens", type=int, default=None, help="score at most this many")
-    evaluate.add_argument("--device", default="cpu")
-    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
-    evaluate.set_defaults(run=run_eval)
 
 
 def _add_fields(group, cls, skip: set[str], prefix: str) -> None:
@@ -117,23 +106,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"trained {summary['iters']} iterations: val loss {summary['val_loss']:.4f}, "
               f"{summary['tokens_per_second']:,.0f} tokens/s, checkpoint {summary['checkpoint']}")
-    return 0
-
-
-def run_eval(args: argparse.Namespace) -> int:
-    from ..language_model import load  # imported here: loading pulls in every loader
-    from ..training.perplexity import corpus_ids, perplexity
-
-    language_model = load(args.model)
-    model, tokenizer = language_model.model.to(args.device), language_model.tokenizer
-    ids = corpus_ids(args.data, tokenizer, args.documents)
-    result = perplexity(model, ids, args.batch_size, args.max_tokens)
-    result.update(model=str(args.model), data=[str(d) for d in args.data])
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} "
-              f"over {result['tokens']} tokens")
     return 0
 
 
