@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from ..model.kv_cache import KVCache
 from ..model.transformer import Transformer
 from .config import GenerationConfig
-from .core import Row, SamplingState, decode, eos_ids, seeded_generators
+from .core import Row, SamplingState, decode_rows, eos_ids, seeded_generators
 from .sampling import SamplingConfig
 
 
@@ -59,7 +59,7 @@ class ChatSession:
         eos = eos_ids(self.config, self.tokenizer)
         row = Row(ids, self.config, self.max_length, eos, self.tokenizer)
         state = SamplingState(self.config.sampling, [ids], self.model.config.vocab_size, [self.generator])
-        steps = decode(self.model, [row], self.config, state, self.cache)
+        steps = decode_rows(self.model, [row], self.config, state, self.cache)
         try:
             for piece in steps:
                 if piece.text:

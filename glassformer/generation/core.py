@@ -181,7 +181,7 @@ class Row:
         )
 
 
-def decode(
+def decode_rows(
     model: Transformer,
     rows: list[Row],
     config: GenerationConfig,

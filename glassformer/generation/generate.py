@@ -10,7 +10,7 @@ from collections.abc import Generator, Iterator, Sequence
 from ..model.transformer import Transformer
 from .beam import beam_search
 from .config import GenerationConfig, GenerationResult, Piece
-from .core import Row, SamplingState, decode, eos_ids, seeded_generators
+from .core import Row, SamplingState, decode_rows, eos_ids, seeded_generators
 from .stopping import Decoder
 
 DEFAULT = GenerationConfig()  # greedy, with the KV cache
@@ -29,7 +29,7 @@ def stream_batch(
     rows = [Row(p, config, mc.context_length, eos, tokenizer) for p in prompts]
     generators = seeded_generators(config.seed, len(rows), device)
     state = SamplingState(config.sampling, [r.prompt for r in rows], mc.vocab_size, generators)
-    timing = yield from decode(model, rows, config, state)
+    timing = yield from decode_rows(model, rows, config, state)
     return [row.result(*timing) for row in rows]
 
 

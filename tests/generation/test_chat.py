@@ -1,5 +1,6 @@
 """Chat: the cache reused across turns gives the tokens a fresh generation would, and reads
-only the new part of the conversation; interrupted replies stay in the history."""
+only the new part of the conversation; interrupted replies stay in the history; every sampling
+option (Python and `glassformer chat` flags) answers as `generate` on the rendered prompt."""
 
 from __future__ import annotations
 
@@ -128,3 +129,22 @@ def test_cli_refuses_a_bad_sampling_flag_in_one_line(chat_model, tmp_path, capsy
     assert main(["chat", "--model", str(folder), "--top-p", "0"]) != 0
     err = capsys.readouterr().err
     assert err.startswith("glassformer: error: top_p:") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_cli_chats_with_the_pretrained_model_under_a_repetition_penalty(monkeypatch, capsys):
+    from glassformer.formats import hub
+
+    try:
+        path = str(hub.model_path("smollm2-135m-instruct", progress=False))
+    except OSError as error:
+        pytest.skip(f"SmolLM2 could not be downloaded: {error}")
+    loaded = load(path, quantize="none")  # as `glassformer chat` loads it
+    question = "What is the capital of France?"
+    ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                               add_generation_prompt=True)
+    sampling = SamplingConfig(temperature=0.0, repetition_penalty=1.2)
+    expected = generate(loaded.model, ids, GenerationConfig(16, sampling), loaded.tokenizer).text
+    monkeypatch.setattr("sys.stdin", io.StringIO(question + "\n"))
+    assert main(["chat", "--model", path, "-n", "16", "--repetition-penalty", "1.2"]) == 0
+    assert capsys.readouterr().out == expected + "\n" and "Paris" in expected
