@@ -20,7 +20,8 @@ import transformers
 
 from glassformer import Transformer
 from glassformer.formats.huggingface import config_from_hf, state_dict
-from glassformer.generation.generate import GenerationConfig, decode_one_token, generate, prefill
+from glassformer.generation.core import decode_one_token, prefill
+from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.model.kv_cache import KVCache
 
 MATRIX_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",

@@ -35,7 +35,8 @@ def peak_mb() -> float:
 
 def glassformer_worker(path: str, mode: str) -> dict:
     from glassformer import load
-    from glassformer.generation.generate import GenerationConfig, generate, prefill
+    from glassformer.generation.core import prefill
+    from glassformer.generation.generate import GenerationConfig, generate
 
     start, cpu = time.perf_counter(), time.process_time()
     language_model = load(path, quantize=None if mode == "reference" else mode, progress=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_quantize
+from .options import add_quantize, add_sampling, sampling_config
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
@@ -17,10 +17,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "(default: smollm2-135m-instruct)")
     parser.add_argument("--system", default=None, help="a system message")
     parser.add_argument("-n", "--max-new-tokens", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    add_sampling(parser)
     parser.add_argument("--seed", type=int, default=None)
     add_quantize(parser)
     parser.add_argument("--max-context", type=int, default=2048,
@@ -30,13 +27,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..generation.chat import ChatSession
-    from ..generation.sampling import SamplingConfig
     from ..language_model import load
 
     language_model = load(args.model, quantize=args.quantize)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              repetition_penalty=args.repetition_penalty)
-    session = ChatSession(language_model.model, language_model.tokenizer, sampling,
+    session = ChatSession(language_model.model, language_model.tokenizer, sampling_config(args),
                           args.max_new_tokens, args.system, args.max_context, args.seed)
     interactive = sys.stdin.isatty()
     if interactive:

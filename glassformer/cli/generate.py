@@ -9,9 +9,8 @@ import sys
 from ..accel.quantize import quantize_model
 from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
-from ..generation.sampling import SamplingConfig
 from ..language_model import load
-from .options import add_quantize
+from .options import add_quantize, add_sampling, sampling_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -20,13 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, help="checkpoint/HF folder, .gguf file or known name")
     add_quantize(parser)
     parser.add_argument("-n", "--max-new-tokens", type=int, default=64, help="at most this many new tokens")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    add_sampling(parser)
     parser.add_argument("--beams", type=int, default=1, help="beam search width (1: no beam search)")
     parser.add_argument("--length-penalty", type=float, default=1.0, help="beam score exponent")
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
@@ -58,15 +51,7 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
-        sampling=SamplingConfig(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-        ),
+        sampling=sampling_config(args),
         seed=args.seed,
         stop=tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop),
         eos_ids=() if args.ignore_eos else None,

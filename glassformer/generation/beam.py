@@ -5,7 +5,9 @@ log-probabilities, and keeps the best W. A candidate that ends in end-of-text (o
 string) is set aside as finished with score  sum log p / n_generated^length_penalty
 (length_penalty > 0 favours longer texts). Search ends once W are finished, at
 max_new_tokens or at the end of the window; the best finished (or running) beam wins.
-With W = 1 the kept candidate is always the argmax: exactly greedy decoding.
+With W = 1 the kept candidate is always the argmax: exactly greedy decoding. Whether a
+candidate ended, and the winner's text, come from the decode core's Row (core.py), as in
+every other loop.
 """
 
 from __future__ import annotations
@@ -18,16 +20,9 @@ import torch
 from ..model.kv_cache import KVCache
 from ..model.transformer import Transformer
 from .batching import select_rows
-from .generate import (
-    GenerationConfig,
-    GenerationResult,
-    _eos_ids,
-    _sync,
-    decode_one_token,
-    fit_prompt,
-    prefill,
-)
-from .stopping import Decoder, TextStream
+from .config import GenerationConfig, GenerationResult
+from .core import Row, clock, decode_one_token, eos_ids, prefill
+from .stopping import Decoder
 
 
 @dataclass(frozen=True)
@@ -49,29 +44,36 @@ def beam_search(
         raise ValueError("beams: beam search ranks raw log-probabilities; drop sampling and penalties")
     if config.overflow != "stop":
         raise ValueError("overflow: beam search stops at the end of the window; it cannot slide")
-    if config.stop and tokenizer is None:
-        raise ValueError("stop: stop strings need a tokenizer to decode the text")
     mc, W = model.config, config.beams
-    prompt = fit_prompt(prompt_ids, mc.context_length, config)
-    eos = _eos_ids(config, tokenizer)
+    eos = eos_ids(config, tokenizer)
+    prompt = Row(prompt_ids, config, mc.context_length, eos, tokenizer).prompt  # checks prompt, stop
     device = model.embed.tokens.weight.device
+
+    def replay(ids: tuple[int, ...]) -> Row:
+        """A row that accepted `ids`: its stop reason and visible text, as any decode loop's."""
+        row = Row(prompt_ids, config, mc.context_length, eos, tokenizer)
+        for token in ids:
+            if row.reason is not None:
+                break
+            row.accept(token)
+        return row
 
     def ends(ids: tuple[int, ...]) -> bool:
         if ids[-1] in eos:
             return True
-        return bool(config.stop) and any(s in tokenizer.decode(list(ids)) for s in config.stop)
+        return bool(config.stop) and replay(ids).reason == "stop_string"
 
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            start = _sync(device)
+            start = clock(device)
             cache = None
             if config.use_cache:
                 room = min(mc.context_length, len(prompt) + config.max_new_tokens)
                 cache = KVCache(mc, 1, max_length=room)
             logits = prefill(model, torch.tensor([prompt], device=device), cache)  # (1, V)
-            prefill_seconds = (decode_start := _sync(device)) - start
+            prefill_seconds = (decode_start := clock(device)) - start
             running = [Hypothesis((), 0.0)]
             finished: list[Hypothesis] = []
             steps, window_full = 0, False
@@ -106,36 +108,12 @@ def beam_search(
                 else:
                     ids = torch.tensor([prompt + list(h.ids) for h in running], device=device)
                     logits = prefill(model, ids)
-            decode_seconds = _sync(device) - decode_start
+            decode_seconds = clock(device) - decode_start
     finally:
         model.train(was_training)
 
     pool = finished if len(finished) >= W or not survivors else finished + survivors
     winner = max(pool, key=lambda h: h.score(config.length_penalty))
-    text, stop_string = None, None
-    if tokenizer is not None:
-        stream = TextStream(tokenizer, config.stop, prompt[-4:])
-        for token in winner.ids:
-            if token in eos or stream.stop_string is not None:
-                break
-            stream.push(token)
-        stream.flush()
-        text, stop_string = stream.text, stream.stop_string
-    if winner.ids[-1] in eos:
-        reason = "eos"
-    elif stop_string is not None:
-        reason = "stop_string"
-    else:
-        reason = "context_full" if window_full else "max_new_tokens"
-    return GenerationResult(
-        prompt_ids=prompt,
-        generated_ids=list(winner.ids),
-        text=text,
-        stop_reason=reason,
-        prefill_seconds=prefill_seconds,
-        decode_seconds=decode_seconds,
-        decode_steps=steps,
-        truncated_tokens=len(prompt_ids) - len(prompt),
-        log_prob=winner.log_prob,
-        stop_string=stop_string,
-    )
+    result = replay(winner.ids).result(prefill_seconds, decode_seconds, steps)
+    result.log_prob = winner.log_prob
+    return result

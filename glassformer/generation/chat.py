@@ -2,21 +2,21 @@
 
 Each turn renders the whole conversation with the model's chat template, but only the tokens
 the cache has not seen are run through the model: the cache is cropped to the longest prefix it
-shares with the new rendering (normally everything up to the new user message) and the rest is
-prefilled. The reply then streams one token at a time against the same cache.
+shares with the new rendering (normally everything up to the new user message) and the decode
+core (core.py) prefills the rest and streams the reply against the same cache. Sampling works
+as in `generate`: penalties count the tokens of the whole rendered conversation, and one
+generator, seeded once, draws every turn.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
 from ..model.kv_cache import KVCache
 from ..model.transformer import Transformer
-from .generate import decode_one_token, prefill
-from .sampling import SamplingConfig, next_token
-from .stopping import IncrementalDecoder
+from .config import GenerationConfig
+from .core import Row, SamplingState, decode_rows, eos_ids, seeded_generators
+from .sampling import SamplingConfig
 
 
 class ChatSession:
@@ -28,13 +28,11 @@ class ChatSession:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat: this model's tokenizer has no chat template")
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.sampling = sampling or SamplingConfig(temperature=0.0)
-        self.max_new_tokens = max_new_tokens
+        self.config = GenerationConfig(max_new_tokens=max_new_tokens,
+                                       sampling=sampling or SamplingConfig(temperature=0.0))
         self.system = system
         self.max_length = min(max_context, model.config.context_length)
-        device = model.embed.tokens.weight.device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed) if seed is not None else self.generator.seed()
+        self.generator = seeded_generators(seed, 1, model.embed.tokens.weight.device)[0]
         self.reset()
 
     def reset(self) -> None:
@@ -57,34 +55,20 @@ class ChatSession:
                              f"{self.max_length}-token context; start again with /reset")
         shared = _common_prefix(self.cached_ids, ids, limit=len(ids) - 1)  # feed >= 1 token
         self.cache.crop(shared)
-        self.cached_ids = self.cached_ids[:shared]
         self.last_prefill = len(ids) - shared
-        device = self.model.embed.tokens.weight.device
-        reply: list[int] = []
-        decoder = IncrementalDecoder(self.tokenizer, ids[-4:])
+        eos = eos_ids(self.config, self.tokenizer)
+        row = Row(ids, self.config, self.max_length, eos, self.tokenizer)
+        state = SamplingState(self.config.sampling, [ids], self.model.config.vocab_size, [self.generator])
+        steps = decode_rows(self.model, [row], self.config, state, self.cache)
         try:
-            with torch.inference_mode():
-                logits = prefill(self.model, torch.tensor([ids[shared:]], device=device), self.cache)
-                self.cached_ids += ids[shared:]
-                while True:
-                    token = next_token(logits, self.sampling, self.generator)  # (1,)
-                    token_id = int(token)
-                    if token_id == self.tokenizer.eos_id:
-                        break
-                    reply.append(token_id)
-                    if piece := decoder.push(token_id):
-                        yield piece
-                    if len(reply) >= self.max_new_tokens or self.cache.length + 1 > self.max_length:
-                        break
-                    logits = decode_one_token(self.model, token, self.cache)
-                    self.cached_ids.append(token_id)
-            if rest := decoder.flush():
-                yield rest
-        finally:  # also on Ctrl-C: keep the partial answer, and a cache that matches cached_ids
-            if self.cache.length != len(self.cached_ids):
-                self.cache.crop(min(self.cache.length, len(self.cached_ids)))
-                self.cached_ids = self.cached_ids[: self.cache.length]
-            self.messages.append({"role": "assistant", "content": self.tokenizer.decode(reply)})
+            for piece in steps:
+                if piece.text:
+                    yield piece.text
+        finally:  # also on Ctrl-C: keep the partial answer, and note what the cache holds
+            steps.close()
+            self.cached_ids = (ids + row.generated)[: self.cache.length]
+            answer = [t for t in row.generated if t not in eos]
+            self.messages.append({"role": "assistant", "content": self.tokenizer.decode(answer)})
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

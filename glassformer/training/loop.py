@@ -22,8 +22,10 @@ from tqdm import tqdm
 
 from ..formats.checkpoint import Checkpoint, save_to_run
 from ..formats.tokenizers import train_tokenizer
+from ..generation.config import GenerationConfig
+from ..generation.generate import generate
+from ..generation.sampling import SamplingConfig
 from ..model.config import ModelConfig
-from ..model.kv_cache import KVCache
 from ..model.transformer import Transformer
 from . import distributed
 from .allocator import keep_freed_memory
@@ -85,27 +87,14 @@ def evaluate(model, tokens, starts, context_length, batch_size, process, amp) ->
     return (totals[0] / totals[1]).item()
 
 
-@torch.no_grad()
-def sample_text(model: Transformer, tokenizer, n_tokens: int, generator: torch.Generator,
+def sample_text(model: Transformer, tokenizer, n_tokens: int, seed: int,
                 temperature: float = 0.8) -> str:
-    """Text drawn after an end-of-text token; past the context the cache restarts from the
-    most recent half."""
-    model.eval()
-    device, T = model.lm_head.weight.device, model.config.context_length
-    cache = KVCache(model.config, 1, device=device)
-    out: list[int] = []
-    logits = model(torch.tensor([[tokenizer.eos_id]], device=device), cache)[0, -1]  # (vocab,)
-    for _ in range(n_tokens):
-        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=generator)))
-        if cache.length >= T:
-            cache.reset()
-            recent = out[-(T // 2):]
-        else:
-            recent = out[-1:]
-        logits = model(torch.tensor([recent], device=device), cache)[0, -1]
-    model.train()
-    return tokenizer.decode(out)
+    """Text drawn after an end-of-text token, through the generation loop; past the context
+    the window slides to its most recent half."""
+    config = GenerationConfig(max_new_tokens=n_tokens, sampling=SamplingConfig(temperature=temperature),
+                              seed=seed, eos_ids=(), overflow="slide",
+                              use_cache=model.config.causal)
+    return generate(model, [tokenizer.eos_id], config, tokenizer).text
 
 
 def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, resume: bool,
@@ -201,8 +190,8 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
                   "train_loss": train_loss, "best": best,
                   "elapsed": time.perf_counter() - started}
         if main and config.sample_tokens:
-            gen = torch.Generator().manual_seed(config.seed + state["step"])
-            record["sample"] = sample_text(model, tokenizer, config.sample_tokens, gen)
+            record["sample"] = sample_text(model, tokenizer, config.sample_tokens,
+                                           seed=config.seed + state["step"])
         metrics.append(record)
         if main:
             echo(f"step {state['step']}: val loss {val_loss:.4f} (perplexity "

@@ -62,7 +62,7 @@ def test_when_it_does_not_apply():
 
 def test_generation_takes_the_fused_step_and_keeps_greedy_tokens(monkeypatch):
     from glassformer.accel import fast_decode
-    from glassformer.generation import generate
+    from glassformer.generation import core, generate
 
     model = _converted("tiny-llama", "none")
     config = generate.GenerationConfig(max_new_tokens=12)
@@ -76,5 +76,5 @@ def test_generation_takes_the_fused_step_and_keeps_greedy_tokens(monkeypatch):
     monkeypatch.setattr(fast_decode.FastDecoder, "__call__", counted)
     fused = generate.generate(model, [3, 1, 4, 1, 5], config).generated_ids
     assert len(calls) == 11  # every token after the first comes from the fused step
-    monkeypatch.setattr(generate, "fast_decoder", lambda model: None)
+    monkeypatch.setattr(core, "fast_decoder", lambda model: None)
     assert generate.generate(model, [3, 1, 4, 1, 5], config).generated_ids == fused

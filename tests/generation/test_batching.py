@@ -2,7 +2,7 @@ import torch
 
 from glassformer import Transformer, get_preset
 from glassformer.generation.batching import left_pad, select_rows
-from glassformer.generation.generate import decode_one_token, prefill
+from glassformer.generation.core import decode_one_token, prefill
 from glassformer.model.kv_cache import KVCache
 
 

@@ -6,14 +6,8 @@ import torch
 
 from glassformer import PRESETS, Transformer, get_preset
 from glassformer.formats.tokenizers import CharTokenizer
-from glassformer.generation.generate import (
-    GenerationConfig,
-    decode_one_token,
-    generate,
-    generate_batch,
-    prefill,
-    stream,
-)
+from glassformer.generation.core import decode_one_token, prefill
+from glassformer.generation.generate import GenerationConfig, generate, generate_batch, stream
 from glassformer.generation.sampling import SamplingConfig
 from glassformer.model.kv_cache import KVCache
 

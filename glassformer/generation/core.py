@@ -1,0 +1,253 @@
+"""The decode core every generation loop runs on: generate, batches, streams, chat, beam search
+and the training sample.
+
+    logits = prefill(contexts)               every prompt token's keys and values enter the cache
+    loop:  tokens = state.pick(logits)       greedy, or one draw per row with the row's generator
+           row.accept(token)                 end-of-text, stop string, max_new_tokens, window
+           logits = decode_one_token(tokens) one query per row against the cache, last row only
+
+Without the cache (`use_cache=False`), or after a row's context slid past the window, every
+live context is run through the model again instead: the baseline the cache must equal.
+Prompts of different lengths share a batch by left padding, with explicit positions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+
+import torch
+from torch import Tensor
+
+from ..accel.fast_decode import fast_decoder
+from ..model.kv_cache import KVCache
+from ..model.transformer import Transformer
+from .batching import left_pad, select_rows
+from .config import GenerationConfig, GenerationResult, Piece, StopReason
+from .sampling import SamplingConfig, greedy, process_logits, sample, token_counts
+from .stopping import Decoder, TextStream
+
+
+def prefill(
+    model: Transformer,
+    ids: Tensor,
+    cache: KVCache | None = None,
+    positions: Tensor | None = None,
+    pad_mask: Tensor | None = None,
+) -> Tensor:
+    """Run the prompt ids (B, T) through the model (filling `cache`): next-token logits (B, V)."""
+    h = model.forward_hidden(ids, cache, positions, pad_mask)  # (B, T, d)
+    return model.head(h[:, -1])  # (B, V): only the last row is ever needed
+
+
+def decode_one_token(
+    model: Transformer, token: Tensor, cache: KVCache, positions: Tensor | None = None
+) -> Tensor:
+    """Feed one token per row (B,) at `positions` (B,) against the cache: logits (B, V).
+
+    One sequence on a model converted by `glassformer.quantize` takes the fused C++ step
+    (`glassformer.fast_decode`), which computes the same thing without Python per layer."""
+    if token.shape[0] == 1 and positions is None and not cache.padded:
+        fused = fast_decoder(model)
+        if fused is not None:
+            return fused(token, cache)
+    h = model.forward_hidden(token[:, None], cache, None if positions is None else positions[:, None])
+    return model.head(h[:, -1])  # (B, V)
+
+
+def fit_prompt(prompt: Sequence[int], context_length: int, config: GenerationConfig) -> list[int]:
+    """The prompt, or its end when it is longer than the window and `truncate` is set: it then
+    keeps room for max_new_tokens, but never less than half the window of prompt."""
+    prompt = list(prompt)
+    if not prompt:
+        raise ValueError("prompt: empty; give at least one token")
+    if len(prompt) <= context_length:
+        return prompt
+    if not config.truncate:
+        raise ValueError(
+            f"prompt: {len(prompt)} tokens exceed the model's context_length={context_length} "
+            "(truncate=True / --truncate keeps the end of the prompt)"
+        )
+    keep = context_length - min(config.max_new_tokens, context_length // 2)
+    return prompt[-keep:]
+
+
+def eos_ids(config: GenerationConfig, tokenizer: Decoder | None) -> set[int]:
+    """The tokens that end a text: config.eos_ids, else the tokenizer's eos_id (if any)."""
+    if config.eos_ids is not None:
+        return set(config.eos_ids)
+    eos = getattr(tokenizer, "eos_id", None)
+    return set() if eos is None else {eos}
+
+
+def clock(device: torch.device) -> float:
+    """time.perf_counter() once the device has finished the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def seeded_generators(seed: int | None, n: int, device: torch.device) -> list[torch.Generator]:
+    """One generator per row, each seeded with `seed` (a fresh random seed each when None), so
+    a row of a batch draws exactly what its prompt alone would."""
+    generators = [torch.Generator(device=device) for _ in range(n)]
+    for generator in generators:
+        generator.manual_seed(seed) if seed is not None else generator.seed()
+    return generators
+
+
+class SamplingState:
+    """What picking the next token needs besides the logits, per row: how often each token
+    occurred in the row's context (for penalties) and the row's own random generator."""
+
+    def __init__(self, config: SamplingConfig, contexts: Sequence[Sequence[int]], vocab_size: int,
+                 generators: list[torch.Generator]) -> None:
+        self.config, self.generators = config, generators
+        self.counts = None  # (B, V) when a penalty needs them
+        if config.uses_counts:
+            ids, _, mask = left_pad(contexts, generators[0].device)
+            self.counts = token_counts(ids, vocab_size, mask)  # (B, V)
+
+    def pick(self, logits: Tensor) -> Tensor:
+        """The next token of every row (B, V) -> (B,), counted into the row's context."""
+        logits = process_logits(logits, self.config, self.counts)
+        if self.config.greedy:
+            tokens = greedy(logits)  # (B,)
+        else:  # each row draws with its own generator, as it would alone
+            tokens = torch.cat([sample(row[None], g) for row, g in zip(logits, self.generators, strict=True)])
+        if self.counts is not None:
+            self.counts[torch.arange(len(tokens), device=tokens.device), tokens] += 1
+        return tokens
+
+    def keep(self, index: Tensor) -> None:
+        """Keep only the rows `index` (B',), in that order."""
+        self.generators = [self.generators[i] for i in index.tolist()]
+        if self.counts is not None:
+            self.counts = self.counts[index]
+
+
+class Row:
+    """One prompt's generation: what the model sees, what was generated, why it stopped, and
+    the text released so far."""
+
+    def __init__(self, prompt: Sequence[int], config: GenerationConfig, window: int,
+                 eos: set[int], tokenizer: Decoder | None) -> None:
+        if config.stop and tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer to decode the text")
+        self.prompt = fit_prompt(prompt, window, config)
+        self.truncated = len(prompt) - len(self.prompt)
+        self.context = list(self.prompt)  # the prompt, then generated tokens; slides when asked
+        self.generated: list[int] = []
+        self.reason: StopReason | None = None
+        self.text = None if tokenizer is None else TextStream(tokenizer, config.stop, self.prompt[-4:])
+        self.config, self.window, self.eos = config, window, eos
+        self.slid = False  # whether the context was just cut (the cache must be rebuilt)
+
+    def accept(self, token: int) -> str:
+        """Append a generated token, decide whether to stop; returns the newly visible text."""
+        self.generated.append(token)
+        piece = ""
+        if token in self.eos:
+            self.reason = "eos"
+        elif self.text is not None:
+            piece = self.text.push(token)
+            if self.text.stop_string is not None:
+                self.reason = "stop_string"
+        if self.reason is None and len(self.generated) >= self.config.max_new_tokens:
+            self.reason = "max_new_tokens"
+        self.slid = False
+        if self.reason is None and len(self.context) == self.window:  # no position left for it
+            if self.config.overflow == "stop":
+                self.reason = "context_full"
+            else:  # slide: keep the newest half window (the new token included)
+                self.context = self.context[self.window - self.window // 2 + 1 :]
+                self.slid = True
+        self.context.append(token)
+        if self.reason is not None and self.text is not None:
+            piece += self.text.flush()
+        return piece
+
+    def result(self, prefill_seconds: float, decode_seconds: float, steps: int) -> GenerationResult:
+        return GenerationResult(
+            prompt_ids=self.prompt,
+            generated_ids=self.generated,
+            text=None if self.text is None else self.text.text,
+            stop_reason=self.reason,
+            prefill_seconds=prefill_seconds,
+            decode_seconds=decode_seconds,
+            decode_steps=steps,
+            truncated_tokens=self.truncated,
+            stop_string=None if self.text is None else self.text.stop_string,
+        )
+
+
+def decode_rows(
+    model: Transformer,
+    rows: list[Row],
+    config: GenerationConfig,
+    state: SamplingState,
+    cache: KVCache | None = None,
+) -> Generator[Piece, None, tuple[float, float, int]]:
+    """Generate for every row until each has stopped, yielding each new token as a Piece; the
+    return value is (prefill_seconds, decode_seconds, decode steps).
+
+    A `cache` given for a single row already holds the start of its context (a conversation's
+    earlier turns): only the rest is prefilled into it."""
+    mc = model.config
+    if config.use_cache and not mc.causal:
+        raise ValueError("use_cache: a bidirectional model cannot decode incrementally; use_cache=False")
+    if cache is not None and (len(rows) != 1 or not config.use_cache):
+        raise ValueError("cache: a kept cache continues exactly one row, with use_cache=True")
+    device = model.embed.tokens.weight.device
+    live = list(range(len(rows)))  # batch row -> index in `rows`
+    resume = cache is not None
+    padded = False  # whether the rows in the cache are left-padded (then positions are explicit)
+
+    def forward_all() -> Tensor:
+        """Run every live context through the model (the prefill, or a rebuild): logits (B, V)."""
+        nonlocal cache, padded, resume
+        if resume:  # only what the kept cache has not seen
+            resume = False
+            return prefill(model, torch.tensor([rows[0].context[cache.length :]], device=device), cache)
+        ids, positions, mask = left_pad([rows[i].context for i in live], device)  # (B, L)
+        padded = mask is not None
+        if config.use_cache:
+            room = min(mc.context_length, ids.shape[1] + config.max_new_tokens)
+            cache = KVCache(mc, len(live), max_length=room)
+        return prefill(model, ids, cache, positions, mask)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            start = clock(device)
+            logits = forward_all()  # (B, V)
+            prefill_seconds = (decode_start := clock(device)) - start
+            steps = 0
+            while True:
+                tokens = state.pick(logits)  # (B,)
+                for i, token in zip(live, tokens.tolist(), strict=True):
+                    yield Piece(i, token, rows[i].accept(token))
+                keep = [b for b, i in enumerate(live) if rows[i].reason is None]
+                if not keep:
+                    break
+                steps += 1
+                if len(keep) < len(live):  # drop finished rows from the batch
+                    index = torch.tensor(keep, device=device)
+                    tokens = tokens[index]
+                    state.keep(index)
+                    if cache is not None:
+                        select_rows(cache, index)
+                    live = [live[b] for b in keep]
+                full = cache is not None and cache.length == cache.max_length
+                if not config.use_cache or full or any(rows[i].slid for i in live):
+                    logits = forward_all()  # recompute every live context from scratch
+                else:
+                    positions = None
+                    if padded:
+                        positions = torch.tensor([len(rows[i].context) - 1 for i in live], device=device)
+                    logits = decode_one_token(model, tokens, cache, positions)
+            decode_seconds = clock(device) - decode_start
+    finally:
+        model.train(was_training)
+    return prefill_seconds, decode_seconds, steps

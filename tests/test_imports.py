@@ -1,0 +1,69 @@
+"""The package's import graph, read from the source (imports inside functions included): no
+chain of imports comes back to where it began, and the generation modules import no other
+module's private names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import glassformer
+
+ROOT = Path(glassformer.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("glassformer", *path.relative_to(ROOT).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(imported module, imported name) for every `from glassformer... import name` in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                found.append((submodule, "") if submodule in modules else (source, alias.name))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names]
+    return [(module, imported) for module, imported in found if module in modules]
+
+
+def test_no_private_names_cross_generation_modules():
+    modules = _modules()
+    crossing = [f"{name} imports {imported} from {module}"
+                for name, path in modules.items() if name.startswith("glassformer.generation")
+                for module, imported in _imports(name, path, modules)
+                if imported.startswith("_") and not imported.startswith("__") and module != name]
+    assert crossing == []
+
+
+def test_the_import_graph_has_no_cycle():
+    modules = _modules()
+    edges = {name: {m for m, _ in _imports(name, path, modules) if m != name}
+             for name, path in modules.items()}
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once fully explored
+
+    def cycle_from(name: str, path: list[str]) -> list[str] | None:
+        state[name] = "open"
+        for target in sorted(edges[name]):
+            if state.get(target) == "open":
+                return [*path, name, target]
+            if target not in state and (found := cycle_from(target, [*path, name])):
+                return found
+        state[name] = "done"
+        return None
+
+    first = next((found for name in sorted(modules) if name not in state
+                  and (found := cycle_from(name, []))), None)
+    assert first is None, " -> ".join(first)
