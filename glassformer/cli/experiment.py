@@ -21,6 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default=None, help="run folder (default experiment-NAME)")
     parser.add_argument("--data", default=None,
                         help="training text for ablation and length (default tinyshakespeare)")
+    parser.add_argument("--equal", choices=("time", "steps"), default=None,
+                        help="ablation: give every run equal training time (default) or, on a busy "
+                             "machine, as many steps as the base run made in its time")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice; 1 on a busy machine)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -38,8 +41,16 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads: must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    options = {}
+    if args.equal is not None:
+        if args.name != "ablation":
+            raise ValueError("--equal: applies to the ablation experiment only")
+        options["equal"] = args.equal
+    if args.data is not None and args.name not in ("ablation", "length"):
+        raise ValueError(f"--data: the {args.name} experiment reads no training text")
     out = args.out or f"experiment-{args.name}"
-    record = run_experiment(args.name, out, args.budget, args.data, progress=not args.no_progress)
+    record = run_experiment(args.name, out, args.budget, args.data,
+                            progress=not args.no_progress, **options)
     if args.json:
         print(json.dumps({"experiment": args.name, "out": str(out),
                           "report": f"{out}/report.html", **record["summary"],

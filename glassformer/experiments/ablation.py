@@ -5,6 +5,9 @@ a short warmup and then a constant learning rate (the step count is not known in
 no cosine can end on time), at two or more seeds. The attention kernels are the exception:
 they compute the same function, so each trains exactly as many steps as the base run of the
 same seed and should land on the same loss at a different speed.
+
+On a machine shared with other work, wall-clock time is not the same for every run; with
+`equal="steps"` every run trains as many steps as the base run of its seed made in its time.
 """
 
 from __future__ import annotations
@@ -49,9 +52,12 @@ BASE_DESCRIPTION = "learned positions, pre-norm, LayerNorm, GELU MLP, MHA, sdpa 
 OVERHEAD_SECONDS = 2.0  # per run: tokenizing the corpus, the final evaluation, the checkpoint
 
 
-def settings(budget: float, data: Path, seeds: int = 2, variants=tuple(VARIANTS)) -> dict:
+def settings(budget: float, data: Path, seeds: int = 2, variants=tuple(VARIANTS),
+             equal: str = "time") -> dict:
     """The plan: seconds per run from the budget. `variants` (base included) narrows the
-    comparison, e.g. for a quick check."""
+    comparison, e.g. for a quick check; `equal` is "time" or "steps"."""
+    if equal not in ("time", "steps"):
+        raise ValueError(f"equal: choose time or steps, got {equal!r}")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or "base" not in variants:
         raise ValueError(f"variants: need 'base' among {', '.join(VARIANTS)}; got {unknown}")
@@ -59,6 +65,7 @@ def settings(budget: float, data: Path, seeds: int = 2, variants=tuple(VARIANTS)
         raise ValueError(f"seeds: need at least 2 to show a spread, got {seeds}")
     n_runs = len(variants) * seeds
     return {"budget": budget, "data": str(data), "seeds": seeds, "variants": list(variants),
+            "equal": equal,
             "train_seconds": round(max(budget / n_runs - OVERHEAD_SECONDS, 0.5), 2)}
 
 
@@ -69,14 +76,15 @@ def model_config(variant: str) -> ModelConfig:
 def cells(config: dict) -> list[Cell]:
     chosen = config["variants"]
     order = [v for v in chosen if v not in KERNEL_VARIANTS] + [v for v in chosen if v in KERNEL_VARIANTS]
+    order.remove("base")  # first: the others may need its step counts
     return [Cell(f"{variant}/seed{seed}", _train_cell(variant, seed), f"{variant}, seed {seed}")
-            for variant in order for seed in range(config["seeds"])]
+            for variant in ["base", *order] for seed in range(config["seeds"])]
 
 
 def _train_cell(variant: str, seed: int):
     def run(ctx: Context) -> dict:
         config = train_config(ctx.settings["train_seconds"], seed)
-        if variant in KERNEL_VARIANTS:  # as many steps as the base run: the loss should match
+        if variant != "base" and (variant in KERNEL_VARIANTS or ctx.settings["equal"] == "steps"):
             config = train_config(None, seed, iters=ctx.results[f"base/seed{seed}"]["iters"])
         folder = ctx.folder(f"{variant}/seed{seed}")
         summary = train_timed(ctx.settings["data"], folder, model_config(variant), config)
@@ -113,12 +121,14 @@ def summarize(config: dict, results: dict[str, dict], out: Path) -> Summary:
         rows.append([variant, group, mean, spread, mean_spread([r["iters"] for r in runs])[0],
                      mean_spread([r["tokens_per_second"] for r in runs])[0],
                      runs[0]["kv_bytes_per_token"], runs[0]["parameters"]])
-    table = {"title": "Validation loss after equal training time",
+    equal = "equal training time" if config["equal"] == "time" else "equal steps"
+    table = {"title": f"Validation loss after {equal}",
              "columns": ["variant", "change", "val loss (mean)", "± spread", "steps",
                          "tokens/s", "KV bytes/token", "parameters"],
              "rows": rows,
-             "note": f"base: {BASE_DESCRIPTION}; {config['train_seconds']} s of training per run, "
-                     f"{config['seeds']} seeds (spread = half the range). Gated feed-forwards use "
+             "note": f"base: {BASE_DESCRIPTION}; {config['train_seconds']} s of training per "
+                     + ("run, " if config["equal"] == "time" else "base run, the others as many steps, ")
+                     + f"{config['seeds']} seeds (spread = half the range). Gated feed-forwards use "
                      f"d_ff {GATED_D_FF} for the MLP's weight count; GQA / MQA have fewer attention "
                      "weights and learned positions 64·128 more, as the parameter column shows. "
                      "The kernels train as many steps as the base run, not as long."}

@@ -35,7 +35,7 @@ def settings(budget: float, models=MODELS) -> dict:
     unknown = sorted(set(models) - set(MODELS))
     if unknown or not models:
         raise ValueError(f"models: choose among {', '.join(MODELS)}; got {unknown or 'none'}")
-    return {"budget": budget, "models": list(models), "repeats": 3 if budget >= 120 else 1}
+    return {"budget": budget, "models": list(models), "repeats": 3 if budget >= 60 else 1}
 
 
 def cells(config: dict) -> list[Cell]:

@@ -109,6 +109,7 @@ class Runner:
     def run(self, cells: list[Cell], progress: bool = True) -> dict[str, dict]:
         """Run every cell not already finished, saving after each one."""
         self.out.mkdir(parents=True, exist_ok=True)
+        self.save()  # the folder is this experiment's from the start
         context = Context(self.out, self.settings, self.results)
         bar = tqdm(total=len(cells), disable=not progress, unit="cell", dynamic_ncols=True,
                    desc=self.experiment)
