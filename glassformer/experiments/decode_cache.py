@@ -53,7 +53,11 @@ def _model(name: str, loaded: dict[str, Transformer]) -> Transformer:
             from ..language_model import load
 
             loaded[name] = load(name, progress=False).model
-        loaded[name].eval()
+        model = loaded[name].eval()
+        with torch.no_grad():  # first calls pay one-time costs: keep them off every clock
+            cache = KVCache(model.config, batch_size=1, max_length=16)
+            model.forward_hidden(torch.zeros(1, 8, dtype=torch.long), cache)
+            model.forward_hidden(torch.zeros(1, 1, dtype=torch.long), cache)
     return loaded[name]
 
 

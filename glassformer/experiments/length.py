@@ -78,10 +78,10 @@ def widened(model: Transformer, length: int, scaling: str = "none") -> Transform
         return model
     if config.position == "learned":
         return None  # no rows in the table past the trained window
-    if config.position == "sinusoidal" or config.rope_scaling != "none":  # same weights, wider
-        wider = Transformer(config.replace(context_length=length))
-        wider.load_state_dict(model.state_dict(), strict=True)
-        return wider.eval()
+    if scaling == "none":  # sinusoids, RoPE angles, ALiBi distances: functions of the position
+        other = Transformer(config.replace(context_length=length))
+        other.load_state_dict(model.state_dict(), strict=True)
+        return other.eval()
     return extend_context(model, scaling, length / config.context_length).eval()
 
 

@@ -6,7 +6,7 @@ import torch
 SHAKESPEARE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """Timing on a shared 2-core machine: one thread each, as the experiments' own runs."""
     threads = torch.get_num_threads()

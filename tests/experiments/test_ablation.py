@@ -9,14 +9,14 @@ from glassformer.experiments.ablation import kv_bytes_per_token, model_config
 from glassformer.experiments.stats import mean_spread
 from glassformer.training.metrics import read_metrics
 
-VARIANTS = ("base", "post-norm", "mqa", "reference kernel")
+VARIANTS = ("base", "post-norm", "reference kernel")
 
 
 @pytest.fixture(scope="module")
 def run(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("ablation") / "run"
     return out, run_experiment("ablation", out, budget=4, data=corpus, progress=False,
-                               variants=VARIANTS)
+                               variants=VARIANTS, equal="steps")
 
 
 def test_report_structure(run):
@@ -47,13 +47,14 @@ def test_numbers_come_from_the_runs(run):
         losses = [cells[f"{row[0]}/seed{s}"]["val_loss"] for s in (0, 1)]
         assert (row[2], row[3]) == mean_spread(losses)
     assert cells["base/seed0"]["val_loss"] != cells["base/seed1"]["val_loss"]  # seeds differ
-    for seed in (0, 1):  # the kernel trains the base run's steps and lands on its loss
-        kernel, base = cells[f"reference kernel/seed{seed}"], cells[f"base/seed{seed}"]
+    for seed in (0, 1):  # equal steps; the kernel lands on the base run's loss
+        base = cells[f"base/seed{seed}"]
+        assert cells[f"post-norm/seed{seed}"]["iters"] == base["iters"]
+        kernel = cells[f"reference kernel/seed{seed}"]
         assert kernel["iters"] == base["iters"]
         assert kernel["val_loss"] == pytest.approx(base["val_loss"], abs=1e-3)
     # float32 K and V, 4 layers of 128 numbers each per token; MQA keeps one head of 32
     assert cells["base/seed0"]["kv_bytes_per_token"] == 2 * 4 * 128 * 4
-    assert cells["mqa/seed0"]["kv_bytes_per_token"] == 2 * 4 * 32 * 4
     assert kv_bytes_per_token(model_config("mqa")) == 2 * 4 * 32 * 4
 
 
@@ -61,8 +62,9 @@ def test_rerun_resumes_without_training_and_refuses_another_budget(run, corpus):
     out, record = run
     stamp = (out / "cells" / "base_seed0" / "metrics.jsonl").stat().st_mtime_ns
     again = run_experiment("ablation", out, budget=4, data=corpus, progress=False,
-                           variants=VARIANTS)
+                           variants=VARIANTS, equal="steps")
     assert again["cells"] == record["cells"]
     assert (out / "cells" / "base_seed0" / "metrics.jsonl").stat().st_mtime_ns == stamp
     with pytest.raises(ValueError, match="other settings"):
-        run_experiment("ablation", out, budget=8, data=corpus, progress=False, variants=VARIANTS)
+        run_experiment("ablation", out, budget=8, data=corpus, progress=False, variants=VARIANTS,
+                       equal="steps")

@@ -2,7 +2,12 @@ import numpy as np
 import pytest
 
 from glassformer.experiments.stats import (
-    growth_exponent, lower_is_better, mean_spread, ranks, spearman, top_overlap,
+    growth_exponent,
+    lower_is_better,
+    mean_spread,
+    ranks,
+    spearman,
+    top_overlap,
 )
 
 
