@@ -10,6 +10,7 @@ would overrun the model's share of the budget are skipped and marked so.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 MODELS = ("tiny", "smollm2-135m-instruct")
 STEPS = 4  # cached decode steps timed per length
 TINY_SHARE = 0.2  # of the budget; the rest goes to SmolLM2
+GROWTH_PER_DOUBLING = 2.5  # to plan the budget: between linear layers (2) and attention (4)
 
 
 def settings(budget: float, models=MODELS) -> dict:
@@ -71,9 +73,10 @@ def _time_cell(name: str, length: int, loaded: dict[str, Transformer]):
     def run(ctx: Context) -> dict:
         spent = sum(r["cell_seconds"] for r in ctx.results.values() if r["model"] == name)
         done = [r for r in ctx.results.values() if r["model"] == name and not r["skipped"]]
-        if done:  # the step at 2L costs at most about 4x the step at L (quadratic attention)
+        if done:  # per doubling of L: about 2x (linear layers) to 4x (attention) the time
             last = done[-1]
-            expected = 4 * (ctx.settings["repeats"] + 1) * last["uncached_seconds"] * length / last["length"]
+            growth = GROWTH_PER_DOUBLING ** math.log2(length / last["length"])
+            expected = (ctx.settings["repeats"] + 1) * last["uncached_seconds"] * growth
             if spent + expected > _share(ctx.settings, name):
                 return {"model": name, "length": length, "skipped": True}
         model = _model(name, loaded)
