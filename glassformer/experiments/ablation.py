@@ -132,10 +132,12 @@ def summarize(config: dict, results: dict[str, dict], out: Path) -> Summary:
                      f"d_ff {GATED_D_FF} for the MLP's weight count; GQA / MQA have fewer attention "
                      "weights and learned positions 64·128 more, as the parameter column shows. "
                      "The kernels train as many steps as the base run, not as long."}
-    figure = save_figure(out, "ablation_curves.png", lambda fig: _draw_curves(fig, out, results))
+    by_steps = config["equal"] == "steps"
+    figure = save_figure(out, "ablation_curves.png",
+                         lambda fig: _draw_curves(fig, out, results, by_steps))
     return Summary(tables=[table],
-                   figures=[{"file": figure, "caption": "Training loss against training time "
-                             "(mean over seeds), every variant"}],
+                   figures=[{"file": figure, "caption": "Training loss against training "
+                             f"{'steps' if by_steps else 'time'} (mean over seeds), every variant"}],
                    claims=_claims(by_variant, losses))
 
 
@@ -171,22 +173,26 @@ def _claims(by_variant, losses) -> list[dict]:
     return claims
 
 
-def _draw_curves(fig, out: Path, results: dict[str, dict]) -> None:
+def _draw_curves(fig, out: Path, results: dict[str, dict], by_steps: bool) -> None:
+    from matplotlib import colormaps
+
     ax = fig.subplots()
     curves: dict[str, list[list[tuple[float, float]]]] = {}
     for key, result in results.items():
         records = [r for r in read_metrics(out / "cells" / key.replace("/", "_") / "metrics.jsonl")
                    if "lr" in r]
         curves.setdefault(result["variant"], []).append(
-            [(r["tokens_seen"] / r["tokens_per_second"], r["train_loss"]) for r in records])
-    for variant, runs in curves.items():
+            [(r["iter"] if by_steps else r["tokens_seen"] / r["tokens_per_second"], r["train_loss"])
+             for r in records])
+    colors = colormaps["tab20"]
+    for i, (variant, runs) in enumerate(curves.items()):
         n = min(len(run) for run in runs)
         if n:
-            seconds = [sum(run[i][0] for run in runs) / len(runs) for i in range(n)]
-            loss = [sum(run[i][1] for run in runs) / len(runs) for i in range(n)]
-            ax.plot(seconds, loss, label=variant, linewidth=1,
+            x = [sum(run[j][0] for run in runs) / len(runs) for j in range(n)]
+            loss = [sum(run[j][1] for run in runs) / len(runs) for j in range(n)]
+            ax.plot(x, loss, label=variant, linewidth=1.2, color=colors(i % 20),
                     linestyle="--" if variant in KERNEL_VARIANTS else "-")
-    ax.set_xlabel("training seconds")
+    ax.set_xlabel("step" if by_steps else "training seconds")
     ax.set_ylabel("training loss (nats)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
