@@ -79,8 +79,9 @@ def write_html(out: Path, title: str, record: dict) -> Path:
                     f"<figcaption>{e(figure['caption'])}</figcaption></figure>")
     machine = record["machine"]
     body.append(f"<p class=note>Measured on {e(str(machine['cpu']))} ({machine['threads']} "
-                f"torch threads, {machine['cores']} cores; GPU: {e(str(machine['gpu']))}; torch "
-                f"{e(machine['torch'])}). Settings: {e(_settings(record['settings']))}.</p>")
+                f"torch threads, {machine['cores']} cores, load average "
+                f"{fmt(machine.get('load_average_5min'))} at the end; GPU: {e(str(machine['gpu']))}; "
+                f"torch {e(machine['torch'])}). Settings: {e(_settings(record['settings']))}.</p>")
     page = ("<!doctype html><html><head><meta charset=utf-8>"
             f"<title>{e(title)}</title><style>{_STYLE}</style></head><body>"
             + "\n".join(body) + "</body></html>\n")

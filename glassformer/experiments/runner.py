@@ -73,8 +73,9 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    load = os.getloadavg()[1] if hasattr(os, "getloadavg") else None  # other work competing
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "gpu": gpu,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "load_average_5min": load}
 
 
 class Runner:
