@@ -28,7 +28,7 @@ def test_report_structure(run):
     assert names[:7] == ["learned", "sinusoidal", "rope", "rope+linear", "rope+ntk", "rope+yarn",
                          "alibi"]
     assert "rope+yarn, fine-tuned" in names and "rope, fine-tuned" in names
-    assert len(record["summary"]["claims"]) == 4
+    assert len(record["summary"]["claims"]) == 6
 
 
 def test_numbers_come_from_the_runs(run):
