@@ -151,7 +151,7 @@ def summarize(config: dict, results: dict[str, dict], out: Path) -> Summary:
                      f"{FINETUNE_LENGTH // TRAIN_CONTEXT}); the same {config['eval_tokens']} "
                      "validation tokens at every length. A dash: learned positions have no rows "
                      "past the window."}
-    figure = save_figure(out, "length_perplexity.png", lambda fig: _draw(fig, lines))
+    figure = save_figure(out, "length_perplexity.png", lambda fig: _draw(fig, lines), size=(9, 4.5))
     return Summary(tables=[table], figures=[{"file": figure, "caption": "Perplexity against "
                    "evaluation length (log scales); the dotted line marks the trained window"}],
                    claims=_claims(lines))
@@ -188,17 +188,20 @@ def _claims(lines: dict[str, list]) -> list[dict]:
 
 
 def _draw(fig, lines: dict[str, list]) -> None:
-    ax = fig.subplots()
-    for name, values in lines.items():
+    from matplotlib import colormaps
+
+    ax, colors = fig.subplots(), colormaps["tab20"]
+    for i, (name, values) in enumerate(lines.items()):
         points = [(n, v) for n, v in zip(LENGTHS, values, strict=True) if v is not None]
         style = "--" if "fine-tuned" in name else "-"
-        ax.plot(*zip(*points, strict=True), style, marker="o", label=name, linewidth=1.2)
+        ax.plot(*zip(*points, strict=True), style, marker="o", label=name, linewidth=1.2,
+                color=colors(i % 20))
     ax.axvline(TRAIN_CONTEXT, color="grey", linestyle=":")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("evaluation length (tokens)")
     ax.set_ylabel("perplexity")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title("trained at context 64")
 
