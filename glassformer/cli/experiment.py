@@ -17,7 +17,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("name", choices=NAMES, help="which experiment")
     parser.add_argument("--budget", type=float, default=600.0,
-                        help="seconds of work to plan for (default 600)")
+                        help="seconds of work to plan for (default 600; planned as for an "
+                             "idle machine, so a busy one takes longer)")
     parser.add_argument("--out", default=None, help="run folder (default experiment-NAME)")
     parser.add_argument("--data", default=None,
                         help="training text for ablation and length (default tinyshakespeare)")
