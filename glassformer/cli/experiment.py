@@ -1,0 +1,62 @@
+"""`glassformer experiment NAME`: run (or resume) one of the textbook's claims as an experiment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+NAMES = ("ablation", "length", "cache", "explain")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "experiment", help="check a claim about transformers on this machine",
+        description="Train or measure small models to check one claim; writes report.html, "
+                    "results.json and the plots into --out. Rerunning with the same --out "
+                    "resumes: finished cells are not run again.",
+    )
+    parser.add_argument("name", choices=NAMES, help="which experiment")
+    parser.add_argument("--budget", type=float, default=600.0,
+                        help="seconds of work to plan for (default 600; planned as for an "
+                             "idle machine, so a busy one takes longer)")
+    parser.add_argument("--out", default=None, help="run folder (default experiment-NAME)")
+    parser.add_argument("--data", default=None,
+                        help="training text for ablation and length (default tinyshakespeare)")
+    parser.add_argument("--equal", choices=("time", "steps"), default=None,
+                        help="ablation: give every run equal training time (default) or, on a busy "
+                             "machine, as many steps as the base run made in its time")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice; 1 on a busy machine)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..experiments import run_experiment
+    from ..experiments.report import text_summary
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    options = {}
+    if args.equal is not None:
+        if args.name != "ablation":
+            raise ValueError("--equal: applies to the ablation experiment only")
+        options["equal"] = args.equal
+    if args.data is not None and args.name not in ("ablation", "length"):
+        raise ValueError(f"--data: the {args.name} experiment reads no training text")
+    out = args.out or f"experiment-{args.name}"
+    record = run_experiment(args.name, out, args.budget, args.data,
+                            progress=not args.no_progress, **options)
+    if args.json:
+        print(json.dumps({"experiment": args.name, "out": str(out),
+                          "report": f"{out}/report.html", **record["summary"],
+                          "settings": record["settings"], "machine": record["machine"]}))
+    else:
+        print(text_summary(record["summary"]))
+        print(f"\nreport: {out}/report.html")
+    return 0

@@ -1,0 +1,37 @@
+"""The textbook's claims as experiments anyone can rerun: each one trains or measures small
+models, writes a table, plots and a self-contained report, and says what it found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import ablation, decode_cache, explain, length
+from .report import write_html
+from .runner import Runner
+
+EXPERIMENTS = {"ablation": ablation, "length": length, "cache": decode_cache, "explain": explain}
+# tinyshakespeare where the repository's checkout keeps it: ../shared/data beside the clone
+DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def run_experiment(name: str, out: str | Path, budget: float, data: str | Path | None = None,
+                   progress: bool = True, **options) -> dict:
+    """Run (or resume) experiment `name` into `out`; returns the record saved as results.json.
+    `options` narrow an experiment's plan (see each module's `settings`)."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    if budget <= 0:
+        raise ValueError(f"budget: must be positive seconds, got {budget}")
+    module, out = EXPERIMENTS[name], Path(out)
+    if module.NEEDS_DATA:
+        data = Path(data or DEFAULT_DATA)
+        if not data.is_file():
+            raise FileNotFoundError(f"no text at {data}: pass --data FILE")
+        config = module.settings(budget, data.resolve(), **options)
+    else:
+        config = module.settings(budget, **options)
+    runner = Runner(out, name, config)
+    results = runner.run(module.cells(config), progress)
+    runner.finish(module.summarize(config, results, out))
+    write_html(out, module.TITLE, runner.record)
+    return runner.record
