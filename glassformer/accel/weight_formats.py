@@ -40,10 +40,11 @@ class WeightFormat(StrEnum):
         """A format from its name; "none" is float32 (no quantization), as `--quantize` says."""
         if value == "none":
             return cls.FP32
-        if value not in cls._value2member_map_:
+        try:
+            return cls(value)
+        except ValueError:
             raise ValueError(f"{field}: unknown weight format {value!r}; choose one of "
-                             f"{', '.join(['none', *cls])}")
-        return cls(value)
+                             f"{', '.join(['none', *cls])}") from None
 
 
 _CODES = {WeightFormat.FP32: 0, WeightFormat.BF16: 1, WeightFormat.INT8: 2, WeightFormat.INT4: 3}
