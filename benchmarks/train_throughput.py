@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_recipe  # noqa: E402
 
-from glassformer import allocator  # noqa: E402
 from glassformer.formats.checkpoint import load_model  # noqa: E402
+from glassformer.training import allocator  # noqa: E402
 from glassformer.training.config import get_recipe  # noqa: E402
 from glassformer.training.data import TokenData  # noqa: E402
 from glassformer.training.loop import train  # noqa: E402

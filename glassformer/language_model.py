@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .accel.quantize import QUANTIZE_MODES, quantize_model
+from .accel.quantize import quantize_format, quantize_model
 from .formats import checkpoint, hub
 from .generation.generate import GenerationConfig, GenerationResult, generate
 from .generation.sampling import SamplingConfig
@@ -71,24 +71,24 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
     quantize=None keeps plain nn.Linear layers (trainable; the reference path). Otherwise the
     weights are converted once for fast inference (glassformer.quantize): "none" keeps them
     in float32, "bf16" / "int8" / "int4" store them smaller, and "gguf" keeps a GGUF file's
-    Q8_0 / Q4_0 / Q4_1 blocks as they are (no requantization; see loaders/gguf.py)."""
+    Q8_0 / Q4_0 / Q4_1 blocks as they are (no requantization; see formats/gguf.py). The
+    converted model decodes one sequence with the fused C++ step (`model.fused_step()`)."""
     from .formats.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
 
-    if quantize is not None and quantize not in (*QUANTIZE_MODES, "gguf"):
-        raise ValueError(f"quantize: choose one of {(*QUANTIZE_MODES, 'gguf')}, got {quantize!r}")
-    weights = "gguf" if quantize == "gguf" else "fp32"
+    fmt = None if quantize is None else quantize_format(quantize)
+    keep_blocks = quantize == "gguf"
 
     text = str(source)
     path = Path(source).expanduser()
     if not path.exists() and text in hub.MODELS:
-        model, tokenizer = load_gguf(hub.model_path(text, progress=progress), dtype, weights)
+        model, tokenizer = load_gguf(hub.model_path(text, progress=progress), dtype, keep_blocks)
     elif path.is_file():
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise ValueError(f"{path}: not a GGUF file; give a .gguf file or a model folder")
-        model, tokenizer = load_gguf(path, dtype, weights)
+        model, tokenizer = load_gguf(path, dtype, keep_blocks)
     elif path.is_dir():
-        if weights != "fp32":
+        if keep_blocks:
             raise ValueError("quantize='gguf' applies to GGUF files only")
         model, tokenizer = _load_folder(path, dtype)
     else:
@@ -96,8 +96,8 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
             f"no model at {text!r}: give a checkpoint folder, a .gguf file, a Hugging Face folder "
             f"or a known name ({', '.join(sorted(hub.MODELS))})"
         )
-    if quantize is not None:  # layers kept in GGUF blocks stay; the others get fp32 kernels
-        quantize_model(model, "none" if quantize == "gguf" else quantize)
+    if fmt is not None:  # layers kept in GGUF blocks stay; the others get fmt's kernels
+        quantize_model(model, fmt)
     return LanguageModel(model, tokenizer, text)
 
 

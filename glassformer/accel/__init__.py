@@ -1,4 +1,14 @@
-"""Fast matrix-vector products for decoding, with weights in fp32, bf16, int8 or int4.
+"""Opt-in conversions of a model for speed: C++ kernels, quantized weights, the fused decode
+step, and training's fused passes. The model's own layers (glassformer.model) never import
+this package; each conversion is applied explicitly and the C++ build happens there:
+
+- `quantize_model(model, fmt)` (quantize.py, applied by `glassformer.load(quantize=...)`):
+  every linear layer a QuantizedLinear in a `WeightFormat`, and the model given its fused
+  decode step (fast_decode.py), which it owns: `model.fused_step()`.
+- `use_fast_training(model)` (fast_training.py, applied by the training loop): fused RMSNorm,
+  RoPE and SwiGLU passes (fused.py) and oneDNN products (onednn.py).
+
+Fast matrix-vector products for decoding, with weights in fp32, bf16, int8 or int4.
 
 Decoding one token reads every weight once, so its speed is set by how fast weights stream
 from memory. The C++ kernels here (AVX2 + FMA + OpenMP, AVX-512 VNNI where present;
@@ -10,8 +20,8 @@ The extension is compiled on first use (a one-line notice on stderr) and cached 
 
 Use in a model::
 
-    from glassformer.accel import QuantizedLinear
-    layer = QuantizedLinear.from_linear(linear, "int8")   # "fp32" | "bf16" | "int8" | "int4"
+    from glassformer.accel import QuantizedLinear, WeightFormat
+    layer = QuantizedLinear.from_linear(linear, WeightFormat.INT8)  # or "fp32", "bf16", "int4"
     y = layer(x)                                           # x (..., in_features) -> (..., out)
 
 - Up to 8 float32 rows (x.reshape(-1, in_features)) on the CPU go straight to the C++
@@ -19,7 +29,7 @@ Use in a model::
   weight dequantized in C++ per call, in bfloat16 where the CPU multiplies it in hardware
   (`ops.bf16_products_pay`), else in float32. int8/int4 kernels quantize the
   activations per block of 32 to int8 (like llama.cpp), so their outputs differ from
-  `x @ layer.dequantized_weight().T` by that rounding (bounded in tests/test_kernels.py).
+  `x @ layer.dequantized_weight().T` by that rounding (bounded in tests/accel/test_kernels.py).
   The fp32 kernel sums in a different order than `F.linear`: equal up to float rounding,
   not bit for bit.
 - Inputs that require a gradient take the dense PyTorch product (rounding has no gradient);
@@ -31,11 +41,15 @@ Use in a model::
   `onednn.py` routes training's float32 products through oneDNN on CPUs whose AVX-512 MKL
   leaves unused (AMD Zen 4/5), about twice MKL's speed there.
 - The functional kernels (`ops.linear_fp32/bf16/int8/int4`) take (M, K) float32 x and a
-  `backend` of "auto", "cpp" or "torch"; the weight formats are described in quant.py.
+  `backend` of "auto", "cpp" or "torch"; the weight formats are described in
+  weight_formats.py.
 """
 
-from .quantized_linear import MODES, QuantizedLinear
+from .fast_training import use_fast_training
+from .quantize import quantize_model
+from .quantized_linear import QuantizedLinear
 from .weight_formats import (
+    WeightFormat,
     dequantize_int4,
     dequantize_int8,
     quantize_activations,
@@ -44,11 +58,13 @@ from .weight_formats import (
 )
 
 __all__ = [
-    "MODES",
     "QuantizedLinear",
+    "WeightFormat",
     "dequantize_int4",
     "dequantize_int8",
     "quantize_activations",
     "quantize_int4",
     "quantize_int8",
+    "quantize_model",
+    "use_fast_training",
 ]

@@ -2,14 +2,13 @@
 
 Once `quantize_model` has given a model its decode kernels, a step for one sequence is the
 same arithmetic as `model(token, cache=cache)`; only the dispatch differs. Python embeds the
-token, C++ (kernels/decode_step.cpp) runs norm, QKV, RoPE, the cache write, attention,
-W_O, norm and feed-forward for every layer, and Python applies the final norm and head.
-Used by generation when it applies (see `why_not`); the module path remains the reference.
+token, C++ (csrc/decode_step.cpp) runs norm, QKV, RoPE, the cache write, attention, W_O,
+norm and feed-forward for every layer, and Python applies the final norm and head.
+The model owns its step (`Transformer.fused_step`), built by `FastDecoder.build` and dropped
+whenever its tensors change; `why_not` says why a model cannot take it.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -17,12 +16,10 @@ from ..model.kv_cache import KVCache
 from ..model.layers.positions import rope_cos_sin
 from ..model.transformer import Transformer
 from .build import extension
-from .quantize import linear_layers
 from .quantized_linear import QuantizedLinear
+from .weight_formats import WeightFormat
 
-_MODES = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 _ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
-_steps: weakref.WeakKeyDictionary[Transformer, FastDecoder] = weakref.WeakKeyDictionary()
 
 
 def why_not(model: Transformer) -> str | None:
@@ -31,35 +28,38 @@ def why_not(model: Transformer) -> str | None:
         return "inference only (eval mode, no grad)"
     if model.hooks:
         return "hooks are installed: the module path shows every site"
-    return None if model in _steps else _static_reason(model)
+    return _static_reason(model)
 
 
 def _static_reason(model: Transformer) -> str | None:
-    config = model.config
+    config, embedding = model.config, model.embed.tokens.weight
     if config.norm_placement != "pre" or not config.causal:
         return "only pre-norm causal models"
-    if any(not isinstance(getattr(p, n), QuantizedLinear) for p, n in linear_layers(model)):
+    if not all(isinstance(layer, QuantizedLinear) for layer in model.linear_layers().values()):
         return "the model has no decode kernels (see glassformer.quantize)"
-    if model.embed.tokens.weight.device.type != "cpu" or model.embed.tokens.weight.dtype != torch.float32:
+    if embedding.device.type != "cpu" or embedding.dtype != torch.float32:
         return "float32 on the CPU only"
     if extension() is None:
         return "the C++ kernels are not available"
     return None
 
 
-def fast_decoder(model: Transformer) -> FastDecoder | None:
-    """The fused step for `model`, built once; None where it does not apply."""
-    if why_not(model) is not None:
-        return None
-    if model not in _steps:  # built once: the weights are shared, not copied
-        _steps[model] = FastDecoder(model)
-    return _steps[model]
-
-
 class FastDecoder:
+    """The fused step of one model as it is now: it holds the model's tensors, not copies."""
+
+    @classmethod
+    def build(cls, model: Transformer) -> FastDecoder | None:
+        """The step for `model`, or None where it does not apply to it."""
+        return None if _static_reason(model) is not None else cls(model)
+
     def __init__(self, model: Transformer) -> None:
         config = model.config
-        self.model = model
+        # the model's parts, not the model: a step kept alive keeps no model alive
+        self.config, self.embed, self.final_norm, self.lm_head = (
+            config, model.embed, model.final_norm, model.lm_head)
+        self.rope = None
+        if config.position == "rope":
+            self.rope = (model.rope_inv_freq, model.rope_attention_factor)
         tensors: list[torch.Tensor] = []
         layout: list[int] = []
         for block in model.blocks:
@@ -67,8 +67,9 @@ class FastDecoder:
             layout.append(int(norm_bias))
             for norm in (block.norm1, block.norm2):
                 tensors += [norm.weight.detach()] + ([norm.bias.detach()] if norm_bias else [])
+            # the C++ step reads each block's four products in this order
             for linear in (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down):
-                layout += [_MODES[linear.mode], int(linear.bias is not None)]
+                layout += [linear.mode.code, int(linear.bias is not None)]
                 tensors += _linear_tensors(linear)
         sizes = [config.d_model, config.n_heads, config.kv_heads, config.head_dim,
                  config.ff_dim, config.sliding_window or 0]
@@ -82,27 +83,27 @@ class FastDecoder:
 
     def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Next-token logits (1, V) for `token` (1,) at position cache.length."""
-        model, pos = self.model, cache.length
+        pos, context = cache.length, self.config.context_length
         positions = torch.tensor([[pos]])  # (1, 1)
-        if pos + 1 > model.config.context_length:
-            raise ValueError(f"context: {pos + 1} tokens exceed "
-                             f"context_length={model.config.context_length}")
+        if pos + 1 > context:
+            raise ValueError(f"context: {pos + 1} tokens exceed context_length={context}")
         cache.reserve(positions, None)
         cache.allocate(token.device, torch.float32)
-        x = model.embed(token[:, None], positions)[:, 0]  # (1, d)
+        x = self.embed(token[:, None], positions)[:, 0]  # (1, d)
         cos = sin = self.empty
-        if model.config.position == "rope":
-            cos, sin = rope_cos_sin(model.rope_inv_freq, positions, model.rope_attention_factor)
+        if self.rope is not None:
+            cos, sin = rope_cos_sin(self.rope[0], positions, self.rope[1])
             cos, sin = cos.reshape(-1), sin.reshape(-1)  # (d_head,)
         x = self.step_fn.step(x, pos, cos, sin, cache.keys, cache.values)  # (1, d)
         cache.advance(1)
-        if model.final_norm is not None:
-            x = model.final_norm(x)
-        return model.head(x)  # (1, V)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.lm_head(x)  # (1, V): model.head without its hook site (no hooks here)
 
 
 def _linear_tensors(linear: QuantizedLinear) -> list[torch.Tensor]:
-    names = {"fp32": ["weight"], "bf16": ["weight"], "int8": ["qweight", "scales"],
-             "int4": ["qweight", "scales", "mins"]}[linear.mode]
+    names = {WeightFormat.FP32: ["weight"], WeightFormat.BF16: ["weight"],
+             WeightFormat.INT8: ["qweight", "scales"],
+             WeightFormat.INT4: ["qweight", "scales", "mins"]}[linear.mode]
     tensors = [getattr(linear, name) for name in names]
     return tensors + ([linear.bias] if linear.bias is not None else [])

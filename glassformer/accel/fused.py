@@ -1,18 +1,23 @@
-"""RMSNorm, rotary embeddings and SwiGLU as single C++ passes (kernels/train_ops.cpp) for
+"""RMSNorm, rotary embeddings and SwiGLU as single C++ passes (csrc/train_ops.cpp) for
 training.
 
-The plain expressions in `glassformer.layers` take several elementwise ops each, forward and
-backward, and at the sizes of a small model on a CPU those ops' fixed costs add up to a large
-share of a training step. These autograd functions compute the same values in one pass each
-way. They apply to float32 CPU tensors that need a gradient, with the kernels built; every
-other call (inference, other dtypes or devices) keeps the plain expressions, which remain
-the reference (tests/test_fused.py compares both, values and gradients).
+The plain expressions in `glassformer.model.layers` take several elementwise ops each,
+forward and backward, and at the sizes of a small model on a CPU those ops' fixed costs add
+up to a large share of a training step. These autograd functions compute the same values in
+one pass each way. They apply to float32 CPU tensors that need a gradient, with the kernels
+built; every other call (inference, other dtypes or devices) keeps the plain expressions,
+which remain the reference (tests/accel/test_fused.py compares both, values and gradients).
+The modules at the end are the layers' drop-in replacements, installed by
+`fast_training.use_fast_training`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..model.layers.feedforward import Activation
+from ..model.layers.norm import RMSNorm
+from ..model.layers.positions import Rotary
 from .build import extension
 
 
@@ -95,3 +100,28 @@ def swiglu(h: torch.Tensor) -> torch.Tensor | None:
     if not _applies(h) or h.shape[-1] % 2:
         return None
     return _SwiGLU.apply(h)
+
+
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm, same parameter, through `rms_norm` where it applies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(x, self.weight, self.eps)
+        return super().forward(x) if y is None else y
+
+
+class FusedRotary(Rotary):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        y = rope(x, cos, sin)
+        return super().forward(x, cos, sin) if y is None else y
+
+
+class FusedSwiGLU(Activation):
+    """The gated silu Activation through `swiglu` where it applies."""
+
+    def __init__(self) -> None:
+        super().__init__("silu", gated=True)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        y = swiglu(u)
+        return super().forward(u) if y is None else y

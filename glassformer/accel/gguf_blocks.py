@@ -14,12 +14,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .weight_formats import WeightFormat
+
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
 def from_gguf_blocks(
     data: np.ndarray, qtype, shape: tuple[int, int]
-) -> tuple[str, dict[str, torch.Tensor]]:
+) -> tuple[WeightFormat, dict[str, torch.Tensor]]:
     """(mode, tensors) for QuantizedLinear from raw blocks of an (N, K) = `shape` matrix.
 
     `qtype` is a `gguf.GGMLQuantizationType` or its name ("Q8_0", "Q4_0", "Q4_1").
@@ -42,11 +44,11 @@ def from_gguf_blocks(
     d = half(0)
     if name == "Q8_0":
         q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, -1)  # (N, K)
-        return "int8", {"qweight": q, "scales": d}
+        return WeightFormat.INT8, {"qweight": q, "scales": d}
     if name == "Q4_0":
         m = d * -8  # exact in fp16: a power of two
         nibbles = blocks[:, :, 2:]
     else:
         m = half(2)
         nibbles = blocks[:, :, 4:]
-    return "int4", {"qweight": nibbles.reshape(n, -1).contiguous(), "scales": d, "mins": m}
+    return WeightFormat.INT4, {"qweight": nibbles.reshape(n, -1).contiguous(), "scales": d, "mins": m}

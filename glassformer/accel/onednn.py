@@ -6,7 +6,8 @@ half their speed. oneDNN, also inside PyTorch, chooses its kernels from the inst
 `linear` sends a training step's three products (output, input gradient, weight gradient)
 through oneDNN on such CPUs: the same float32 arithmetic, summed in another order. Elsewhere,
 and under torch.compile or `GLASSFORMER_KERNELS=torch`, it returns None and the caller keeps
-`F.linear` (tests/test_onednn.py compares both, values and gradients).
+`F.linear` (tests/accel/test_onednn.py compares both, values and gradients). `OneDNNLinear`
+is nn.Linear with its products taken so, installed by `fast_training.use_fast_training`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from .build import extension
 
@@ -92,3 +95,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ):
         return None
     return _Linear.apply(x, weight, bias)
+
+
+class OneDNNLinear(nn.Linear):
+    """nn.Linear whose training products go through `linear` where it applies."""
+
+    @classmethod
+    def sharing(cls, layer: nn.Linear) -> OneDNNLinear:
+        """A layer holding `layer`'s own parameters (so tied weights stay tied)."""
+        with torch.device("meta"):  # nothing allocated: the parameters are replaced below
+            new = cls(layer.in_features, layer.out_features, bias=layer.bias is not None)
+        new.weight, new.bias = layer.weight, layer.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if y is None else y

@@ -1,9 +1,10 @@
 """Inference weights: every linear layer of a model swapped for a fast QuantizedLinear.
 
-`none` keeps float32 weights but multiplies them with the decode kernels of
-`glassformer.kernels`; `bf16`, `int8` (per-block scales) and `int4` (per-block scale and
+`fp32` (spelled "none" on the command line) keeps float32 weights but multiplies them with
+the decode kernels; `bf16`, `int8` (per-block scales) and `int4` (per-block scale and
 minimum) store the weights smaller, so a decode step, which reads every weight once, reads
-fewer bytes. Embeddings stay in float32: a step reads only one of their rows.
+fewer bytes. Embeddings stay in float32: a step reads only one of their rows. The converted
+model also gets the fused decode step (fast_decode.py), which it owns and rebuilds itself.
 """
 
 from __future__ import annotations
@@ -11,28 +12,31 @@ from __future__ import annotations
 from torch import nn
 
 from ..model.transformer import Transformer
+from .fast_decode import FastDecoder
 from .quantized_linear import QuantizedLinear
+from .weight_formats import WeightFormat
 
-QUANTIZE_MODES = ("none", "bf16", "int8", "int4")
-_KERNEL_MODE = {"none": "fp32", "bf16": "bf16", "int8": "int8", "int4": "int4"}
-
-
-def linear_layers(model: Transformer) -> list[tuple[nn.Module, str]]:
-    """(parent, attribute) of every weight matrix a forward pass multiplies by."""
-    places: list[tuple[nn.Module, str]] = []
-    for block in model.blocks:
-        places += [(block.attn, "qkv"), (block.attn, "out"), (block.mlp, "up"), (block.mlp, "down")]
-    return places + [(model, "lm_head")]
+# What `load(quantize=...)` and `--quantize` take: a WeightFormat ("none" for fp32), or "gguf":
+# a GGUF file's Q8_0 / Q4_x blocks kept as they are (int8 / int4), float32 for the rest.
+QUANTIZE_CHOICES = ("none", *(f for f in WeightFormat if f != WeightFormat.FP32), "gguf")
 
 
-def quantize_model(model: Transformer, mode: str) -> Transformer:
+def quantize_format(choice: WeightFormat | str) -> WeightFormat:
+    """The format a `quantize` choice gives the layers it converts."""
+    if choice == "gguf":
+        return WeightFormat.FP32  # the layers not kept in GGUF blocks
+    if choice not in (*QUANTIZE_CHOICES, *WeightFormat):
+        raise ValueError(f"quantize: choose one of {', '.join(QUANTIZE_CHOICES)}, got {choice!r}")
+    return WeightFormat.parse(choice)
+
+
+def quantize_model(model: Transformer, mode: WeightFormat | str) -> Transformer:
     """Convert `model`'s nn.Linear layers in place for inference (no training afterwards) and
     return it; layers converted before (e.g. kept in GGUF blocks) stay as they are."""
-    if mode not in QUANTIZE_MODES:
-        raise ValueError(f"quantize: unknown mode {mode!r}; choose one of {QUANTIZE_MODES}")
+    mode = WeightFormat.parse(mode, field="quantize")
     model.eval().requires_grad_(False)
-    for parent, name in linear_layers(model):
-        layer = getattr(parent, name)
+    for name, layer in model.linear_layers().items():
         if isinstance(layer, nn.Linear):
-            setattr(parent, name, QuantizedLinear.from_linear(layer, _KERNEL_MODE[mode]))
+            model.set_submodule(name, QuantizedLinear.from_linear(layer, mode))
+    model.install_fused_step(FastDecoder.build)  # drops any step built on the old layers
     return model

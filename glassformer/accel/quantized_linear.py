@@ -9,13 +9,14 @@ from . import ops
 from . import weight_formats as quant
 from .build import extension
 from .gguf_blocks import from_gguf_blocks
-
-MODES = ("fp32", "bf16", "int8", "int4")
+from .weight_formats import WeightFormat
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W held as fp32, bf16, int8 or int4 blocks (see quant.py).
+    """y = x @ W^T (+ bias) with W held as fp32, bf16, int8 or int4 blocks (weight_formats.py).
 
+    `mode` is a WeightFormat (its name is accepted too). Building a layer builds the C++
+    kernels (once per process, with a notice), so that no forward ever starts a compile.
     Buffers by mode (all saved in the state dict): fp32 `weight` (N, K) float32; bf16
     `weight` (N, K) bfloat16; int8 `qweight` (N, nb·32) int8 + `scales` (N, nb) fp16;
     int4 `qweight` (N, nb·16) uint8 + `scales`, `mins` (N, nb) fp16; and `bias` (N,) float32
@@ -26,14 +27,13 @@ class QuantizedLinear(nn.Module):
         self,
         in_features: int,
         out_features: int,
-        mode: str,
+        mode: WeightFormat | str,
         tensors: dict[str, torch.Tensor],
         bias: torch.Tensor | None = None,
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        mode = WeightFormat.parse(mode)
         if backend not in ops.BACKENDS:
             raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
         self.in_features, self.out_features, self.mode, self.backend = (
@@ -53,9 +53,13 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._fast: tuple | None = None  # (C++ entry point, its arguments), found on first use
+        if backend != "torch":
+            extension()  # the build, if one is due, happens here rather than in a forward
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: str, backend: str = "auto") -> QuantizedLinear:
+    def from_linear(
+        cls, linear: nn.Linear, mode: WeightFormat | str, backend: str = "auto"
+    ) -> QuantizedLinear:
         """Quantizes an nn.Linear's weight once (the bias stays float32)."""
         return cls.from_weight(linear.weight, mode, linear.bias, backend)
 
@@ -63,22 +67,20 @@ class QuantizedLinear(nn.Module):
     def from_weight(
         cls,
         weight: torch.Tensor,
-        mode: str,
+        mode: WeightFormat | str,
         bias: torch.Tensor | None = None,
         backend: str = "auto",
     ) -> QuantizedLinear:
         """From a float (out_features, in_features) weight."""
-        w = weight.detach()
-        if mode == "fp32":
+        w, mode = weight.detach(), WeightFormat.parse(mode)
+        if mode == WeightFormat.FP32:
             tensors = {"weight": w.float()}
-        elif mode == "bf16":
+        elif mode == WeightFormat.BF16:
             tensors = {"weight": w.to(torch.bfloat16)}
-        elif mode == "int8":
+        elif mode == WeightFormat.INT8:
             tensors = dict(zip(("qweight", "scales"), quant.quantize_int8(w), strict=True))
-        elif mode == "int4":
-            tensors = dict(zip(("qweight", "scales", "mins"), quant.quantize_int4(w), strict=True))
         else:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            tensors = dict(zip(("qweight", "scales", "mins"), quant.quantize_int4(w), strict=True))
         return cls(w.shape[1], w.shape[0], mode, tensors, bias, backend)
 
     @classmethod
@@ -96,9 +98,9 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The (out_features, in_features) float32 weight this layer multiplies by."""
-        if self.mode in ("fp32", "bf16"):
+        if self.mode in (WeightFormat.FP32, WeightFormat.BF16):
             return self.weight.float()
-        if self.mode == "int8":
+        if self.mode == WeightFormat.INT8:
             return quant.dequantize_int8(self.qweight, self.scales, self.in_features)
         return quant.dequantize_int4(self.qweight, self.scales, self.mins, self.in_features)
 
@@ -107,10 +109,10 @@ class QuantizedLinear(nn.Module):
         ext = None if self.backend == "torch" else extension()
         if ext is None:
             return ()
-        if self.mode in ("fp32", "bf16"):
-            kernel = ext.try_f32 if self.mode == "fp32" else ext.try_bf16
+        if self.mode in (WeightFormat.FP32, WeightFormat.BF16):
+            kernel = ext.try_f32 if self.mode == WeightFormat.FP32 else ext.try_bf16
             return kernel, (self.weight, self.bias)
-        if self.mode == "int8":
+        if self.mode == WeightFormat.INT8:
             return ext.try_q8, (self.qweight, self.scales, self.bias, self.in_features)
         return ext.try_q4, (self.qweight, self.scales, self.mins, self.bias, self.in_features)
 
@@ -126,11 +128,11 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
         mode, backend = self.mode, self.backend
-        if mode == "fp32":
+        if mode == WeightFormat.FP32:
             y = ops.linear_fp32(x2, self.weight, self.bias, backend)
-        elif mode == "bf16":
+        elif mode == WeightFormat.BF16:
             y = ops.linear_bf16(x2, self.weight, self.bias, backend)
-        elif mode == "int8":
+        elif mode == WeightFormat.INT8:
             y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend)
         else:
             y = ops.linear_int4(x2, self.qweight, self.scales, self.mins, self.bias, backend)
@@ -148,13 +150,13 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
 
 
-def _shapes(mode: str, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _shapes(mode: WeightFormat, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     nb = quant.n_blocks(k)
-    if mode == "fp32":
+    if mode == WeightFormat.FP32:
         return {"weight": ((n, k), torch.float32)}
-    if mode == "bf16":
+    if mode == WeightFormat.BF16:
         return {"weight": ((n, k), torch.bfloat16)}
-    if mode == "int8":
+    if mode == WeightFormat.INT8:
         return {"qweight": ((n, nb * quant.BLOCK), torch.int8), "scales": ((n, nb), torch.float16)}
     return {
         "qweight": ((n, nb * quant.BLOCK // 2), torch.uint8),

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..accel.quantize import quantize_model
+from ..accel.quantize import quantize_format, quantize_model
 from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
 from ..language_model import load
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = language_model.model, language_model.tokenizer
     if extend:
         model = extend_context(model, args.rope_scaling, args.rope_factor)
-        quantize_model(model, "none" if args.quantize == "gguf" else args.quantize)
+        quantize_model(model, quantize_format(args.quantize))
     model = model.to(args.device)
     prompt_ids = _prompt_ids(tokenizer, args.prompt, args.chat)
     if args.json or config.beams > 1:

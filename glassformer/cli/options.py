@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..accel.quantize import QUANTIZE_CHOICES
 from ..generation.sampling import SamplingConfig
-
-QUANTIZE_CHOICES = ("none", "bf16", "int8", "int4", "gguf")
 
 
 def add_quantize(parser: argparse.ArgumentParser, default: str | None = "none") -> None:

@@ -26,7 +26,6 @@ from .empty_model import empty_model
 from .gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-WEIGHT_MODES = ("fp32", "gguf")
 _CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
 
 
@@ -133,17 +132,15 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str = "fp32",
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = False,
               ) -> tuple[Transformer, ChatTokenizer]:
     """Read a GGUF file: the model (eval mode, on CPU) and its tokenizer.
 
-    weights="fp32" dequantizes every tensor (exactly what transformers computes);
-    weights="gguf" keeps Q8_0 / Q4_0 / Q4_1 matrices in their blocks as QuantizedLinear
-    layers (glassformer.kernels): the same weights in a quarter of the memory, multiplied by
+    By default every tensor is dequantized (exactly what transformers computes);
+    keep_blocks=True keeps Q8_0 / Q4_0 / Q4_1 matrices in their blocks as QuantizedLinear
+    layers (glassformer.accel): the same weights in a quarter of the memory, multiplied by
     the int8 / int4 decode kernels (which round the activations to int8, like llama.cpp).
     """
-    if weights not in WEIGHT_MODES:
-        raise ValueError(f"weights: choose one of {WEIGHT_MODES}, got {weights!r}")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
@@ -156,7 +153,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str
             raise ValueError(f"{path}: {tokenizer.vocab_size} tokens in the vocabulary but "
                              f"{config.vocab_size} rows in token_embd.weight")
         model = empty_model(config, dtype)
-        done = _keep_blocks(file, model, targets) if weights == "gguf" else set()
+        done = _keep_blocks(file, model, targets) if keep_blocks else set()
         params = dict(model.named_parameters(remove_duplicate=False))
         with torch.no_grad():
             for name, target in targets.items():
@@ -177,11 +174,13 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
     from ..accel import QuantizedLinear
     from ..accel.gguf_blocks import BLOCK_BYTES
 
+    linear = model.linear_layers()
     layers: dict[str, list[str]] = {}
     for name, target in targets.items():
-        if target.param.endswith(("qkv.weight", "out.weight", "up.weight", "down.weight")):
-            layers.setdefault(target.param.removesuffix(".weight"), []).append(name)
-    layers["lm_head"] = ["output.weight" if "output.weight" in targets else "token_embd.weight"]
+        layer = target.param.removesuffix(".weight")
+        if layer in linear:
+            layers.setdefault(layer, []).append(name)
+    layers.setdefault("lm_head", ["token_embd.weight"])  # tied: the head reads the embedding
     done: set[str] = set()
     for layer, names in layers.items():
         types = {file.tensors[n].qtype.name for n in names}
@@ -194,9 +193,7 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
             rows.append(unpermute_rows(raw, heads) if heads else raw)
         raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
         shape = (sum(file.tensors[n].shape[0] for n in names), file.tensors[names[0]].shape[1])
-        parent, _, attr = layer.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, attr, QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape))
+        model.set_submodule(layer, QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape))
         done.update(n for n in names if n != "token_embd.weight")  # the embedding stays fp32
     return done
 

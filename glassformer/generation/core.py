@@ -19,7 +19,6 @@ from collections.abc import Generator, Sequence
 import torch
 from torch import Tensor
 
-from ..accel.fast_decode import fast_decoder
 from ..model.kv_cache import KVCache
 from ..model.transformer import Transformer
 from .batching import left_pad, select_rows
@@ -48,7 +47,7 @@ def decode_one_token(
     One sequence on a model converted by `glassformer.quantize` takes the fused C++ step
     (`glassformer.fast_decode`), which computes the same thing without Python per layer."""
     if token.shape[0] == 1 and positions is None and not cache.padded:
-        fused = fast_decoder(model)
+        fused = model.fused_step()
         if fused is not None:
             return fused(token, cache)
     h = model.forward_hidden(token[:, None], cache, None if positions is None else positions[:, None])

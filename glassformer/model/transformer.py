@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -12,10 +13,12 @@ from .hooks import Hooks
 from .kv_cache import KVCache
 from .layers.block import Block
 from .layers.embedding import Embedding
-from .layers.linear import Linear
 from .layers.masking import AttentionMask
 from .layers.norm import make_norm
 from .layers.positions import alibi_slopes, rope_cos_sin, rope_inverse_frequencies
+
+# A decode step for one sequence: token (1,) fed against the cache -> next-token logits (1, V).
+DecodeStep = Callable[[torch.Tensor, KVCache], torch.Tensor]
 
 
 class Transformer(nn.Module):
@@ -29,7 +32,7 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, self.hooks, i) for i in range(config.n_layers))
         self.final_norm = make_norm(config) if config.final_norm else None
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.tokens.weight  # W_head = E_token
         self.rope_attention_factor = 1.0
@@ -43,6 +46,10 @@ class Transformer(nn.Module):
         for block in self.blocks:  # outputs added to the residual stream grow with depth
             nn.init.normal_(block.attn.out.weight, std=residual_std)
             nn.init.normal_(block.mlp.down.weight, std=residual_std)
+        # A fused decode step, installed by a conversion (glassformer.accel.quantize_model):
+        # `build(model)` makes it, or None where it cannot serve this model as it now is.
+        self._step_builder: Callable[[Transformer], DecodeStep | None] | None = None
+        self._step: tuple[DecodeStep | None] | None = None  # built once; None: not yet
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -51,6 +58,35 @@ class Transformer(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, std=self.config.init_std)
+
+    def linear_layers(self) -> dict[str, nn.Module]:
+        """Every weight matrix a forward pass multiplies by, by module path: each block's
+        attn.qkv, attn.out, mlp.up, mlp.down, then lm_head. Conversions replace these."""
+        parts = ("attn.qkv", "attn.out", "mlp.up", "mlp.down")
+        names = [f"blocks.{i}.{part}" for i in range(len(self.blocks)) for part in parts]
+        return {name: self.get_submodule(name) for name in [*names, "lm_head"]}
+
+    def install_fused_step(self, build: Callable[[Transformer], DecodeStep | None]) -> None:
+        """Give the model a fused decode step, made by `build(self)` on first use and made
+        again after the model's tensors change (`to`, `load_state_dict`)."""
+        self._step_builder, self._step = build, None
+
+    def fused_step(self) -> DecodeStep | None:
+        """The installed decode step where it applies now (eval mode, no grad, no hooks, and
+        what its builder checks), else None: the module path is the reference."""
+        if self._step_builder is None or self.training or torch.is_grad_enabled() or self.hooks:
+            return None
+        if self._step is None:
+            self._step = (self._step_builder(self),)
+        return self._step[0]
+
+    def _apply(self, fn, recurse=True):
+        self._step = None  # parameters and buffers may be replaced (.to(), .float(), .cuda())
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._step = None  # new values, or with assign=True new tensors
+        super()._load_from_state_dict(*args, **kwargs)
 
     def forward(
         self,

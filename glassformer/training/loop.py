@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..accel.fast_training import use_fast_training
 from ..formats.checkpoint import Checkpoint, save_to_run
 from ..formats.tokenizers import train_tokenizer
 from ..generation.config import GenerationConfig
@@ -149,7 +150,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
     tokens = TokenData.open(out / "tokens.bin", T, config.val_fraction)
 
     torch.manual_seed(config.seed)
-    model = Transformer(model_config).to(device)
+    model = use_fast_training(Transformer(model_config).to(device))  # fused C++ passes on a CPU
     optimizer = make_optimizer(model, config)
     data_gen = torch.Generator().manual_seed(config.seed)
     state = {"step": 0, "tokens_seen": 0, "best_val_loss": math.inf, "train_seconds": 0.0}

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr
 
+from ..model.transformer import Transformer
 from .config import TrainConfig
 
 
@@ -125,7 +126,7 @@ def _adamw_groups(params: list[nn.Parameter], config: TrainConfig) -> list[dict]
     ]
 
 
-def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW | Optimizers:
+def make_optimizer(model: Transformer, config: TrainConfig) -> torch.optim.AdamW | Optimizers:
     """config.optimizer "adamw": fused AdamW, weight decay on ≥ 2-D parameters (matrices,
     embeddings) only. "muon": Muon for the weights of the blocks' linear layers, at
     config.muon_lr, and that AdamW for every other parameter."""
@@ -133,8 +134,8 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW |
     adamw = dict(betas=(config.beta1, config.beta2), fused=True)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(_adamw_groups(params, config), lr=config.lr, **adamw)
-    hidden = {id(m.weight): m.weight for block in model.blocks for m in block.modules()
-              if isinstance(m, nn.Linear) and m.weight.requires_grad}
+    hidden = {id(m.weight): m.weight for m in model.linear_layers().values()
+              if m is not model.lm_head and m.weight.requires_grad}
     rest = [p for p in params if id(p) not in hidden]
     muon = StackedMuon(
         [{"params": list(hidden.values()), "initial_lr": config.muon_lr}], lr=config.muon_lr,

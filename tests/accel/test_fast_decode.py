@@ -1,14 +1,19 @@
+import gc
+import weakref
+
 import pytest
 import torch
 
 from glassformer import KVCache, Transformer, get_preset
 from glassformer.accel.build import extension
-from glassformer.accel.fast_decode import fast_decoder, why_not
+from glassformer.accel.fast_decode import FastDecoder, why_not
 from glassformer.accel.quantize import quantize_model
+from glassformer.generation.generate import GenerationConfig, generate
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ kernels are not available")
 
 PRE_NORM = ["tiny-gpt2", "tiny-llama", "tiny-mqa", "tiny-alibi", "tiny-mistral"]
+PROMPT, GREEDY = [3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12, eos_ids=())
 
 
 def _converted(name, mode, **changes):
@@ -23,8 +28,8 @@ def test_fused_step_equals_the_module_path(name, mode):
     model = _converted(name, mode)
     ids = torch.randint(0, 96, (1, 20))
     with torch.no_grad():
-        step = fast_decoder(model)
-        assert step is not None
+        step = model.fused_step()
+        assert isinstance(step, FastDecoder) and model.fused_step() is step  # built once
         fused_cache, module_cache = KVCache(model.config, 1), KVCache(model.config, 1)
         model(ids[:, :5], cache=fused_cache)
         model(ids[:, :5], cache=module_cache)
@@ -44,37 +49,106 @@ def test_gelu_and_relu_feedforward():
         with torch.no_grad():
             cache = KVCache(model.config, 1)
             model(ids[:, :5], cache=cache)
-            fused = fast_decoder(model)(ids[0, 5:6], cache)
+            fused = model.fused_step()(ids[0, 5:6], cache)
             torch.testing.assert_close(fused, model(ids)[:, -1], atol=2e-5, rtol=2e-5)
 
 
 def test_when_it_does_not_apply():
-    plain = Transformer(get_preset("tiny-llama"))
+    plain = Transformer(get_preset("tiny-llama")).eval()
     with torch.no_grad():
-        assert "decode kernels" in why_not(plain.eval())
+        assert "decode kernels" in why_not(plain) and plain.fused_step() is None
         post = quantize_model(Transformer(get_preset("tiny-gpt1")), "none")
-        assert "pre-norm" in why_not(post)
+        assert "pre-norm" in why_not(post) and post.fused_step() is None
         model = _converted("tiny-llama", "none")
         with model.hooks.installed({"blocks.0.attn.q": lambda t, s: None}):
-            assert "hooks" in why_not(model)
-    assert "no grad" in why_not(model)
+            assert "hooks" in why_not(model) and model.fused_step() is None
+        assert why_not(model) is None and model.fused_step() is not None
+        model.to(torch.float64)  # checked again after the tensors change
+        assert "float32" in why_not(model) and model.fused_step() is None
+    assert "no grad" in why_not(model) and model.fused_step() is None
 
 
 def test_generation_takes_the_fused_step_and_keeps_greedy_tokens(monkeypatch):
-    from glassformer.accel import fast_decode
-    from glassformer.generation import core, generate
-
     model = _converted("tiny-llama", "none")
-    config = generate.GenerationConfig(max_new_tokens=12)
     calls = []
-    original = fast_decode.FastDecoder.__call__
+    original = FastDecoder.__call__
 
     def counted(self, token, cache):
         calls.append(cache.length)
         return original(self, token, cache)
 
-    monkeypatch.setattr(fast_decode.FastDecoder, "__call__", counted)
-    fused = generate.generate(model, [3, 1, 4, 1, 5], config).generated_ids
+    monkeypatch.setattr(FastDecoder, "__call__", counted)
+    fused = generate(model, PROMPT, GREEDY).generated_ids
     assert len(calls) == 11  # every token after the first comes from the fused step
-    monkeypatch.setattr(core, "fast_decoder", lambda model: None)
-    assert generate.generate(model, [3, 1, 4, 1, 5], config).generated_ids == fused
+    monkeypatch.setattr(model, "fused_step", lambda: None)
+    assert generate(model, PROMPT, GREEDY).generated_ids == fused
+
+
+def _pair(seed):
+    """A model converted for decoding and the plain model it came from."""
+    torch.manual_seed(seed)
+    plain = Transformer(get_preset("tiny-llama")).eval()
+    with torch.no_grad():  # weights large enough that greedy tokens tell models apart
+        for p in plain.parameters():
+            p.normal_()
+    converted = Transformer(plain.config)
+    converted.load_state_dict(plain.state_dict())
+    return quantize_model(converted, "none"), plain
+
+
+def _fresh_tokens(plain):
+    """Greedy tokens of a freshly converted copy of `plain`."""
+    fresh = Transformer(plain.config)
+    fresh.load_state_dict(plain.state_dict())
+    return generate(quantize_model(fresh, "none"), PROMPT, GREEDY).generated_ids
+
+
+def test_load_state_dict_rebuilds_the_step():
+    model, plain = _pair(0)
+    _, other = _pair(1)
+    own = generate(model, PROMPT, GREEDY).generated_ids  # the step is built on these weights
+    assert own != _fresh_tokens(other)
+    for assign in (False, True):
+        with torch.no_grad():
+            before = model.fused_step()
+        fresh = Transformer(other.config)
+        fresh.load_state_dict(other.state_dict())
+        model.load_state_dict(quantize_model(fresh, "none").state_dict(), assign=assign)
+        with torch.no_grad():
+            assert model.fused_step() is not before
+        assert generate(model, PROMPT, GREEDY).generated_ids == _fresh_tokens(other)
+
+
+def test_to_rebuilds_the_step():
+    model, plain = _pair(2)
+    _, other = _pair(5)
+    assert generate(model, PROMPT, GREEDY).generated_ids != _fresh_tokens(other)
+    model.to(torch.float64).to(torch.float32)  # new tensors: a step kept would read the old
+    with torch.no_grad():  # the other model's weights into the new tensors, in place
+        for name, tensor in model.state_dict().items():  # fp32 kernels: the same names
+            tensor.copy_(other.state_dict()[name])
+    assert generate(model, PROMPT, GREEDY).generated_ids == _fresh_tokens(other)
+
+
+def test_quantize_model_rebuilds_the_step():
+    _, plain = _pair(3)
+    model = Transformer(plain.config)
+    model.load_state_dict(plain.state_dict())
+    model.install_fused_step(FastDecoder.build)  # before any kernels: the step cannot apply
+    with torch.no_grad():
+        assert model.fused_step() is None
+    quantize_model(model, "none")
+    with torch.no_grad():
+        assert model.fused_step() is not None
+    assert generate(model, PROMPT, GREEDY).generated_ids == _fresh_tokens(plain)
+
+
+def test_a_model_with_a_built_step_is_freed():
+    model, _ = _pair(4)
+    generate(model, PROMPT, GREEDY)
+    with torch.no_grad():
+        assert model.fused_step() is not None
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

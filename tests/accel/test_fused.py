@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from glassformer.accel import build, fused
+from glassformer.accel.fast_training import use_fast_training
 from glassformer.model.config import ModelConfig
 from glassformer.model.layers.positions import rope_cos_sin
 from glassformer.model.transformer import Transformer
@@ -115,10 +116,14 @@ def test_training_step_gradients_equal_the_plain_path(monkeypatch):
                          n_kv_heads=2, position="rope", norm="rmsnorm", activation="silu",
                          gated=True)
     torch.manual_seed(0)
+    plain = Transformer(config)
     model = Transformer(config)
+    model.load_state_dict(plain.state_dict())
+    use_fast_training(model)
+    assert model.state_dict().keys() == plain.state_dict().keys()
     ids = torch.randint(0, 50, (3, 17))
 
-    def loss_and_grads():
+    def loss_and_grads(model):
         model.zero_grad()
         logits = model(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1))
@@ -126,12 +131,14 @@ def test_training_step_gradients_equal_the_plain_path(monkeypatch):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     calls = []
-    real_swiglu = fused.swiglu
-    monkeypatch.setattr(fused, "swiglu", lambda h: calls.append(1) or real_swiglu(h))
-    loss, grads = loss_and_grads()
-    assert len(calls) == config.n_layers
-    monkeypatch.setattr(fused, "_applies", lambda *tensors: False)
-    loss_plain, grads_plain = loss_and_grads()
+    for name in ("rms_norm", "rope", "swiglu"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, real=real, name=name:
+                            calls.append(name) or real(*a))
+    loss, grads = loss_and_grads(model)
+    L = config.n_layers  # two norms and two rotations (q, k) per layer, one final norm
+    assert sorted(calls) == sorted(["rms_norm"] * (2 * L + 1) + ["rope"] * 2 * L + ["swiglu"] * L)
+    loss_plain, grads_plain = loss_and_grads(plain)
     torch.testing.assert_close(loss, loss_plain)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_plain[name], rtol=1e-4, atol=1e-6, msg=name)

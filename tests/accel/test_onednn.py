@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from glassformer.accel import onednn
+from glassformer.accel.fast_training import use_fast_training
 from glassformer.model.config import ModelConfig
-from glassformer.model.layers.linear import Linear
 from glassformer.model.transformer import Transformer
 
 needs_onednn = pytest.mark.skipif(
@@ -100,25 +100,30 @@ def test_training_step_gradients_equal_the_plain_path(monkeypatch):
     config = ModelConfig(vocab_size=50, context_length=16, d_model=48, n_layers=2, n_heads=4,
                          d_ff=96, mlp_bias=True, attn_bias=True)
     torch.manual_seed(0)
+    plain = Transformer(config)
     model = Transformer(config)
-    assert isinstance(model.lm_head, Linear) and isinstance(model.blocks[0].mlp.up, Linear)
+    model.load_state_dict(plain.state_dict())
+    calls = []
+    real = onednn._Linear.apply
+    monkeypatch.setattr(onednn._Linear, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(onednn, "onednn_pays", lambda: True)
+    monkeypatch.setattr("glassformer.accel.fast_training.onednn_pays", lambda: True)
+    use_fast_training(model)
+    layers = model.linear_layers().values()
+    assert all(isinstance(layer, onednn.OneDNNLinear) for layer in layers)
+    assert model.lm_head.weight is model.embed.tokens.weight  # still tied
     ids = torch.randint(0, 50, (3, 17))
 
-    def loss_and_grads():
+    def loss_and_grads(model):
         model.zero_grad()
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1))
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    calls = []
-    real = onednn._Linear.apply
-    monkeypatch.setattr(onednn._Linear, "apply", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(onednn, "onednn_pays", lambda: True)
-    loss, grads = loss_and_grads()
+    loss, grads = loss_and_grads(model)
     assert len(calls) == 2 * config.n_layers * 2 + 1  # qkv, out, up, down per layer; the head
-    monkeypatch.setattr(onednn, "onednn_pays", lambda: False)
-    loss_plain, grads_plain = loss_and_grads()
+    loss_plain, grads_plain = loss_and_grads(plain)
     torch.testing.assert_close(loss, loss_plain)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_plain[name], rtol=1e-4, atol=1e-6, msg=name)

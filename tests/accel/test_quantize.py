@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from glassformer import KVCache, Transformer, get_preset
-from glassformer.accel import QuantizedLinear
-from glassformer.accel.quantize import QUANTIZE_MODES, quantize_model
+from glassformer.accel import QuantizedLinear, WeightFormat
+from glassformer.accel.quantize import QUANTIZE_CHOICES, quantize_format, quantize_model
 
 # How far each mode's logits may drift from float32 on a tiny random model.
 TOLERANCE = {"none": 1e-5, "bf16": 3e-2, "int8": 3e-2, "int4": 2e-1}
@@ -17,7 +17,7 @@ def _pair(mode):
     return reference, quantize_model(converted, mode)
 
 
-@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8", "int4"])
 def test_every_matrix_is_converted_and_logits_stay_close(mode):
     reference, model = _pair(mode)
     assert isinstance(model.lm_head, QuantizedLinear)
@@ -45,10 +45,22 @@ def test_fp32_kernels_keep_greedy_tokens():
 
 def test_unknown_mode_and_converted_layers_stay():
     _, model = _pair("int8")
-    with pytest.raises(ValueError, match="quantize: unknown mode 'int3'"):
+    with pytest.raises(ValueError, match="quantize: unknown weight format 'int3'"):
         quantize_model(model, "int3")
-    quantize_model(model, "int4")
-    assert {b.attn.qkv.mode for b in model.blocks} == {"int8"}
+    quantize_model(model, WeightFormat.INT4)
+    assert {b.attn.qkv.mode for b in model.blocks} == {WeightFormat.INT8}
+
+
+def test_one_weight_format_from_the_command_line_to_the_kernels():
+    assert QUANTIZE_CHOICES == ("none", "bf16", "int8", "int4", "gguf")  # what users type
+    assert [quantize_format(c) for c in QUANTIZE_CHOICES] == [
+        WeightFormat.FP32, WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4,
+        WeightFormat.FP32]  # gguf: float32 for the layers not kept in GGUF blocks
+    assert [f.code for f in WeightFormat] == [0, 1, 2, 3]  # the C++ enum's values
+    with pytest.raises(ValueError, match="^quantize: choose one of none, bf16, int8, int4, gguf"):
+        quantize_format("q4")
+    layer = QuantizedLinear.from_weight(torch.randn(4, 32), "int4")
+    assert layer.mode is WeightFormat.INT4
 
 
 def test_load_and_the_cli_convert_once(tmp_path, capsys):
@@ -69,6 +81,8 @@ def test_load_and_the_cli_convert_once(tmp_path, capsys):
         assert {b.mlp.down.mode for b in converted.blocks} == {mode}
     with pytest.raises(ValueError, match="quantize='gguf' applies to GGUF files only"):
         load(folder, quantize="gguf")
+    with pytest.raises(ValueError, match="^quantize: choose one of"):
+        load(folder, quantize="int3")
     assert main(["generate", "--model", str(folder), "Hi", "-n", "3", "--quantize", "int8",
                  "--ignore-eos", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["n_generated"] == 3

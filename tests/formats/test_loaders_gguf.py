@@ -219,7 +219,7 @@ def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
     path = tmp_path / "k.gguf"
     write_gguf(path, source, qtype)
     exact, _ = load_gguf(path)
-    compact, _ = load_gguf(path, weights="gguf")
+    compact, _ = load_gguf(path, keep_blocks=True)
     layers = [compact.blocks[0].attn.qkv, compact.blocks[1].mlp.up, compact.lm_head]
     assert all(isinstance(layer, QuantizedLinear) for layer in layers)
     for name, layer in compact.named_modules():  # the same weights, held in their blocks
@@ -233,11 +233,6 @@ def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
         bf16 = ops.bf16_products_pay()
         torch.testing.assert_close(compact(ids), exact(ids), atol=0.15 if bf16 else 1e-4,
                                    rtol=0.05 if bf16 else 1e-4)
-
-
-def test_unknown_weights_mode(f32_file):
-    with pytest.raises(ValueError, match="weights"):
-        load_gguf(f32_file, weights="int3")
 
 
 def test_cli_reports_a_bad_file_in_one_line(f32_file, tmp_path, capsys):

@@ -180,3 +180,27 @@ def test_layernorm_without_bias():
     x = torch.randn(2, 5, 32)
     expected = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
     torch.testing.assert_close(model.final_norm(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_linear_layers_lists_every_weight_matrix_once(name):
+    model = _model(name)
+    layers = model.linear_layers()
+    linears = {id(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert {id(m) for m in layers.values()} == linears and len(layers) == len(linears)
+    assert list(layers)[:4] == ["blocks.0.attn.qkv", "blocks.0.attn.out", "blocks.0.mlp.up",
+                                "blocks.0.mlp.down"]
+    assert list(layers)[-1] == "lm_head" and len(layers) == 4 * model.config.n_layers + 1
+
+
+def test_no_fused_step_without_a_conversion():
+    model = _model("tiny-llama")
+    with torch.no_grad():
+        assert model.fused_step() is None
+        built = []
+        model.install_fused_step(lambda m: built.append(m) or (lambda token, cache: None))
+        assert model.fused_step() is not None and model.fused_step() is not None
+        assert built == [model]  # built once, on first use
+        model.train()
+        assert model.fused_step() is None  # training mode: the module path
+    assert model.eval().fused_step() is None  # gradients enabled: the module path

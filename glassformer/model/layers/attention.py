@@ -16,9 +16,8 @@ from ..config import ModelConfig
 from ..hooks import Hooks
 from ..kv_cache import KVCache
 from .attention_backends import KERNELS, reference_attention
-from .linear import Linear
 from .masking import AttentionMask
-from .positions import apply_rope
+from .positions import Rotary
 
 # Sites that only the reference kernel can show.
 WEIGHT_SITES = ("scores", "masked_scores", "pattern")
@@ -31,8 +30,9 @@ class Attention(nn.Module):
         self.layer = layer
         q_width, kv_width = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         self.split = (q_width, kv_width, kv_width)
-        self.qkv = Linear(config.d_model, q_width + 2 * kv_width, bias=config.attn_bias)
-        self.out = Linear(q_width, config.d_model, bias=config.attn_out_bias)
+        self.qkv = nn.Linear(config.d_model, q_width + 2 * kv_width, bias=config.attn_bias)
+        self.out = nn.Linear(q_width, config.d_model, bias=config.attn_out_bias)
+        self.rotary = Rotary() if config.position == "rope" else None
         self.kernel = KERNELS[config.attention_kernel]
         self.dropout = config.dropout
         self.hooks, self.site = hooks, site
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
         v = v.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = self.rotary(q, *rope), self.rotary(k, *rope)
         q, k, v = hook(site + ".q", q), hook(site + ".k", k), hook(site + ".v", v)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, S, d_head): cached + new rows

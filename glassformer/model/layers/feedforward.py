@@ -6,10 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...accel import fused as fused_ops
 from ..config import ModelConfig
 from ..hooks import Hooks
-from .linear import Linear
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -17,6 +15,24 @@ ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu,
 }
+
+
+class Activation(nn.Module):
+    """σ(u), or gated: σ(gate) ⊙ up for u = [gate | up] (…, 2 d_ff) -> (…, d_ff)."""
+
+    def __init__(self, name: str, gated: bool) -> None:
+        super().__init__()
+        self.name, self.gated = name, gated
+        self.fn = ACTIVATIONS[name]
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.fn(u)
+        gate, up = u.chunk(2, dim=-1)  # (…, d_ff) each
+        return self.fn(gate) * up
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, gated={self.gated}"
 
 
 class FeedForward(nn.Module):
@@ -27,22 +43,13 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: ModelConfig, hooks: Hooks, site: str) -> None:
         super().__init__()
-        self.gated = config.gated
-        self.activation = ACTIVATIONS[config.activation]
         width = config.ff_dim * (2 if config.gated else 1)
-        self.up = Linear(config.d_model, width, bias=config.mlp_bias)
-        self.down = Linear(config.ff_dim, config.d_model, bias=config.mlp_bias)
+        self.up = nn.Linear(config.d_model, width, bias=config.mlp_bias)
+        self.activation = Activation(config.activation, config.gated)
+        self.down = nn.Linear(config.ff_dim, config.d_model, bias=config.mlp_bias)
         self.hooks, self.site = hooks, site
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up(x)  # (B, T, d_ff) or (B, T, 2 d_ff)
-        fused = fused_ops.swiglu(up) if self.gated and self.activation is F.silu else None
-        if fused is not None:  # training on the CPU: one pass, one gradient tensor
-            hidden = fused
-        elif self.gated:
-            gate, up = up.chunk(2, dim=-1)  # (B, T, d_ff) each
-            hidden = self.activation(gate) * up
-        else:
-            hidden = self.activation(up)
-        hidden = self.hooks(self.site + ".hidden", hidden)  # (B, T, d_ff)
+        hidden = self.hooks(self.site + ".hidden", self.activation(up))  # (B, T, d_ff)
         return self.hooks(self.site + ".out", self.down(hidden))  # (B, T, d)

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...accel import fused as fused_ops
 from ..config import ModelConfig
 
 
@@ -32,9 +31,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))  # (d,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fused_ops.rms_norm(x, self.weight, self.eps)  # training on the CPU: one pass
-        if fused is not None:
-            return fused
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)

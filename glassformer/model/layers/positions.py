@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
-from ...accel import fused as fused_ops
 from ..config import ModelConfig
 
 
@@ -68,10 +68,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate queries or keys x (B, heads, T, d_head) by their positions' angles."""
-    fused = fused_ops.rope(x, cos, sin)  # training on the CPU: one pass
-    if fused is not None:
-        return fused
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """`apply_rope` as a module, so that a conversion (glassformer.accel) can swap it."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:

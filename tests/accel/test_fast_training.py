@@ -1,0 +1,96 @@
+"""The layers are plain PyTorch: the C++ build starts only where `use_fast_training` (or
+another accel conversion) is applied, never inside a forward; the conversion keeps the
+model's parameters, state dict and tied weights."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import glassformer
+from glassformer.accel import build, fused, onednn
+from glassformer.accel.fast_training import use_fast_training
+from glassformer.model.config import ModelConfig
+from glassformer.model.transformer import Transformer
+
+CONFIG = ModelConfig(vocab_size=50, context_length=16, d_model=48, n_layers=2, n_heads=4,
+                     n_kv_heads=2, position="rope", norm="rmsnorm", activation="silu", gated=True)
+
+
+def test_nothing_under_model_imports_accel():
+    model_dir = Path(glassformer.__file__).parent / "model"
+    for path in sorted(model_dir.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            assert not any("accel" in name for name in names), f"{path} imports accel"
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Every start of a C++ build (or load of a cached one), recorded; the module loaded
+    before is forgotten, and the next start gives it back."""
+    calls, kernels = [], build.extension()
+    monkeypatch.setattr(build, "_module", build._UNSET)
+    monkeypatch.setattr(build, "_load", lambda: calls.append(1) or kernels)
+    return calls
+
+
+def train_step(model):
+    ids = torch.randint(0, 50, (3, 17), generator=torch.Generator().manual_seed(0))
+    loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, 50), ids[:, 1:].reshape(-1))
+    loss.backward()
+    return loss
+
+
+def test_a_plain_training_step_starts_no_build(builds, monkeypatch):
+    monkeypatch.setattr(onednn, "onednn_pays", lambda: True)
+    model = Transformer(CONFIG)
+    train_step(model)
+    with torch.no_grad():
+        model.eval()(torch.zeros(1, 4, dtype=torch.long))
+    assert builds == []
+
+
+def test_the_conversion_builds_and_keeps_the_parameters(builds):
+    model = Transformer(CONFIG)
+    before = {name: p for name, p in model.named_parameters()}
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    use_fast_training(model)
+    assert builds == [1]  # the build, here, once
+    assert dict(model.named_parameters()) == before  # the very same Parameter objects
+    assert model.state_dict().keys() == state.keys()
+    assert model.lm_head.weight is model.embed.tokens.weight
+    if build.extension() is not None:
+        assert isinstance(model.blocks[0].norm1, fused.FusedRMSNorm)
+        assert isinstance(model.blocks[0].attn.rotary, fused.FusedRotary)
+        assert isinstance(model.blocks[0].mlp.activation, fused.FusedSwiGLU)
+    train_step(model)
+    assert builds == [1]
+
+
+def test_no_build_for_a_model_the_kernels_do_not_serve(builds):
+    model = Transformer(CONFIG).to(torch.bfloat16)
+    use_fast_training(model)
+    assert builds == []
+    assert type(model.blocks[0].norm1).__name__ == "RMSNorm"
+
+
+def test_the_converted_model_trains_like_the_plain_one():
+    torch.manual_seed(0)
+    plain = Transformer(CONFIG)
+    model = Transformer(CONFIG)
+    model.load_state_dict(plain.state_dict())
+    use_fast_training(model)
+    torch.testing.assert_close(train_step(model), train_step(plain), rtol=1e-5, atol=1e-6)
+    grads = {name: p.grad for name, p in plain.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
