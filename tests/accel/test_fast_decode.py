@@ -2,11 +2,8 @@ import pytest
 import torch
 
 from glassformer import KVCache, Transformer, get_preset
-from glassformer.accel.build import extension
 from glassformer.accel.fast_decode import fast_decoder, why_not
 from glassformer.accel.quantize import quantize_model
-
-pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ kernels are not available")
 
 PRE_NORM = ["tiny-gpt2", "tiny-llama", "tiny-mqa", "tiny-alibi", "tiny-mistral"]
 
@@ -19,6 +16,7 @@ def _converted(name, mode, **changes):
 
 @pytest.mark.parametrize("name", PRE_NORM)
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+@pytest.mark.usefixtures("kernels")
 def test_fused_step_equals_the_module_path(name, mode):
     model = _converted(name, mode)
     ids = torch.randint(0, 96, (1, 20))
@@ -36,6 +34,22 @@ def test_fused_step_equals_the_module_path(name, mode):
         torch.testing.assert_close(fused_cache.keys[1][:, :, :20], module_cache.keys[1][:, :, :20])
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_avx2_build_steps_like_the_module_path(avx2_kernels, monkeypatch, mode):
+    from glassformer.accel import fast_decode
+
+    monkeypatch.setattr(fast_decode, "extension", lambda: avx2_kernels)
+    model = _converted("tiny-mqa", mode)
+    ids = torch.randint(0, 96, (1, 8))
+    with torch.no_grad():
+        step = fast_decoder(model)
+        assert step.step_fn.__class__.__module__ == avx2_kernels.__name__
+        cache = KVCache(model.config, 1)
+        model(ids[:, :7], cache=cache)
+        torch.testing.assert_close(step(ids[0, 7:8], cache), model(ids)[:, -1], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.usefixtures("kernels")
 def test_gelu_and_relu_feedforward():
     for activation in ("gelu", "relu", "silu"):
         model = _converted("tiny-gpt2", "none", activation=activation, gated=activation == "silu",
@@ -60,6 +74,7 @@ def test_when_it_does_not_apply():
     assert "no grad" in why_not(model)
 
 
+@pytest.mark.usefixtures("kernels")
 def test_generation_takes_the_fused_step_and_keeps_greedy_tokens(monkeypatch):
     from glassformer.accel import fast_decode
     from glassformer.generation import generate
