@@ -5,8 +5,8 @@ The extension is compiled from every `csrc/*.cpp` (with the header `csrc/glassfo
 `$GLASSFORMER_HOME`, else `$XDG_CACHE_HOME/glassformer`, else `~/.cache/glassformer`. The key
 hashes everything the binary depends on: the sources and header, the compiler and its
 version, the flags, the Python and torch versions and the CPU's feature flags, so a change to
-any of them builds afresh. A cached build is imported directly, without running the
-compiler. Setting `GLASSFORMER_KERNELS=torch` selects the pure-PyTorch path everywhere.
+any of them builds afresh. A cached build is imported directly (the compiler is only asked
+its version). Setting `GLASSFORMER_KERNELS=torch` selects the pure-PyTorch path everywhere.
 
 Two targets: "native" (-march=native, the one the library uses: AVX-512 VNNI where the CPU
 has it) and "avx2" (AVX2 + FMA + F16C only), so the AVX2 path is built and tested on CPUs

@@ -11,7 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear_bf16", &gf::linear_bf16, "y = x @ W^T (+ bias), W bfloat16 (N, K)");
   module.def("linear_q8", &gf::linear_q8, "y = x @ W^T (+ bias), W int8 blocks of 32");
   module.def("linear_q4", &gf::linear_q4, "y = x @ W^T (+ bias), W 4-bit blocks of 32 with min");
-  pybind11::class_<gf::DecodeStep>(module, "DecodeStep")
+  // module_local: the native and the AVX2 builds may be loaded side by side (tests)
+  pybind11::class_<gf::DecodeStep>(module, "DecodeStep", pybind11::module_local())
       .def(pybind11::init<std::vector<int64_t>, bool, bool, bool, int64_t, double,
                           std::vector<torch::Tensor>, std::vector<int64_t>, gf::Bias>())
       .def("step", &gf::DecodeStep::step, "one token through every layer (decode_step.cpp)");
