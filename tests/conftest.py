@@ -1,8 +1,32 @@
 import pytest
 import torch
 
+from glassformer.accel import build
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+def _kernels(target):
+    module = build.extension(target)
+    if module is None:
+        pytest.skip(f"the C++ kernels ({target}) are not available: {build.why_unavailable(target)}")
+    return module
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The C++ kernels built for this CPU (once per session); skips the test where there are
+    none, with the reason."""
+    return _kernels("native")
+
+
+@pytest.fixture(scope="session")
+def avx2_kernels():
+    """The C++ kernels built for AVX2 + FMA + F16C only: the path CPUs without AVX-512 take."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        pytest.skip("this CPU has AVX2 only: the native build is the AVX2 one")
+    return _kernels("avx2")

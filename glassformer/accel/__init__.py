@@ -12,11 +12,12 @@ Fast matrix-vector products for decoding, with weights in fp32, bf16, int8 or in
 
 Decoding one token reads every weight once, so its speed is set by how fast weights stream
 from memory. The C++ kernels here (AVX2 + FMA + OpenMP, AVX-512 VNNI where present;
-`matvec.cpp`, `quantized.cpp`) read them at the memory bandwidth; the same products
+`csrc/matvec.cpp`, `csrc/quantized.cpp`) read them at the memory bandwidth; the same products
 written in PyTorch remain the reference and the fallback (no compiler, non-x86 CPU, CUDA
 tensors, or `GLASSFORMER_KERNELS=torch`).
 The extension is compiled on first use (a one-line notice on stderr) and cached under
-`$GLASSFORMER_HOME/kernels` or `~/.cache/glassformer/kernels`.
+`<home>/kernels` (glassformer/home.py: `$GLASSFORMER_HOME`, else `$XDG_CACHE_HOME/glassformer`,
+else `~/.cache/glassformer`).
 
 Use in a model::
 

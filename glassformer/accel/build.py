@@ -1,42 +1,67 @@
 """Builds the C++ kernels on first use and caches them; None where they cannot run.
 
-The extension is compiled from `matvec.cpp` with `torch.utils.cpp_extension.load` into
-`$GLASSFORMER_HOME/kernels/<hash>` (default `~/.cache/glassformer/kernels/<hash>`), the hash
-covering the source, the flags and the torch version, so an edit or an upgrade rebuilds it.
-A cached build is imported directly, without running the compiler. Setting
-`GLASSFORMER_KERNELS=torch` selects the pure-PyTorch path everywhere.
+The extension is compiled from every `csrc/*.cpp` (with the header `csrc/glassformer.h`) by
+`torch.utils.cpp_extension.load` into `<home>/kernels/<key>`, where `<home>` is
+`$GLASSFORMER_HOME`, else `$XDG_CACHE_HOME/glassformer`, else `~/.cache/glassformer`. The key
+hashes everything the binary depends on: the sources and header, the compiler and its
+version, the flags, the Python and torch versions and the CPU's feature flags, so a change to
+any of them builds afresh. A cached build is imported directly (the compiler is only asked
+its version). Setting `GLASSFORMER_KERNELS=torch` selects the pure-PyTorch path everywhere.
+
+Two targets: "native" (-march=native, the one the library uses: AVX-512 VNNI where the CPU
+has it) and "avx2" (AVX2 + FMA + F16C only), so the AVX2 path is built and tested on CPUs
+that have more.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
 import platform
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "matvec.cpp"
-# #included by SOURCE
-INCLUDED = [SOURCE.with_name(name)
-            for name in ("quantized.cpp", "decode_step.cpp", "train_ops.cpp")]
-# -march=native: the build is for this machine's CPU (AVX-512 VNNI where it has it), so the
-# cache key covers the CPU's feature flags as well
-CFLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+from ..home import home
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))  # every translation unit of the extension
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+TARGETS = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
 LDFLAGS = ["-fopenmp"]
 
-_UNSET = object()
-_module: object = _UNSET
+_loaded: dict[str, ModuleType | str] = {}  # target -> the module, or why there is none
+
+
+def cflags(target: str) -> list[str]:
+    return ["-O3", TARGETS[target], "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
 def cache_dir() -> Path:
-    home = os.environ.get("GLASSFORMER_HOME")
-    root = Path(home) if home else Path.home() / ".cache" / "glassformer"
-    return root / "kernels"
+    return home() / "kernels"
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+@functools.cache
+def _compiler_identity(compiler: str) -> str:
+    """The compiler's resolved path and its `--version` output ("" where it is missing)."""
+    path = shutil.which(compiler)
+    if path is None:
+        return ""
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return path
+    return f"{os.path.realpath(path)}\n{done.stdout}"
 
 
 def _cpu_flags() -> str:
@@ -48,6 +73,18 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def cache_key(target: str = "native") -> str:
+    """16 hex digits naming the build of `target` from these sources, by this toolchain."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        data = path.read_bytes()
+        digest.update(f"{path.name}\0{len(data)}\0".encode() + data)
+    for part in (_compiler_identity(_compiler()), " ".join(cflags(target) + LDFLAGS),
+                 f"{sys.implementation.name} {sys.version}", torch.__version__, _cpu_flags()):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def _why_unavailable() -> str | None:
     """A reason the C++ kernels cannot be used on this machine, or None."""
     if os.environ.get("GLASSFORMER_KERNELS", "").lower() == "torch":
@@ -56,10 +93,22 @@ def _why_unavailable() -> str | None:
         return f"no AVX2 kernels for {sys.platform}/{platform.machine()}"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return "this CPU has no AVX2"
+    if _compiler_identity(_compiler()) == "":
+        return f"no C++ compiler {_compiler()}"
     return None
 
 
-def _build(name: str, directory: Path) -> ModuleType:
+def _import(name: str, library: Path) -> ModuleType | None:
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError:  # a partial file from an interrupted build: build again
+        return None
+
+
+def _build(name: str, directory: Path, target: str) -> ModuleType:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -74,8 +123,8 @@ def _build(name: str, directory: Path) -> ModuleType:
     try:
         return cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=cflags(target),
             extra_ldflags=LDFLAGS,
             build_directory=str(directory),
             verbose=False,
@@ -84,52 +133,43 @@ def _build(name: str, directory: Path) -> ModuleType:
         os.environ["PATH"] = path
 
 
-def _load() -> ModuleType | None:
+def _load(target: str) -> ModuleType | str:
+    """The module for `target`, or the reason there is none (also printed)."""
     reason = _why_unavailable()
-    if reason is not None:
-        if not reason.startswith("GLASSFORMER_KERNELS"):
-            print(f"glassformer: using PyTorch kernels ({reason})", file=sys.stderr)
-        return None
-    key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in [SOURCE, *INCLUDED])
-        + " ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    name = f"glassformer_kernels_{key}"
-    directory = cache_dir() / key
-    library = directory / f"{name}.so"
-    if library.exists():
-        try:
-            spec = importlib.util.spec_from_file_location(name, library)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+    if reason is None:
+        key = cache_key(target)
+        name = f"glassformer_kernels_{key}"
+        directory = cache_dir() / key
+        library = directory / f"{name}.so"
+        module = _import(name, library) if library.exists() else None
+        if module is not None:
             return module
-        except ImportError:  # a partial file from an interrupted build: build again
-            pass
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        print(f"glassformer: using PyTorch kernels (no C++ compiler {compiler})", file=sys.stderr)
-        return None
-    try:
-        return _build(name, directory)
-    except Exception as error:  # any build or import failure falls back to PyTorch
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        print(
-            f"glassformer: could not build the CPU kernels ({type(error).__name__}: "
-            f"{first_line}); using the PyTorch path",
-            file=sys.stderr,
-        )
-        return None
+        try:
+            return _build(name, directory, target)
+        except Exception as error:  # any build or import failure falls back to PyTorch
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            reason = f"could not build them: {type(error).__name__}: {first_line}"
+    if not reason.startswith("GLASSFORMER_KERNELS"):
+        print(f"glassformer: using PyTorch kernels ({reason})", file=sys.stderr)
+    return reason
 
 
-def extension() -> ModuleType | None:
-    """The compiled kernels module (built on the first call), or None for the PyTorch path."""
-    global _module
-    if _module is _UNSET:
-        _module = _load()
-    return _module  # type: ignore[return-value]
+def extension(target: str = "native") -> ModuleType | None:
+    """The compiled kernels for `target` (built on the first call), or None for the PyTorch
+    path."""
+    if target not in _loaded:
+        _loaded[target] = _load(target)
+    found = _loaded[target]
+    return None if isinstance(found, str) else found
+
+
+def why_unavailable(target: str = "native") -> str | None:
+    """Why `extension(target)` is None (deciding it first), or None when it is not."""
+    extension(target)
+    found = _loaded[target]
+    return found if isinstance(found, str) else None
 
 
 def reset() -> None:
-    """Forgets the loaded module so the next call decides again (tests, env changes)."""
-    global _module
-    _module = _UNSET
+    """Forgets the loaded modules so the next call decides again (tests, env changes)."""
+    _loaded.clear()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..home import home
+
 _CHUNK = 1 << 20
 
 
@@ -48,11 +50,7 @@ MODELS = {
 
 def models_dir() -> Path:
     """Where pulled models live."""
-    home = os.environ.get("GLASSFORMER_HOME")
-    if home:
-        return Path(home).expanduser() / "models"
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache).expanduser() / "glassformer" / "models"
+    return home() / "models"
 
 
 def known_model(name: str) -> KnownModel:

@@ -5,12 +5,11 @@ import pytest
 import torch
 
 from glassformer import KVCache, Transformer, get_preset
-from glassformer.accel.build import extension
 from glassformer.accel.fast_decode import FastDecoder, why_not
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
 
-pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ kernels are not available")
+pytestmark = pytest.mark.usefixtures("kernels")
 
 PRE_NORM = ["tiny-gpt2", "tiny-llama", "tiny-mqa", "tiny-alibi", "tiny-mistral"]
 PROMPT, GREEDY = [3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12, eos_ids=())
@@ -39,6 +38,21 @@ def test_fused_step_equals_the_module_path(name, mode):
             torch.testing.assert_close(fused, expected, atol=2e-5, rtol=2e-5)
         assert fused_cache.length == module_cache.length == 20
         torch.testing.assert_close(fused_cache.keys[1][:, :, :20], module_cache.keys[1][:, :, :20])
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_avx2_build_steps_like_the_module_path(avx2_kernels, monkeypatch, mode):
+    from glassformer.accel import fast_decode
+
+    monkeypatch.setattr(fast_decode, "extension", lambda: avx2_kernels)
+    model = _converted("tiny-mqa", mode)
+    ids = torch.randint(0, 96, (1, 8))
+    with torch.no_grad():
+        step = model.fused_step()
+        assert step.step_fn.__class__.__module__ == avx2_kernels.__name__
+        cache = KVCache(model.config, 1)
+        model(ids[:, :7], cache=cache)
+        torch.testing.assert_close(step(ids[0, 7:8], cache), model(ids)[:, -1], atol=2e-5, rtol=2e-5)
 
 
 def test_gelu_and_relu_feedforward():

@@ -6,17 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glassformer.accel import build, fused
+from glassformer.accel import fused
 from glassformer.accel.fast_training import use_fast_training
 from glassformer.model.config import ModelConfig
 from glassformer.model.layers.positions import rope_cos_sin
 from glassformer.model.transformer import Transformer
 
-
-@pytest.fixture(scope="module", autouse=True)
-def cpp():
-    if build.extension() is None:
-        pytest.skip("the C++ kernels are not available here")
+pytestmark = pytest.mark.usefixtures("kernels")
 
 
 def plain_rms_norm(x, w, eps):
@@ -97,9 +93,9 @@ def test_swiglu_values_and_gradients(shape):
 
 
 @pytest.mark.parametrize("shape", [(768, 128), (13, 21), (8, 16), (9, 7), (1, 5), (65, 768)])
-def test_transpose_tiles(shape):
+def test_transpose_tiles(kernels, shape):
     x = torch.randn(shape)
-    assert torch.equal(build.extension().transpose(x), x.t().contiguous())
+    assert torch.equal(kernels.transpose(x), x.t().contiguous())
 
 
 def test_inference_and_other_dtypes_keep_the_plain_expressions():

@@ -22,13 +22,6 @@ SHAPES = [(1, 1, 1), (1, 13, 37), (2, 7, 100), (3, 64, 576), (8, 9, 33), (1, 960
 MODES = ["fp32", "bf16", "int8", "int4"]
 
 
-@pytest.fixture(scope="module")
-def cpp():
-    if build.extension() is None:
-        pytest.skip("the C++ kernels are not available here")
-    return "cpp"
-
-
 def make(shape, seed, with_bias):
     m, n, k = shape
     g = torch.Generator().manual_seed(seed)
@@ -80,7 +73,7 @@ def check_within(y, ref, bound):
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_kernel_matches_dequantized_product(request, mode, shape, with_bias, backend):
     if backend == "cpp":
-        request.getfixturevalue("cpp")
+        request.getfixturevalue("kernels")
     x, w, b = make(shape, seed=SHAPES.index(shape) * 4 + MODES.index(mode), with_bias=with_bias)
     tensors, w_float = quantized(w, mode)
     y = KERNELS[mode](x, *tensors, b, backend=backend)
@@ -92,13 +85,35 @@ def test_kernel_matches_dequantized_product(request, mode, shape, with_bias, bac
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_cpp_and_torch_quantize_activations_alike(cpp, mode, shape):
+def test_cpp_and_torch_quantize_activations_alike(kernels, mode, shape):
     x, w, b = make(shape, seed=7, with_bias=True)
     tensors, w_float = quantized(w, mode)
     y = KERNELS[mode](x, *tensors, b, backend="cpp")
     y_torch = KERNELS[mode](x, *tensors, b, backend="torch")
     # same integer products; only the order of the float sums differs
     check_within(y, y_torch, 4 * float_bound(x, w_float) + 2 * U * b.abs() + 1e-6)
+
+
+FUNCTIONS = {"fp32": "linear_f32", "bf16": "linear_bf16", "int8": "linear_q8", "int4": "linear_q4"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_avx2_build_matches_the_dequantized_product(avx2_kernels, mode):
+    """The AVX2-only build, whose quantized kernels differ from the AVX-512 VNNI ones."""
+    for shape in SHAPES:
+        x, w, b = make(shape, seed=SHAPES.index(shape), with_bias=True)
+        tensors, w_float = quantized(w, mode)
+        y = getattr(avx2_kernels, FUNCTIONS[mode])(x, *tensors, b)
+        exact = mode in ("fp32", "bf16")
+        bound = float_bound(x, w_float) if exact else activation_bound(x, w_float)
+        check_within(y, F.linear(x, w_float, b), bound + 2 * U * b.abs())
+        y_torch = KERNELS[mode](x, *tensors, b, backend="torch")
+        check_within(y, y_torch, 4 * float_bound(x, w_float) + 2 * U * b.abs() + 1e-6)
+    if not exact:
+        q, d, *mins = quantized(torch.randn(9, 100), mode)[0]
+        mins = mins[0] if mins else None
+        expected = ops.dequantize(q, d, mins, 100, "torch")
+        assert torch.equal(avx2_kernels.dequantize(q, d, mins, 100), expected)
 
 
 def rounds_to_bf16(mode):
@@ -122,7 +137,7 @@ def assert_dense_close(y, expected, mode):
         torch.testing.assert_close(y, expected)
 
 
-def test_large_batch_uses_the_dense_product(cpp):
+def test_large_batch_uses_the_dense_product(kernels):
     x, w, b = make((20, 70, 64), seed=3, with_bias=True)
     for mode in MODES:
         tensors, w_float = quantized(w, mode)
@@ -268,16 +283,16 @@ def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path, capsys
 
 
 @pytest.mark.parametrize("k", [31, 64, 100, 576])
-def test_cpp_dequantize_equals_the_torch_one(cpp, k):
+def test_cpp_dequantize_equals_the_torch_one(kernels, k):
     w = torch.randn(9, k, generator=torch.Generator().manual_seed(k))
     q, d = quant.quantize_int8(w)
-    assert torch.equal(ops.dequantize(q, d, None, k, cpp), quant.dequantize_int8(q, d, k))
+    assert torch.equal(ops.dequantize(q, d, None, k, "cpp"), quant.dequantize_int8(q, d, k))
     q, d, m = quant.quantize_int4(w)
-    assert torch.equal(ops.dequantize(q, d, m, k, cpp), quant.dequantize_int4(q, d, m, k))
+    assert torch.equal(ops.dequantize(q, d, m, k, "cpp"), quant.dequantize_int4(q, d, m, k))
 
 
-def test_cpp_small_batch_matches_the_python_side(cpp):
-    assert build.extension().SMALL_BATCH == ops.SMALL_BATCH
+def test_cpp_small_batch_matches_the_python_side(kernels):
+    assert kernels.SMALL_BATCH == ops.SMALL_BATCH
 
 
 def test_loading_a_state_dict_updates_a_used_layer():

@@ -1,10 +1,7 @@
 """Training products through oneDNN equal the plain ones (values and gradients, against a
-float64 oracle), and apply only where they should; the allocator setting keeps freed memory."""
+float64 oracle), and apply only where they should."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -127,35 +124,3 @@ def test_training_step_gradients_equal_the_plain_path(monkeypatch):
     torch.testing.assert_close(loss, loss_plain)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_plain[name], rtol=1e-4, atol=1e-6, msg=name)
-
-
-FAULTS = """
-import resource, sys, torch
-from glassformer.training.allocator import keep_freed_memory
-if sys.argv[1] == "keep":
-    assert keep_freed_memory()
-
-def step():  # temporaries of 1, 4 and 2 MiB, freed out of order, like a training step's
-    a = torch.empty(2**18).fill_(1)
-    b = torch.empty(2**20).fill_(1)
-    del a
-    c = torch.empty(2**19).fill_(1)
-    del b, c
-
-step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
-    step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_kept_memory_is_reused_without_page_faults():
-    def faults(mode):
-        done = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True,
-                              text=True, check=True)
-        return float(done.stdout)
-
-    assert faults("default") > 40  # memory handed back and mapped again: a fault per page
-    assert faults("keep") < 5

@@ -2,10 +2,15 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from glassformer.model.config import ModelConfig
+from glassformer.model.hooks import Hooks
+from glassformer.model.layers.attention import Attention
 from glassformer.model.layers.attention_backends import (
+    KERNELS,
     flash_attention,
     reference_attention,
     repeat_kv,
@@ -77,26 +82,47 @@ def test_gqa_shares_each_kv_head_with_consecutive_query_heads():
         torch.testing.assert_close(shared[:, head], k[:, head // 3])
 
 
-def test_two_views_of_multi_head_projection():
-    """One large W_Q sliced into H heads equals H separate per-head projections."""
-    d, H = 12, 3
-    d_head = d // H
-    x = torch.randn(2, 5, d)
-    W_Q = torch.randn(d, d)  # columns grouped by head: x @ W_Q -> (B, T, H·d_head)
-    big = (x @ W_Q).view(2, 5, H, d_head).transpose(1, 2)  # (B, H, T, d_head)
-    for h in range(H):
-        per_head = x @ W_Q[:, h * d_head : (h + 1) * d_head]  # (B, T, d_head)
-        torch.testing.assert_close(big[:, h], per_head)
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_attention_module_equals_attention_written_per_head(kernel):
+    """One fused QKV product split into heads, GQA sharing, the merge of the heads and W_O
+    equal each head computed on its own from its slice of the weights."""
+    config = ModelConfig(vocab_size=8, context_length=8, d_model=24, n_layers=1, n_heads=6, n_kv_heads=2,
+                         attn_bias=True, attention_kernel=kernel)
+    attn = Attention(config, Hooks(), "blocks.0.attn", 0)
+    B, T, H, KV, d_head = 2, 5, 6, 2, 4
+    x = torch.randn(B, T, 24)
+    positions = torch.arange(T).expand(B, T)
+    mask = AttentionMask(q_pos=positions, k_pos=positions, causal=True, contiguous=True)
+    W, b = attn.qkv.weight.detach(), attn.qkv.bias.detach()
+
+    def project(part, head):  # part 0: Q, 1: K, 2: V; rows of the fused weight, head by head
+        start = (0, H * d_head, (H + KV) * d_head)[part] + head * d_head
+        rows = slice(start, start + d_head)
+        return F.linear(x, W[rows], b[rows])  # (B, T, d_head)
+
+    heads = []
+    for head in range(H):
+        shared = head // (H // KV)  # consecutive query heads share a key/value head
+        q, k, v = project(0, head), project(1, shared), project(2, shared)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d_head)  # (B, T, T)
+        scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+        heads.append(torch.softmax(scores, -1) @ v)  # (B, T, d_head)
+    expected = F.linear(torch.cat(heads, -1), attn.out.weight, attn.out.bias)  # (B, T, d)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, mask), expected)
 
 
-def test_scaling_keeps_score_variance_near_one():
-    generator = torch.Generator().manual_seed(1)
-    for d_head in (16, 64, 256):
-        q = torch.randn(200_000, d_head, generator=generator)
-        k = torch.randn(200_000, d_head, generator=generator)
-        scaled = (q * k).sum(-1) / math.sqrt(d_head)
-        assert abs(scaled.var().item() - 1.0) < 0.03
-        assert abs((q * k).sum(-1).var().item() / d_head - 1.0) < 0.03  # unscaled grows as d
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_every_kernel_scales_scores_by_the_root_of_d_head(kernel):
+    """q = k_0 = (1, ..., 1) and k_1 = 0 score √d_head and 0; with v_0 = 1 and v_1 = 0 the
+    context is the softmax weight of k_0, sigmoid(√d_head) (1/d_head or no scale differ)."""
+    for d_head in (4, 16, 64):
+        q = torch.ones(1, 1, 1, d_head)  # (B, H, Tq, d_head)
+        k = torch.stack([torch.ones(d_head), torch.zeros(d_head)])[None, None]  # (1, 1, 2, d_head)
+        mask = AttentionMask(q_pos=torch.tensor([[1]]), k_pos=torch.tensor([[0, 1]]))
+        out = KERNELS[kernel](q, k, k.clone(), mask)
+        weight = torch.sigmoid(torch.tensor(math.sqrt(d_head)))
+        torch.testing.assert_close(out, weight.expand(1, 1, 1, d_head))
 
 
 def test_flash_skips_no_keys_and_needs_no_full_matrix():

@@ -241,16 +241,22 @@ def test_bf16_autocast_step_tracks_float32():
     torch.testing.assert_close(losses[0], losses[1], atol=2e-2, rtol=0)
 
 
-def test_recipes():
-    char = get_recipe("shakespeare-char")
-    assert (char.model.n_layers, char.model.n_heads, char.model.d_model) == (4, 4, 128)
-    assert char.model.context_length == 64 and char.train.batch_size == 12
-    assert (char.train.lr, char.train.min_lr, char.train.max_iters) == (1e-3, 1e-4, 2000)
-    assert (char.train.warmup_iters, char.train.beta2, char.train.eval_iters) == (100, 0.99, 20)
-    assert set(RECIPES) >= {"shakespeare-char", "shakespeare-char-fast"}
-    fast = get_recipe("shakespeare-char-fast")
-    assert fast.model.position == "rope" and fast.train.max_iters < char.train.max_iters
-    with pytest.raises(ValueError, match="unknown preset"):
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_each_recipe_trains_its_model_with_its_settings(name, corpus, tmp_path):
+    recipe = get_recipe(name)
+    config = recipe.train.replace(max_iters=2, eval_interval=2, eval_iters=1, batch_size=2,
+                                  device="cpu")
+    out = tmp_path / name
+    summary = train(corpus, out, recipe.model, config, progress=False)
+    assert summary["iters"] == 2 and math.isfinite(summary["val_loss"])
+    model, tokenizer, meta = load_model(out)
+    assert tokenizer.vocab_size < recipe.model.vocab_size  # the corpus has fewer characters
+    assert model.config == recipe.model.replace(vocab_size=tokenizer.vocab_size)
+    assert TrainConfig.from_dict(meta["train"]) == config.replace(lr_decay_iters=2)
+
+
+def test_unknown_recipe_and_invalid_settings_are_refused():
+    with pytest.raises(ValueError, match="unknown preset 'nope'; known: shakespeare-char"):
         get_recipe("nope")
     with pytest.raises(ValueError, match="batch_size"):
         TrainConfig(batch_size=0)

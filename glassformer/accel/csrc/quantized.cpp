@@ -1,6 +1,33 @@
-// The quantized weight formats (q8, q4): activation quantization, the integer-dot kernels
-// and dequantization for large batches. Included into matvec.cpp, whose header describes the
-// formats; this part uses its helpers (prefetch, hsum, half, for_row_groups, kRows, kWide).
+// The quantized weight formats (q8, q4): activation quantization, the integer-dot kernels,
+// and dequantization for large batches.
+//
+// Formats (rows contiguous, blocks of 32 along K):
+//   q8    qs (N, K32) int8, d (N, K32/32) fp16:            w = d * q            (like Q8_0)
+//   q4    qs (N, K32/2) uint8 nibbles, d, m (N, K32/32) fp16: w = d * q + m, q in 0..15
+//         (like Q4_1; Q4_0 is the case m = -8 d). Byte j of a block holds element j in its
+//         low nibble and element j + 16 in its high nibble, as in GGUF.
+// The kernels quantize x per block of 32 to int8 (scale amax / 127, round half to even) and
+// take integer dot products with maddubs/madd (vpdpbusd with VNNI), as llama.cpp's Q8_0 dot
+// does. K32 is K rounded up to a multiple of 32; the padding columns of W are zero and the
+// activation tail is padded with zeros. Rows are walked as in matvec.cpp (for_row_groups).
+
+#include <cstring>
+
+#include "glassformer.h"
+
+namespace glassformer {
+namespace {
+
+// Where the compiler targets AVX-512 VNNI (-march=native on such a CPU), the kernels take 64
+// weight bytes per instruction with vpdpbusd (kWide); elsewhere 32 with AVX2 maddubs.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GLASSFORMER_WIDE 1
+constexpr bool kWide = true;
+#else
+constexpr bool kWide = false;
+#endif
+
+inline float half(const uint16_t* p) { return _cvtsh_ss(*p); }
 
 // ------------------------------------------------------------ activation quantization (Q8)
 
@@ -370,3 +397,80 @@ void dequantize_row(const uint8_t* q, const uint16_t* d, const uint16_t* m, int6
     if (dst == block) std::memcpy(out + b * 32, block, (K - b * 32) * sizeof(float));
   }
 }
+
+}  // namespace
+
+// ------------------------------------------------------------------------ entry points
+
+torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qs,
+                        const torch::Tensor& d, const c10::optional<torch::Tensor>& bias) {
+  const int64_t N = qs.size(0), nb = d.size(1), K = x.dim() ? x.size(-1) : 0;
+  TORCH_CHECK(K > (nb - 1) * 32 && K <= nb * 32,
+              "x has ", K, " features, the weight ", nb, " blocks of 32");
+  const int64_t M = rows_of(x, K);
+  check_weight(qs, torch::kInt8, N, nb * 32, "qweight");
+  check_weight(d, torch::kFloat16, N, nb, "scales");
+  const Activations& a = quantized(x, M, K, nb, false);
+  auto y = output_like(x, N);  // (..., N)
+  linear_quant<false>(reinterpret_cast<const uint8_t*>(qs.data_ptr<int8_t>()),
+                      reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), nullptr, a,
+                      bias_ptr(bias, N), y.data_ptr<float>(), M, N, nb);
+  return y;
+}
+
+torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qs,
+                        const torch::Tensor& d, const torch::Tensor& m,
+                        const c10::optional<torch::Tensor>& bias) {
+  const int64_t N = qs.size(0), nb = d.size(1), K = x.dim() ? x.size(-1) : 0;
+  TORCH_CHECK(K > (nb - 1) * 32 && K <= nb * 32,
+              "x has ", K, " features, the weight ", nb, " blocks of 32");
+  const int64_t M = rows_of(x, K);
+  check_weight(qs, torch::kUInt8, N, nb * 16, "qweight");
+  check_weight(d, torch::kFloat16, N, nb, "scales");
+  check_weight(m, torch::kFloat16, N, nb, "mins");
+  const Activations& a = quantized(x, M, K, nb, true);
+  auto y = output_like(x, N);  // (..., N)
+  linear_quant<true>(qs.data_ptr<uint8_t>(),
+                     reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+                     reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), a,
+                     bias_ptr(bias, N), y.data_ptr<float>(), M, N, nb);
+  return y;
+}
+
+c10::optional<torch::Tensor> try_q8(const torch::Tensor& x, const torch::Tensor& qs,
+                                    const torch::Tensor& d,
+                                    const c10::optional<torch::Tensor>& bias, int64_t K) {
+  if (!small_batch(x, K)) return c10::nullopt;
+  return linear_q8(x, qs, d, bias);
+}
+
+c10::optional<torch::Tensor> try_q4(const torch::Tensor& x, const torch::Tensor& qs,
+                                    const torch::Tensor& d, const torch::Tensor& m,
+                                    const c10::optional<torch::Tensor>& bias, int64_t K) {
+  if (!small_batch(x, K)) return c10::nullopt;
+  return linear_q4(x, qs, d, m, bias);
+}
+
+torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d,
+                         const c10::optional<torch::Tensor>& m, int64_t K) {
+  const int64_t N = qs.size(0), nb = d.size(1);
+  const bool q4 = m.has_value();
+  TORCH_CHECK(K > (nb - 1) * 32 && K <= nb * 32, "K = ", K, " does not fit ", nb, " blocks");
+  check_weight(qs, q4 ? torch::kUInt8 : torch::kInt8, N, nb * (q4 ? 16 : 32), "qweight");
+  check_weight(d, torch::kFloat16, N, nb, "scales");
+  if (q4) check_weight(*m, torch::kFloat16, N, nb, "mins");
+  auto w = torch::empty({N, K}, d.options().dtype(torch::kFloat32));  // (N, K)
+  const auto* q = static_cast<const uint8_t*>(qs.data_ptr());
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const auto* mp = q4 ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
+  float* out = w.data_ptr<float>();
+  const int64_t row_bytes = qs.size(1);
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t n = 0; n < N; ++n) {
+    if (q4) dequantize_row<true>(q + n * row_bytes, dp + n * nb, mp + n * nb, nb, K, out + n * K);
+    else dequantize_row<false>(q + n * row_bytes, dp + n * nb, nullptr, nb, K, out + n * K);
+  }
+  return w;
+}
+
+}  // namespace glassformer

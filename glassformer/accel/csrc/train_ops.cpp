@@ -1,11 +1,18 @@
 // Fused forward and backward passes of RMSNorm, rotary position embeddings and SwiGLU for
-// training.
+// training, and a tiled transpose.
 //
-// Included into matvec.cpp. Each function is one pass over its tensors where the plain
-// PyTorch expressions (glassformer/layers/norm.py, positions.py, feedforward.py) take several
-// elementwise ops, each with its own autograd record, on every step. glassformer/kernels/
-// fused.py wraps them as autograd functions; the plain expressions remain the reference the
-// tests use.
+// Each function is one pass over its tensors where the plain PyTorch expressions
+// (glassformer/model/layers/norm.py, positions.py, feedforward.py) take several elementwise
+// ops, each with its own autograd record, on every step. glassformer/accel/fused.py wraps
+// them as autograd functions; the plain expressions remain the reference the tests use.
+
+#include <omp.h>
+
+#include <cmath>
+
+#include "glassformer.h"
+
+namespace glassformer {
 
 // y = x r w with r = 1 / sqrt(mean(x²) + eps) for each row of x (R, d); returns y and r (R).
 std::vector<torch::Tensor> rms_norm_forward(const torch::Tensor& x, const torch::Tensor& w,
@@ -268,3 +275,5 @@ torch::Tensor transpose(const torch::Tensor& x) {
     for (int64_t i = 0; i < M; ++i) yp[c * M + i] = xp[i * K + c];
   return y;
 }
+
+}  // namespace glassformer
