@@ -122,7 +122,8 @@ def save_to_run(
     extra_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save the state at `step` as run_dir/step-NNNNNNN and point `links` (e.g. latest) at it.
-    Checkpoints no link points to any more are removed."""
+    A checkpoint that one of `links` pointed to, and no link points to any more, is removed;
+    step folders that no link pointed to before this save are never touched."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:07d}"
@@ -138,21 +139,22 @@ def save_to_run(
         shutil.rmtree(final, ignore_errors=True)  # an unlinked leftover of an earlier crash
         os.replace(tmp, final)
         _fsync(run_dir)
+    replaced = _linked(run_dir)
     for link in links:
         tmp_link = run_dir / f".{link}.tmp"
         tmp_link.unlink(missing_ok=True)
         os.symlink(name, tmp_link)
         os.replace(tmp_link, run_dir / link)
     _fsync(run_dir)
-    keep = _linked(run_dir)
-    for path in run_dir.glob("step-*"):
-        if path.name not in keep:
-            shutil.rmtree(path, ignore_errors=True)
+    for name in replaced - _linked(run_dir):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
     return final
 
 
 def _linked(run_dir: Path) -> set[str]:
-    return {os.readlink(run_dir / link) for link in LINKS if (run_dir / link).is_symlink()}
+    """The step folders the links name (plain names inside run_dir only)."""
+    names = {os.readlink(run_dir / link) for link in LINKS if (run_dir / link).is_symlink()}
+    return {n for n in names if n.startswith("step-") and "/" not in n}
 
 
 @dataclass
