@@ -133,6 +133,12 @@ def get_recipe(name: str) -> Recipe:
 
 def resume_conflicts(saved: TrainConfig, asked: TrainConfig) -> list[str]:
     """Fields that differ between a saved run and the resumed one, budgets excepted. A
-    derived setting left unset (lr_decay_iters: None) follows the new budget."""
+    derived setting left unset (lr_decay_iters: None) follows the new budget; one set
+    explicitly must equal what the saved run used."""
     a, b = saved.to_dict(), asked.to_dict()
+    a["lr_decay_iters"] = saved.decay_iters
+    if saved.lr_decay_iters is not None or asked.lr_decay_iters is not None:
+        b["lr_decay_iters"] = asked.decay_iters
+    else:
+        b["lr_decay_iters"] = a["lr_decay_iters"]
     return [f"{k}={b[k]!r} (saved {a[k]!r})" for k in a if k not in RESUMABLE_CHANGES and a[k] != b[k]]
