@@ -16,7 +16,8 @@ from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from .tokenizers import HFTokenizer, _token_text
+from .files import read_json_object
+from .tokenizers import HFTokenizer, _token_text, read_tokenizer
 
 TEMPLATE_SECONDS = 2.0  # a chat template renders in milliseconds; a loop that does not stops here
 TEMPLATE_MIN_OUTPUT = 1 << 20  # characters; or four times the messages' text where that is more
@@ -92,11 +93,11 @@ class ChatTokenizer(HFTokenizer):
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer file at {path}")
         side = path.with_name("tokenizer_config.json")
-        config = json.loads(side.read_text(encoding="utf-8")) if side.is_file() else {}
+        config = read_json_object(side) if side.is_file() else {}
         template = config.get("chat_template")
         if not isinstance(template, str):  # a list of named templates is not supported
             template = None
-        return cls(Tokenizer.from_file(str(path)), _token_text(config.get("eos_token")),
+        return cls(read_tokenizer(path), _token_text(config.get("eos_token")),
                    _token_text(config.get("bos_token")), template,
                    bool(config.get("add_bos_token", False)))
 

@@ -25,10 +25,13 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
+from .files import read_json_object
 from .tokenizers import load_tokenizer
+from .validate import check_model
 
 LINKS = ("latest", "best")
 
@@ -169,8 +172,13 @@ class Checkpoint:
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
         folder = resolve(path)
-        meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
+        meta = read_json_object(folder / "config.json")
+        if not isinstance(meta.get("model"), dict):
+            raise ValueError(f"{folder / 'config.json'}: lacks the \"model\" object of a checkpoint")
+        try:
+            return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
+        except ValueError as error:
+            raise ValueError(f"{folder / 'config.json'}: {error}") from None
 
     def tokenizer(self):
         return load_tokenizer(self.folder / "tokenizer.json")
@@ -194,11 +202,18 @@ def load_weights(model: torch.nn.Module, path: str | Path, device: str | torch.d
         safetensors.torch.load_model(model, str(path), strict=True, device=str(device))
     except RuntimeError as error:  # missing, unexpected or misshapen tensors
         raise ValueError(f"{path}: the weights do not fit the model: {error}") from None
+    except SafetensorError as error:
+        raise ValueError(f"{path}: corrupt or truncated safetensors file ({error})") from None
+    check_model(model, str(path))
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """(Transformer, tokenizer, meta) from a checkpoint folder or a run folder."""
     checkpoint = Checkpoint.open(path)
+    tokenizer = checkpoint.tokenizer()
+    if tokenizer.vocab_size > checkpoint.config.vocab_size:
+        raise ValueError(f"{checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but "
+                         f"the model {checkpoint.config.vocab_size}: they do not belong together")
     model = Transformer(checkpoint.config).to(device)
     checkpoint.load_weights(model, device)
-    return model, checkpoint.tokenizer(), checkpoint.meta
+    return model, tokenizer, checkpoint.meta

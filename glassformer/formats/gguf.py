@@ -24,6 +24,7 @@ from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer, from_gguf_metadata
 from .empty_model import empty_model
 from .gguf_file import GGUFFile
+from .validate import check_model, check_tensor
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 WEIGHT_MODES = ("fp32", "gguf")
@@ -166,7 +167,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, weights: str
                 if target.rows is not None:
                     dest = dest[target.rows[0]:target.rows[1]]
                 _fill(file, name, dest, target.heads)
+                check_tensor(dest, name, str(path))
                 file.release(name)
+    check_model(model, str(path), parameters=False)  # block scales kept as they are
     return model.eval(), tokenizer
 
 
