@@ -114,8 +114,21 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ValueError("GGUF lacks its vocabulary (tokenizer.ggml.tokens)")
+    if not all(isinstance(t, str) for t in tokens):
+        raise ValueError("GGUF tokenizer.ggml.tokens: expected a list of strings")
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise ValueError(f"GGUF tokenizer.ggml.token_type: {len(types) if isinstance(types, list) else 0} "
+                         f"entries for {len(tokens)} tokens")
+    merges = meta.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise ValueError("GGUF tokenizer.ggml.merges: expected strings of two tokens")
+    merges = [tuple(m.split(" ", 1)) for m in merges]
+    for key in ("eos", "bos"):  # an end-of-text id outside the vocabulary never stops a reply
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
+            raise ValueError(f"GGUF tokenizer.ggml.{key}_token_id = {i!r} is outside the "
+                             f"vocabulary of {len(tokens)} tokens")
     vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
@@ -127,7 +140,10 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    return ChatTokenizer(tokenizer, token("eos"), token("bos"), meta.get("tokenizer.chat_template"),
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ValueError("GGUF tokenizer.chat_template: expected a string")
+    return ChatTokenizer(tokenizer, token("eos"), token("bos"), template,
                          bool(meta.get("tokenizer.ggml.add_bos_token", False)))
 
 

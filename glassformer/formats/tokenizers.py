@@ -188,7 +188,8 @@ def read_tokenizer(path: Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as error:  # the library raises bare Exceptions
-        raise ValueError(f"{path}: not a readable tokenizer ({(str(error).splitlines() or ['unknown error'])[0]})") from None
+        reason = (str(error).splitlines() or ["unknown error"])[0]
+        raise ValueError(f"{path}: not a readable tokenizer ({reason})") from None
 
 
 def _token_text(value) -> str | None:
