@@ -160,6 +160,35 @@ def _linked(run_dir: Path) -> set[str]:
     return {n for n in names if n.startswith("step-") and "/" not in n}
 
 
+RUN_FILES = ("latest", "best", "metrics.jsonl", "loss.png", "tokens.bin", "tokens.json")
+
+
+def run_contents(out: Path) -> list[str]:
+    """What a training run has left in `out`: step folders, links (broken ones too), files."""
+    if not out.is_dir():
+        return []
+    names = [name for name in RUN_FILES if (out / name).exists() or (out / name).is_symlink()]
+    return sorted(p.name for p in out.glob("step-*")) + names
+
+
+def resume_source(out: Path) -> Path:
+    """The checkpoint `latest` points to, or an error that says what is left instead."""
+    latest = out / "latest"
+    if (latest / "model.safetensors").is_file():
+        return latest
+    problem = "is a broken link" if latest.is_symlink() else "is missing"
+    if not run_contents(out):
+        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
+    best = out / "best"
+    kept = (f"; best still points to {os.readlink(best)}" if (best / "model.safetensors").is_file()
+            else "")
+    steps = sorted(p.name for p in out.glob("step-*"))
+    raise FileNotFoundError(
+        f"--resume: {latest} {problem}{kept} (step folders: {', '.join(steps) or 'none'}); "
+        f"point it at one (ln -sfn STEP {latest}) to resume from there"
+    )
+
+
 @dataclass
 class Checkpoint:
     """A checkpoint folder read back: everything except the weights, which `load_weights`

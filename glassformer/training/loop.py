@@ -10,7 +10,6 @@ that resume exactly.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from contextlib import nullcontext
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from ..formats.checkpoint import Checkpoint, save_to_run
+from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
 from ..formats.tokenizers import train_tokenizer
 from ..generation.config import GenerationConfig
 from ..generation.generate import generate
@@ -98,35 +97,6 @@ def sample_text(model: Transformer, tokenizer, n_tokens: int, seed: int,
     return generate(model, [tokenizer.eos_id], config, tokenizer).text
 
 
-RUN_FILES = ("latest", "best", "metrics.jsonl", "loss.png", "tokens.bin", "tokens.json")
-
-
-def run_contents(out: Path) -> list[str]:
-    """What a training run has left in `out`: step folders, links (broken ones too), files."""
-    if not out.is_dir():
-        return []
-    names = [name for name in RUN_FILES if (out / name).exists() or (out / name).is_symlink()]
-    return sorted(p.name for p in out.glob("step-*")) + names
-
-
-def _resume_source(out: Path) -> Path:
-    """The checkpoint `latest` points to, or an error that says what is left instead."""
-    latest = out / "latest"
-    if (latest / "model.safetensors").is_file():
-        return latest
-    problem = "is a broken link" if latest.is_symlink() else "is missing"
-    if not run_contents(out):
-        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
-    best = out / "best"
-    kept = (f"; best still points to {os.readlink(best)}" if (best / "model.safetensors").is_file()
-            else "")
-    steps = sorted(p.name for p in out.glob("step-*"))
-    raise FileNotFoundError(
-        f"--resume: {latest} {problem}{kept} (step folders: {', '.join(steps) or 'none'}); "
-        f"point it at one (ln -sfn STEP {latest}) to resume from there"
-    )
-
-
 def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, resume: bool,
              process):
     """Checks everything that could refuse the run before anything is written."""
@@ -140,7 +110,7 @@ def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, re
         docs = iter_documents(sources, config.documents)
         tokenizer = train_tokenizer(config.tokenizer, docs, config.vocab_size)
         return sources, tokenizer, model_config.replace(vocab_size=tokenizer.vocab_size), None
-    checkpoint = Checkpoint.open(_resume_source(out))
+    checkpoint = Checkpoint.open(resume_source(out))
     tokenizer = checkpoint.tokenizer()
     model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
     saved, asked = checkpoint.config.to_dict(), model_config.to_dict()
