@@ -33,12 +33,17 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
 
 
 def check_output(output: str | Path, inputs: Iterable[str | Path] = (), force: bool = False) -> Path:
-    """Refuse an output that is one of the inputs, or (without `force`) any file already there."""
+    """Refuse an output that is one of the inputs or lies inside an input folder, or (without
+    `force`) any file already there."""
     output = Path(output)
     for source in inputs:
         source = Path(source)
-        if output.exists() and source.exists() and os.path.samefile(output, source):
+        if not source.exists():
+            continue  # a name (a known model), not a path
+        if output.exists() and os.path.samefile(output, source):
             raise ValueError(f"{output}: the output would replace the input {source}")
+        if source.is_dir() and output.resolve().is_relative_to(source.resolve()):
+            raise ValueError(f"{output}: the output would be written inside the input {source}")
     if output.is_dir():
         raise ValueError(f"{output}: is a folder; give a file name")
     if (output.exists() or output.is_symlink()) and not force:

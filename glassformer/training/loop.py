@@ -101,6 +101,8 @@ def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, re
              process):
     """Checks everything that could refuse the run before anything is written."""
     sources = list_sources(data)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out}: not a folder (--out names the run folder)")
     if not resume:
         left = run_contents(out)
         if left:
