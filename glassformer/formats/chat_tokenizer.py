@@ -124,12 +124,15 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
     if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
         raise ValueError("GGUF tokenizer.ggml.merges: expected strings of two tokens")
     merges = [tuple(m.split(" ", 1)) for m in merges]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    for a, b in merges:  # the tokenizers library panics on a merge outside the vocabulary
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            raise ValueError(f"GGUF tokenizer.ggml.merges: {a!r} + {b!r} is not in the vocabulary")
     for key in ("eos", "bos"):  # an end-of-text id outside the vocabulary never stops a reply
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
             raise ValueError(f"GGUF tokenizer.ggml.{key}_token_id = {i!r} is outside the "
                              f"vocabulary of {len(tokens)} tokens")
-    vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
