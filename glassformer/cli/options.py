@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
+
+from ..formats.files import read_text
 
 from ..generation.sampling import SamplingConfig
 
@@ -97,7 +98,7 @@ def read_prompt(args: argparse.Namespace) -> str:
         raise ValueError("give a prompt or --prompt-file, not both" if args.prompt is not None
                          else "no prompt: give one, '-' for standard input, or --prompt-file")
     if args.prompt_file is not None:
-        return _utf8(Path(args.prompt_file).read_bytes(), args.prompt_file)
+        return read_text(args.prompt_file)
     if args.prompt == "-":
         return _utf8(sys.stdin.buffer.read(), "standard input")
     return checked_text(args.prompt, "the prompt")
