@@ -355,3 +355,18 @@ def test_real_model_truncated(keep, smol_copy, tmp_path, refused):
     with open(smol_copy, "rb") as src:
         path.write_bytes(src.read(keep))
     refused(_generate(path), "truncated", path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "gguf"]])
+def test_real_model_with_a_nan_block_scale(quantize, smol_copy, tmp_path, refused):
+    tensor = "blk.3.ffn_down.weight"
+    with GGUFFile(smol_copy) as file:
+        info = file.tensors[tensor]
+    assert info.qtype.name in ("Q4_0", "Q4_1", "Q8_0")  # every block starts with its fp16 scale
+    path = tmp_path / "nan.gguf"
+    shutil.copyfile(smol_copy, path)
+    with open(path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(np.float16(np.nan).tobytes())
+    refused(_generate(path, *quantize), "non-finite", path)
