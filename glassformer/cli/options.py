@@ -7,7 +7,6 @@ import math
 import sys
 
 from ..formats.files import read_text
-
 from ..generation.sampling import SamplingConfig
 
 QUANTIZE_CHOICES = ("none", "bf16", "int8", "int4", "gguf")
