@@ -63,6 +63,13 @@ def non_negative(text: str) -> float:
     return value
 
 
+def positive(text: str) -> float:
+    value = finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -56,11 +56,18 @@ BAD = {
         (["--device", "bogus"], "bogus"), (["--top-k", "-4"], "--top-k"),
     ],
     "export": [(["--format", "onnx"], "--format")],
+    "experiment": [
+        (["--budget", "nan"], "--budget"), (["--budget", "-1"], "--budget"),
+        (["--budget", "0"], "--budget"), (["--budget", "inf"], "--budget"),
+        (["--threads", "0"], "--threads"), (["--equal", "vibes"], "--equal"),
+    ],
 }
 PROMPTED = {"generate", "compare", "journey"}
 
 
 def _argv(command, extra, model):
+    if command == "experiment":
+        return [command, "cache", "--out", str(model.parent / "exp"), *extra]
     argv = [command, "--model", model, *extra]
     if command in PROMPTED:
         argv.append("hi")
