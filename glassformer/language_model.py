@@ -9,7 +9,6 @@ A source is one of
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from .accel.quantize import quantize_format, quantize_model
 from .formats import checkpoint, hub
+from .formats.files import read_json_object
 from .generation.generate import GenerationConfig, GenerationResult, generate
 from .generation.sampling import SamplingConfig
 from .interpret.trace import Names, run_with_cache
@@ -38,7 +38,18 @@ class LanguageModel:
         return self.model.config
 
     def encode(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """Token ids of a text, or a sequence of ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence) and not torch.is_tensor(prompt):
+            raise TypeError("prompt: give a str or a sequence of token ids, "
+                            f"not {type(prompt).__name__}")
+        ids = prompt.tolist() if torch.is_tensor(prompt) else list(prompt)
+        vocab = self.model.config.vocab_size
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+                raise ValueError(f"prompt: token id {i!r} is not in the vocabulary (0 to {vocab - 1})")
+        return ids
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0,
                  **options: Any) -> GenerationResult:
@@ -91,6 +102,8 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
         if keep_blocks:
             raise ValueError("quantize='gguf' applies to GGUF files only")
         model, tokenizer = _load_folder(path, dtype)
+    elif path.exists():
+        raise ValueError(f"{path}: not a regular file or folder (a device or a pipe?)")
     else:
         raise FileNotFoundError(
             f"no model at {text!r}: give a checkpoint folder, a .gguf file, a Hugging Face folder "
@@ -106,7 +119,7 @@ def _load_folder(path: Path, dtype: torch.dtype):
     from .formats.huggingface import load_hf
 
     config_path = path / "config.json"
-    meta = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    meta = read_json_object(config_path) if config_path.exists() else {}
     if "model_type" in meta:
         return load_hf(path, dtype)
     folder = checkpoint.resolve(path)

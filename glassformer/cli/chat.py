@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_quantize, add_sampling, sampling_config
+from .options import add_quantize, add_sampling, checked_text, positive_int, sampling_config
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
@@ -16,11 +16,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="a .gguf file, HF folder, checkpoint folder or known name "
                              "(default: smollm2-135m-instruct)")
     parser.add_argument("--system", default=None, help="a system message")
-    parser.add_argument("-n", "--max-new-tokens", type=int, default=512)
+    parser.add_argument("-n", "--max-new-tokens", type=positive_int, default=512)
     add_sampling(parser)
     parser.add_argument("--seed", type=int, default=None)
     add_quantize(parser)
-    parser.add_argument("--max-context", type=int, default=2048,
+    parser.add_argument("--max-context", type=positive_int, default=2048,
                         help="tokens of conversation kept in the KV cache")
     parser.set_defaults(run=run)
 
@@ -33,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     session = ChatSession(language_model.model, language_model.tokenizer, sampling_config(args),
                           args.max_new_tokens, args.system, args.max_context, args.seed)
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is reported, not fatal
+        sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
         print(f"chatting with {args.model}; {HELP}", file=sys.stderr)
     while True:
@@ -47,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
             session.reset()
             continue
         if not text.strip():
+            continue
+        try:
+            checked_text(text, "that line")
+        except ValueError as error:
+            print(f"glassformer: {error}; type it again", file=sys.stderr)
             continue
         print("assistant> " if interactive else "", end="", flush=True)
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .options import device, positive_int
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("eval", help="perplexity of a model on a text")
@@ -12,9 +14,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="a run or checkpoint folder, .gguf file, HF folder or known name")
     parser.add_argument("--data", required=True, nargs="+", help="text file(s) or folder(s)")
     parser.add_argument("--documents", choices=("file", "line", "blank"), default="file")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=None, help="score at most this many")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--max-tokens", type=positive_int, default=None, help="score at most this many")
+    parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 

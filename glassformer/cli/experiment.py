@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .options import positive, positive_int
+
 NAMES = ("ablation", "length", "cache", "explain")
 
 
@@ -16,7 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "resumes: finished cells are not run again.",
     )
     parser.add_argument("name", choices=NAMES, help="which experiment")
-    parser.add_argument("--budget", type=float, default=600.0,
+    parser.add_argument("--budget", type=positive, default=600.0,
                         help="seconds of work to plan for (default 600; planned as for an "
                              "idle machine, so a busy one takes longer)")
     parser.add_argument("--out", default=None, help="run folder (default experiment-NAME)")
@@ -25,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--equal", choices=("time", "steps"), default=None,
                         help="ablation: give every run equal training time (default) or, on a busy "
                              "machine, as many steps as the base run made in its time")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch threads (default: torch's choice; 1 on a busy machine)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -39,8 +41,6 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.report import text_summary
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads: must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     options = {}
     if args.equal is not None:

@@ -10,18 +10,28 @@ from ..accel.quantize import quantize_format, quantize_model
 from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
 from ..language_model import load
-from .options import add_quantize, add_sampling, sampling_config
+from .options import (
+    add_prompt,
+    add_quantize,
+    add_sampling,
+    device,
+    finite,
+    positive_int,
+    read_prompt,
+    sampling_config,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="continue a prompt with a model")
-    parser.add_argument("prompt", help="the text to continue")
+    add_prompt(parser, "the text to continue")
     parser.add_argument("--model", required=True, help="checkpoint/HF folder, .gguf file or known name")
     add_quantize(parser)
-    parser.add_argument("-n", "--max-new-tokens", type=int, default=64, help="at most this many new tokens")
+    parser.add_argument("-n", "--max-new-tokens", type=positive_int, default=64,
+                        help="at most this many new tokens")
     add_sampling(parser)
-    parser.add_argument("--beams", type=int, default=1, help="beam search width (1: no beam search)")
-    parser.add_argument("--length-penalty", type=float, default=1.0, help="beam score exponent")
+    parser.add_argument("--beams", type=positive_int, default=1, help="beam search width (1: no beam search)")
+    parser.add_argument("--length-penalty", type=finite, default=1.0, help="beam score exponent")
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
                         help="stop when the text contains any of these strings (\\n, \\t understood)")
@@ -32,10 +42,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="past the context window, drop the oldest tokens instead of stopping")
     parser.add_argument("--rope-scaling", choices=("linear", "ntk", "yarn"), default=None,
                         help="extend a RoPE model's window by --rope-factor")
-    parser.add_argument("--rope-factor", type=float, default=2.0)
+    parser.add_argument("--rope-factor", type=finite, default=2.0)
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.set_defaults(run=run)
 
@@ -49,6 +59,7 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=sampling_config(args),
@@ -68,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         model = extend_context(model, args.rope_scaling, args.rope_factor)
         quantize_model(model, quantize_format(args.quantize))
     model = model.to(args.device)
-    prompt_ids = _prompt_ids(tokenizer, args.prompt, args.chat)
+    prompt_ids = _prompt_ids(tokenizer, prompt, args.chat)
     if args.json or config.beams > 1:
         result = generate(model, prompt_ids, config, tokenizer)
         if not args.json:

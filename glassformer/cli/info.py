@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from ..formats.files import read_json_object
 from ..interpret.params import count_parameters
 from ..model.config import ModelConfig
 from ..model.presets import get_preset
@@ -25,12 +26,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def load_config(preset: str | None, path: str | None) -> ModelConfig:
     if preset is not None:
         return get_preset(preset)
-    with open(path, encoding="utf-8") as file:
-        try:
-            values = json.load(file)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not valid JSON ({error})") from None
-    return ModelConfig.from_dict(values.get("model", values))
+    values = read_json_object(path)
+    try:
+        return ModelConfig.from_dict(values.get("model", values))
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def run(args: argparse.Namespace) -> int:

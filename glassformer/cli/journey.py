@@ -7,12 +7,13 @@ import json
 
 import torch
 
+from ..formats.files import check_output
 from ..formats.tokenizers import CharTokenizer
 from ..interpret.journey import collect_journey, summary, write_html
 from ..language_model import load
 from ..model.presets import get_preset
 from ..model.transformer import Transformer
-from .options import add_quantize
+from .options import add_prompt, add_quantize, device, positive_int, read_prompt
 
 PRINTABLE = "".join(chr(c) for c in range(32, 127))  # 95 characters + end-of-text = 96 ids
 
@@ -24,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "the walk-through (equations, shapes, values, attention heatmaps, logit lens, "
                     "attribution) as one HTML file that needs no network.",
     )
-    parser.add_argument("text", help="the prompt to trace")
+    add_prompt(parser, "the prompt to trace")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--model", help="a known name (smollm2-135m-instruct), a .gguf file, or a model folder"
@@ -34,12 +35,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_quantize(parser, default=None)
     parser.add_argument("-o", "--output", help="HTML file to write (default journey.html)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output file")
     parser.add_argument("--json", action="store_true", help="print tokens, sites and next tokens as JSON")
-    parser.add_argument("--top-k", type=int, default=10, help="next tokens to list (default 10)")
-    parser.add_argument("--ig-steps", type=int, default=4,
+    parser.add_argument("--top-k", type=positive_int, default=10, help="next tokens to list (default 10)")
+    parser.add_argument("--ig-steps", type=positive_int, default=4,
                         help="integrated-gradient points per tenth of the path (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed for --preset")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device, default="cpu")
     parser.set_defaults(run=run)
 
 
@@ -52,15 +54,17 @@ def random_model(preset: str, seed: int, device: str) -> tuple[Transformer, Char
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.top_k < 1:
-        raise ValueError(f"--top-k: must be at least 1, got {args.top_k}")
+    text = read_prompt(args)
+    output = args.output or (None if args.json else "journey.html")
+    if output is not None:  # refused before the model is read, never after the work is done
+        inputs = [p for p in (args.model, args.prompt_file) if p is not None]
+        check_output(output, inputs, args.force)
     if args.model is not None:
         loaded = load(args.model, quantize=args.quantize).to(args.device)
         model, tokenizer = loaded.model, loaded.tokenizer
     else:
         model, tokenizer = random_model(args.preset, args.seed, args.device)
-    data = collect_journey(model.eval(), tokenizer, args.text, top_k=args.top_k, ig_steps=args.ig_steps)
-    output = args.output or (None if args.json else "journey.html")
+    data = collect_journey(model.eval(), tokenizer, text, top_k=args.top_k, ig_steps=args.ig_steps)
     if output is not None:
         write_html(data, output)
     if args.json:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..formats.checkpoint import Checkpoint
+from ..formats.checkpoint import Checkpoint, resume_source
+from ..formats.files import read_json_object
 from ..model.config import ModelConfig
 from ..model.presets import PRESETS
 from ..training.config import RECIPES, TrainConfig
@@ -73,12 +74,14 @@ def _overrides(args: argparse.Namespace, prefix: str) -> dict:
 def _base_configs(args: argparse.Namespace) -> tuple[dict, dict]:
     """(model dict, train dict) before the command-line overrides."""
     if args.config:
-        data = json.loads(Path(args.config).read_text(encoding="utf-8"))
-        if "model" not in data:
-            raise ValueError(f"{args.config}: expected {{\"model\": {{...}}, \"train\": {{...}}}}")
-        return dict(data["model"]), dict(data.get("train", {}))
+        data = read_json_object(args.config)
+        model, train = data.get("model"), data.get("train", {})
+        if not isinstance(model, dict) or not isinstance(train, dict):
+            raise ValueError(f"{args.config}: expected {{\"model\": {{...}}, \"train\": {{...}}}} "
+                             "(objects of ModelConfig and TrainConfig fields)")
+        return dict(model), dict(train)
     if args.preset is None and args.resume and Path(args.out).exists():
-        checkpoint = Checkpoint.open(args.out)  # resume with the saved settings by default
+        checkpoint = Checkpoint.open(resume_source(Path(args.out)))  # the saved settings by default
         return checkpoint.config.to_dict(), dict(checkpoint.meta["train"])
     name = args.preset or "shakespeare-char"
     if name in RECIPES:
@@ -94,8 +97,11 @@ def run(args: argparse.Namespace) -> int:
 
     model, train_values = _base_configs(args)
     model.setdefault("vocab_size", 1)  # replaced by the tokenizer's
-    model_config = ModelConfig.from_dict({**model, **_overrides(args, "model.")})
-    train_config = TrainConfig.from_dict({**train_values, **_overrides(args, "train.")})
+    try:
+        model_config = ModelConfig.from_dict({**model, **_overrides(args, "model.")})
+        train_config = TrainConfig.from_dict({**train_values, **_overrides(args, "train.")})
+    except ValueError as error:
+        raise ValueError(f"{args.config}: {error}" if args.config else str(error)) from None
     echo = (lambda s: tqdm.write(s, file=sys.stderr)) if args.json else tqdm.write
     summary = train(args.data, args.out, model_config, train_config, resume=args.resume,
                     progress=not args.no_progress, echo=echo)

@@ -8,14 +8,19 @@ Built from a GGUF vocabulary (`from_gguf_metadata`) or read from a Hugging Face 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from .tokenizers import HFTokenizer, _token_text
+from .files import read_json_object
+from .tokenizers import HFTokenizer, _token_text, read_tokenizer
 
+TEMPLATE_SECONDS = 2.0  # a chat template renders in milliseconds; a loop that does not stops here
+TEMPLATE_MIN_OUTPUT = 1 << 20  # characters; or four times the messages' text where that is more
 # GGUF tokenizer.ggml.token_type values
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -58,12 +63,10 @@ class ChatTokenizer(HFTokenizer):
         """The conversation as text, through the model's own Jinja chat template."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        )
+        size = sum(len(str(m.get("content", ""))) for m in messages)
+        return render_template(self.chat_template, max(TEMPLATE_MIN_OUTPUT, 4 * size),
+                               messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def apply_chat_template(self, messages: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
@@ -90,11 +93,11 @@ class ChatTokenizer(HFTokenizer):
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer file at {path}")
         side = path.with_name("tokenizer_config.json")
-        config = json.loads(side.read_text(encoding="utf-8")) if side.is_file() else {}
+        config = read_json_object(side) if side.is_file() else {}
         template = config.get("chat_template")
         if not isinstance(template, str):  # a list of named templates is not supported
             template = None
-        return cls(Tokenizer.from_file(str(path)), _token_text(config.get("eos_token")),
+        return cls(read_tokenizer(path), _token_text(config.get("eos_token")),
                    _token_text(config.get("bos_token")), template,
                    bool(config.get("add_bos_token", False)))
 
@@ -111,9 +114,25 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ValueError("GGUF lacks its vocabulary (tokenizer.ggml.tokens)")
+    if not all(isinstance(t, str) for t in tokens):
+        raise ValueError("GGUF tokenizer.ggml.tokens: expected a list of strings")
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise ValueError(f"GGUF tokenizer.ggml.token_type: {len(types) if isinstance(types, list) else 0} "
+                         f"entries for {len(tokens)} tokens")
+    merges = meta.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise ValueError("GGUF tokenizer.ggml.merges: expected strings of two tokens")
+    merges = [tuple(m.split(" ", 1)) for m in merges]
     vocab = {token: i for i, token in enumerate(tokens)}
+    for a, b in merges:  # the tokenizers library panics on a merge outside the vocabulary
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            raise ValueError(f"GGUF tokenizer.ggml.merges: {a!r} + {b!r} is not in the vocabulary")
+    for key in ("eos", "bos"):  # an end-of-text id outside the vocabulary never stops a reply
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
+            raise ValueError(f"GGUF tokenizer.ggml.{key}_token_id = {i!r} is outside the "
+                             f"vocabulary of {len(tokens)} tokens")
     tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
@@ -124,9 +143,74 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-    return ChatTokenizer(tokenizer, token("eos"), token("bos"), meta.get("tokenizer.chat_template"),
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ValueError("GGUF tokenizer.chat_template: expected a string")
+    return ChatTokenizer(tokenizer, token("eos"), token("bos"), template,
                          bool(meta.get("tokenizer.ggml.add_bos_token", False)))
 
 
 def _raise(message: str) -> None:
     raise ValueError(f"chat template: {message}")
+
+
+class _Limits(ImmutableSandboxedEnvironment):
+    """The sandbox, with a deadline checked on every loop over range() and on every call and
+    attribute read, and with string and list repetition (`*`) bounded."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def __init__(self, deadline: float, max_chars: int):
+        super().__init__(trim_blocks=True, lstrip_blocks=True)
+        self.deadline, self.max_chars = deadline, max_chars
+        self.globals.update(raise_exception=_raise, range=self._range)
+
+    def _tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise ValueError(f"chat template: rendering took over {TEMPLATE_SECONDS:g} s")
+
+    def _range(self, *args: int):
+        for i, value in enumerate(range(*args)):
+            if i % 1024 == 0:
+                self._tick()
+            yield value
+
+    def call(self, context, obj, *args, **kwargs):
+        self._tick()
+        return super().call(context, obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+        self._tick()
+        return super().getattr(obj, attribute)
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise ValueError(f"chat template: exponent {right} is too large")
+        if operator == "*":
+            size = max(len(v) if isinstance(v, (str, list, tuple)) else 1 for v in (left, right))
+            count = max(v if isinstance(v, int) else 1 for v in (left, right))
+            if size * count > self.max_chars:
+                raise ValueError(f"chat template: output over {self.max_chars} characters")
+        return super().call_binop(context, operator, left, right)
+
+
+def render_template(template: str, max_chars: int, **values: Any) -> str:
+    """A Jinja chat template rendered in the sandbox under a time and output-size limit; any
+    error in the template (syntax, unsafe access, undefined name) is one ValueError."""
+    env = _Limits(time.monotonic() + TEMPLATE_SECONDS, max_chars)
+    try:
+        pieces, size = [], 0
+        for piece in env.from_string(template).generate(**values):
+            size += len(piece)
+            if size > max_chars:
+                raise ValueError(f"chat template: output over {max_chars} characters")
+            env._tick()
+            pieces.append(piece)
+        return "".join(pieces)
+    except TemplateSyntaxError as error:
+        raise ValueError(f"chat template: syntax error on line {error.lineno}: {error.message}") from None
+    except SecurityError as error:
+        raise ValueError(f"chat template: unsafe operation refused ({error})") from None
+    except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError,
+            OverflowError, RecursionError) as error:
+        raise ValueError(f"chat template: {type(error).__name__}: {error}") from None

@@ -25,10 +25,13 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
+from .files import read_json_object
 from .tokenizers import load_tokenizer
+from .validate import check_model
 
 LINKS = ("latest", "best")
 
@@ -122,7 +125,8 @@ def save_to_run(
     extra_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save the state at `step` as run_dir/step-NNNNNNN and point `links` (e.g. latest) at it.
-    Checkpoints no link points to any more are removed."""
+    A checkpoint that one of `links` pointed to, and no link points to any more, is removed;
+    step folders that no link pointed to before this save are never touched."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:07d}"
@@ -138,21 +142,51 @@ def save_to_run(
         shutil.rmtree(final, ignore_errors=True)  # an unlinked leftover of an earlier crash
         os.replace(tmp, final)
         _fsync(run_dir)
+    replaced = _linked(run_dir)
     for link in links:
         tmp_link = run_dir / f".{link}.tmp"
         tmp_link.unlink(missing_ok=True)
         os.symlink(name, tmp_link)
         os.replace(tmp_link, run_dir / link)
     _fsync(run_dir)
-    keep = _linked(run_dir)
-    for path in run_dir.glob("step-*"):
-        if path.name not in keep:
-            shutil.rmtree(path, ignore_errors=True)
+    for name in replaced - _linked(run_dir):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
     return final
 
 
 def _linked(run_dir: Path) -> set[str]:
-    return {os.readlink(run_dir / link) for link in LINKS if (run_dir / link).is_symlink()}
+    """The step folders the links name (plain names inside run_dir only)."""
+    names = {os.readlink(run_dir / link) for link in LINKS if (run_dir / link).is_symlink()}
+    return {n for n in names if n.startswith("step-") and "/" not in n}
+
+
+RUN_FILES = ("latest", "best", "metrics.jsonl", "loss.png", "tokens.bin", "tokens.json")
+
+
+def run_contents(out: Path) -> list[str]:
+    """What a training run has left in `out`: step folders, links (broken ones too), files."""
+    if not out.is_dir():
+        return []
+    names = [name for name in RUN_FILES if (out / name).exists() or (out / name).is_symlink()]
+    return sorted(p.name for p in out.glob("step-*")) + names
+
+
+def resume_source(out: Path) -> Path:
+    """The checkpoint `latest` points to, or an error that says what is left instead."""
+    latest = out / "latest"
+    if (latest / "model.safetensors").is_file():
+        return latest
+    problem = "is a broken link" if latest.is_symlink() else "is missing"
+    if not run_contents(out):
+        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
+    best = out / "best"
+    kept = (f"; best still points to {os.readlink(best)}" if (best / "model.safetensors").is_file()
+            else "")
+    steps = sorted(p.name for p in out.glob("step-*"))
+    raise FileNotFoundError(
+        f"--resume: {latest} {problem}{kept} (step folders: {', '.join(steps) or 'none'}); "
+        f"point it at one (ln -sfn STEP {latest}) to resume from there"
+    )
 
 
 @dataclass
@@ -167,8 +201,13 @@ class Checkpoint:
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
         folder = resolve(path)
-        meta = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
+        meta = read_json_object(folder / "config.json")
+        if not isinstance(meta.get("model"), dict):
+            raise ValueError(f"{folder / 'config.json'}: lacks the \"model\" object of a checkpoint")
+        try:
+            return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
+        except ValueError as error:
+            raise ValueError(f"{folder / 'config.json'}: {error}") from None
 
     def tokenizer(self):
         return load_tokenizer(self.folder / "tokenizer.json")
@@ -192,11 +231,18 @@ def load_weights(model: torch.nn.Module, path: str | Path, device: str | torch.d
         safetensors.torch.load_model(model, str(path), strict=True, device=str(device))
     except RuntimeError as error:  # missing, unexpected or misshapen tensors
         raise ValueError(f"{path}: the weights do not fit the model: {error}") from None
+    except SafetensorError as error:
+        raise ValueError(f"{path}: corrupt or truncated safetensors file ({error})") from None
+    check_model(model, str(path))
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """(Transformer, tokenizer, meta) from a checkpoint folder or a run folder."""
     checkpoint = Checkpoint.open(path)
+    tokenizer = checkpoint.tokenizer()
+    if tokenizer.vocab_size > checkpoint.config.vocab_size:
+        raise ValueError(f"{checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but "
+                         f"the model {checkpoint.config.vocab_size}: they do not belong together")
     model = Transformer(checkpoint.config).to(device)
     checkpoint.load_weights(model, device)
-    return model, checkpoint.tokenizer(), checkpoint.meta
+    return model, tokenizer, checkpoint.meta

@@ -83,6 +83,8 @@ def export_hf(model: Transformer, tokenizer: Any, folder: str | Path) -> Path:
     """Write config.json, model.safetensors and (for tokenizers.json-based tokenizers) the
     tokenizer files into a new folder; returns it."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"{folder} exists and is not a folder")
     if folder.exists() and any(folder.iterdir()):
         raise FileExistsError(f"{folder} exists and is not empty")
     config = model.config

@@ -24,6 +24,7 @@ from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer, from_gguf_metadata
 from .empty_model import empty_model
 from .gguf_file import GGUFFile
+from .validate import check_model, check_tensor
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 _CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
@@ -51,10 +52,22 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
             raise ValueError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
-    n_heads = int(get("attention.head_count"))
-    d_model = int(get("embedding_length"))
-    d_head = int(get("attention.key_length", d_model // max(n_heads, 1)))
-    rotary = int(get("rope.dimension_count", d_head))
+    def count(key: str, default: Any = None) -> int:
+        value = get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 31:
+            raise ValueError(f"GGUF metadata {arch}.{key} = {value!r}: expected a positive integer")
+        return value
+
+    def number(key: str, default: Any = None) -> float:
+        value = get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
+            raise ValueError(f"GGUF metadata {arch}.{key} = {value!r}: expected a positive number")
+        return float(value)
+
+    n_heads = count("attention.head_count")
+    d_model = count("embedding_length")
+    d_head = count("attention.key_length", d_model // n_heads)
+    rotary = count("rope.dimension_count", d_head)
     if rotary != d_head:
         raise ValueError(f"unsupported GGUF: RoPE on {rotary} of {d_head} head dimensions")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
@@ -64,19 +77,19 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
         raise ValueError("GGUF lacks the tensor token_embd.weight")
     return ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[0]),
-        context_length=int(get("context_length")),
+        context_length=count("context_length"),
         d_model=d_model,
-        n_layers=int(get("block_count")),
+        n_layers=count("block_count"),
         n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        n_kv_heads=count("attention.head_count_kv", n_heads),
         d_head=d_head if d_head * n_heads != d_model else None,
-        d_ff=int(get("feed_forward_length")),
+        d_ff=count("feed_forward_length"),
         position="rope",
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_theta=number("rope.freq_base", 10000.0),
         rope_scaling=scaling,
-        rope_factor=float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+        rope_factor=number("rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
         norm="rmsnorm",
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        norm_eps=number("attention.layer_norm_rms_epsilon"),
         activation="silu",
         gated=True,
         attn_bias=False,
@@ -145,10 +158,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     with GGUFFile(path) as file:
-        config = config_from_metadata(file.metadata, file.tensors)
+        try:
+            config = config_from_metadata(file.metadata, file.tensors)
+            tokenizer = from_gguf_metadata(file.metadata)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
         targets = tensor_map(config)
         _check_tensors(file, config, targets)
-        tokenizer = from_gguf_metadata(file.metadata)
         if tokenizer.vocab_size != config.vocab_size:
             raise ValueError(f"{path}: {tokenizer.vocab_size} tokens in the vocabulary but "
                              f"{config.vocab_size} rows in token_embd.weight")
@@ -163,7 +179,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
                 if target.rows is not None:
                     dest = dest[target.rows[0]:target.rows[1]]
                 _fill(file, name, dest, target.heads)
+                check_tensor(dest, name, str(path))
                 file.release(name)
+    check_model(model, str(path), parameters=False)  # block scales kept as they are
     return model.eval(), tokenizer
 
 
@@ -217,7 +235,7 @@ def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Targe
         if info.shape != (rows, *cols):
             raise ValueError(f"{file.path}: tensor {name} has shape {info.shape}, "
                              f"expected {(rows, *cols)}")
-        try:
+        try:  # integer types (I8 ... I64) have no dequantization: never cast to float
             dequantize(file.raw(name, slice(0, 1)), info.qtype)
         except NotImplementedError:
             raise ValueError(f"{file.path}: unsupported quantization type {info.qtype.name} "

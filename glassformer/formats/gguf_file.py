@@ -130,8 +130,8 @@ class GGUFFile:
 
     def _check_count(self, count: int, item_bytes: int) -> None:
         if count * item_bytes > len(self._map) - self._pos:
-            raise ValueError(f"{self.path}: corrupt GGUF header (count {count} at byte "
-                             f"{self._pos} exceeds the file)")
+            raise ValueError(f"{self.path}: truncated or corrupt GGUF header ({count} items at "
+                             f"byte {self._pos} run past the end of the {len(self._map)}-byte file)")
 
     def _type(self) -> GGUFValueType:
         raw = self._scalar(GGUFValueType.UINT32)

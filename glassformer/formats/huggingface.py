@@ -10,7 +10,6 @@ Every key and shape is checked, then the weights load with `load_state_dict(stri
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
+from .files import read_json_object
+from .validate import check_model, check_tensor
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                     "relu": "relu"}
@@ -155,13 +156,28 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
-    hf = json.loads(config_path.read_text())
+    hf = read_json_object(config_path)
     config = config_from_hf(hf)
     tokenizer = ChatTokenizer.load(folder)
+    check_vocabulary(tokenizer, config, folder)
     model = empty_model(config, dtype)
     tensors = read_safetensors(folder)
-    model.load_state_dict(state_dict(config, hf["model_type"], tensors, model), strict=True)
+    try:
+        weights = state_dict(config, hf["model_type"], tensors, model)
+    except ValueError as error:
+        raise ValueError(f"{folder}: {error}") from None
+    model.load_state_dict(weights, strict=True)
+    check_model(model, str(folder), parameters=False)
     return model.eval(), tokenizer
+
+
+def check_vocabulary(tokenizer, config: ModelConfig, where: Path) -> None:
+    """Every id the tokenizer can produce (special ones included) has a row in the model."""
+    ids = [tokenizer.vocab_size - 1, tokenizer.eos_id, tokenizer.bos_id]
+    top = max(i for i in ids if i is not None)
+    if top >= config.vocab_size:
+        raise ValueError(f"{where}: the tokenizer has ids up to {top} but the model's vocabulary "
+                         f"has {config.vocab_size} rows: they do not belong together")
 
 
 def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Tensor],
@@ -183,6 +199,10 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
     params = dict(model.state_dict())
     parts: dict[str, list[tuple[Entry, torch.Tensor]]] = {}
     for e in entries:
+        if not tensors[e.hf].is_floating_point():
+            raise ValueError(f"tensor {e.hf} holds {tensors[e.hf].dtype} values; weights are "
+                             "floating point")
+        check_tensor(tensors[e.hf], e.hf, "weights")
         t = tensors[e.hf].T if e.transpose else tensors[e.hf]
         target = params[e.ours].shape
         shape = (e.rows[1] - e.rows[0], *target[1:]) if e.rows else tuple(target)
@@ -203,7 +223,10 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: lacks a weight_map object")
+        files = sorted(set(map(str, weight_map.values())))
     else:
         files = [p.name for p in sorted(folder.glob("*.safetensors"))]
     if not files:

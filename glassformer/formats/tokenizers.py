@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from .files import read_json_object
+
 EOT = "<|endoftext|>"
 # Used when a tokenizer.json comes without a tokenizer_config.json naming its special tokens.
 _EOS_CANDIDATES = (EOT, "</s>", "<|end_of_text|>", "<eos>")
@@ -144,7 +146,7 @@ class HFTokenizer:
     @classmethod
     def load(cls, path: str | Path, eos_token: str | None = None,
              bos_token: str | None = None) -> HFTokenizer:
-        return cls(Tokenizer.from_file(str(path)), eos_token, bos_token)
+        return cls(read_tokenizer(path), eos_token, bos_token)
 
 
 def train_tokenizer(kind: str, documents: Iterable[str], vocab_size: int | None = None):
@@ -168,15 +170,26 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None,
         path = path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer file at {path}")
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = read_json_object(path)
     if data.get("type") == "char":
+        if not isinstance(data.get("chars"), str):
+            raise ValueError(f"{path}: a character tokenizer lacks its \"chars\" string")
         return CharTokenizer(data["chars"], data.get("eos_token", EOT))
     side = path.with_name("tokenizer_config.json")
     if side.is_file():
-        config = json.loads(side.read_text(encoding="utf-8"))
+        config = read_json_object(side)
         eos_token = eos_token or _token_text(config.get("eos_token"))
         bos_token = bos_token or _token_text(config.get("bos_token"))
     return HFTokenizer.load(path, eos_token, bos_token)
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    """A Hugging Face tokenizer.json; a file the tokenizers library cannot read is one error."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # the library raises bare Exceptions
+        reason = (str(error).splitlines() or ["unknown error"])[0]
+        raise ValueError(f"{path}: not a readable tokenizer ({reason})") from None
 
 
 def _token_text(value) -> str | None:

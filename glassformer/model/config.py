@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
@@ -25,10 +26,16 @@ class ConfigFields:
 
     @classmethod
     def from_dict(cls: type[Config], values: dict[str, Any]) -> Config:
+        if not isinstance(values, dict):
+            raise ValueError(f"{cls.__name__}: expected an object of fields, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"{unknown[0]}: not a {cls.__name__} field")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{missing[0]}: a required {cls.__name__} field is missing")
         return cls(**values)
 
     def replace(self: Config, **changes: Any) -> Config:
@@ -73,6 +80,7 @@ class ModelConfig(ConfigFields):
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        check_finite(self)
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
             _positive(name, getattr(self, name))
         for name in ("n_kv_heads", "d_head", "d_ff", "sliding_window", "rope_original_context"):
@@ -140,6 +148,24 @@ class ModelConfig(ConfigFields):
             return self.rope_original_context
         return int(self.context_length / self.rope_factor)
 
+
+
+_KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def check_finite(config: Any) -> None:
+    """Every int, float, bool or str field of a config dataclass holds that type (a JSON file
+    may hold anything), and every float is finite (NaN passes `< 0` checks)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        kind = str(field.type).removesuffix(" | None")
+        if value is None and str(field.type).endswith("| None"):
+            continue
+        if kind in _KINDS and (not isinstance(value, _KINDS[kind])
+                               or (kind != "bool" and isinstance(value, bool))):
+            raise ValueError(f"{field.name}: expected {kind}, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{field.name}: must be a finite number, got {value}")
 
 
 def _positive(name: str, value: Any) -> None:

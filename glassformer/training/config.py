@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..model.config import ConfigFields, ModelConfig
+from ..model.config import ConfigFields, ModelConfig, check_finite
 
 # Fields a resumed run may change: budgets and observation, never the math of a step.
 RESUMABLE_CHANGES = frozenset(
@@ -45,6 +45,7 @@ class TrainConfig(ConfigFields):
     device: str = "auto"  # auto: cuda when present, else cpu
 
     def __post_init__(self) -> None:
+        check_finite(self)
         for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_iters",
                      "log_interval"):
             value = getattr(self, name)
@@ -131,7 +132,13 @@ def get_recipe(name: str) -> Recipe:
 
 
 def resume_conflicts(saved: TrainConfig, asked: TrainConfig) -> list[str]:
-    """Fields that differ between a saved run and the resumed one, budgets excepted."""
-    a = {**saved.to_dict(), "lr_decay_iters": saved.decay_iters}
-    b = {**asked.to_dict(), "lr_decay_iters": asked.decay_iters}
+    """Fields that differ between a saved run and the resumed one, budgets excepted. A
+    derived setting left unset (lr_decay_iters: None) follows the new budget; one set
+    explicitly must equal what the saved run used."""
+    a, b = saved.to_dict(), asked.to_dict()
+    a["lr_decay_iters"] = saved.decay_iters
+    if saved.lr_decay_iters is not None or asked.lr_decay_iters is not None:
+        b["lr_decay_iters"] = asked.decay_iters
+    else:
+        b["lr_decay_iters"] = a["lr_decay_iters"]
     return [f"{k}={b[k]!r} (saved {a[k]!r})" for k in a if k not in RESUMABLE_CHANGES and a[k] != b[k]]

@@ -26,11 +26,24 @@ class Process:
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device `name` names, refused with ValueError where this machine has none such."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: unknown device {name!r} (cpu, cuda, cuda:N, mps)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {name!r} asked for, but CUDA is not available here")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {name!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device: {name!r} asked for, but MPS is not available here")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device: {name!r} is not supported (cpu, cuda, cuda:N, mps)")
     return device
 
 

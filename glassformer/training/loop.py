@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from ..accel.fast_training import use_fast_training
-from ..formats.checkpoint import Checkpoint, save_to_run
+from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
 from ..formats.tokenizers import train_tokenizer
 from ..generation.config import GenerationConfig
 from ..generation.generate import generate
@@ -102,16 +102,18 @@ def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, re
              process):
     """Checks everything that could refuse the run before anything is written."""
     sources = list_sources(data)
-    has_run = (out / "latest").exists()
-    if has_run and not resume:
-        raise ValueError(f"{out} already holds a training run: pass --resume, or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out}: not a folder (--out names the run folder)")
     if not resume:
+        left = run_contents(out)
+        if left:
+            raise ValueError(f"{out} already holds a training run ({', '.join(left[:4])}"
+                             f"{' ...' if len(left) > 4 else ''}): pass --resume to continue it, "
+                             "or give a fresh --out")
         docs = iter_documents(sources, config.documents)
         tokenizer = train_tokenizer(config.tokenizer, docs, config.vocab_size)
         return sources, tokenizer, model_config.replace(vocab_size=tokenizer.vocab_size), None
-    if not has_run:
-        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
-    checkpoint = Checkpoint.open(out)
+    checkpoint = Checkpoint.open(resume_source(out))
     tokenizer = checkpoint.tokenizer()
     model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
     saved, asked = checkpoint.config.to_dict(), model_config.to_dict()
@@ -141,17 +143,21 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
     sources, tokenizer, model_config, checkpoint = _prepare(
         data, out, model_config, config, resume, process
     )
-    config = config.replace(lr_decay_iters=config.decay_iters)  # saved pinned: budgets may grow
     T, main, device = model_config.context_length, process.is_main, process.device
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        write_token_file(sources, tokenizer, out / "tokens.bin", config.documents)
-    distributed.barrier(process)
-    tokens = TokenData.open(out / "tokens.bin", T, config.val_fraction)
-
-    torch.manual_seed(config.seed)
-    model = use_fast_training(Transformer(model_config).to(device))  # fused C++ passes on a CPU
-    optimizer = make_optimizer(model, config)
+    created = not out.exists()
+    try:
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            write_token_file(sources, tokenizer, out / "tokens.bin", config.documents)
+        distributed.barrier(process)
+        tokens = TokenData.open(out / "tokens.bin", T, config.val_fraction)
+        torch.manual_seed(config.seed)
+        model = use_fast_training(Transformer(model_config).to(device))  # fused C++ passes on a CPU
+        optimizer = make_optimizer(model, config)
+    except BaseException:
+        if main and checkpoint is None:  # a refused fresh run leaves nothing behind
+            _remove_new_run(out, created)
+        raise
     data_gen = torch.Generator().manual_seed(config.seed)
     state = {"step": 0, "tokens_seen": 0, "best_val_loss": math.inf, "train_seconds": 0.0}
     if checkpoint is not None:
@@ -185,6 +191,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
 
     def run_eval(train_loss):
         val_loss = evaluate(step_model, tokens.val, val_starts, T, config.batch_size, process, amp)
+        _check_finite("validation loss", val_loss, state["step"], out)
         best = val_loss < state["best_val_loss"]
         state["best_val_loss"] = min(val_loss, state["best_val_loss"])
         record = {"iter": state["step"], "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
@@ -228,6 +235,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
             bar.update(1)
             if state["step"] % config.log_interval == 0 or state["step"] == config.max_iters:
                 train_loss = distributed.all_reduce_sum(process, loss).item() / process.world_size
+                _check_finite("training loss", train_loss, state["step"], out)
                 rate = run_tokens / max(run_train_seconds, 1e-9)
                 bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
                 metrics.append({"iter": state["step"], "train_loss": train_loss, "lr": lr,
@@ -257,6 +265,22 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         "rank": process.rank,
         "dtype": "bfloat16" if config.dtype == "bfloat16" and bf16_supported(device) else "float32",
     }
+
+
+def _remove_new_run(out: Path, created: bool) -> None:
+    for name in ("tokens.bin", "tokens.json", "tokens.bin.tmp"):
+        (out / name).unlink(missing_ok=True)
+    if created and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
+
+def _check_finite(name: str, value: float, step: int, out: Path) -> None:
+    """A diverged run stops before it logs or saves anything non-finite."""
+    if not math.isfinite(value):
+        kept = f"; the last good checkpoint is {(out / 'latest').resolve()}" \
+            if (out / "latest").is_symlink() else "; no checkpoint was saved"
+        raise ValueError(f"training diverged at step {step}: the {name} is {value} "
+                         f"(try a lower --lr){kept}")
 
 
 def _on_sigint(handler):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -14,9 +15,12 @@ class MetricsLog:
         self.path, self.enabled = Path(path), enabled
 
     def append(self, record: dict) -> None:
+        """JSON has no NaN or infinity: a non-finite number is written as null."""
         if self.enabled:
+            record = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                      for k, v in record.items()}
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, allow_nan=False) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (logged after the checkpoint a run resumes from)."""
@@ -39,8 +43,8 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path) -> None:
     from matplotlib.figure import Figure
 
     records = read_metrics(metrics_path)
-    train = [(r["iter"], r["train_loss"]) for r in records if "lr" in r]
-    val = [(r["iter"], r["val_loss"]) for r in records if "val_loss" in r]
+    train = [(r["iter"], r["train_loss"]) for r in records if "lr" in r and r["train_loss"] is not None]
+    val = [(r["iter"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     fig = Figure(figsize=(7, 4), dpi=100)
     ax = fig.subplots()
     if train:

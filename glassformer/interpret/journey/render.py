@@ -6,6 +6,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from ...formats.files import write_text_atomic
+
 PLACEHOLDER = "/*JOURNEY_DATA*/"
 
 
@@ -18,9 +20,7 @@ def render_html(data: dict) -> str:
 
 
 def write_html(data: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.write_text(render_html(data), encoding="utf-8")
-    return path
+    return write_text_atomic(path, render_html(data))
 
 
 def summary(data: dict) -> dict:

@@ -1,0 +1,63 @@
+"""Reading and writing the user's files carefully: JSON objects that name their file when they
+are wrong, outputs that never replace an input or an unknown file, and atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file; a file that is not UTF-8 (or not a regular file) is one clear error."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not valid UTF-8 (byte {error.start})") from None
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A JSON file whose top level must be an object."""
+    try:
+        data = json.loads(read_text(path))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found a {type(data).__name__}")
+    return data
+
+
+def check_output(output: str | Path, inputs: Iterable[str | Path] = (), force: bool = False) -> Path:
+    """Refuse an output that is one of the inputs or lies inside an input folder, or (without
+    `force`) any file already there."""
+    output = Path(output)
+    for source in inputs:
+        source = Path(source)
+        if not source.exists():
+            continue  # a name (a known model), not a path
+        if output.exists() and os.path.samefile(output, source):
+            raise ValueError(f"{output}: the output would replace the input {source}")
+        if source.is_dir() and output.resolve().is_relative_to(source.resolve()):
+            raise ValueError(f"{output}: the output would be written inside the input {source}")
+    if output.is_dir():
+        raise ValueError(f"{output}: is a folder; give a file name")
+    if (output.exists() or output.is_symlink()) and not force:
+        raise ValueError(f"{output} already exists; pass --force to replace it")
+    return output
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` beside `path`, then rename it into place: no half-written file is left."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

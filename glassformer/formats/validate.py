@@ -1,0 +1,62 @@
+"""Checks on weights as they are loaded: every value finite, every magnitude plausible.
+
+A min and a max per tensor (no copy): NaN propagates to both and ±Inf shows at one of them.
+A non-finite value refuses the file, naming the tensor; a magnitude far beyond what such a
+tensor holds in trained models (norm gains, embeddings and matrices stay within
+tens; the limits are a hundred times that) is a warning, since it may be deliberate.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+LIMITS = {"norm": 1e3, "embedding": 1e3, "bias": 1e4, "matrix": 1e3}
+_NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
+
+
+class WeightWarning(UserWarning):
+    """A weight far outside what trained models hold."""
+
+
+def kind(name: str) -> str:
+    """The kind of tensor a parameter name (ours, GGUF's or Hugging Face's) describes."""
+    if "norm" in name or ".ln_" in name or name.startswith("ln_"):
+        return "norm"
+    if "emb" in name or name.endswith(("wte.weight", "wpe.weight")):
+        return "embedding"
+    return "bias" if name.endswith(".bias") else "matrix"
+
+
+def check_tensor(tensor: torch.Tensor, name: str, where: str) -> None:
+    """Refuse a non-finite value in `tensor`; warn about an absurd magnitude."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    low, high = _extremes(tensor.detach())
+    if not (math.isfinite(low) and math.isfinite(high)):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"{where}: tensor {name} holds {bad} non-finite value(s) (NaN or Inf)")
+    peak, limit = max(-low, high), LIMITS[kind(name)]
+    if peak > limit:
+        warnings.warn(f"{where}: tensor {name} reaches {peak:.3g}, above {limit:g}: far more than a "
+                      f"trained {kind(name)} holds", WeightWarning, stacklevel=2)
+
+
+def _extremes(tensor: torch.Tensor) -> tuple[float, float]:
+    """(min, max), NaN if any value is NaN. numpy on CPU: one thread, no waiting for a
+    second one on a busy machine (torch's aminmax took 10x longer there)."""
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS:
+        values = tensor.numpy()
+        return float(values.min()), float(values.max())
+    return tuple(float(v) for v in torch.aminmax(tensor))
+
+
+def check_model(model: torch.nn.Module, where: str, parameters: bool = True) -> None:
+    """Every parameter and floating-point buffer (RoPE tables, block scales) of a loaded model."""
+    for name, tensor in model.named_parameters() if parameters else ():
+        check_tensor(tensor, name, where)
+    for name, tensor in model.named_buffers():
+        check_tensor(tensor, name, where)
+

@@ -1,0 +1,196 @@
+"""Every command's bad values: refused at once with one line, never ignored, inverted or
+turned into a traceback; prompts from files and standard input."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hostile_helpers import checkpoint_folder
+
+from glassformer.cli import main
+
+M = "MODEL"  # replaced by a checkpoint folder (parse-time refusals never read it)
+
+BAD = {
+    "generate": [
+        (["--temperature", "nan"], "--temperature"), (["--temperature", "inf"], "--temperature"),
+        (["--temperature", "-1"], "--temperature"), (["--temperature", "hot"], "not a number"),
+        (["-n", "0"], "--max-new-tokens"), (["-n", "-3"], "--max-new-tokens"),
+        (["-n", "many"], "not an integer"), (["--top-k", "0"], "--top-k"),
+        (["--top-p", "nan"], "--top-p"), (["--top-p", "0"], "top_p"), (["--top-p", "1.5"], "top_p"),
+        (["--min-p", "inf"], "--min-p"), (["--min-p", "2"], "min_p"),
+        (["--repetition-penalty", "nan"], "--repetition-penalty"),
+        (["--repetition-penalty", "0"], "repetition_penalty"),
+        (["--presence-penalty", "inf"], "--presence-penalty"),
+        (["--frequency-penalty", "nan"], "--frequency-penalty"),
+        (["--beams", "0"], "--beams"), (["--length-penalty", "nan"], "--length-penalty"),
+        (["--rope-factor", "inf"], "--rope-factor"),
+        (["--device", "bogus"], "bogus"), (["--device", "cuda:7"], "cuda"),
+        (["--device", ""], "device"), (["--quantize", "int3"], "--quantize"),
+        (["--rope-scaling", "sideways"], "--rope-scaling"),
+    ],
+    "eval": [
+        (["--max-tokens", "-5"], "--max-tokens"), (["--max-tokens", "0"], "--max-tokens"),
+        (["--batch-size", "0"], "--batch-size"), (["--batch-size", "-2"], "--batch-size"),
+        (["--device", "bogus"], "bogus"), (["--device", "cuda"], "CUDA"),
+        (["--documents", "pages"], "--documents"),
+    ],
+    "compare": [
+        (["--atol", "-1"], "--atol"), (["--rtol", "-1"], "--rtol"), (["--atol", "nan"], "--atol"),
+        (["--rtol", "inf"], "--rtol"), (["--reference", "llama.cpp"], "--reference"),
+    ],
+    "chat": [
+        (["--max-context", "-1"], "--max-context"), (["--max-context", "0"], "--max-context"),
+        (["--temperature", "nan"], "--temperature"), (["--top-k", "0"], "--top-k"),
+        (["-n", "0"], "--max-new-tokens"), (["--top-p", "inf"], "--top-p"),
+        (["--repetition-penalty", "nan"], "--repetition-penalty"),
+    ],
+    "journey": [
+        (["--top-k", "0"], "--top-k"), (["--ig-steps", "0"], "--ig-steps"),
+        (["--device", "bogus"], "bogus"), (["--top-k", "-4"], "--top-k"),
+    ],
+    "export": [(["--format", "onnx"], "--format")],
+    "experiment": [
+        (["--budget", "nan"], "--budget"), (["--budget", "-1"], "--budget"),
+        (["--budget", "0"], "--budget"), (["--budget", "inf"], "--budget"),
+        (["--threads", "0"], "--threads"), (["--equal", "vibes"], "--equal"),
+    ],
+}
+PROMPTED = {"generate", "compare", "journey"}
+
+
+def _argv(command, extra, model):
+    if command == "experiment":
+        return [command, "cache", "--out", str(model.parent / "exp"), *extra]
+    argv = [command, "--model", model, *extra]
+    if command in PROMPTED:
+        argv.append("hi")
+    if command == "eval":
+        argv += ["--data", str(model / "config.json")]
+    if command == "export":
+        argv += ["-o", str(model.parent / "out")]
+    return argv
+
+
+CASES = [(command, extra, message) for command, cases in BAD.items() for extra, message in cases]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return checkpoint_folder(tmp_path_factory.mktemp("cli") / "ckpt")
+
+
+@pytest.mark.parametrize("command, extra, message", CASES,
+                         ids=[f"{c} {' '.join(e)}" for c, e, _ in CASES])
+def test_bad_values_are_refused(command, extra, message, model, refused):
+    refused(_argv(command, extra, model), message, model, seconds=10)
+
+
+GLOBAL = [
+    ([], "required"), (["frobnicate"], "invalid choice"), (["generate"], "--model"),
+    (["info"], "one of the arguments"), (["info", "--preset", "gpt-17"], "gpt-17"),
+    (["pull"], "name"), (["generate", "--model", "x", "a", "b"], "unrecognized"),
+    (["train", "--data", "x"], "--out"), (["eval", "--model", "x"], "--data"),
+]
+
+
+@pytest.mark.parametrize("argv, message", GLOBAL, ids=[" ".join(a) or "nothing" for a, _ in GLOBAL])
+def test_bad_command_lines_are_one_line(argv, message, tmp_path, refused):
+    refused(argv, message, tmp_path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"[1, 2]", "expected a JSON object"), (b"{", "not valid JSON"), (b"\xff\xfe", "UTF-8"),
+    (b'{"d_model": 16}', "required ModelConfig field"), (b'{"model": []}', "ModelConfig"),
+])
+def test_info_config_files(content, message, tmp_path, refused):
+    path = tmp_path / "c.json"
+    path.write_bytes(content)
+    refused(["info", "--config", path], message, path)
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("glassformer ")
+
+
+def test_help_exits_zero(capsys):
+    assert main(["generate", "--help"]) == 0
+    assert "--prompt-file" in capsys.readouterr().out
+
+
+BAD_UTF8 = os.fsdecode(b"caf\xe9")  # how Python hands over an argument that is not UTF-8
+
+
+@pytest.mark.parametrize("command", ["generate", "compare", "journey"])
+def test_a_prompt_that_is_not_utf8(command, model, refused):
+    refused([command, "--model", model, BAD_UTF8], "not valid UTF-8", model)
+
+
+@pytest.mark.parametrize("command", ["generate", "compare", "journey"])
+def test_prompt_file_problems(command, model, tmp_path, refused):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"caf\xe9 au lait")
+    refused([command, "--model", model, "--prompt-file", bad], "bad.txt: not valid UTF-8", bad)
+    refused([command, "--model", model, "--prompt-file", tmp_path / "none.txt"], "none.txt", tmp_path)
+    refused([command, "--model", model, "--prompt-file", bad, "hi"], "not both", bad)
+    refused([command, "--model", model], "no prompt", model)
+    refused([command, "--model", model, "--prompt-file", tmp_path], "not a regular file", tmp_path)
+
+
+def test_a_prompt_longer_than_an_argument_can_be(model, tmp_path, capsys):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("ab " * 100_000, encoding="utf-8")  # 300 KB: more than argv allows
+    code = main(["generate", "--model", str(model), "--prompt-file", str(prompt), "-n", "1",
+                 "--json", "--truncate"])
+    assert code == 0
+    assert len(json.loads(capsys.readouterr().out)["prompt_ids"]) == 31  # room for 1 new token
+
+
+def test_prompt_from_standard_input(model, monkeypatch, capsys):
+    class Stdin:
+        buffer = io.BytesIO(b"hello")
+
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    assert main(["generate", "--model", str(model), "-", "-n", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] != []
+
+
+def test_prompt_from_standard_input_not_utf8(model, monkeypatch, refused):
+    class Stdin:
+        buffer = io.BytesIO(b"\xff\xff")
+
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    refused(["generate", "--model", model, "-"], "standard input: not valid UTF-8", model)
+
+
+def test_compare_atol_zero_is_accepted_but_negative_never_inverts(model, refused):
+    refused(["compare", "--model", model, "--atol", "-0.5", "hi"], "must be >= 0", model)
+
+
+def _run(argv, stdin: bytes, env_home: Path):
+    env = dict(os.environ, GLASSFORMER_HOME=str(env_home), PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-m", "glassformer", *argv], input=stdin,
+                          capture_output=True, timeout=240, env=env)
+
+
+def test_chat_survives_a_line_that_is_not_utf8(gguf_file, monkeypatch, capsys):
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9\nhello\n/exit\n"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main(["chat", "--model", str(gguf_file), "-n", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "not valid UTF-8" in err and "Traceback" not in err
+    assert len(out.strip().splitlines()) == 1  # the second line was answered
+
+
+def test_a_subprocess_error_is_one_line_with_status_2(tmp_path):
+    done = _run(["generate", "--model", "/dev/zero", "hi"], b"", tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.decode().strip().splitlines() == [
+        "glassformer: error: /dev/zero: not a regular file or folder (a device or a pipe?)"]
