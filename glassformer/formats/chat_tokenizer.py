@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from .files import read_json_object
-from .tokenizers import HFTokenizer, _token_text, read_tokenizer
+from .tokenizers import HFTokenizer, token_text, read_tokenizer
 
 TEMPLATE_SECONDS = 2.0  # a chat template renders in milliseconds; a loop that does not stops here
 TEMPLATE_MIN_OUTPUT = 1 << 20  # characters; or four times the messages' text where that is more
@@ -97,8 +97,8 @@ class ChatTokenizer(HFTokenizer):
         template = config.get("chat_template")
         if not isinstance(template, str):  # a list of named templates is not supported
             template = None
-        return cls(read_tokenizer(path), _token_text(config.get("eos_token")),
-                   _token_text(config.get("bos_token")), template,
+        return cls(read_tokenizer(path), token_text(config.get("eos_token")),
+                   token_text(config.get("bos_token")), template,
                    bool(config.get("add_bos_token", False)))
 
 

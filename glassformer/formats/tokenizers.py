@@ -178,8 +178,8 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None,
     side = path.with_name("tokenizer_config.json")
     if side.is_file():
         config = read_json_object(side)
-        eos_token = eos_token or _token_text(config.get("eos_token"))
-        bos_token = bos_token or _token_text(config.get("bos_token"))
+        eos_token = eos_token or token_text(config.get("eos_token"))
+        bos_token = bos_token or token_text(config.get("bos_token"))
     return HFTokenizer.load(path, eos_token, bos_token)
 
 
@@ -192,6 +192,6 @@ def read_tokenizer(path: Path) -> Tokenizer:
         raise ValueError(f"{path}: not a readable tokenizer ({reason})") from None
 
 
-def _token_text(value) -> str | None:
+def token_text(value) -> str | None:
     # tokenizer_config.json writes a special token as a string or as {"content": ...}.
     return value.get("content") if isinstance(value, dict) else value

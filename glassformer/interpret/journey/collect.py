@@ -50,14 +50,14 @@ def _site(name: str, tensor: torch.Tensor) -> dict:
     return site
 
 
-def _token_text(tokenizer, token_id: int) -> str:
+def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if token_id < tokenizer.vocab_size else f"<{token_id}>"
 
 
 def _top(tokenizer, probs: torch.Tensor, logits: torch.Tensor, k: int) -> list[dict]:
     values, ids = probs.topk(min(k, probs.shape[-1]))
     return [
-        {"id": int(i), "token": _token_text(tokenizer, int(i)), "prob": float(f"{float(p):.4g}"),
+        {"id": int(i), "token": token_text(tokenizer, int(i)), "prob": float(f"{float(p):.4g}"),
          "logit": float(f"{float(logits[i]):.4g}")}
         for p, i in zip(values, ids, strict=True)
     ]
@@ -72,7 +72,7 @@ def _logit_lens(model: Transformer, tokenizer, residuals: list[torch.Tensor]) ->
             probs = model.lm_head(h)[0].float().softmax(dim=-1)  # (T, vocab)
             top_p, top_id = probs.max(dim=-1)  # (T,)
             rows.append({
-                "tokens": [_token_text(tokenizer, int(i)) for i in top_id],
+                "tokens": [token_text(tokenizer, int(i)) for i in top_id],
                 "probs": [round(float(p), 3) for p in top_p],
             })
     return rows
@@ -118,7 +118,7 @@ def collect_journey(
     reference = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.bos_id
     if reference is not None:  # a real token's embedding: a smooth path, unlike zeros
         baseline = token_baseline(model, ids, reference)
-        baseline_text = f"E_token[{_token_text(tokenizer, reference)!r}] at every position but the first"
+        baseline_text = f"E_token[{token_text(tokenizer, reference)!r}] at every position but the first"
         ig = integrated_gradients(model, ids, target, baseline=baseline, steps=ig_steps, edges=TENTHS)
     else:
         baseline_text = "zeros"
@@ -127,7 +127,7 @@ def collect_journey(
     residuals = [acts["embed.out"]] + [acts[f"blocks.{i}.resid_post"] for i in range(L)]
     return {
         "text": text,
-        "tokens": [_token_text(tokenizer, i) for i in ids_list],
+        "tokens": [token_text(tokenizer, i) for i in ids_list],
         "ids": ids_list,
         "config": config.to_dict(),
         "sizes": {"H": config.n_heads, "KV": config.kv_heads, "d_head": config.head_dim,
