@@ -1,0 +1,91 @@
+"""Attention over block tables: each request's queries against the keys its blocks hold.
+
+- reference: per request, gather its keys and values from the pool in position order, then
+  the model's reference kernel (the oracle).
+- fast: the single-query requests of a step (decoding) in one batched SDPA call, their keys
+  gathered into (B, KV, S_max, d_head) with the padding masked; each multi-token chunk
+  (prefill) in its own SDPA call with the causal mask offset by its cached prefix.
+Queries, keys and values of request r are at positions 0..S_r-1 of its own sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.layers.attention_backends import reference_attention, sdpa_attention
+from ..model.layers.masking import AttentionMask
+from .kv_pool import KVPool
+
+ATTENTION = ("reference", "fast")
+
+
+def slots_of(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+    """The pool slots of a sequence's first `length` tokens: (length,)."""
+    table = torch.tensor(block_table, dtype=torch.long)
+    return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+
+
+@dataclass
+class Part:
+    """One request's share of a step: rows start..start+n of the flat batch."""
+
+    start: int
+    n: int
+    slots: torch.Tensor  # (S,) every cached slot of the request, new ones last
+
+    @property
+    def context(self) -> int:
+        return self.slots.shape[0]
+
+
+class AttentionPlan:
+    """Per step, the gather indices and masks every layer reuses."""
+
+    def __init__(self, parts: list[Part], fast: bool, window: int | None,
+                 alibi_slopes: torch.Tensor | None) -> None:
+        self.window, self.alibi_slopes = window, alibi_slopes
+        self.single = [p for p in parts if p.n == 1] if fast else []
+        self.chunks = [p for p in parts if not (fast and p.n == 1)]
+        self.fast = fast
+        if self.single:
+            s_max = max(p.context for p in self.single)
+            self.rows = torch.tensor([p.start for p in self.single])  # (B,)
+            self.slot_matrix = torch.zeros(len(self.single), s_max, dtype=torch.long)  # (B, S_max)
+            self.valid = torch.zeros(len(self.single), s_max, dtype=torch.bool)  # (B, S_max)
+            for b, p in enumerate(self.single):
+                self.slot_matrix[b, : p.context] = p.slots
+                self.valid[b, : p.context] = True
+            k_pos = torch.arange(s_max).expand(len(self.single), s_max)  # (B, S_max)
+            q_pos = torch.tensor([[p.context - 1] for p in self.single])  # (B, 1)
+            self.single_mask = self._mask(q_pos, k_pos, self.valid)
+        self.chunk_masks = [
+            self._mask(torch.arange(p.context - p.n, p.context)[None], torch.arange(p.context)[None])
+            for p in self.chunks
+        ]
+
+    def _mask(self, q_pos, k_pos, valid=None) -> AttentionMask:
+        return AttentionMask(q_pos=q_pos, k_pos=k_pos, causal=True, window=self.window,
+                             k_valid=valid, alibi_slopes=self.alibi_slopes, contiguous=valid is None)
+
+
+def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, plan: AttentionPlan) -> torch.Tensor:
+    """Context vectors (N, H, d_head) for the flat queries q (N, H, d_head) of a step."""
+    out = torch.empty_like(q)  # (N, H, d_head)
+    if plan.single:
+        k, v = pool.read(layer, plan.slot_matrix)  # (B, S_max, KV, d_head)
+        qb = q[plan.rows][:, :, None]  # (B, H, 1, d_head)
+        context = sdpa_attention(qb, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                 plan.single_mask)  # (B, H, 1, d_head)
+        out[plan.rows] = context[:, :, 0]
+    for part, mask in zip(plan.chunks, plan.chunk_masks, strict=True):
+        k, v = pool.read(layer, part.slots)  # (S, KV, d_head)
+        k, v = k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype)  # (1, KV, S, d)
+        qc = q[part.start : part.start + part.n].transpose(0, 1)[None]  # (1, H, n, d_head)
+        if plan.fast:
+            context = sdpa_attention(qc, k, v, mask)
+        else:
+            context = reference_attention(qc, k, v, mask)[0]  # (1, H, n, d_head)
+        out[part.start : part.start + part.n] = context[0].transpose(0, 1)
+    return out

@@ -1,0 +1,102 @@
+"""A request inside the engine: its tokens, how many of them are in the KV cache, its blocks,
+and the state that picks and checks its next token (its own generator, counts, text stream)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Ids
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal
+
+import torch
+
+from ..generation.sampling import SamplingConfig, token_counts
+from ..generation.stopping import Decoder, TextStream
+
+StopReason = Literal["eos", "stop_string", "max_new_tokens", "context_full", "cancelled"]
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """How one request is continued. The default is greedy decoding of up to 64 tokens."""
+
+    max_new_tokens: int = 64
+    sampling: SamplingConfig = SamplingConfig(temperature=0.0)
+    seed: int | None = None  # None: a fresh random seed
+    stop: tuple[str, ...] = ()  # stop strings (need a tokenizer)
+    eos_ids: tuple[int, ...] | None = None  # None: the tokenizer's eos_id
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.stop, str):
+            raise ValueError("stop: a tuple of strings, not a single string")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, prompt: Ids[int], params: RequestParams, vocab_size: int,
+                 tokenizer: Decoder | None = None, eos: set[int] | None = None,
+                 request_id: str | None = None) -> None:
+        self.id = request_id if request_id is not None else f"req-{next(_ids)}"
+        self.tokens = list(prompt)  # the prompt, then every generated token
+        self.prompt_len = len(self.tokens)
+        self.params, self.eos = params, eos or set()
+        self.status = Status.WAITING
+        self.num_computed = 0  # tokens whose keys and values are in the cache
+        self.block_table: list[int] = []
+        self.block_keys: list[int] = []  # prefix keys of the full blocks, in order
+        self.generator = torch.Generator()
+        self.generator.manual_seed(params.seed) if params.seed is not None else self.generator.seed()
+        self.counts = None
+        if params.sampling.uses_counts:  # (1, V) occurrences for the penalties
+            self.counts = token_counts(torch.tensor([self.tokens]), vocab_size)
+        self.text = None if tokenizer is None else TextStream(tokenizer, params.stop, self.tokens[-4:])
+        self.stop_reason: StopReason | None = None
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def accept(self, token: int, context_length: int) -> str:
+        """Append a generated token and decide whether to stop; returns the newly visible text."""
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.tokens.append(token)
+        if self.counts is not None:
+            self.counts[0, token] += 1
+        piece = ""
+        if token in self.eos:
+            self.stop_reason = "eos"
+        elif self.text is not None:
+            piece = self.text.push(token)
+            if self.text.stop_string is not None:
+                self.stop_reason = "stop_string"
+        if self.stop_reason is None and len(self.generated) >= self.params.max_new_tokens:
+            self.stop_reason = "max_new_tokens"
+        if self.stop_reason is None and self.num_tokens > context_length:
+            self.stop_reason = "context_full"  # no position left for the next token
+        if self.stop_reason is not None:
+            self.finish_time = now
+            if self.text is not None:
+                piece += self.text.flush()
+        return piece
