@@ -60,7 +60,8 @@ class Engine:
         mc = model.config
         n_blocks = config.n_blocks
         if n_blocks is None:
-            n_blocks = int(config.kv_memory_mb * 2**20) // bytes_per_block(mc, config.block_size, config.kv_dtype)
+            block_bytes = bytes_per_block(mc, config.block_size, config.kv_dtype)
+            n_blocks = int(config.kv_memory_mb * 2**20) // block_bytes
         self.blocks = BlockManager(n_blocks, config.block_size, config.prefix_caching)
         device = model.embed.tokens.weight.device
         self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device)
@@ -78,15 +79,15 @@ class Engine:
 
     # ------------------------------------------------------------------ any thread
 
-    def submit(self, prompt: Ids[int], params: RequestParams = RequestParams(),
+    def submit(self, prompt: Ids[int], params: RequestParams | None = None,
                request_id: str | None = None) -> RequestHandle:
         """Queue a request (prompt token ids); returns its handle at once."""
-        mc = self.model.config
+        mc, params = self.model.config, params or RequestParams()
         prompt = list(prompt)
         if not prompt:
             raise ValueError("prompt: empty; give at least one token")
         if len(prompt) > mc.context_length:
-            raise ValueError(f"prompt: {len(prompt)} tokens exceed the model's context_length={mc.context_length}")
+            raise ValueError(f"prompt: {len(prompt)} tokens exceed context_length={mc.context_length}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer to decode the text")
         if any(not 0 <= t < mc.vocab_size for t in prompt):
