@@ -1,7 +1,10 @@
 """Attention over block tables: each request's queries against the keys its blocks hold.
 
-- reference: per request, gather its keys and values from the pool in position order, then
-  the model's reference kernel (the oracle).
+- reference: per query token, the keys and values of its own prefix gathered from the pool
+  in position order, then the model's reference kernel (the oracle). Every product then has
+  a shape set by the token's position alone, so its numbers are the same bit for bit
+  whatever shares the step, the chunk, the block size or the cache hits (matrix products
+  sum in an order that may change with their shapes).
 - fast: the single-query requests of a step (decoding) in one batched SDPA call, their keys
   gathered into (B, KV, S_max, d_head) with the padding masked; each multi-token chunk
   (prefill) in its own SDPA call with the causal mask offset by its cached prefix.
@@ -84,8 +87,21 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, plan: AttentionPl
         k, v = k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype)  # (1, KV, S, d)
         qc = q[part.start : part.start + part.n].transpose(0, 1)[None]  # (1, H, n, d_head)
         if plan.fast:
-            context = sdpa_attention(qc, k, v, mask)
+            context = sdpa_attention(qc, k, v, mask)[0].transpose(0, 1)  # (n, H, d_head)
         else:
-            context = reference_attention(qc, k, v, mask)[0]  # (1, H, n, d_head)
-        out[part.start : part.start + part.n] = context[0].transpose(0, 1)
+            context = _per_query(qc, k, v, mask)
+        out[part.start : part.start + part.n] = context
     return out
+
+
+def _per_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """The reference kernel for each query alone over its own prefix: (n, H, d_head)."""
+    n, S = q.shape[2], k.shape[2]
+    rows = []
+    for i in range(n):
+        end = S - n + i + 1  # keys 0..end-1 precede or are the query
+        sub = AttentionMask(q_pos=mask.q_pos[:, i : i + 1], k_pos=mask.k_pos[:, :end], causal=True,
+                            window=mask.window, alibi_slopes=mask.alibi_slopes, contiguous=True)
+        k_i, v_i = k[:, :, :end].contiguous(), v[:, :, :end].contiguous()  # (1, KV, end, d_head)
+        rows.append(reference_attention(q[:, :, i : i + 1].contiguous(), k_i, v_i, sub)[0][0, :, 0])
+    return torch.stack(rows)  # (n, H, d_head)

@@ -87,7 +87,9 @@ class ModelRunner:
         x = self._rows(lambda i, p: model.embed(i[None], p[None])[0], ids_t, pos_t)  # (N, d)
         for layer, block in enumerate(model.blocks):
             x = self._block(block, layer, x, new_slots, attention, rope)
-        h = x[torch.tensor(last_rows, device=self.device)]  # (R, d)
+        h = x[torch.tensor(last_rows, dtype=torch.long, device=self.device)]  # (R, d)
+        if not last_rows:
+            return h.new_zeros(0, config.vocab_size)
         if model.final_norm is not None:
             return self._rows(lambda t: model.head(model.final_norm(t)), h)  # (R, V)
         return self._rows(model.head, h)
