@@ -83,6 +83,8 @@ class Engine:
                request_id: str | None = None) -> RequestHandle:
         """Queue a request (prompt token ids); returns its handle at once."""
         mc, params = self.model.config, params or RequestParams()
+        if self._error is not None:
+            raise RuntimeError(f"engine: stopped after an error ({self._error!r})")
         prompt = list(prompt)
         if not prompt:
             raise ValueError("prompt: empty; give at least one token")
@@ -137,6 +139,11 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def raise_error(self) -> None:
+        """Re-raise the exception that ended the background thread, if one did."""
+        if self._error is not None:
+            raise self._error
 
     def has_work(self) -> bool:
         with self._wake:
