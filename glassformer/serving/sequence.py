@@ -3,12 +3,13 @@ and the state that picks and checks its next token (its own generator, counts, t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as Ids
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -33,6 +34,24 @@ class RequestParams:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.stop, str):
             raise ValueError("stop: a tuple of strings, not a single string")
+
+    @classmethod
+    def from_fields(cls, **fields: Any) -> RequestParams:
+        """From flat settings (a JSON line, keyword arguments): RequestParams fields and
+        SamplingConfig fields side by side; `stop` may be one string."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"sampling"}
+        sampling = {f.name for f in dataclasses.fields(SamplingConfig)}
+        unknown = sorted(set(fields) - own - sampling)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown setting; use {sorted(own | sampling)}")
+        if isinstance(fields.get("stop"), str):
+            fields["stop"] = (fields["stop"],)
+        for name in ("stop", "eos_ids"):
+            if fields.get(name) is not None:
+                fields[name] = tuple(fields[name])
+        fields.setdefault("temperature", 0.0)
+        return cls(sampling=SamplingConfig(**{k: v for k, v in fields.items() if k in sampling}),
+                   **{k: v for k, v in fields.items() if k in own})
 
 
 class Status(Enum):
