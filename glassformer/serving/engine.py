@@ -123,14 +123,14 @@ class Engine:
             self._thread.start()
         return self
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread (requests still running are cancelled)."""
+    def close(self) -> None:
+        """Stop the thread after its current step; requests still running are cancelled."""
         with self._wake:
             self._stopping = True
             self._cancels.update(self._handles)
             self._wake.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join()
             self._thread = None
         self._intake()
 
@@ -187,7 +187,10 @@ class Engine:
         handle.push(event, self._result(seq))
 
     def step(self) -> StepTrace | None:
-        """One scheduling round and forward pass; None when there was nothing to run."""
+        """One scheduling round and forward pass; None when there was nothing to run. Call it
+        (or run_until_done) only while the background thread is not started."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError("step: the engine's own thread is stepping it (see start/close)")
         self._intake()
         plan = self.scheduler.schedule()
         if not plan.scheduled:

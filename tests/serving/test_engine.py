@@ -142,3 +142,24 @@ def test_invalid_requests_raise_one_clear_error(tiny):
         engine.submit([96])
     with pytest.raises(ValueError, match="empty"):
         engine.submit([])
+
+
+def test_a_chat_turn_reuses_the_blocks_of_its_history(tiny, prompts):
+    model = tiny()
+    engine = Engine(model, None, EngineConfig(n_blocks=64, block_size=4))
+    first = engine.submit(prompts([10])[0], GREEDY)
+    engine.run_until_done()
+    history = first.result.prompt_ids + first.result.generated_ids  # 22 tokens: 5 full blocks
+    second = engine.submit(history + prompts([3], seed=2)[0], GREEDY)
+    before = engine.stats.prefix_hit_tokens
+    engine.run_until_done()
+    assert engine.stats.prefix_hit_tokens - before == 20
+    alone = _run(model, [(history + prompts([3], seed=2)[0], GREEDY)], EngineConfig(n_blocks=64))[0][0]
+    assert second.result.generated_ids == alone
+    _assert_whole(engine)
+
+
+def test_stepping_by_hand_is_refused_while_the_thread_runs(tiny):
+    with Engine(tiny(), None, EngineConfig(n_blocks=8)) as engine:
+        with pytest.raises(RuntimeError, match="own thread"):
+            engine.step()
