@@ -6,7 +6,8 @@ Workloads:
   b  32 prompts cut from tinyshakespeare (32-512 tokens), 16-128 new tokens, Poisson arrivals
   c  16 requests sharing a 512-token system prompt, 32 new tokens; plus the time to first
      token of one request alone on a cold cache and on a warm one (the prefix cached)
-  d  capacity: a pool sized for 16 sequences of 2,048 tokens in int8, 16 short requests
+  d  capacity: a pool sized for 16 sequences of 2,048 tokens in int8, 16 short requests; and
+     the accuracy cost of int8 keys and values: greedy tokens shared with an fp32 KV cache
 For each: total tokens/s, time to first token (TTFT) p50/p95, time per output token (TPOT)
 p50/p95, peak RSS. Every run is its own subprocess (its own peak RSS). transformers runs
 the same GGUF weights dequantized to float32 (a and c only: it takes one setting for all).
@@ -89,6 +90,8 @@ def engine_worker(name: str, mode: str) -> dict:
                 extra[f"ttft_{label}"] = time.perf_counter() - start
                 handle.wait()
             extra["warm_over_cold"] = extra["ttft_warm"] / extra["ttft_cold"]
+        if name == "d":
+            extra["int8_kv_same_tokens"] = _kv_agreement(lm, requests)
         records = asyncio.run(_drive(engine, requests))
         wall = max(r["end"] for r in records) - min(r["at"] for r in records)
     finally:
@@ -97,6 +100,23 @@ def engine_worker(name: str, mode: str) -> dict:
     return summarize(records, wall) | extra | {
         "peak_mb": peak_mb(), "pool_mb": engine.pool.nbytes() / 2**20, "preemptions": stats.preemptions,
         "prefix_hit_tokens": stats.prefix_hit_tokens, "tokens": [r["ids"] for r in records]}
+
+
+def _kv_agreement(lm, requests) -> float:
+    """The share of greedy tokens an int8 KV cache produces before it first departs from an
+    fp32 one, over the requests."""
+    from glassformer.serving import EngineConfig, RequestParams
+
+    params = [RequestParams(max_new_tokens=r["n"], eos_ids=()) for r in requests]
+    prompts = [r["ids"] for r in requests]
+    fp32 = lm.generate_many(prompts, params=params, engine=EngineConfig(kv_memory_mb=64))
+    int8 = lm.generate_many(prompts, params=params, engine=EngineConfig(kv_memory_mb=64, kv_dtype="int8"))
+    same = total = 0
+    for a, b in zip(fp32, int8, strict=True):
+        total += len(a.generated_ids)
+        same += next((i for i, (x, y) in enumerate(zip(a.generated_ids, b.generated_ids, strict=True))
+                      if x != y), len(a.generated_ids))
+    return same / total
 
 
 async def _drive(engine, requests) -> list[dict]:
