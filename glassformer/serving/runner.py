@@ -35,7 +35,7 @@ class ModelRunner:
         if not config.causal:
             raise ValueError("model: the engine decodes causal models only")
         self.model, self.pool, self.fast = model, pool, attention == "fast"
-        self.device = model.embed.tokens.weight.device
+        self.device, self.dtype = model.embed.tokens.weight.device, model.embed.tokens.weight.dtype
         linears = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
         self.pad = not all(isinstance(m, QuantizedLinear) for m in linears)
         self.rope = None
@@ -82,7 +82,7 @@ class ModelRunner:
         parts = self.parts(plan)
         new_slots = torch.cat([p.slots[p.context - p.n :] for p in parts])  # (N,)
         attention = AttentionPlan(parts, self.fast, config.sliding_window,
-                                  getattr(model, "alibi_slopes", None))
+                                  getattr(model, "alibi_slopes", None), self.dtype, self.device)
         rope = None if self.rope is None else (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
         x = self._rows(lambda i, p: model.embed(i[None], p[None])[0], ids_t, pos_t)  # (N, d)
         for layer, block in enumerate(model.blocks):
