@@ -24,13 +24,14 @@ from ..generation.generate import GenerationResult
 from ..generation.sampling import greedy, next_token
 from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
+from .beam import BeamGroup
 from .block_manager import BlockManager
 from .handle import Event, RequestHandle
 from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import RequestParams, Sequence, Status
+from .sequence import RequestParams, Sequence
 from .stats import EngineStats, StepTrace
 
 
@@ -95,17 +96,19 @@ class Engine:
         if any(not 0 <= t < mc.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be in 0..{mc.vocab_size - 1}")
         longest = min(len(prompt) + params.max_new_tokens, mc.context_length)
-        if self.blocks.blocks_for(longest) > self.blocks.n_blocks:
-            raise ValueError(f"kv_memory_mb: {longest} tokens need {self.blocks.blocks_for(longest)} "
+        needed = self.blocks.blocks_for(longest) * params.beams  # every beam may need its own
+        if needed > self.blocks.n_blocks:
+            raise ValueError(f"kv_memory_mb: {params.beams} x {longest} tokens need {needed} "
                              f"blocks, the pool has {self.blocks.n_blocks}")
         eos = set(params.eos_ids) if params.eos_ids is not None else (
             {self.tokenizer.eos_id} if getattr(self.tokenizer, "eos_id", None) is not None else set())
         seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id)
+        unit = BeamGroup(seq, self.tokenizer, mc.context_length) if params.beams > 1 else seq
         handle = RequestHandle(seq.id, self.cancel)
         with self._wake:
             if seq.id in self._handles:
                 raise ValueError(f"request_id: {seq.id!r} is already in use")
-            self._handles[seq.id] = (seq, handle)
+            self._handles[seq.id] = (unit, handle)
             self._inbox.append(seq)
             self._wake.notify_all()
         return handle
@@ -175,16 +178,19 @@ class Engine:
             self.scheduler.add(seq)
         for request_id in cancels:
             entry = self._handles.get(request_id)
-            if entry is not None and entry[0].status is not Status.FINISHED:
-                seq = entry[0]
-                seq.stop_reason, seq.finish_time = "cancelled", time.perf_counter()
-                self._finish(seq, Event(seq.id, None, "", True, "cancelled"))
+            if entry is None:
+                continue
+            seq = entry[0].root if isinstance(entry[0], BeamGroup) else entry[0]
+            seq.stop_reason, seq.finish_time = "cancelled", time.perf_counter()
+            self._finish(entry[0], Event(seq.id, None, "", True, "cancelled"), self._result(seq))
 
-    def _finish(self, seq: Sequence, event: Event) -> None:
-        self.scheduler.remove(seq)
-        _, handle = self._handles.pop(seq.id)
+    def _finish(self, unit: Sequence | BeamGroup, event: Event, result: GenerationResult) -> None:
+        for seq in unit.members if isinstance(unit, BeamGroup) else [unit]:
+            self.scheduler.remove(seq)
+        with self._wake:
+            _, handle = self._handles.pop(unit.id)
         self.stats.finished += 1
-        handle.push(event, self._result(seq))
+        handle.push(event, result)
 
     def step(self) -> StepTrace | None:
         """One scheduling round and forward pass; None when there was nothing to run. Call it
@@ -198,19 +204,39 @@ class Engine:
         start = time.perf_counter()
         logits = self.runner.run(plan)  # (R, V)
         ready = self.scheduler.advance(plan)
-        tokens = self._pick(ready, logits)
-        for seq, token in zip(ready, tokens, strict=True):
+        plain = [i for i, seq in enumerate(ready) if seq.group is None]
+        tokens = self._pick([ready[i] for i in plain], logits[plain])
+        for i, token in zip(plain, tokens, strict=True):
+            seq = ready[i]
             piece = seq.accept(token, self.model.config.context_length)
             event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason)
             if event.finished:
-                self._finish(seq, event)
+                self._finish(seq, event, self._result(seq))
             else:
                 self._handles[seq.id][1].push(event)
+        for i, seq in enumerate(ready):
+            if seq.group is not None and seq.group.offer(seq, logits[i]):
+                self._advance_beams(seq.group)
         trace = StepTrace(len(self.trace) and self.trace[-1].step + 1, start, time.perf_counter() - start,
                           [(seq.id, n) for seq, n in plan.scheduled], [s.id for s in plan.preempted])
         self.trace.append(trace)
         self.stats.record(plan, len(ready), self.scheduler, self.blocks)
         return trace
+
+    def _advance_beams(self, group: BeamGroup) -> None:
+        children, dropped = group.advance(self.blocks)
+        for seq in dropped:
+            self.scheduler.remove(seq)
+        for seq in children:
+            self.scheduler.adopt(seq)
+        root = group.root
+        if root.first_token_time is None:
+            root.first_token_time = time.perf_counter()
+        if group.winner is not None:
+            now = time.perf_counter()
+            result = group.result(root.first_token_time - root.arrival, now - root.first_token_time)
+            event = Event(group.id, None, result.text or "", True, result.stop_reason)
+            self._finish(group, event, result)
 
     def _pick(self, ready: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Each request's next token, with its own settings and generator."""

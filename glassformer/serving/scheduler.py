@@ -46,6 +46,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence) -> None:
+        """A running sequence forked from another (it holds its blocks already)."""
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -82,6 +86,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if n == 0:  # a beam waiting for the other members of its group
+                i += 1
+                continue
             while not self._reserve(seq, n, plan):
                 victim = self.running.pop()  # the newest request
                 self._preempt(victim, plan)

@@ -28,10 +28,16 @@ class RequestParams:
     seed: int | None = None  # None: a fresh random seed
     stop: tuple[str, ...] = ()  # stop strings (need a tokenizer)
     eos_ids: tuple[int, ...] | None = None  # None: the tokenizer's eos_id
+    beams: int = 1  # > 1: beam search over forked sequences (beam.py)
+    length_penalty: float = 1.0  # beam score = sum log p / length^length_penalty
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
+        if self.beams < 1:
+            raise ValueError(f"beams: must be >= 1, got {self.beams}")
+        if self.beams > 1 and (not self.sampling.greedy or self.sampling.uses_counts):
+            raise ValueError("beams: beam search ranks raw log-probabilities; drop sampling and penalties")
         if isinstance(self.stop, str):
             raise ValueError("stop: a tuple of strings, not a single string")
 
@@ -86,6 +92,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.preemptions = 0
+        self.group = None  # the BeamGroup this sequence is a member of
 
     @property
     def num_tokens(self) -> int:
