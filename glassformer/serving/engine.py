@@ -217,7 +217,7 @@ class Engine:
         for i, seq in enumerate(ready):
             if seq.group is not None and seq.group.offer(seq, logits[i]):
                 self._advance_beams(seq.group)
-        trace = StepTrace(len(self.trace) and self.trace[-1].step + 1, start, time.perf_counter() - start,
+        trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
                           [(seq.id, n) for seq, n in plan.scheduled], [s.id for s in plan.preempted])
         self.trace.append(trace)
         self.stats.record(plan, len(ready), self.scheduler, self.blocks)
