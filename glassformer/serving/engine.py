@@ -45,6 +45,7 @@ class EngineConfig:
     token_budget: int = 256  # most tokens in one step (prefill is cut into chunks to fit)
     prefix_caching: bool = True
     attention: str = "fast"  # "fast" | "reference"
+    batch_invariant: bool = True  # row tiles: tokens independent of what shares a step (runner.py)
     trace_length: int = 1000  # steps kept in the trace
 
     def __post_init__(self) -> None:
@@ -67,7 +68,7 @@ class Engine:
         device = model.embed.tokens.weight.device
         self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device)
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.token_budget)
-        self.runner = ModelRunner(model, self.pool, config.attention)
+        self.runner = ModelRunner(model, self.pool, config.attention, config.batch_invariant)
         self.stats = EngineStats()
         self.trace: deque[StepTrace] = deque(maxlen=config.trace_length)
         self._handles: dict[str, tuple[Sequence, RequestHandle]] = {}

@@ -55,6 +55,15 @@ def test_greedy_outputs_equal_generate(tiny, prompts, name, attention):
     _assert_whole(engine)
 
 
+def test_without_row_tiles_greedy_still_equals_generate(tiny, prompts):
+    model = tiny()
+    todo = prompts([5, 17, 3, 30])
+    expected = [generate(model, p, GenerationConfig(max_new_tokens=12, eos_ids=())).generated_ids
+                for p in todo]
+    config = EngineConfig(n_blocks=64, token_budget=32, max_batch=4, batch_invariant=False)
+    assert _run(model, [(p, GREEDY) for p in todo], config)[0] == expected
+
+
 def test_seeded_sampling_equals_generate_with_the_same_seed(tiny, prompts):
     model = tiny()
     prompt = prompts([9])[0]
