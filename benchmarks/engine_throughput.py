@@ -9,8 +9,9 @@ Workloads:
   d  capacity: a pool sized for 16 sequences of 2,048 tokens in int8, 16 short requests; and
      the accuracy cost of int8 keys and values: greedy tokens shared with an fp32 KV cache
 For each: total tokens/s, time to first token (TTFT) p50/p95, time per output token (TPOT)
-p50/p95, peak RSS. Every run is its own subprocess (its own peak RSS). transformers runs
-the same GGUF weights dequantized to float32 (a and c only: it takes one setting for all).
+p50/p95, peak RSS (which counts loading the model) and resident memory at the end. Every
+run is its own subprocess (its own peak RSS). transformers runs the same GGUF weights
+dequantized to float32 (a and c only: it takes one setting for all).
 
     .venv/bin/python benchmarks/engine_throughput.py [--workloads a b c d] [--modes none int8 int4]
         [--skip sequential transformers] [--threads N] [--json]
@@ -34,6 +35,12 @@ ANCHOR = "The meaning of life is"
 
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mb() -> float:
+    """Resident memory now (Linux): the peak above also counts loading the model."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 def workload(name: str, encode) -> list[dict]:
@@ -98,8 +105,9 @@ def engine_worker(name: str, mode: str) -> dict:
         engine.close()
     stats = engine.stats
     return summarize(records, wall) | extra | {
-        "peak_mb": peak_mb(), "pool_mb": engine.pool.nbytes() / 2**20, "preemptions": stats.preemptions,
-        "prefix_hit_tokens": stats.prefix_hit_tokens, "tokens": [r["ids"] for r in records]}
+        "peak_mb": peak_mb(), "rss_mb": rss_mb(), "pool_mb": engine.pool.nbytes() / 2**20,
+        "preemptions": stats.preemptions, "prefix_hit_tokens": stats.prefix_hit_tokens,
+        "tokens": [r["ids"] for r in records]}
 
 
 def _kv_agreement(lm, requests) -> float:
