@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import resource
 import subprocess
@@ -29,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # --corpus
 ANCHOR = "The meaning of life is"
 
 
@@ -48,7 +49,7 @@ def workload(name: str, encode) -> list[dict]:
     rng = random.Random(0)
     if name == "a":
         return [{"ids": encode(ANCHOR), "n": 64, "at": 0.0} for _ in range(8)]
-    text = CORPUS.read_text(encoding="utf-8")
+    text = Path(os.environ.get("ENGINE_BENCH_CORPUS", CORPUS)).read_text(encoding="utf-8")
     ids = encode(text[:400_000])
     if name == "b":
         requests, t = [], 0.0
@@ -179,10 +180,12 @@ def transformers_worker(name: str, mode: str) -> dict:
     requests = workload(name, lambda text: tokenizer.encode(text, add_special_tokens=False))
     config = transformers.GenerationConfig(max_new_tokens=requests[0]["n"], do_sample=False,
                                            eos_token_id=None)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate_batch([r["ids"] for r in requests], generation_config=config)
+    start = time.perf_counter()  # generate_batch runs its own thread: no inference_mode here
+    out = model.generate_batch([r["ids"] for r in requests], generation_config=config)
     wall = time.perf_counter() - start
+    failed = [o.error for o in out.values() if o.error]
+    if failed:
+        raise RuntimeError(f"generate_batch failed: {failed[0]}")
     tokens = [list(o.generated_tokens) for o in out.values()]
     return {"tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "requests": len(tokens),
             "peak_mb": peak_mb(), "tokens": tokens}
@@ -199,12 +202,14 @@ def main() -> None:
     parser.add_argument("--skip", nargs="+", default=[], choices=["sequential", "transformers"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--corpus", default=str(CORPUS), help="tinyshakespeare.txt (workloads b, c, d)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+    os.environ["ENGINE_BENCH_CORPUS"] = args.corpus  # read by the workers it starts
     if args.worker:
         system, name, mode = args.worker
         print(json.dumps(SYSTEMS[system](name, mode)))
