@@ -224,7 +224,7 @@ def main() -> None:
             runs.append(("transformers", name, "fp32"))
     results = {}
     for system, name, mode in runs:
-        command = [sys.executable, __file__, "--worker", system, name, mode]
+        command = [sys.executable, __file__, "--worker", system, name, mode, "--corpus", args.corpus]
         if args.threads:
             command += ["--threads", str(args.threads)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
