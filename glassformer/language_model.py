@@ -9,7 +9,7 @@ A source is one of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from .generation.generate import GenerationConfig, GenerationResult, generate
 from .generation.sampling import SamplingConfig
 from .interpret.trace import Names, run_with_cache
 from .model.transformer import Transformer
+from .serving import Engine, EngineConfig, RequestParams
 
 Prompt = str | Sequence[int]
 
@@ -58,6 +59,31 @@ class LanguageModel:
         options.setdefault("sampling", SamplingConfig(temperature=temperature))
         config = GenerationConfig(max_new_tokens=max_new_tokens, **options)
         return generate(self.model, self.encode(prompt), config, self.tokenizer)
+
+    def generate_many(self, prompts: Sequence[Prompt], max_new_tokens: int = 64,
+                      temperature: float = 0.0, params: Sequence[RequestParams] | None = None,
+                      engine: EngineConfig | None = None,
+                      on_result: Callable[[int, GenerationResult], None] | None = None,
+                      **options: Any) -> list[GenerationResult]:
+        """Continue many prompts together through the serving engine (continuous batching over
+        a paged KV cache); results in prompt order. `options` are RequestParams and
+        SamplingConfig fields for every prompt, or `params` gives one RequestParams each.
+        `on_result(index, result)` is called as each request finishes."""
+        if params is None:
+            shared = RequestParams.from_fields(max_new_tokens=max_new_tokens, temperature=temperature,
+                                               **options)
+            params = [shared] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        runner = Engine(self.model, self.tokenizer, engine or EngineConfig())
+        handles = [runner.submit(self.encode(p), r) for p, r in zip(prompts, params, strict=True)]
+        index = {h.request_id: i for i, h in enumerate(handles)}
+        while runner.has_work():
+            runner.step()
+            if on_result is not None:
+                for finished in [h for h in handles if h.finished and h.request_id in index]:
+                    on_result(index.pop(finished.request_id), finished.result)
+        return [h.result for h in handles]
 
     def logits(self, prompt: Prompt) -> torch.Tensor:
         """Next-token logits at every position of one prompt: (T, vocab)."""

@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from .files import read_json_object
-from .tokenizers import HFTokenizer, token_text, read_tokenizer
+from .tokenizers import HFTokenizer, read_tokenizer, token_text
 
 TEMPLATE_SECONDS = 2.0  # a chat template renders in milliseconds; a loop that does not stops here
 TEMPLATE_MIN_OUTPUT = 1 << 20  # characters; or four times the messages' text where that is more

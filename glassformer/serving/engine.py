@@ -1,0 +1,270 @@
+"""The engine: requests submitted at any time, run together step after step.
+
+    step:  plan = scheduler.schedule()       who runs, how many tokens each (scheduler.py)
+           logits = runner.run(plan)          one forward over the flat batch (runner.py)
+           for each request that caught up:   pick its next token with its own generator,
+               stream it, stop it or go on
+
+`step()` can be driven by hand (tests, offline batches); `start()` runs it on a background
+thread that sleeps while nothing waits. `submit` and `cancel` are safe from any thread: they
+only queue work that the stepping thread picks up at the start of its next step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence as Ids
+from dataclasses import dataclass
+
+import torch
+
+from ..generation.generate import GenerationResult
+from ..generation.sampling import greedy, next_token
+from ..generation.stopping import Decoder
+from ..model.transformer import Transformer
+from .beam import BeamGroup
+from .block_manager import BlockManager
+from .handle import Event, RequestHandle
+from .kv_pool import KVPool, bytes_per_block
+from .paged_attention import ATTENTION
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import RequestParams, Sequence
+from .stats import EngineStats, StepTrace
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_memory_mb: float = 256.0  # the pool's size
+    n_blocks: int | None = None  # overrides kv_memory_mb (tests)
+    kv_dtype: str = "fp32"  # "fp32" | "bf16" | "int8"
+    max_batch: int = 16  # most requests in one step
+    token_budget: int = 256  # most tokens in one step (prefill is cut into chunks to fit)
+    prefix_caching: bool = True
+    attention: str = "fast"  # "fast" | "reference"
+    batch_invariant: bool = True  # row tiles: tokens independent of what shares a step (runner.py)
+    trace_length: int = 1000  # steps kept in the trace
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention: choose one of {ATTENTION}, got {self.attention!r}")
+        if self.kv_memory_mb <= 0:
+            raise ValueError(f"kv_memory_mb: must be positive, got {self.kv_memory_mb}")
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Decoder | None = None,
+                 config: EngineConfig = EngineConfig()) -> None:
+        self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
+        mc = model.config
+        n_blocks = config.n_blocks
+        if n_blocks is None:
+            block_bytes = bytes_per_block(mc, config.block_size, config.kv_dtype)
+            n_blocks = int(config.kv_memory_mb * 2**20) // block_bytes
+        self.blocks = BlockManager(n_blocks, config.block_size, config.prefix_caching)
+        device = model.embed.tokens.weight.device
+        self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device)
+        self.scheduler = Scheduler(self.blocks, config.max_batch, config.token_budget)
+        self.runner = ModelRunner(model, self.pool, config.attention, config.batch_invariant)
+        self.stats = EngineStats()
+        self.trace: deque[StepTrace] = deque(maxlen=config.trace_length)
+        self._handles: dict[str, tuple[Sequence, RequestHandle]] = {}
+        self._inbox: list[Sequence] = []
+        self._cancels: set[str] = set()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------------ any thread
+
+    def submit(self, prompt: Ids[int], params: RequestParams | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue a request (prompt token ids); returns its handle at once."""
+        mc, params = self.model.config, params or RequestParams()
+        if self._error is not None:
+            raise RuntimeError(f"engine: stopped after an error ({self._error!r})")
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("prompt: empty; give at least one token")
+        if len(prompt) > mc.context_length:
+            raise ValueError(f"prompt: {len(prompt)} tokens exceed context_length={mc.context_length}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer to decode the text")
+        if any(not 0 <= t < mc.vocab_size for t in prompt):
+            raise ValueError(f"prompt: token ids must be in 0..{mc.vocab_size - 1}")
+        longest = min(len(prompt) + params.max_new_tokens, mc.context_length)
+        needed = self.blocks.blocks_for(longest) * params.beams  # every beam may need its own
+        if needed > self.blocks.n_blocks:
+            raise ValueError(f"kv_memory_mb: {params.beams} x {longest} tokens need {needed} "
+                             f"blocks, the pool has {self.blocks.n_blocks}")
+        eos = set(params.eos_ids) if params.eos_ids is not None else (
+            {self.tokenizer.eos_id} if getattr(self.tokenizer, "eos_id", None) is not None else set())
+        seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id)
+        unit = BeamGroup(seq, self.tokenizer, mc.context_length) if params.beams > 1 else seq
+        handle = RequestHandle(seq.id, self.cancel)
+        with self._wake:
+            if seq.id in self._handles:
+                raise ValueError(f"request_id: {seq.id!r} is already in use")
+            self._handles[seq.id] = (unit, handle)
+            self._inbox.append(seq)
+            self._wake.notify_all()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        with self._wake:
+            self._cancels.add(request_id)
+            self._wake.notify_all()
+
+    def start(self) -> Engine:
+        """Run steps on a background thread until `close()`."""
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="glassformer-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread after its current step; requests still running are cancelled."""
+        with self._wake:
+            self._stopping = True
+            self._cancels.update(self._handles)
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._intake()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def raise_error(self) -> None:
+        """Re-raise the exception that ended the background thread, if one did."""
+        if self._error is not None:
+            raise self._error
+
+    def has_work(self) -> bool:
+        with self._wake:
+            return bool(self._inbox or self._cancels) or self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the stepping thread
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    self._wake.wait_for(lambda: self._stopping or self._inbox or self._cancels
+                                        or self.scheduler.has_work())
+                    if self._stopping:
+                        return
+                self.step()
+        except BaseException as error:  # a failed step ends every request, never hangs one
+            self._error = error
+            with self._wake:
+                self._cancels.update(self._handles)
+            self._intake()
+
+    def _intake(self) -> None:
+        """Admit submitted requests and apply cancellations."""
+        with self._wake:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        for seq in inbox:
+            self.scheduler.add(seq)
+        for request_id in cancels:
+            entry = self._handles.get(request_id)
+            if entry is None:
+                continue
+            seq = entry[0].root if isinstance(entry[0], BeamGroup) else entry[0]
+            seq.stop_reason, seq.finish_time = "cancelled", time.perf_counter()
+            self._finish(entry[0], Event(seq.id, None, "", True, "cancelled"), self._result(seq))
+
+    def _finish(self, unit: Sequence | BeamGroup, event: Event, result: GenerationResult) -> None:
+        for seq in unit.members if isinstance(unit, BeamGroup) else [unit]:
+            self.scheduler.remove(seq)
+        with self._wake:
+            _, handle = self._handles.pop(unit.id)
+        self.stats.finished += 1
+        handle.push(event, result)
+
+    def step(self) -> StepTrace | None:
+        """One scheduling round and forward pass; None when there was nothing to run. Call it
+        (or run_until_done) only while the background thread is not started."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError("step: the engine's own thread is stepping it (see start/close)")
+        self._intake()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return None
+        start = time.perf_counter()
+        logits = self.runner.run(plan)  # (R, V)
+        ready = self.scheduler.advance(plan)
+        plain = [i for i, seq in enumerate(ready) if seq.group is None]
+        tokens = self._pick([ready[i] for i in plain], logits[plain])
+        for i, token in zip(plain, tokens, strict=True):
+            seq = ready[i]
+            piece = seq.accept(token, self.model.config.context_length)
+            event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason)
+            if event.finished:
+                self._finish(seq, event, self._result(seq))
+            else:
+                self._handles[seq.id][1].push(event)
+        for i, seq in enumerate(ready):
+            if seq.group is not None and seq.group.offer(seq, logits[i]):
+                self._advance_beams(seq.group)
+        trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
+                          [(seq.id, n) for seq, n in plan.scheduled], [s.id for s in plan.preempted])
+        self.trace.append(trace)
+        self.stats.record(plan, len(ready), self.scheduler, self.blocks)
+        return trace
+
+    def _advance_beams(self, group: BeamGroup) -> None:
+        children, dropped = group.advance(self.blocks)
+        for seq in dropped:
+            self.scheduler.remove(seq)
+        for seq in children:
+            self.scheduler.adopt(seq)
+        root = group.root
+        if root.first_token_time is None:
+            root.first_token_time = time.perf_counter()
+        if group.winner is not None:
+            now = time.perf_counter()
+            result = group.result(root.first_token_time - root.arrival, now - root.first_token_time)
+            event = Event(group.id, None, result.text or "", True, result.stop_reason)
+            self._finish(group, event, result)
+
+    def _pick(self, ready: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Each request's next token, with its own settings and generator."""
+        tokens = []
+        for i, seq in enumerate(ready):
+            row = logits[i : i + 1]  # (1, V)
+            sampling = seq.params.sampling
+            if sampling.greedy and not sampling.uses_counts:
+                tokens.append(int(greedy(row)))
+            else:
+                tokens.append(int(next_token(row, sampling, seq.generator, seq.counts)))
+        return tokens
+
+    def run_until_done(self) -> None:
+        """Step on this thread until every submitted request has finished."""
+        while self.has_work():
+            self.step()
+
+    def _result(self, seq: Sequence) -> GenerationResult:
+        first = seq.first_token_time or seq.finish_time
+        return GenerationResult(
+            prompt_ids=seq.tokens[: seq.prompt_len],
+            generated_ids=seq.generated,
+            text=None if seq.text is None else seq.text.text,
+            stop_reason=seq.stop_reason,
+            prefill_seconds=first - seq.arrival,  # the time to first token, queueing included
+            decode_seconds=seq.finish_time - first,
+            decode_steps=max(len(seq.generated) - 1, 0),
+            stop_string=None if seq.text is None else seq.text.stop_string,
+        )

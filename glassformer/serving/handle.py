@@ -1,0 +1,92 @@
+"""A submitted request as seen by its caller: a stream of events, readable from a thread or
+from asyncio, that can be cancelled. The engine thread pushes; any thread may read."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+from .sequence import StopReason
+
+
+@dataclass(frozen=True)
+class Event:
+    """One generated token and the text it made visible ('' while held back). The last event
+    of a request has `finished` set (a cancelled request's last event may carry no token)."""
+
+    request_id: str
+    token_id: int | None
+    text: str
+    finished: bool = False
+    stop_reason: StopReason | None = None
+
+
+class RequestHandle:
+    def __init__(self, request_id: str, cancel: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._cancel = cancel
+        self._events: deque[Event] = deque()
+        self._lock = threading.Condition()
+        self._finished = False
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self.result = None  # the GenerationResult, once finished
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; its last event arrives with stop_reason
+        'cancelled' (unless it finished first)."""
+        self._cancel(self.request_id)
+
+    def push(self, event: Event, result=None) -> None:
+        """Called by the engine."""
+        with self._lock:
+            self._events.append(event)
+            if event.finished:
+                self._finished, self.result = True, result
+            self._lock.notify_all()
+            waker = self._waker
+        if waker is not None:
+            waker[0].call_soon_threadsafe(waker[1].set)
+
+    def get(self, timeout: float | None = None) -> Event:
+        """The next event, waiting for it; raises TimeoutError after `timeout` seconds."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._events, timeout):
+                raise TimeoutError(f"{self.request_id}: no event within {timeout} s")
+            return self._events.popleft()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self.get()
+            yield event
+            if event.finished:
+                return
+
+    def wait(self, timeout: float | None = None):
+        """Block until the request finishes; returns its GenerationResult."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._finished, timeout):
+                raise TimeoutError(f"{self.request_id}: not finished within {timeout} s")
+        return self.result
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        wake = asyncio.Event()
+        with self._lock:
+            self._waker = (asyncio.get_running_loop(), wake)
+        while True:
+            with self._lock:
+                event = self._events.popleft() if self._events else None
+                if event is None:
+                    wake.clear()  # under the lock: a push after this sets it again
+            if event is None:
+                await wake.wait()
+                continue
+            yield event
+            if event.finished:
+                return

@@ -1,0 +1,82 @@
+"""The paged KV cache's storage: one preallocated pool of token slots per layer.
+
+Slot s = block · block_size + offset. Keys and values are stored per slot as (KV, d_head):
+  fp32 / bf16: the values themselves;
+  int8: q = round(x / scale) in [-127, 127] with one float32 scale = amax / 127 per slot and
+        head, i.e. 1 + 4/d_head bytes per value instead of 4 (fp32) or 2 (bf16).
+Reads always return float32; everything attends to what the pool holds, so a request sees the
+same keys whether they were written by a decode step, a prefill chunk or another request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.config import ModelConfig
+
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str) -> int:
+    """Memory of one block across every layer, keys and values."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: choose one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+    per_head = config.head_dim * KV_DTYPES[kv_dtype].itemsize + (4 if kv_dtype == "int8" else 0)
+    return 2 * config.n_layers * block_size * config.kv_heads * per_head
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., d) float -> int8 values (..., d) and float32 scales (...,), per vector."""
+    scale = x.float().abs().amax(-1) / 127  # (...,)
+    q = torch.where(scale[..., None] > 0, x.float() / scale[..., None], 0.0).round()
+    return q.clamp(-127, 127).to(torch.int8), scale
+
+
+class KVPool:
+    def __init__(self, config: ModelConfig, n_blocks: int, block_size: int, kv_dtype: str = "fp32",
+                 device: torch.device | str = "cpu") -> None:
+        bytes_per_block(config, block_size, kv_dtype)  # validates kv_dtype
+        self.n_blocks, self.block_size, self.kv_dtype = n_blocks, block_size, kv_dtype
+        shape = (n_blocks * block_size, config.kv_heads, config.head_dim)  # (slots, KV, d_head)
+        dtype = KV_DTYPES[kv_dtype]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.key_scales: list[torch.Tensor] = []
+        self.value_scales: list[torch.Tensor] = []
+        if kv_dtype == "int8":  # (slots, KV) one scale per slot and head
+            self.key_scales = [torch.zeros(shape[:2], device=device) for _ in range(config.n_layers)]
+            self.value_scales = [torch.zeros(shape[:2], device=device) for _ in range(config.n_layers)]
+
+    def nbytes(self) -> int:
+        tensors = self.keys + self.values + self.key_scales + self.value_scales
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (N, KV, d_head) at slots (N,)."""
+        if self.kv_dtype == "int8":
+            for store, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
+                q, scale = quantize_kv(x)
+                store[layer].index_copy_(0, slots, q)
+                scales[layer].index_copy_(0, slots, scale)
+            return
+        self.keys[layer].index_copy_(0, slots, k.to(self.keys[layer].dtype))
+        self.values[layer].index_copy_(0, slots, v.to(self.values[layer].dtype))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at slots (...,): each (..., KV, d_head) float32."""
+        k, v = self.keys[layer][slots], self.values[layer][slots]
+        if self.kv_dtype == "int8":
+            k = k.float() * self.key_scales[layer][slots][..., None]
+            v = v.float() * self.value_scales[layer][slots][..., None]
+        return k.float(), v.float()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination) in every layer (copy-on-write)."""
+        if not pairs:
+            return
+        bs = self.block_size
+        src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
+        dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
+        for store in (self.keys, self.values, self.key_scales, self.value_scales):
+            for t in store:
+                t.index_copy_(0, dst.to(t.device), t[src.to(t.device)])

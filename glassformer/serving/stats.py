@@ -1,0 +1,53 @@
+"""What the engine is doing, for people and for the server's live page: counters and a trace
+with one entry per step (which requests ran, how many tokens each)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .block_manager import BlockManager
+from .scheduler import Scheduler, StepPlan
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    step: int
+    start: float  # time.perf_counter() when the forward began
+    seconds: float  # the forward and the token picks
+    requests: list[tuple[str, int]]  # (request id, tokens computed in this step)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(n for _, n in self.requests)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0  # prompt and generated tokens run through the model
+    tokens_generated: int = 0
+    finished: int = 0
+    preemptions: int = 0
+    running: int = 0
+    waiting: int = 0
+    last_step_tokens: int = 0
+    blocks_used: int = 0
+    blocks_free: int = 0
+    blocks_cached: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+
+    def record(self, plan: StepPlan, n_generated: int, scheduler: Scheduler, blocks: BlockManager) -> None:
+        self.steps += 1
+        self.last_step_tokens = plan.n_tokens
+        self.tokens_computed += plan.n_tokens
+        self.tokens_generated += n_generated
+        self.preemptions = scheduler.preemptions
+        self.running, self.waiting = len(scheduler.running), len(scheduler.waiting)
+        pool = blocks.stats()
+        self.blocks_used, self.blocks_free, self.blocks_cached = pool.used, pool.free, pool.cached
+        self.prefix_hit_tokens, self.prefix_query_tokens = pool.prefix_hit_tokens, pool.prefix_query_tokens
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,112 @@
+import pytest
+
+from glassformer.serving.block_manager import BlockManager
+from glassformer.serving.sequence import RequestParams, Sequence
+
+
+def _seq(tokens) -> Sequence:
+    return Sequence(list(tokens), RequestParams(), vocab_size=1000)
+
+
+def _computed(bm: BlockManager, seq: Sequence, n: int) -> None:
+    """As if the engine had computed the first n tokens of seq."""
+    assert bm.grow(seq, n)
+    seq.num_computed = n
+    bm.register(seq)
+
+
+def _whole(bm: BlockManager) -> None:
+    assert len(bm.free) == bm.n_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_grow_and_release_return_every_block():
+    bm = BlockManager(8, 4)
+    seq = _seq(range(10))
+    assert bm.grow(seq, 10) and len(seq.block_table) == 3
+    assert not bm.grow(_seq(range(30)), 30)  # 8 blocks needed, 5 free: nothing taken
+    assert bm.stats().used == 3 and bm.stats().free == 5
+    bm.release(seq)
+    _whole(bm)
+
+
+def test_a_shared_prefix_reuses_full_blocks_only():
+    bm = BlockManager(16, 4)
+    first = _seq(range(10))
+    _computed(bm, first, 10)  # blocks [0..4) [4..8) full, [8..10) partial
+    second = _seq([*range(9), 99, 98])
+    assert bm.match_prefix(second) == 8
+    assert second.block_table == first.block_table[:2]
+    assert [bm.blocks[b].ref_count for b in first.block_table] == [2, 2, 1]
+    other = _seq([1, *range(1, 12)])  # differs in the first block: no hit
+    assert bm.match_prefix(other) == 0 and other.block_table == []
+    for s in (first, second, other):
+        bm.release(s)
+    _whole(bm)
+    assert bm.stats().cached == 2
+    assert bm.stats().prefix_hit_tokens == 8
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(8, 4)
+    first = _seq(range(8))
+    _computed(bm, first, 8)
+    again = _seq(range(8))
+    assert bm.match_prefix(again) == 4  # the last block is recomputed for the logits
+    bm.release(first)
+    bm.release(again)
+    _whole(bm)
+
+
+def test_a_hit_checks_the_tokens_not_just_the_key():
+    bm = BlockManager(8, 4)
+    first = _seq(range(8))
+    _computed(bm, first, 8)
+    bm.blocks[first.block_table[0]].tokens = (7, 7, 7, 7)  # as if two prefixes shared a key
+    assert bm.match_prefix(_seq(range(9))) == 0
+
+
+def test_unreferenced_cached_blocks_are_evicted_least_recently_freed_first():
+    bm = BlockManager(4, 2)
+    old, new = _seq([1, 2, 3]), _seq([5, 6, 7])
+    _computed(bm, old, 2)
+    _computed(bm, new, 2)
+    bm.release(old)
+    bm.release(new)
+    assert bm.stats().cached == 2
+    taker = _seq(range(6))
+    assert bm.grow(taker, 6)  # three blocks: the two never used, then old's
+    assert bm.match_prefix(_seq([1, 2, 3])) == 0  # evicted
+    probe = _seq([5, 6, 7])
+    assert bm.match_prefix(probe) == 2  # still cached
+    bm.release(taker)
+    bm.release(probe)
+    _whole(bm)
+
+
+def test_fork_shares_blocks_and_a_write_copies_the_shared_one():
+    bm = BlockManager(8, 4)
+    parent = _seq(range(6))
+    _computed(bm, parent, 6)
+    child = _seq(range(6))
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table
+    assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table)
+    source = parent.block_table[1]
+    copy = bm.write_block(child, 6)  # position 6 is in the shared partial block
+    assert copy is not None and copy[0] == source and child.block_table[1] == copy[1] != source
+    assert bm.blocks[source].ref_count == 1 and bm.write_block(parent, 6) is None
+    bm.release(parent)
+    bm.release(child)
+    _whole(bm)
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(8, 2, prefix_caching=False)
+    first = _seq(range(6))
+    _computed(bm, first, 6)
+    assert bm.match_prefix(_seq(range(6))) == 0 and bm.stats().cached == 0
+
+
+def test_invalid_sizes_are_refused():
+    with pytest.raises(ValueError, match="block_size"):
+        BlockManager(4, 0)

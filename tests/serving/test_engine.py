@@ -1,0 +1,174 @@
+"""The engine against `generate` (the oracle), and a request's output against its output alone."""
+
+import random
+
+import pytest
+
+from glassformer.accel.quantize import quantize_model
+from glassformer.generation.generate import GenerationConfig, generate
+from glassformer.generation.sampling import SamplingConfig
+from glassformer.serving import Engine, EngineConfig, RequestParams
+
+GREEDY = RequestParams(max_new_tokens=12, eos_ids=())
+SAMPLED = RequestParams(max_new_tokens=12, eos_ids=(), seed=5,
+                        sampling=SamplingConfig(temperature=1.0, top_k=20, repetition_penalty=1.2))
+
+
+def _run(model, todo, config, arrivals=None, cancel=()):
+    """Submit (prompt, params) pairs, request i just before step arrivals[i]; returns the
+    generated ids per request (None when cancelled) and the engine."""
+    engine = Engine(model, None, config)
+    arrivals = arrivals or [0] * len(todo)
+    handles, step = {}, 0
+    while len(handles) < len(todo) or engine.has_work():
+        for i, (prompt, params) in enumerate(todo):
+            if arrivals[i] == step and i not in handles:
+                handles[i] = engine.submit(prompt, params)
+        if step in cancel:
+            for i in cancel[step]:
+                if i in handles:
+                    handles[i].cancel()
+        engine.step()
+        step += 1
+        assert step < 2000, "the engine did not finish"
+    out = [h.result.generated_ids if h.result.stop_reason != "cancelled" else None
+           for _, h in sorted(handles.items())]
+    return out, engine
+
+
+def _assert_whole(engine):
+    stats = engine.blocks.stats()
+    assert stats.used == 0 and stats.free == engine.blocks.n_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt1", "tiny-alibi", "tiny-mistral", "tiny-mqa"])
+@pytest.mark.parametrize("attention", ["reference", "fast"])
+def test_greedy_outputs_equal_generate(tiny, prompts, name, attention):
+    model = tiny(name)
+    todo = prompts([5, 17, 3, 30])
+    expected = [generate(model, p, GenerationConfig(max_new_tokens=12, eos_ids=())).generated_ids
+                for p in todo]
+    config = EngineConfig(block_size=4, n_blocks=64, token_budget=16, max_batch=4, attention=attention)
+    got, engine = _run(model, [(p, GREEDY) for p in todo], config)
+    assert got == expected
+    _assert_whole(engine)
+
+
+def test_without_row_tiles_greedy_still_equals_generate(tiny, prompts):
+    model = tiny()
+    todo = prompts([5, 17, 3, 30])
+    expected = [generate(model, p, GenerationConfig(max_new_tokens=12, eos_ids=())).generated_ids
+                for p in todo]
+    config = EngineConfig(n_blocks=64, token_budget=32, max_batch=4, batch_invariant=False)
+    assert _run(model, [(p, GREEDY) for p in todo], config)[0] == expected
+
+
+def test_seeded_sampling_equals_generate_with_the_same_seed(tiny, prompts):
+    model = tiny()
+    prompt = prompts([9])[0]
+    config = GenerationConfig(max_new_tokens=12, eos_ids=(), seed=5, sampling=SAMPLED.sampling)
+    expected = generate(model, prompt, config).generated_ids
+    got, _ = _run(model, [(prompt, SAMPLED), (prompts([4], seed=3)[0], SAMPLED)], EngineConfig(n_blocks=32))
+    assert got[0] == expected
+
+
+@pytest.mark.parametrize("mode", [None, "none", "int8", "int4"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_request_gets_the_same_tokens_whatever_shares_its_steps(tiny, prompts, mode, seed):
+    """Random arrivals, cancels, block sizes 1 and 16, chunk budgets, prefix cache on and off
+    and a pool small enough to preempt: each request's logits equal its logits alone."""
+    rng = random.Random(seed)
+    model = tiny(rng.choice(["tiny-llama", "tiny-mistral"]))
+    if mode is not None:
+        quantize_model(model, mode)
+    shared = prompts([rng.randint(4, 20)], seed=seed)[0]
+    todo = []
+    for i, p in enumerate(prompts([rng.randint(1, 24) for _ in range(7)], seed=seed + 10)):
+        prompt = shared + p if rng.random() < 0.5 else p  # some share a prefix
+        todo.append((prompt, GREEDY if i % 2 else SAMPLED))
+    alone = [_run(model, [t], EngineConfig(attention="reference", n_blocks=64))[0][0] for t in todo]
+    for block_size, prefix in ((1, True), (16, False), (4, True)):
+        budget = rng.randint(4, 40)
+        config = EngineConfig(attention="reference", block_size=block_size, prefix_caching=prefix,
+                              max_batch=min(4, budget), token_budget=budget,
+                              n_blocks=(48 // block_size) + 2)
+        arrivals = [rng.randint(0, 12) for _ in todo]
+        cancel = {rng.randint(0, 15): [rng.randrange(len(todo))]}
+        got, engine = _run(model, todo, config, arrivals, cancel)
+        for mine, solo in zip(got, alone, strict=True):
+            assert mine is None or mine == solo
+        _assert_whole(engine)
+        assert sum(g is not None for g in got) >= len(todo) - 1
+
+
+def test_preemption_and_prefix_hits_are_counted(tiny, prompts):
+    model = tiny()
+    shared = prompts([24])[0]
+    todo = [(shared + p, GREEDY) for p in prompts([3, 5, 2, 6])]
+    config = EngineConfig(attention="reference", block_size=4, n_blocks=20, token_budget=64, max_batch=4)
+    got, engine = _run(model, todo, config, arrivals=[0, 3, 3, 3])
+    alone = [_run(model, [t], EngineConfig(n_blocks=64, attention="reference"))[0][0] for t in todo]
+    assert got == alone
+    assert engine.stats.prefix_hit_tokens >= 3 * 24 - 3 * 4
+    assert engine.stats.preemptions > 0 and any(t.preempted for t in engine.trace)
+    _assert_whole(engine)
+
+
+def test_int8_kv_stays_close_to_fp32_kv(tiny, prompts):
+    model = tiny()
+    todo = [(p, GREEDY) for p in prompts([20, 30])]
+    fp32, _ = _run(model, todo, EngineConfig(n_blocks=64))
+    int8, engine = _run(model, todo, EngineConfig(n_blocks=64, kv_dtype="int8"))
+    agree = sum(a == b for x, y in zip(fp32, int8, strict=True) for a, b in zip(x, y, strict=True))
+    assert all(x[0] == y[0] for x, y in zip(fp32, int8, strict=True))
+    assert agree >= 0.75 * sum(len(x) for x in fp32)
+    _assert_whole(engine)
+
+
+def test_trace_and_counters(tiny, prompts):
+    model = tiny()
+    engine = Engine(model, None, EngineConfig(n_blocks=64, token_budget=8, max_batch=2))
+    a = engine.submit(prompts([12])[0], GREEDY)
+    b = engine.submit(prompts([3])[0], RequestParams(max_new_tokens=2, eos_ids=()))
+    first = engine.step()
+    assert first.requests == [(a.request_id, 8)] and first.n_tokens == 8
+    engine.run_until_done()
+    assert engine.stats.finished == 2 and engine.stats.tokens_generated == 14
+    assert engine.stats.tokens_computed == 12 + 3 + 11 + 1
+    assert any((b.request_id, 3) in t.requests for t in engine.trace)
+
+
+def test_invalid_requests_raise_one_clear_error(tiny):
+    engine = Engine(tiny(), None, EngineConfig(n_blocks=4, block_size=4))
+    with pytest.raises(ValueError, match="context_length"):
+        engine.submit([1] * 65)
+    with pytest.raises(ValueError, match="kv_memory_mb"):
+        engine.submit([1] * 10, RequestParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match="stop"):
+        engine.submit([1], RequestParams(stop=("x",)))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.submit([96])
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([])
+
+
+def test_a_chat_turn_reuses_the_blocks_of_its_history(tiny, prompts):
+    model = tiny()
+    engine = Engine(model, None, EngineConfig(n_blocks=64, block_size=4))
+    first = engine.submit(prompts([10])[0], GREEDY)
+    engine.run_until_done()
+    history = first.result.prompt_ids + first.result.generated_ids  # 22 tokens: 5 full blocks
+    second = engine.submit(history + prompts([3], seed=2)[0], GREEDY)
+    before = engine.stats.prefix_hit_tokens
+    engine.run_until_done()
+    assert engine.stats.prefix_hit_tokens - before == 20
+    alone = _run(model, [(history + prompts([3], seed=2)[0], GREEDY)], EngineConfig(n_blocks=64))[0][0]
+    assert second.result.generated_ids == alone
+    _assert_whole(engine)
+
+
+def test_stepping_by_hand_is_refused_while_the_thread_runs(tiny):
+    with Engine(tiny(), None, EngineConfig(n_blocks=8)) as engine:
+        with pytest.raises(RuntimeError, match="own thread"):
+            engine.step()

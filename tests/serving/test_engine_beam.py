@@ -1,0 +1,64 @@
+"""Beam search as forked sequences sharing blocks, against generation/beam.py (the oracle)."""
+
+import pytest
+
+from glassformer.formats.tokenizers import CharTokenizer
+from glassformer.generation.generate import GenerationConfig, generate
+from glassformer.generation.sampling import SamplingConfig
+from glassformer.serving import Engine, EngineConfig, RequestParams
+
+
+@pytest.mark.parametrize("beams", [2, 3])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_beam_search_equals_generate_and_leaks_nothing(tiny, prompts, beams, block_size):
+    model = tiny()
+    todo = prompts([6, 13])
+    expected = [generate(model, p, GenerationConfig(max_new_tokens=8, beams=beams, eos_ids=(3,)))
+                for p in todo]
+    engine = Engine(model, None, EngineConfig(n_blocks=80, block_size=block_size, token_budget=32,
+                                              max_batch=8))
+    params = RequestParams(max_new_tokens=8, beams=beams, eos_ids=(3,))
+    handles = [engine.submit(p, params) for p in todo]
+    other = engine.submit(prompts([5], seed=9)[0], RequestParams(max_new_tokens=8, eos_ids=()))
+    engine.run_until_done()
+    for handle, want in zip(handles, expected, strict=True):
+        got = handle.wait(0)
+        assert got.generated_ids == want.generated_ids and got.stop_reason == want.stop_reason
+        assert got.log_prob == pytest.approx(want.log_prob, abs=1e-4)
+    solo = generate(model, prompts([5], seed=9)[0], GenerationConfig(max_new_tokens=8, eos_ids=()))
+    assert other.wait(0).generated_ids == solo.generated_ids
+    stats = engine.blocks.stats()
+    assert stats.used == 0 and stats.free == engine.blocks.n_blocks
+
+
+def test_beams_share_the_prompt_blocks(tiny, prompts):
+    engine = Engine(tiny(), None, EngineConfig(n_blocks=40, block_size=4))
+    engine.submit(prompts([16])[0], RequestParams(max_new_tokens=6, beams=3, eos_ids=()))
+    engine.step()  # the prompt
+    engine.step()  # three beams, forked
+    members = engine.scheduler.running
+    assert len(members) == 3
+    assert members[0].block_table[:4] == members[1].block_table[:4] == members[2].block_table[:4]
+    assert engine.blocks.blocks[members[0].block_table[0]].ref_count == 3
+    engine.run_until_done()
+    assert engine.blocks.stats().used == 0
+
+
+def test_beam_text_and_cancel(tiny):
+    tokenizer = CharTokenizer("abcdefghij klmnopqrstuvwxyz.")
+    model = tiny(vocab_size=tokenizer.vocab_size)
+    prompt = tokenizer.encode("the cat")
+    want = generate(model, prompt, GenerationConfig(max_new_tokens=6, beams=2, eos_ids=()), tokenizer)
+    engine = Engine(model, tokenizer, EngineConfig(n_blocks=40))
+    handle = engine.submit(prompt, RequestParams(max_new_tokens=6, beams=2, eos_ids=()))
+    engine.run_until_done()
+    events = list(handle)
+    assert len(events) == 1 and events[0].text == want.text == handle.wait(0).text
+    cancelled = engine.submit(prompt, RequestParams(max_new_tokens=6, beams=2, eos_ids=()))
+    engine.step()
+    engine.step()
+    cancelled.cancel()
+    engine.run_until_done()
+    assert cancelled.wait(0).stop_reason == "cancelled" and engine.blocks.stats().used == 0
+    with pytest.raises(ValueError, match="beams"):
+        RequestParams(beams=2, sampling=SamplingConfig(temperature=1.0))

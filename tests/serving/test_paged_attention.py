@@ -1,0 +1,80 @@
+"""Attention over block tables against dense attention over the same keys in order."""
+
+import pytest
+import torch
+
+from glassformer.model.layers.attention_backends import reference_attention
+from glassformer.model.layers.masking import AttentionMask
+from glassformer.model.layers.positions import alibi_slopes
+from glassformer.serving.kv_pool import KVPool, bytes_per_block, quantize_kv
+from glassformer.serving.paged_attention import AttentionPlan, Part, paged_attention, slots_of
+
+
+def _setup(kv_dtype="fp32", block_size=4, n_blocks=32, H=4, KV=2, d=8):
+    from glassformer import get_preset
+
+    config = get_preset("tiny-llama").replace(n_heads=H, n_kv_heads=KV, d_model=H * d, n_layers=1)
+    return config, KVPool(config, n_blocks, block_size, kv_dtype)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("alibi", [False, True])
+def test_fast_and_reference_equal_dense_attention(window, alibi):
+    torch.manual_seed(0)
+    config, pool = _setup()
+    slopes = alibi_slopes(4) if alibi else None
+    # three requests: a decode (1 new token of 7), a chunk (5 new of 9), a fresh prompt (6)
+    shapes = [(7, 1), (9, 5), (6, 6)]
+    free = torch.randperm(32).tolist()  # blocks scattered over the pool
+    parts, keys, start = [], [], 0
+    for context, n in shapes:
+        table = [free.pop() for _ in range(-(-context // 4))]
+        slots = slots_of(table, context, 4)
+        k, v = torch.randn(context, 2, 8), torch.randn(context, 2, 8)
+        pool.write(0, slots, k, v)
+        parts.append(Part(start, n, slots))
+        keys.append((k, v))
+        start += n
+    q = torch.randn(start, 4, 8)  # (N, H, d)
+    expected = torch.empty_like(q)
+    for part, (k, v) in zip(parts, keys, strict=True):
+        S = part.context
+        mask = AttentionMask(torch.arange(S - part.n, S)[None], torch.arange(S)[None], window=window,
+                             alibi_slopes=slopes)
+        qp = q[part.start : part.start + part.n].transpose(0, 1)[None]
+        out = reference_attention(qp, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask)[0]
+        expected[part.start : part.start + part.n] = out[0].transpose(0, 1)
+    for fast in (False, True):
+        got = paged_attention(q, pool, 0, AttentionPlan(parts, fast, window, slopes))
+        torch.testing.assert_close(got, expected)
+
+
+def test_int8_pool_round_trip_error_is_bounded():
+    torch.manual_seed(0)
+    _, pool = _setup("int8")
+    x = torch.randn(10, 2, 8)
+    slots = torch.arange(3, 13)
+    pool.write(0, slots, x, -x)
+    k, v = pool.read(0, slots)
+    bound = x.abs().amax(-1, keepdim=True) / 127 / 2 + 1e-7  # half a quantization step
+    assert ((k - x).abs() <= bound).all() and ((v + x).abs() <= bound).all()
+    q, scale = quantize_kv(torch.zeros(2, 8))
+    assert (q == 0).all() and (scale == 0).all()
+
+
+def test_fp32_pool_round_trip_and_block_copies_are_exact():
+    torch.manual_seed(0)
+    _, pool = _setup()
+    x = torch.randn(4, 2, 8)
+    pool.write(0, torch.arange(4, 8), x, x)  # block 1
+    pool.copy_blocks([(1, 5)])
+    torch.testing.assert_close(pool.read(0, torch.arange(20, 24))[0], x, rtol=0, atol=0)
+
+
+def test_memory_per_block():
+    config, pool = _setup()
+    assert pool.nbytes() == 32 * bytes_per_block(config, 4, "fp32")
+    int8 = bytes_per_block(config, 4, "int8")
+    assert int8 < bytes_per_block(config, 4, "bf16") < bytes_per_block(config, 4, "fp32")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        bytes_per_block(config, 4, "fp8")
