@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import chat, compare, export, generate, info, journey, pull, train
+from . import chat, compare, export, generate, info, journey, pull, serve, train
 from . import eval as evaluate
 
 # Each command module defines add_parser(subparsers) and run(args) -> exit status.
-COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, chat]
+COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, chat, serve]
 
 
 class UserError(Exception):

@@ -1,0 +1,44 @@
+"""`glassformer serve`: an OpenAI-compatible HTTP server over the serving engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .options import add_quantize
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
+    parser.add_argument("--model", required=True, help="checkpoint/HF folder, .gguf file or known name")
+    parser.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
+    add_quantize(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("GLASSFORMER_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1 (default: $GLASSFORMER_API_KEY)")
+    parser.add_argument("--kv-memory-mb", type=float, default=256.0, help="KV cache size")
+    parser.add_argument("--max-batch", type=int, default=16, help="most requests per engine step")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 429)")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens one request may ask for")
+    parser.add_argument("--max-body-kb", type=int, default=1024, help="larger request bodies get 413")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may run")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="on SIGTERM, seconds running requests get to finish")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..language_model import load
+    from ..server.app import ServerConfig, create_app
+    from ..serving import EngineConfig
+
+    config = ServerConfig(args.name or args.model, args.api_key, args.max_queue, args.max_tokens,
+                          args.max_body_kb * 1024, args.timeout)
+    engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, max_batch=args.max_batch)
+    app = create_app(load(args.model, quantize=args.quantize), config, engine)
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
+                log_level="info")
+    return 0

@@ -1,0 +1,261 @@
+"""The HTTP layer: a thin FastAPI app over one Engine, speaking the OpenAI API.
+
+    body ──(size limit, pydantic schema)──> prompt ids + RequestParams ──(admission)──> engine
+    engine events ──> one JSON answer, or server-sent events in OpenAI's chunk format
+
+The engine steps on its own thread (started and closed with the app); each request reads its
+handle's events from asyncio. A guard task per request cancels it in the engine the moment the
+client disconnects or its time is up, so its KV blocks are free on the next step."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from ..language_model import LanguageModel
+from ..serving import Engine, EngineConfig, Event, RequestHandle
+from . import errors
+from .errors import APIError
+from .metrics import ServerMetrics
+from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, SamplingFields, Usage, new_id, now
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None  # every /v1 route then needs `Authorization: Bearer <key>`
+    max_queue: int = 64  # requests waiting beyond the engine's batch; more get 429
+    max_tokens: int = 1024  # most tokens one request may ask for
+    max_body_bytes: int = 1 << 20  # larger bodies get 413
+    request_timeout_s: float = 600.0  # a request still running then is stopped (finish_reason "length")
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_tokens", "max_body_bytes"):
+            if getattr(self, name) < (0 if name == "max_queue" else 1):
+                raise ValueError(f"{name}: too small, got {getattr(self, name)}")
+
+
+class Server:
+    """The app's state: the engine, the limits and the count of requests admitted."""
+
+    def __init__(self, language_model: LanguageModel, engine: EngineConfig, config: ServerConfig) -> None:
+        self.language_model, self.config = language_model, config
+        self.engine = Engine(language_model.model, language_model.tokenizer, engine)
+        self.metrics = ServerMetrics(self.engine)
+        self.active = 0  # admitted and not yet answered; only touched on the event loop
+
+    async def parse(self, request: Request, schema: type[BaseModel]) -> BaseModel:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.config.max_body_bytes:
+            raise APIError(413, f"the body is over {self.config.max_body_bytes} bytes", code="body_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.config.max_body_bytes:
+                raise APIError(413, f"the body is over {self.config.max_body_bytes} bytes",
+                               code="body_too_large")
+        try:
+            parsed = schema.model_validate_json(bytes(body))
+        except ValidationError as error:
+            raise errors.from_validation(error) from None
+        if parsed.model != self.config.model_name:
+            raise APIError(404, f"model: {parsed.model!r} is not served here; use {self.config.model_name!r}",
+                           "model", "model_not_found")
+        return parsed
+
+    def submit(self, ids: list[int], fields: SamplingFields, asked: int | None) -> RequestHandle:
+        context, cap = self.language_model.config.context_length, self.config.max_tokens
+        if len(ids) > context:
+            raise APIError(400, f"prompt: {len(ids)} tokens; this model's context holds {context}",
+                           "prompt", "context_length_exceeded")
+        if asked is not None and asked > cap:
+            raise APIError(400, f"max_tokens: at most {cap} on this server, got {asked}", "max_tokens",
+                           "invalid_value")
+        if self.active >= self.engine.config.max_batch + self.config.max_queue:
+            raise APIError(429, "the server is busy; retry shortly", code="queue_full",
+                           headers={"Retry-After": "1"})
+        limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
+        try:
+            return self.engine.submit(ids, fields.params(limit, self.language_model.tokenizer.eos_id))
+        except ValueError as error:
+            raise APIError(400, str(error), str(error).split(":")[0], "invalid_value") from None
+
+    async def events(self, handle: RequestHandle, request: Request) -> AsyncIterator[Event]:
+        """The request's events; it is cancelled if the client goes or its time is up."""
+        self.active += 1
+
+        async def guard():
+            async def disconnected():
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+            try:
+                await asyncio.wait_for(disconnected(), self.config.request_timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            handle.cancel()
+
+        task = asyncio.create_task(guard())
+        try:
+            async for event in handle:
+                yield event
+        finally:
+            task.cancel()
+            if not handle.finished:
+                handle.cancel()
+            self.active -= 1
+            if handle.result is not None:
+                self.metrics.observe(handle.result)
+
+    def prompt(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        tokenizer = self.language_model.tokenizer
+        if isinstance(body, CompletionRequest):
+            return tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "messages: this model has no chat template; use /v1/completions",
+                           "messages", "no_chat_template")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            return tokenizer.apply_chat_template(messages)
+        except (jinja2.TemplateError, ValueError) as error:
+            raise APIError(400, f"messages: {error}", "messages", "invalid_value") from None
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _finish(event: Event) -> str:
+    return "length" if event.stop_reason == "cancelled" else FINISH[event.stop_reason]
+
+
+async def answer(server: Server, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                 chat: bool) -> Response:
+    ids = server.prompt(body)
+    handle = server.submit(ids, body, body.token_limit if chat else body.max_tokens)
+    head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
+
+    def usage() -> dict:
+        generated = len(handle.result.generated_ids) if handle.result is not None else 0
+        return Usage.of(len(ids), generated).model_dump()
+
+    if not body.stream:
+        text, last = [], None
+        async for last in server.events(handle, request):
+            text.append(last.text)
+        choice = {"index": 0, "logprobs": None, "finish_reason": _finish(last)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                             "choices": [choice], "usage": usage()})
+
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": {"role": "assistant", **delta} if role else delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        return _sse({**head, "object": kind, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]})
+
+    async def stream() -> AsyncIterator[str]:
+        if chat:
+            yield chunk("", None, role=True)
+        async for event in server.events(handle, request):
+            if event.text:
+                yield chunk(event.text, None)
+            if event.finished:
+                yield chunk(None, _finish(event))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield _sse({**head, "object": kind, "choices": [], "usage": usage()})
+        yield _sse("[DONE]")
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def create_app(language_model: LanguageModel, config: ServerConfig,
+               engine: EngineConfig = EngineConfig()) -> FastAPI:
+    server = Server(language_model, engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine.start()
+        try:
+            yield
+        finally:
+            server.engine.close()
+
+    app = FastAPI(title="glassformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    errors.install(app)
+    app.add_middleware(_CountResponses, metrics=server.metrics)
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            raise APIError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> dict:
+        if server.engine._error is not None:
+            raise APIError(503, "the engine stopped after an error", code="engine_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorize(request)
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "glassformer"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        return await answer(server, request, await server.parse(request, CompletionRequest), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        return await answer(server, request, await server.parse(request, ChatCompletionRequest), chat=True)
+
+    return app
+
+
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+class _CountResponses:
+    """ASGI middleware: counts answers by route and status (streams are not buffered)."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                path = scope["path"]
+                self.metrics.record(path if path in ROUTES else "other", message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
