@@ -19,7 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="require `Authorization: Bearer KEY` on /v1 (default: $GLASSFORMER_API_KEY)")
     parser.add_argument("--kv-memory-mb", type=float, default=256.0, help="KV cache size")
     parser.add_argument("--max-batch", type=int, default=16, help="most requests per engine step")
-    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 429)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting beyond the batch (then 429)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens one request may ask for")
     parser.add_argument("--max-body-kb", type=int, default=1024, help="larger request bodies get 413")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may run")

@@ -169,7 +169,8 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
             choice = {"index": 0, "delta": {"role": "assistant", **delta} if role else delta}
         else:
             choice = {"index": 0, "text": text or ""}
-        return _sse({**head, "object": kind, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]})
+        choice |= {"logprobs": None, "finish_reason": finish}
+        return _sse({**head, "object": kind, "choices": [choice]})
 
     async def stream() -> AsyncIterator[str]:
         if chat:
@@ -187,8 +188,8 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
 
 
 def create_app(language_model: LanguageModel, config: ServerConfig,
-               engine: EngineConfig = EngineConfig()) -> FastAPI:
-    server = Server(language_model, engine, config)
+               engine: EngineConfig | None = None) -> FastAPI:
+    server = Server(language_model, engine or EngineConfig(), config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -208,7 +209,8 @@ def create_app(language_model: LanguageModel, config: ServerConfig,
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-            raise APIError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key")
+            raise APIError(401, "a valid API key is needed: Authorization: Bearer <key>",
+                           code="invalid_api_key")
 
     @app.get("/health")
     async def health() -> dict:

@@ -41,7 +41,8 @@ class EngineCollector:
                               value=self._recent_rate()),
             CounterMetricFamily("glassformer_preemptions", "requests preempted for KV blocks",
                                 value=stats.preemptions),
-            CounterMetricFamily("glassformer_generated_tokens", "tokens generated", value=stats.tokens_generated),
+            CounterMetricFamily("glassformer_generated_tokens", "tokens generated",
+                                value=stats.tokens_generated),
             CounterMetricFamily("glassformer_engine_steps", "engine steps run", value=stats.steps),
         )
 

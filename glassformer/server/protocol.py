@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from ..generation.sampling import SamplingConfig
 from ..serving import RequestParams
 
+
 class Strict(BaseModel):
     """Unknown fields are rejected (OpenAI answers them with 400 too); no silent coercion of
     strings to numbers or numbers to booleans."""

@@ -65,8 +65,8 @@ def test_streamed_chat_equals_the_whole_answer(api):
 
 
 def test_streamed_completion(api, language_model):
-    stream = api.completions.create(model=MODEL, prompt="a dog ran", max_tokens=20, temperature=0, stream=True)
-    chunks = list(stream)
+    chunks = list(api.completions.create(model=MODEL, prompt="a dog ran", max_tokens=20, temperature=0,
+                                         stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected(
         language_model, language_model.encode("a dog ran"), 20).text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
