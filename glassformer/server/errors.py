@@ -34,9 +34,12 @@ class APIError(Exception):
 
 
 def from_validation(error: ValidationError) -> APIError:
-    """The first problem pydantic found, named by its field path."""
-    first = error.errors(include_url=False)[0]
-    loc = [str(p) for p in first["loc"] if not _is_union_tag(p)]
+    """The first problem pydantic found, named by its field path. Where a field may take several
+    types, the member the value has the type of explains the problem best."""
+    found = error.errors(include_url=False)
+    first = found[0]
+    loc = _path(first)
+    first = next((e for e in found if _path(e)[: len(loc)] == loc and not e["type"].endswith("_type")), first)
     param = ".".join(loc) or None
     kind = first["type"]
     if kind == "json_invalid":
@@ -50,6 +53,10 @@ def from_validation(error: ValidationError) -> APIError:
         return APIError(400, f"{param}: required", param, "missing_field")
     message = first["msg"].removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}" if param else message, param, "invalid_value")
+
+
+def _path(error: dict) -> list[str]:
+    return [str(p) for p in error["loc"] if not _is_union_tag(p)]
 
 
 def _is_union_tag(part) -> bool:
