@@ -9,17 +9,17 @@ from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
 
 MODEL = "tiny"
-DONE = object()  # a marker: the body is sent as given (bytes), not as JSON
+OMIT = object()  # a field left out of the body
 
 
 def completion(**changes):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
-    return {k: v for k, v in (body | changes).items() if v is not DONE}
+    return {k: v for k, v in (body | changes).items() if v is not OMIT}
 
 
 def chat(**changes):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    return {k: v for k, v in (body | changes).items() if v is not DONE}
+    return {k: v for k, v in (body | changes).items() if v is not OMIT}
 
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -29,8 +29,8 @@ CASES = [  # (id, path, body, status, param, a fragment of the message)
     ("json-string", C, b'"hello"', 400, None, "JSON object"),
     ("json-empty", C, b"", 400, None, "not valid JSON"),
     ("json-trailing-garbage", C, b'{"model": "tiny", "prompt": "a"} x', 400, None, "not valid JSON"),
-    ("prompt-missing", C, completion(prompt=DONE), 400, "prompt", "required"),
-    ("model-missing", C, completion(model=DONE), 400, "model", "required"),
+    ("prompt-missing", C, completion(prompt=OMIT), 400, "prompt", "required"),
+    ("model-missing", C, completion(model=OMIT), 400, "model", "required"),
     ("model-empty", C, completion(model=""), 400, "model", "at least 1"),
     ("model-unknown", C, completion(model="gpt-4"), 404, "model", "not served here"),
     ("prompt-empty", C, completion(prompt=""), 400, "prompt", "at least 1"),
@@ -57,7 +57,8 @@ CASES = [  # (id, path, body, status, param, a fragment of the message)
     ("min-p-negative", C, completion(min_p=-0.1), 400, "min_p", "greater than or equal to 0"),
     ("presence-penalty-high", C, completion(presence_penalty=3), 400, "presence_penalty", "less than"),
     ("frequency-penalty-low", C, completion(frequency_penalty=-3), 400, "frequency_penalty", "greater than"),
-    ("repetition-penalty-zero", C, completion(repetition_penalty=0), 400, "repetition_penalty", "greater than 0"),
+    ("repetition-penalty-zero", C, completion(repetition_penalty=0), 400, "repetition_penalty",
+     "greater than 0"),
     ("seed-string", C, completion(seed="x"), 400, "seed", "integer"),
     ("seed-float", C, completion(seed=1.5), 400, "seed", "integer"),
     ("stop-number", C, completion(stop=5), 400, "stop", ""),
@@ -74,7 +75,7 @@ CASES = [  # (id, path, body, status, param, a fragment of the message)
     ("echo-unsupported", C, completion(echo=True), 400, "echo", ""),
     ("glassformer-unknown", C, completion(glassformer={"x": 1}), 400, "glassformer.x", "unknown field"),
     ("chat-messages-empty", CHAT, chat(messages=[]), 400, "messages", "at least 1"),
-    ("chat-messages-missing", CHAT, chat(messages=DONE), 400, "messages", "required"),
+    ("chat-messages-missing", CHAT, chat(messages=OMIT), 400, "messages", "required"),
     ("chat-messages-string", CHAT, chat(messages="hello"), 400, "messages", ""),
     ("chat-role-unknown", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
      "messages.0.role", "'user'"),
