@@ -53,6 +53,7 @@ class Server:
         self.engine = Engine(language_model.model, language_model.tokenizer, engine)
         self.metrics = ServerMetrics(self.engine)
         self.active = 0  # admitted and not yet answered; only touched on the event loop
+        self._guards: set[asyncio.Task] = set()
 
     async def parse(self, request: Request, schema: type[BaseModel]) -> BaseModel:
         declared = request.headers.get("content-length", "")
@@ -73,7 +74,9 @@ class Server:
                            "model", "model_not_found")
         return parsed
 
-    def submit(self, ids: list[int], fields: SamplingFields, asked: int | None) -> RequestHandle:
+    def submit(self, ids: list[int], fields: SamplingFields, asked: int | None,
+               request: Request) -> tuple[RequestHandle, asyncio.Event]:
+        """Admit a request; returns its handle and the event its reader sets when done."""
         context, cap = self.language_model.config.context_length, self.config.max_tokens
         if len(ids) > context:
             raise APIError(400, f"prompt: {len(ids)} tokens; this model's context holds {context}",
@@ -86,35 +89,44 @@ class Server:
                            headers={"Retry-After": "1"})
         limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
         try:
-            return self.engine.submit(ids, fields.params(limit, self.language_model.tokenizer.eos_id))
+            handle = self.engine.submit(ids, fields.params(limit, self.language_model.tokenizer.eos_id))
         except ValueError as error:
             raise APIError(400, str(error), str(error).split(":")[0], "invalid_value") from None
-
-    async def events(self, handle: RequestHandle, request: Request) -> AsyncIterator[Event]:
-        """The request's events; it is cancelled if the client goes or its time is up."""
+        done = asyncio.Event()
         self.active += 1
+        guard = asyncio.create_task(self._guard(handle, request, done))
+        self._guards.add(guard)
+        guard.add_done_callback(self._guards.discard)
+        return handle, done
 
-        async def guard():
-            async def disconnected():
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-            try:
-                await asyncio.wait_for(disconnected(), self.config.request_timeout_s)
-            except asyncio.TimeoutError:
+    async def _guard(self, handle: RequestHandle, request: Request, done: asyncio.Event) -> None:
+        """Holds the request's admission until its reader is done; cancels it in the engine as
+        soon as the client disconnects or its time is up."""
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
                 pass
-            handle.cancel()
 
-        task = asyncio.create_task(guard())
+        waits = [asyncio.create_task(done.wait()), asyncio.create_task(disconnected())]
+        try:
+            await asyncio.wait(waits, timeout=self.config.request_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            if not handle.finished:
+                handle.cancel()
+            self.active -= 1
+            if handle.result is not None and handle.result.stop_reason != "cancelled":
+                self.metrics.observe(handle.result)
+
+    @staticmethod
+    async def events(handle: RequestHandle, done: asyncio.Event) -> AsyncIterator[Event]:
         try:
             async for event in handle:
                 yield event
         finally:
-            task.cancel()
-            if not handle.finished:
-                handle.cancel()
-            self.active -= 1
-            if handle.result is not None:
-                self.metrics.observe(handle.result)
+            done.set()
 
     def prompt(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tokenizer = self.language_model.tokenizer
@@ -142,7 +154,7 @@ def _finish(event: Event) -> str:
 async def answer(server: Server, request: Request, body: CompletionRequest | ChatCompletionRequest,
                  chat: bool) -> Response:
     ids = server.prompt(body)
-    handle = server.submit(ids, body, body.token_limit if chat else body.max_tokens)
+    handle, done = server.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
     head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
 
     def usage() -> dict:
@@ -151,7 +163,7 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
 
     if not body.stream:
         text, last = [], None
-        async for last in server.events(handle, request):
+        async for last in server.events(handle, done):
             text.append(last.text)
         choice = {"index": 0, "logprobs": None, "finish_reason": _finish(last)}
         if chat:
@@ -175,7 +187,7 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
     async def stream() -> AsyncIterator[str]:
         if chat:
             yield chunk("", None, role=True)
-        async for event in server.events(handle, request):
+        async for event in server.events(handle, done):
             if event.text:
                 yield chunk(event.text, None)
             if event.finished:
