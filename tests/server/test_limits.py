@@ -5,11 +5,10 @@ import time
 
 import httpx
 import pytest
+from conftest import serving
 
 from glassformer.server.app import ServerConfig
 from glassformer.serving import EngineConfig
-
-from conftest import serving
 
 MODEL = "tiny"
 STEP_S = 0.02  # each engine step is slowed to this so requests are still running when the test acts
