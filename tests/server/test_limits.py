@@ -130,6 +130,7 @@ def test_metrics_report_requests_and_latencies(slow_server):
         assert metric(http, "glassformer_time_per_output_token_seconds_sum") >= 2 * STEP_S * 0.9
         assert metric(http, "glassformer_generated_tokens_total") == 10
         assert metric(http, "glassformer_tokens_per_second") > 0
-        for name in ("glassformer_queue_length", "glassformer_running_batch_size", "glassformer_kv_blocks_cached",
-                     "glassformer_prefix_hit_rate", "glassformer_preemptions_total"):
+        for name in ("glassformer_queue_length", "glassformer_running_batch_size",
+                     "glassformer_kv_blocks_cached", "glassformer_prefix_hit_rate",
+                     "glassformer_preemptions_total"):
             metric(http, name)
