@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 from .options import add_quantize
 
@@ -36,10 +37,13 @@ def run(args: argparse.Namespace) -> int:
     from ..server.app import ServerConfig, create_app
     from ..serving import EngineConfig
 
-    config = ServerConfig(args.name or args.model, args.api_key, args.max_queue, args.max_tokens,
+    config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
                           args.max_body_kb * 1024, args.timeout)
     engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, max_batch=args.max_batch)
     app = create_app(load(args.model, quantize=args.quantize), config, engine)
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler it found:
+    # with this one, that ends here and the command exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
                 log_level="info")
     return 0
