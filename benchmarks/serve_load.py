@@ -153,8 +153,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(60)
-    alone = subprocess.run([sys.executable, "-c", ENGINE_ALONE.format(anchor=ANCHOR), args.model, args.quantize],
-                           capture_output=True, text=True, check=True)
+    alone = subprocess.run([sys.executable, "-c", ENGINE_ALONE.format(anchor=ANCHOR), args.model,
+                            args.quantize], capture_output=True, text=True, check=True)
     alone = json.loads(alone.stdout)
     rows.append({"workload": "anchor", "clients": 8, "engine_alone": True, **alone})
     if args.json:
