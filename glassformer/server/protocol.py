@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from ..generation.sampling import SamplingConfig
 from ..serving import RequestParams
@@ -76,7 +76,13 @@ class SamplingFields(Strict):
             seed=self.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             eos_ids=() if self.glassformer.ignore_eos or eos_id is None else (eos_id,),
+            logprobs=self.logprob_count,
         )
+
+    @property
+    def logprob_count(self) -> int | None:
+        """None: no log-probabilities; n: each token's and the n likeliest alternatives'."""
+        return None
 
 
 MaxTokens = Annotated[StrictInt, Field(ge=1)] | None
@@ -87,8 +93,12 @@ class CompletionRequest(SamplingFields):
                                                             Field(min_length=1)]
     max_tokens: MaxTokens = 16
     echo: Literal[False] = False
-    logprobs: None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     suffix: None = None
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(Strict):
@@ -109,8 +119,18 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_tokens: MaxTokens = None
     max_completion_tokens: MaxTokens = None
-    logprobs: Literal[False] | None = None
-    top_logprobs: None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:

@@ -3,6 +3,7 @@ alone (greedy, or sampled with the same seed)."""
 
 import openai
 import pytest
+import torch
 
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
@@ -115,3 +116,46 @@ def test_errors_reach_the_client_as_openai_errors(api):
     assert caught.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="gpt-4", prompt="x")
+
+
+def oracle_logprobs(language_model, ids, generated, top):
+    """Each generated token's log-probability and the `top` likeliest, from one full forward."""
+    logprobs = torch.log_softmax(language_model.logits(ids + generated).float(), dim=-1)
+    rows = logprobs[len(ids) - 1 : len(ids) - 1 + len(generated)]
+    chosen = [rows[j, t].item() for j, t in enumerate(generated)]
+    return chosen, [rows[j].topk(top) for j in range(len(generated))]
+
+
+def test_completion_logprobs_equal_the_model(api, language_model):
+    ids = language_model.encode("the cat")
+    reply = api.completions.create(model=MODEL, prompt="the cat", max_tokens=8, temperature=0, logprobs=3)
+    oracle = expected(language_model, ids, 8)
+    chosen, tops = oracle_logprobs(language_model, ids, oracle.generated_ids, 3)
+    got = reply.choices[0].logprobs
+    assert got.tokens == [language_model.tokenizer.decode([t]) for t in oracle.generated_ids]
+    torch.testing.assert_close(torch.tensor(got.token_logprobs), torch.tensor(chosen), atol=1e-4, rtol=0)
+    for top, (values, token_ids) in zip(got.top_logprobs, tops, strict=True):
+        assert list(top) == [language_model.tokenizer.decode([t]) for t in token_ids.tolist()]
+        torch.testing.assert_close(torch.tensor(list(top.values())), values, atol=1e-4, rtol=0)
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:j]) for j in range(len(got.tokens))]
+
+
+def test_chat_logprobs_streamed_and_whole_agree_with_the_model(api, language_model):
+    messages = [{"role": "user", "content": "hello"}]
+    settings = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                    top_logprobs=2)
+    whole = api.chat.completions.create(**settings).choices[0].logprobs.content
+    streamed = [entry for c in api.chat.completions.create(**settings, stream=True)
+                if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    ids = language_model.tokenizer.apply_chat_template(messages)
+    oracle = expected(language_model, ids, 6)
+    chosen, tops = oracle_logprobs(language_model, ids, oracle.generated_ids, 2)
+    for entries in (whole, streamed):
+        tokens = [language_model.tokenizer.decode([t]) for t in oracle.generated_ids]
+        assert [e.token for e in entries] == tokens
+        torch.testing.assert_close(torch.tensor([e.logprob for e in entries]), torch.tensor(chosen),
+                                   atol=1e-4, rtol=0)
+        for entry, (values, _) in zip(entries, tops, strict=True):
+            assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+            torch.testing.assert_close(torch.tensor([t.logprob for t in entry.top_logprobs]), values,
+                                       atol=1e-4, rtol=0)
