@@ -24,8 +24,9 @@ from pydantic import BaseModel, ValidationError
 
 from ..language_model import LanguageModel
 from ..serving import Engine, EngineConfig, Event, RequestHandle
-from . import errors
+from . import errors, ui
 from .errors import APIError
+from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, SamplingFields, Usage, new_id, now
 
@@ -161,34 +162,43 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
         generated = len(handle.result.generated_ids) if handle.result is not None else 0
         return Usage.of(len(ids), generated).model_dump()
 
+    decode = server.language_model.tokenizer.decode
     if not body.stream:
-        text, last = [], None
-        async for last in server.events(handle, done):
-            text.append(last.text)
-        choice = {"index": 0, "logprobs": None, "finish_reason": _finish(last)}
+        events = [event async for event in server.events(handle, done)]
+        text = "".join(event.text for event in events)
+        choice = {"index": 0, "logprobs": None, "finish_reason": _finish(events[-1])}
+        if body.logprob_count is not None:
+            shape = chat_logprobs if chat else completion_logprobs
+            choice["logprobs"] = shape(events, decode)
         if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = "".join(text)
+            choice["text"] = text
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                              "choices": [choice], "usage": usage()})
 
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
         if chat:
             delta = {} if text is None else {"content": text}
             choice = {"index": 0, "delta": {"role": "assistant", **delta} if role else delta}
         else:
             choice = {"index": 0, "text": text or ""}
-        choice |= {"logprobs": None, "finish_reason": finish}
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
         return _sse({**head, "object": kind, "choices": [choice]})
 
     async def stream() -> AsyncIterator[str]:
+        offset = 0
         if chat:
             yield chunk("", None, role=True)
         async for event in server.events(handle, done):
-            if event.text:
+            if event.logprobs is not None:  # one chunk per token, its text possibly still held back
+                logprobs = (chat_logprobs([event], decode) if chat
+                            else completion_logprobs([event], decode, offset))
+                yield chunk(event.text, None, logprobs=logprobs)
+                offset += len(decode([event.token_id]))
+            elif event.text:
                 yield chunk(event.text, None)
             if event.finished:
                 yield chunk(None, _finish(event))
@@ -214,6 +224,7 @@ def create_app(language_model: LanguageModel, config: ServerConfig,
     app = FastAPI(title="glassformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     errors.install(app)
+    ui.install(app, server.engine)
     app.add_middleware(_CountResponses, metrics=server.metrics)
 
     def authorize(request: Request) -> None:
@@ -253,7 +264,7 @@ def create_app(language_model: LanguageModel, config: ServerConfig,
     return app
 
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/ui", "/ui/state", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
 class _CountResponses:
