@@ -29,6 +29,7 @@ from .errors import APIError
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, SamplingFields, Usage, new_id, now
+from .tracing import Tracer
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Server:
         self.language_model, self.config = language_model, config
         self.engine = Engine(language_model.model, language_model.tokenizer, engine)
         self.metrics = ServerMetrics(self.engine)
+        self.tracer = Tracer(language_model.model)
         self.active = 0  # admitted and not yet answered; only touched on the event loop
         self._guards: set[asyncio.Task] = set()
 
@@ -155,8 +157,21 @@ def _finish(event: Event) -> str:
 async def answer(server: Server, request: Request, body: CompletionRequest | ChatCompletionRequest,
                  chat: bool) -> Response:
     ids = server.prompt(body)
+    sites = body.glassformer.trace
+    if sites:
+        try:
+            server.tracer.check(sites)
+        except ValueError as error:
+            raise APIError(400, f"glassformer.trace: {error}", "glassformer.trace", "invalid_value") from None
     handle, done = server.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
     head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
+
+    async def extra() -> dict:
+        """The trace sites' tensors for this request's tokens, once it has finished."""
+        if not sites or handle.result is None:
+            return {}
+        read = handle.result.prompt_ids + handle.result.generated_ids[:-1]
+        return {"glassformer": {"trace": await asyncio.to_thread(server.tracer.run, read, sites)}}
 
     def usage() -> dict:
         generated = len(handle.result.generated_ids) if handle.result is not None else 0
@@ -175,18 +190,18 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
         else:
             choice["text"] = text
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                             "choices": [choice], "usage": usage()})
+                             "choices": [choice], "usage": usage(), **(await extra())})
 
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
+    def chunk(text: str | None, finish: str | None, role: bool = False, logprobs=None, more=None) -> str:
         if chat:
             delta = {} if text is None else {"content": text}
             choice = {"index": 0, "delta": {"role": "assistant", **delta} if role else delta}
         else:
             choice = {"index": 0, "text": text or ""}
         choice |= {"logprobs": logprobs, "finish_reason": finish}
-        return _sse({**head, "object": kind, "choices": [choice]})
+        return _sse({**head, "object": kind, "choices": [choice], **(more or {})})
 
     async def stream() -> AsyncIterator[str]:
         offset = 0
@@ -201,7 +216,7 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
             elif event.text:
                 yield chunk(event.text, None)
             if event.finished:
-                yield chunk(None, _finish(event))
+                yield chunk(None, _finish(event), more=await extra())
         if body.stream_options is not None and body.stream_options.include_usage:
             yield _sse({**head, "object": kind, "choices": [], "usage": usage()})
         yield _sse("[DONE]")

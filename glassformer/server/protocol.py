@@ -28,6 +28,7 @@ class Glassformer(Strict):
     """Settings beyond OpenAI's, under the request's `glassformer` key."""
 
     ignore_eos: StrictBool = False
+    trace: Annotated[list[str], Field(max_length=8)] = []  # hook sites returned for this request
 
 
 class SamplingFields(Strict):
