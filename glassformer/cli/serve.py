@@ -27,6 +27,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may run")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="on SIGTERM, seconds running requests get to finish")
+    parser.add_argument("--ray", action="store_true",
+                        help="run on Ray Serve (pip install glassformer[ray]): a local Ray, or the "
+                             "cluster RAY_ADDRESS names")
+    parser.add_argument("--replicas", type=int, default=1, help="--ray: copies of the server")
     parser.set_defaults(run=run)
 
 
@@ -40,10 +44,24 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
                           args.max_body_kb * 1024, args.timeout)
     engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, max_batch=args.max_batch)
+    if args.ray:
+        return _run_on_ray(args, config, engine)
     app = create_app(load(args.model, quantize=args.quantize), config, engine)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler it found:
     # with this one, that ends here and the command exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
                 log_level="info")
+    return 0
+
+
+def _run_on_ray(args: argparse.Namespace, config, engine) -> int:
+    import ray
+    from ray import serve
+
+    from ..server.ray_serve import application
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(application(args.model, args.quantize, config, engine, args.replicas), blocking=True)
     return 0
