@@ -61,7 +61,7 @@ def _run_on_ray(args: argparse.Namespace, config, engine) -> int:
 
     from ..server.ray_serve import application
 
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(application(args.model, args.quantize, config, engine, args.replicas), blocking=True)
     return 0
