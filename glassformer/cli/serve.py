@@ -27,6 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may run")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="on SIGTERM, seconds running requests get to finish")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for the engine (default: the cores less one, left to HTTP)")
     parser.add_argument("--ray", action="store_true",
                         help="run on Ray Serve (pip install glassformer[ray]): a local Ray, or the "
                              "cluster RAY_ADDRESS names")
@@ -35,6 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     import uvicorn
 
     from ..language_model import load
@@ -44,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
                           args.max_body_kb * 1024, args.timeout)
     engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, max_batch=args.max_batch)
+    # The engine's threads share the cores with the event loop: one thread waiting for a core
+    # that serves HTTP stalls every matrix product of a step.
+    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) - 1))
     if args.ray:
         return _run_on_ray(args, config, engine)
     app = create_app(load(args.model, quantize=args.quantize), config, engine)
