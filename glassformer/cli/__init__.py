@@ -7,11 +7,11 @@ import sys
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
-from . import chat, compare, experiment, export, generate, info, journey, pull, train
+from . import chat, compare, experiment, export, generate, info, journey, pull, serve, train
 from . import eval as evaluate
 
 # Each command module defines add_parser(subparsers) and run(args) -> exit status.
-COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, chat, experiment]
+COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, chat, serve, experiment]
 
 
 class UserError(Exception):

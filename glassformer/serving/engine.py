@@ -26,7 +26,7 @@ from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
 from .beam import BeamGroup
 from .block_manager import BlockManager
-from .handle import Event, RequestHandle
+from .handle import Event, RequestHandle, TokenLogprobs
 from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION
 from .runner import ModelRunner
@@ -210,7 +210,8 @@ class Engine:
         for i, token in zip(plain, tokens, strict=True):
             seq = ready[i]
             piece = seq.accept(token, self.model.config.context_length)
-            event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason)
+            event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason,
+                          _logprobs(logits[i], token, seq.params.logprobs))
             if event.finished:
                 self._finish(seq, event, self._result(seq))
             else:
@@ -268,3 +269,12 @@ class Engine:
             decode_steps=max(len(seq.generated) - 1, 0),
             stop_string=None if seq.text is None else seq.text.stop_string,
         )
+
+
+def _logprobs(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs | None:
+    """The chosen token's log-probability and the `top` likeliest tokens' from one row (V,)."""
+    if top is None:
+        return None
+    logprobs = torch.log_softmax(row.float(), dim=-1)
+    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
+    return TokenLogprobs(float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True)))

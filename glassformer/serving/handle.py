@@ -13,6 +13,15 @@ from .sequence import StopReason
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability the model gave a generated token (its raw distribution, before any
+    sampling setting), and the `top` most likely tokens at that step as (id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Event:
     """One generated token and the text it made visible ('' while held back). The last event
     of a request has `finished` set (a cancelled request's last event may carry no token)."""
@@ -22,6 +31,7 @@ class Event:
     text: str
     finished: bool = False
     stop_reason: StopReason | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them (RequestParams.logprobs)
 
 
 class RequestHandle:

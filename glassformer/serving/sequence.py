@@ -30,6 +30,7 @@ class RequestParams:
     eos_ids: tuple[int, ...] | None = None  # None: the tokenizer's eos_id
     beams: int = 1  # > 1: beam search over forked sequences (beam.py)
     length_penalty: float = 1.0  # beam score = sum log p / length^length_penalty
+    logprobs: int | None = None  # None: none; n: each token's log-probability and the n likeliest
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -38,6 +39,8 @@ class RequestParams:
             raise ValueError(f"beams: must be >= 1, got {self.beams}")
         if self.beams > 1 and (not self.sampling.greedy or self.sampling.uses_counts):
             raise ValueError("beams: beam search ranks raw log-probabilities; drop sampling and penalties")
+        if self.logprobs is not None and (self.logprobs < 0 or self.beams > 1):
+            raise ValueError(f"logprobs: a count >= 0 without beams, got {self.logprobs!r}")
         if isinstance(self.stop, str):
             raise ValueError("stop: a tuple of strings, not a single string")
 

@@ -1,0 +1,167 @@
+"""`glassformer serve` under load over HTTP on loopback: 1 / 4 / 8 / 16 concurrent streaming
+clients, and the same anchor requests through the engine alone (no HTTP) for comparison.
+
+Workloads:
+  anchor  "The meaning of life is", 64 new tokens, greedy (max(8, clients) requests)
+  mixed   distinct tinyshakespeare passages of about 32-512 tokens, 64 new tokens, greedy
+          (2 x clients requests, at least 8)
+For each: total generated tokens/s, time to first token (TTFT) p50/p95, end-to-end latency
+p50/p95, and the server process's peak and current resident memory (/proc).
+
+    .venv/bin/python benchmarks/serve_load.py [--model smollm2-135m-instruct] [--quantize none]
+        [--clients 1 4 8 16] [--workloads anchor mixed] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+ANCHOR = "The meaning of life is"
+NAME = "bench"
+
+
+def requests_for(workload: str, clients: int) -> list[str]:
+    if workload == "anchor":
+        return [ANCHOR] * max(8, clients)
+    rng, text = random.Random(clients), CORPUS.read_text(encoding="utf-8")
+    prompts = []
+    for _ in range(max(8, 2 * clients)):
+        length = rng.randint(128, 2048)  # characters: about 32-512 tokens
+        start = rng.randrange(len(text) - length)
+        prompts.append(text[start : start + length])
+    return prompts
+
+
+async def one(http: httpx.AsyncClient, prompt: str) -> dict:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, first, usage = time.perf_counter(), None, None
+    async with http.stream("POST", "/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.perf_counter()
+            usage = chunk.get("usage") or usage
+    end = time.perf_counter()
+    return {"ttft": (first or end) - start, "latency": end - start, "tokens": usage["completion_tokens"],
+            "prompt_tokens": usage["prompt_tokens"]}
+
+
+async def load(url: str, prompts: list[str], clients: int) -> dict:
+    queue = list(enumerate(prompts))
+    results = [None] * len(prompts)
+
+    async def client():
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            while queue:
+                i, prompt = queue.pop(0)
+                results[i] = await one(http, prompt)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    wall = time.perf_counter() - start
+    return {
+        "requests": len(prompts),
+        "tokens_per_second": sum(r["tokens"] for r in results) / wall,
+        "ttft_p50": percentile([r["ttft"] for r in results], 0.5),
+        "ttft_p95": percentile([r["ttft"] for r in results], 0.95),
+        "latency_p50": percentile([r["latency"] for r in results], 0.5),
+        "latency_p95": percentile([r["latency"] for r in results], 0.95),
+        "prompt_tokens_mean": sum(r["prompt_tokens"] for r in results) / len(results),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def memory_mb(pid: int) -> dict:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    kb = {name: int(fields[name].split()[0]) for name in ("VmHWM", "VmRSS")}
+    return {"peak_rss_mb": kb["VmHWM"] / 1024, "rss_mb": kb["VmRSS"] / 1024}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+ENGINE_ALONE = """
+import json, sys, time
+import glassformer
+from glassformer.serving import EngineConfig
+lm = glassformer.load(sys.argv[1], quantize=sys.argv[2])
+lm.generate_many(["warm up"], max_new_tokens=4)
+start = time.perf_counter()
+results = lm.generate_many([{anchor!r}] * 8, max_new_tokens=64, engine=EngineConfig())
+wall = time.perf_counter() - start
+print(json.dumps({{"tokens_per_second": sum(r.n_generated for r in results) / wall}}))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--quantize", default="none")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--workloads", nargs="+", default=["anchor", "mixed"], choices=["anchor", "mixed"])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())", "serve",
+               "--model", args.model, "--quantize", args.quantize, "--name", NAME, "--port", str(port),
+               "--max-queue", "256"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = []
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                if server.poll() is not None:
+                    sys.exit("the server did not start")
+                time.sleep(0.5)
+        asyncio.run(load(url, [ANCHOR], 1))  # warm up
+        for workload in args.workloads:
+            for clients in args.clients:
+                measured = asyncio.run(load(url, requests_for(workload, clients), clients))
+                row = {"workload": workload, "clients": clients, **measured, **memory_mb(server.pid)}
+                rows.append(row)
+                if not args.json:
+                    print(f"{workload:6} {clients:2} clients: {row['tokens_per_second']:6.1f} tok/s  "
+                          f"TTFT p50 {row['ttft_p50']:.3f} p95 {row['ttft_p95']:.3f} s  "
+                          f"latency p50 {row['latency_p50']:.2f} p95 {row['latency_p95']:.2f} s  "
+                          f"RSS peak {row['peak_rss_mb']:.0f} now {row['rss_mb']:.0f} MB", flush=True)
+    finally:
+        server.terminate()
+        server.wait(60)
+    alone = subprocess.run([sys.executable, "-c", ENGINE_ALONE.format(anchor=ANCHOR), args.model,
+                            args.quantize], capture_output=True, text=True, check=True)
+    alone = json.loads(alone.stdout)
+    rows.append({"workload": "anchor", "clients": 8, "engine_alone": True, **alone})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"engine alone, anchor, 8 requests: {alone['tokens_per_second']:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""`glassformer serve`: an OpenAI-compatible HTTP server over the serving engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+from .options import add_quantize
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
+    parser.add_argument("--model", required=True, help="checkpoint/HF folder, .gguf file or known name")
+    parser.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
+    add_quantize(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("GLASSFORMER_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1 (default: $GLASSFORMER_API_KEY)")
+    parser.add_argument("--kv-memory-mb", type=float, default=256.0, help="KV cache size")
+    parser.add_argument("--max-batch", type=int, default=16, help="most requests per engine step")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting beyond the batch (then 429)")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens one request may ask for")
+    parser.add_argument("--max-body-kb", type=int, default=1024, help="larger request bodies get 413")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may run")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="on SIGTERM, seconds running requests get to finish")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for the engine (default: the cores less one, left to HTTP)")
+    parser.add_argument("--ray", action="store_true",
+                        help="run on Ray Serve (pip install glassformer[ray]): a local Ray, or the "
+                             "cluster RAY_ADDRESS names")
+    parser.add_argument("--replicas", type=int, default=1, help="--ray: copies of the server")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from ..language_model import load
+    from ..serving import EngineConfig
+    from ..serving.api.app import ServerConfig, create_app
+
+    config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
+                          args.max_body_kb * 1024, args.timeout)
+    engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, max_batch=args.max_batch)
+    # The engine's threads share the cores with the event loop: one thread waiting for a core
+    # that serves HTTP stalls every matrix product of a step.
+    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) - 1))
+    if args.ray:
+        return _run_on_ray(args, config, engine)
+    app = create_app(load(args.model, quantize=args.quantize), config, engine)
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler it found:
+    # with this one, that ends here and the command exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
+                log_level="info")
+    return 0
+
+
+def _run_on_ray(args: argparse.Namespace, config, engine) -> int:
+    import ray
+    from ray import serve
+
+    from ..serving.api.ray_serve import application
+
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(application(args.model, args.quantize, config, engine, args.replicas), blocking=True)
+    return 0

@@ -1,0 +1,39 @@
+"""Trace sites on the serving path: a request names hook sites (`"glassformer": {"trace":
+["blocks.3.attn.pattern"]}`) and gets those tensors for its own tokens.
+
+When the request has finished, its tokens (the prompt and every generated token the model
+read) run through `run_with_cache` alone, on a twin of the model that shares its weights but
+has its own hooks, so the engine's batched steps never see them. The tensors are therefore
+exactly `run_with_cache` on that request alone, whatever it was batched with."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+
+import torch
+
+from ...interpret.trace import resolve_names, run_with_cache
+from ...model.transformer import Transformer
+
+
+class Tracer:
+    def __init__(self, model: Transformer) -> None:
+        self.source = model
+        self._twin: Transformer | None = None
+        self._lock = threading.Lock()  # one trace at a time on the twin's hooks
+
+    def check(self, names: list[str]) -> list[str]:
+        """The names, if every one is a site of this model; ValueError naming the unknown ones."""
+        return resolve_names(self.source.config, names)
+
+    def run(self, ids: list[int], names: list[str]) -> dict[str, list]:
+        """{site: nested lists} for one sequence of token ids, batch dimension dropped."""
+        with self._lock:
+            if self._twin is None:
+                shared = {id(t): t for t in itertools.chain(self.source.parameters(), self.source.buffers())}
+                self._twin = copy.deepcopy(self.source, memo=shared)
+            device = self.source.embed.tokens.weight.device
+            _, cache = run_with_cache(self._twin, torch.tensor([ids], device=device), names)
+        return {name: cache[name][0].float().tolist() for name in names}

@@ -1,0 +1,78 @@
+"""A tiny random model with a real byte-level tokenizer and a chat template, served by uvicorn on
+127.0.0.1 (a free port) from a thread; the fixture always shuts the server down."""
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from tokenizers import Tokenizer, decoders, models
+
+from glassformer import Transformer, get_preset
+from glassformer.formats.chat_tokenizer import ChatTokenizer
+from glassformer.language_model import LanguageModel
+from glassformer.serving import EngineConfig
+from glassformer.serving.api.app import ServerConfig, create_app
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHARS = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?<>\n0123456789"
+EOT = "<|endoftext|>"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="session")
+def language_model() -> LanguageModel:
+    vocab = {c: i for i, c in enumerate(CHARS)} | {EOT: len(CHARS)}
+    chars = Tokenizer(models.BPE(vocab, merges=[]))  # one token per character, each valid text
+    chars.add_special_tokens([EOT])
+    chars.decoder = decoders.Fuse()
+    tokenizer = ChatTokenizer(chars, eos_token=EOT, chat_template=TEMPLATE)
+    torch.manual_seed(0)
+    config = get_preset("tiny-llama").replace(init_std=0.3, context_length=128,
+                                              vocab_size=tokenizer.vocab_size)
+    return LanguageModel(Transformer(config).eval(), tokenizer, MODEL)
+
+
+@contextmanager
+def serving(language_model, config: ServerConfig | None = None, engine: EngineConfig | None = None):
+    """A running server; yields (base_url, app)."""
+    app = create_app(language_model, config or ServerConfig(MODEL, max_tokens=64),
+                     engine or EngineConfig(n_blocks=256, max_batch=8))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive(), "server did not stop"
+
+
+@pytest.fixture(scope="module")
+def served(language_model):
+    with serving(language_model) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def base_url(served):
+    return served[0]
+
+
+@pytest.fixture
+def client(base_url):
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        yield http
