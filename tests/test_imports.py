@@ -20,11 +20,20 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node, except under `if TYPE_CHECKING:` (imports for annotations only)."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+            continue
+        yield child
+        yield from _runtime_nodes(child)
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str]]:
     """(imported module, imported name) for every `from glassformer... import name` in the file."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
