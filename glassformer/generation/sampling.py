@@ -8,6 +8,7 @@ Shapes: logits (B, V); counts (B, V) how often each token occurred in the contex
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,11 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name}: must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):

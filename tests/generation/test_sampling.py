@@ -39,7 +39,9 @@ def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     "field, value",
     [("temperature", -1.0), ("top_k", 0), ("top_p", 0.0), ("top_p", 1.5), ("min_p", -0.1),
-     ("repetition_penalty", 0.0)],
+     ("repetition_penalty", 0.0), ("temperature", float("nan")), ("top_p", float("nan")),
+     ("presence_penalty", float("inf")), ("frequency_penalty", float("-inf")),
+     ("temperature", "0.7"), ("min_p", None)],
 )
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
