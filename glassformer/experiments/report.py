@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from .runner import write_atomic
+from ..formats.files import write_atomic
 
 
 def save_figure(out: Path, name: str, draw: Callable, size=(7.0, 4.2)) -> str:

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..formats.files import write_atomic
+
 RESULTS = "results.json"
 
 
@@ -135,14 +137,3 @@ class Runner:
 
     def save(self) -> None:
         write_atomic(self.out / RESULTS, json.dumps(self.record, indent=1, allow_nan=False))
-
-
-def write_atomic(path: Path, text: str | bytes) -> None:
-    """Write to a temporary file beside `path`, then rename it over."""
-    tmp = path.with_name(path.name + ".tmp")
-    if isinstance(text, bytes):
-        tmp.write_bytes(text)
-    else:
-        tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-

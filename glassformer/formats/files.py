@@ -51,12 +51,16 @@ def check_output(output: str | Path, inputs: Iterable[str | Path] = (), force: b
     return output
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write `text` beside `path`, then rename it into place: no half-written file is left."""
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write `data` (text as UTF-8) beside `path`, then rename it into place: no half-written
+    file is left."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data, encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -125,6 +125,18 @@ class SamplingState:
             self.counts = self.counts[index]
 
 
+def stop_after(token: int, eos: set[int], text: TextStream | None, n_generated: int,
+               max_new_tokens: int) -> tuple[StopReason | None, str]:
+    """Why a row stops once `token` is its n_generated-th token (end-of-text, a stop string,
+    its budget), or None; and the text the token makes visible (held back text is kept)."""
+    if token in eos:
+        return "eos", ""
+    piece = "" if text is None else text.push(token)
+    if text is not None and text.stop_string is not None:
+        return "stop_string", piece
+    return ("max_new_tokens" if n_generated >= max_new_tokens else None), piece
+
+
 class Row:
     """One prompt's generation: what the model sees, what was generated, why it stopped, and
     the text released so far."""
@@ -145,15 +157,8 @@ class Row:
     def accept(self, token: int) -> str:
         """Append a generated token, decide whether to stop; returns the newly visible text."""
         self.generated.append(token)
-        piece = ""
-        if token in self.eos:
-            self.reason = "eos"
-        elif self.text is not None:
-            piece = self.text.push(token)
-            if self.text.stop_string is not None:
-                self.reason = "stop_string"
-        if self.reason is None and len(self.generated) >= self.config.max_new_tokens:
-            self.reason = "max_new_tokens"
+        self.reason, piece = stop_after(token, self.eos, self.text, len(self.generated),
+                                        self.config.max_new_tokens)
         self.slid = False
         if self.reason is None and len(self.context) == self.window:  # no position left for it
             if self.config.overflow == "stop":

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..generation.core import stop_after
 from ..generation.sampling import SamplingConfig, token_counts
 from ..generation.stopping import Decoder, TextStream
 
@@ -113,15 +114,8 @@ class Sequence:
         self.tokens.append(token)
         if self.counts is not None:
             self.counts[0, token] += 1
-        piece = ""
-        if token in self.eos:
-            self.stop_reason = "eos"
-        elif self.text is not None:
-            piece = self.text.push(token)
-            if self.text.stop_string is not None:
-                self.stop_reason = "stop_string"
-        if self.stop_reason is None and len(self.generated) >= self.params.max_new_tokens:
-            self.stop_reason = "max_new_tokens"
+        self.stop_reason, piece = stop_after(token, self.eos, self.text, len(self.generated),
+                                             self.params.max_new_tokens)
         if self.stop_reason is None and self.num_tokens > context_length:
             self.stop_reason = "context_full"  # no position left for the next token
         if self.stop_reason is not None:

@@ -6,7 +6,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from ...formats.files import write_text_atomic
+from ...formats.files import write_atomic
 
 PLACEHOLDER = "/*JOURNEY_DATA*/"
 
@@ -20,7 +20,7 @@ def render_html(data: dict) -> str:
 
 
 def write_html(data: dict, path: str | Path) -> Path:
-    return write_text_atomic(path, render_html(data))
+    return write_atomic(path, render_html(data))
 
 
 def summary(data: dict) -> dict:
