@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..accel import threads
 from ..accel.cpu import bf16_products_pay
 from ..accel.fast_training import use_fast_training
 from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
@@ -220,6 +221,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         while state["step"] < config.max_iters and not interrupted:
             if config.max_time and time.perf_counter() - loop_start >= config.max_time:
                 break
+            threads.revisit()  # other work on this CPU comes and goes
             t0 = time.perf_counter()
             lr = learning_rate(state["step"], config.lr, config.min_lr, config.warmup_iters,
                                config.decay_iters)
