@@ -57,7 +57,7 @@ def allowed_cores() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def _snapshot(cores: set[int]) -> tuple[float, float, float]:
+def snapshot(cores: set[int]) -> tuple[float, float, float]:
     """(seconds busy on `cores` by anyone, seconds this process ran, wall time)."""
     busy = 0
     try:
@@ -98,16 +98,16 @@ class ThreadPolicy:
         if self.fixed is not None:
             self.threads = self.fixed
         else:
-            before = _snapshot(self.cores)
+            before = snapshot(self.cores)
             time.sleep(window)
-            self._last = _snapshot(self.cores)
+            self._last = snapshot(self.cores)
             self.threads = self._choose(before, self._last)
         torch.set_num_threads(self.threads)
 
     def revisit(self) -> int:
         """Choose again from the time since the last look, if `interval` has passed."""
         if self.fixed is None and time.monotonic() - self._last[2] >= self.interval:
-            now = _snapshot(self.cores)
+            now = snapshot(self.cores)
             self.threads = self._choose(self._last, now)
             self._last = now
         if torch.get_num_threads() != self.threads:

@@ -45,7 +45,7 @@ def test_one_thread_per_free_core(free, reserved, expected):
 
 
 def test_a_number_asked_for_is_kept(monkeypatch):
-    monkeypatch.setattr(threads, "_snapshot", lambda cores: pytest.fail("no sampling"))
+    monkeypatch.setattr(threads, "snapshot", lambda cores: pytest.fail("no sampling"))
     policy = threads.ThreadPolicy(1)
     assert policy.threads == torch.get_num_threads() == 1
     assert policy.revisit() == 1
@@ -56,7 +56,7 @@ def test_the_choice_follows_other_work_as_it_comes_and_goes(monkeypatch):
     snapshots = iter([(0.0, 0.0, 0.0), (0.0, 0.0, 0.1),  # quiet at the start
                       (0.1 + (cores - 1) * 10, 0.1, 10.1),  # then others take cores - 1
                       (0.1 + (cores - 1) * 10, 0.1, 20.1)])  # then nothing again
-    monkeypatch.setattr(threads, "_snapshot", lambda c: next(snapshots))
+    monkeypatch.setattr(threads, "snapshot", lambda c: next(snapshots))
     monkeypatch.setattr(threads.time, "sleep", lambda s: None)
     clock = iter([5.0, 10.1, 20.1])
     monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
@@ -74,9 +74,9 @@ def test_a_spinning_process_is_seen():
                                 "while time.time() < end: pass"])
     try:
         time.sleep(0.3)
-        before = threads._snapshot(cores)
+        before = threads.snapshot(cores)
         time.sleep(0.5)
-        free = threads.free_cores(before, threads._snapshot(cores), len(cores))
+        free = threads.free_cores(before, threads.snapshot(cores), len(cores))
     finally:
         spinner.kill()
         spinner.wait()
