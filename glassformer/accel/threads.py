@@ -14,28 +14,19 @@ Torch's thread count belongs to the process, so the policy does too: `configure`
 command line's start) sets it, `revisit()` is a no-op in a process that never configured one.
 
 How long an idle OpenMP thread spins before sleeping is fixed when its runtime starts (at
-`import torch`): `prefer_passive_waits()` sets OMP_WAIT_POLICY=PASSIVE beforehand unless the
-environment says otherwise, so threads waiting at a barrier give their core to the process
-that needs it (benchmarks/busy_cpu.py measures both).
+`import torch`): glassformer/__init__.py sets OMP_WAIT_POLICY=PASSIVE beforehand unless the
+environment says otherwise (benchmarks/busy_cpu.py measures both).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import torch
 
 ENVIRONMENT = ("GLASSFORMER_THREADS", "OMP_NUM_THREADS")
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def prefer_passive_waits() -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless set, or OpenMP spin settings given, or too late."""
-    if "torch" in sys.modules or "GOMP_SPINCOUNT" in os.environ:
-        return
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def requested_threads(asked: int | None = None) -> int | None:

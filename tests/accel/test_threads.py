@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import time
@@ -99,3 +100,15 @@ def test_main_configures_the_threads_before_the_command(monkeypatch, tmp_path, c
     assert main(["eval", "--model", str(tmp_path / "missing"), "--data", str(tmp_path / "none.txt"),
                  "--threads", "1"]) != 0
     assert seen == [(1, 0)]
+
+
+@pytest.mark.parametrize(("code", "env", "spins"), [
+    ("import glassformer", {}, "0"),  # OMP_WAIT_POLICY=PASSIVE: sleep at once
+    ("import torch, glassformer", {}, "300000"),  # too late: libgomp's default
+    ("import glassformer", {"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"),
+])
+def test_glassformer_imported_first_makes_openmp_threads_sleep_when_idle(code, env, spins):
+    environment = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**environment, **env, "OMP_DISPLAY_ENV": "VERBOSE"})
+    assert f"GOMP_SPINCOUNT = '{spins}'" in done.stderr
