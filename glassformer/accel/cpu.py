@@ -4,9 +4,8 @@ Features come from the kernel's flags (/proc/cpuinfo) capped by the instruction 
 dispatches to (`torch.backends.cpu.get_cpu_capability()`, which ATEN_CPU_CAPABILITY=avx2
 lowers): AVX-512 that PyTorch will not use counts as absent. The decisions are known, not
 assumed per vendor: a bfloat16 matrix product pays only with bfloat16 arithmetic in hardware
-(AVX-512 BF16 or AMX); without it PyTorch emulates it, 10-20× slower than float32 (measured
-on Zen 4 under AVX2 dispatch, benchmarks/cpu_report.py prints the features beside every
-figure). `GLASSFORMER_BF16=0/1` overrides the decision.
+(AVX-512 BF16 or AMX); without it PyTorch emulates it, 10-20× slower than float32
+(benchmarks/newton_schulz.py measures both). `GLASSFORMER_BF16=0/1` overrides the decision.
 """
 
 from __future__ import annotations
