@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+from cpu_report import print_cpu
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 ANCHOR = "The meaning of life is"
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["anchor", "mixed"], choices=["anchor", "mixed"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    print_cpu(args.json)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())", "serve",

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..accel import threads
 from ..generation.generate import GenerationResult
 from ..generation.sampling import greedy, next_token
 from ..generation.stopping import Decoder
@@ -163,6 +164,7 @@ class Engine:
                                         or self.scheduler.has_work())
                     if self._stopping:
                         return
+                threads.revisit()  # other work on this CPU comes and goes
                 self.step()
         except BaseException as error:  # a failed step ends every request, never hangs one
             self._error = error

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..accel import threads
+from ..accel.cpu import bf16_products_pay
 from ..accel.fast_training import use_fast_training
 from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
 from ..formats.tokenizers import train_tokenizer
@@ -47,7 +49,7 @@ def autocast(device: torch.device, dtype: str):
 def bf16_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return device.type == "cpu" and bf16_products_pay()  # emulated bf16 is slower than fp32
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, reduction="mean"):
@@ -219,6 +221,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         while state["step"] < config.max_iters and not interrupted:
             if config.max_time and time.perf_counter() - loop_start >= config.max_time:
                 break
+            threads.revisit()  # other work on this CPU comes and goes
             t0 = time.perf_counter()
             lr = learning_rate(state["step"], config.lr, config.min_lr, config.warmup_iters,
                                config.decay_iters)

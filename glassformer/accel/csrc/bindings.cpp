@@ -26,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rope", &gf::rope, "rotary embedding of (B, H, T, D), inverse: the backward pass");
   module.def("swiglu_forward", &gf::swiglu_forward, "silu(g) u for h = [g | u] (R, 2F)");
   module.def("swiglu_backward", &gf::swiglu_backward, "SwiGLU gradient [dg | du] (R, 2F)");
+  module.def("gelu_forward", &gf::gelu_forward, "x Φ(x), exact GELU, contiguous float32");
+  module.def("gelu_backward", &gf::gelu_backward, "GELU gradient dy (Φ(x) + x φ(x))");
   module.def("transpose", &gf::transpose, "(M, K) -> contiguous (K, M), float32");
   module.attr("SMALL_BATCH") = gf::kSmallBatch;
 }

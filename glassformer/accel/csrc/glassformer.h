@@ -123,6 +123,8 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
                    bool inverse);
 torch::Tensor swiglu_forward(const torch::Tensor& h);
 torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h);
+torch::Tensor gelu_forward(const torch::Tensor& x);
+torch::Tensor gelu_backward(const torch::Tensor& dy, const torch::Tensor& x);
 torch::Tensor transpose(const torch::Tensor& x);
 
 // ------------------------------------------------------------------ decode step
