@@ -2,8 +2,9 @@
 
 The family is read off the config: GPT-2 (learned positions, LayerNorm, biases, tied head) or
 Llama (RoPE, RMSNorm, SwiGLU, no biases), Qwen2 (q/k/v biases only) and Mistral (a sliding
-window); an encoder-decoder as T5 (huggingface_t5.py). A config that none of them can express is refused with the field that stops it.
-The folder is written whole beside its destination and renamed into place.
+window); an encoder-decoder as T5 (huggingface_t5.py). A config that none of them can express
+is refused with the field that stops it. The folder is written whole beside its destination
+and renamed into place.
 """
 
 from __future__ import annotations
