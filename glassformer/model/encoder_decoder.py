@@ -93,6 +93,16 @@ class EncoderDecoder(nn.Module):
             self.lm_head.weight = self.embed.tokens.weight  # W_head = E_token
         init_weights(self, config.init_std, [*self.encoder.blocks, *self.decoder.blocks])
 
+    def linear_layers(self) -> dict[str, nn.Module]:
+        """Every weight matrix a forward pass multiplies by, by module path (encoder blocks,
+        decoder blocks with their cross-attention, lm_head). Conversions replace these."""
+        names = [name for name, module in self.named_modules() if isinstance(module, nn.Linear)]
+        return {name: self.get_submodule(name) for name in names}
+
+    def install_fused_step(self, build) -> None:
+        """Conversions install a fused decode step here; an encoder-decoder has none: its
+        decoder always decodes through the modules."""
+
     def encode(self, ids: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The encoder's output m (B, S, d) for source ids (B, S); pad_mask (B, S) False for
         padding."""
