@@ -112,3 +112,17 @@ def test_train_objective_span(tmp_path, capsys):
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "clm"), "--preset", "tiny-t5",
                  "--max-iters", "1", "--no-progress"]) == 2
     assert "objective: clm trains decoder-only models" in one_error_line(capsys)
+
+
+def test_language_model_logits_and_trace(t5_folder):
+    from glassformer import load
+
+    lm = load(t5_folder)
+    model, tokenizer = lm.model, lm.tokenizer
+    source, target = tokenizer.encode("the lazy dog"), tokenizer.encode("a fox")
+    with torch.no_grad():
+        expected = model(torch.tensor([source]), torch.tensor([[0, *target]]))[0]
+    torch.testing.assert_close(lm.logits("the lazy dog", target="a fox"), expected)
+    logits, sites = lm.trace("the lazy dog", ["decoder.blocks.0.cross.pattern"], target="a fox")
+    torch.testing.assert_close(logits[0], expected)
+    assert sites["decoder.blocks.0.cross.pattern"].shape == (1, 4, 1 + len(target), len(source))
