@@ -144,7 +144,7 @@ class EncoderDecoder(nn.Module):
             if not cache.cross:  # the first step: project the encoder output once
                 cache.cross = self.cross_kv(memory)
             kv = cache.cross
-        S = kv[0][0].shape[2] if kv else memory.shape[1]
+        S = kv[0][0].shape[2]  # encoder positions
         cross_mask = AttentionMask(
             q_pos=positions, k_pos=torch.arange(S, device=ids.device).expand(B, S),
             causal=False, k_valid=memory_mask,
