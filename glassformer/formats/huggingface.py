@@ -5,6 +5,8 @@ Two families, each an explicit key map (`key_map`) between Hugging Face names an
   Conv1D layers store weights as (in, out), so they are transposed.
 - Llama (llama, mistral with its sliding window, qwen2 with q/k/v biases): RoPE (rotate-half),
   RMSNorm, SwiGLU. q/k/v_proj are stacked into our fused `qkv`, gate/up_proj into `mlp.up`.
+- T5 (`model_type` t5, v1.0 and v1.1): an encoder-decoder; its config and key map live in
+  huggingface_t5.py.
 Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
 """
 
@@ -18,10 +20,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..model.config import ModelConfig
+from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .files import read_json_object
+from .huggingface_t5 import t5_config, t5_keys
 from .validate import check_model, check_tensor
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
@@ -29,6 +33,8 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 # Buffers some transformers versions save, carrying no weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+# Copies of T5's shared token table that some files also store under each stack's name.
+_T5_TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             return _gpt2_config(hf)
         if kind in LLAMA_TYPES:
             return _llama_config(hf)
+        if kind == "t5":
+            return t5_config(hf)
     except KeyError as error:
         raise ValueError(f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
-    raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)})")
+    raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, t5)")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
@@ -107,6 +115,8 @@ def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
     """Every Hugging Face tensor of the family with where it goes in Glassformer."""
     if model_type == "gpt2":
         return _gpt2_keys(config)
+    if model_type == "t5":
+        return [Entry(hf, ours, rows) for hf, ours, rows in t5_keys(config)]
     return _llama_keys(config)
 
 
@@ -150,16 +160,24 @@ def _llama_keys(c: ModelConfig) -> list[Entry]:
 
 
 def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,
-            ) -> tuple[Transformer, ChatTokenizer]:
+            ) -> tuple[Transformer | EncoderDecoder, ChatTokenizer]:
     """Read a Hugging Face model folder: the model (eval mode, on CPU) and its tokenizer."""
+    model = load_hf_model(folder, dtype)
+    tokenizer = ChatTokenizer.load(folder)
+    check_vocabulary(tokenizer, model.config, folder)
+    return model, tokenizer
+
+
+def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
+                  ) -> Transformer | EncoderDecoder:
+    """The model of a Hugging Face folder alone (eval mode, on CPU), for folders without a
+    tokenizer."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
     hf = read_json_object(config_path)
     config = config_from_hf(hf)
-    tokenizer = ChatTokenizer.load(folder)
-    check_vocabulary(tokenizer, config, folder)
     model = empty_model(config, dtype)
     tensors = read_safetensors(folder)
     try:
@@ -168,7 +186,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,
         raise ValueError(f"{folder}: {error}") from None
     model.load_state_dict(weights, strict=True)
     check_model(model, str(folder), parameters=False)
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 def check_vocabulary(tokenizer, config: ModelConfig, where: Path) -> None:
@@ -181,7 +199,7 @@ def check_vocabulary(tokenizer, config: ModelConfig, where: Path) -> None:
 
 
 def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Tensor],
-               model: Transformer) -> dict[str, torch.Tensor]:
+               model: Transformer | EncoderDecoder) -> dict[str, torch.Tensor]:
     """Our state dict from the Hugging Face tensors, after strict name and shape checks."""
     entries = key_map(config, model_type)
     prefix = "transformer." if model_type == "gpt2" else ""
@@ -191,9 +209,11 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
     missing = sorted(wanted - set(tensors))
     if missing:
         raise ValueError(f"missing tensor {missing[0]} ({len(missing)} missing in all)")
-    tied_head = config.tie_embeddings and "lm_head.weight" in tensors
+    tied = {"lm_head.weight"} if config.tie_embeddings else set()
+    if model_type == "t5":
+        tied |= set(_T5_TIED_COPIES)
     unknown = sorted(k for k in set(tensors) - wanted
-                     if not k.endswith(_IGNORED_SUFFIXES) and not (tied_head and k == "lm_head.weight"))
+                     if not k.endswith(_IGNORED_SUFFIXES) and k not in tied)
     if unknown:
         raise ValueError(f"unexpected tensor {unknown[0]} for this {model_type} configuration")
     params = dict(model.state_dict())

@@ -59,6 +59,9 @@ class EngineConfig:
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Decoder | None = None,
                  config: EngineConfig = EngineConfig()) -> None:
+        if model.config.n_encoder_layers:
+            raise ValueError("the serving engine runs decoder-only models; an encoder-decoder "
+                             "generates one source at a time (glassformer generate)")
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         mc = model.config
         n_blocks = config.n_blocks
