@@ -15,7 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<gf::DecodeStep>(module, "DecodeStep", pybind11::module_local())
       .def(pybind11::init<std::vector<int64_t>, bool, bool, bool, int64_t, double,
                           std::vector<torch::Tensor>, std::vector<int64_t>, gf::Bias>())
-      .def("step", &gf::DecodeStep::step, "one token through every layer (decode_step.cpp)");
+      .def("step", &gf::DecodeStep::step, "one token through every layer (decode_step.cpp)")
+      .def("step_paged", &gf::DecodeStep::step_paged,
+           "one token of each of B sequences through every layer, caches in a paged pool");
   module.def("dequantize", &gf::dequantize, "q8 (mins None) or q4 blocks -> (N, K) float32");
   module.def("try_f32", &gf::try_f32, "linear_f32 for a small batch, else None");
   module.def("try_bf16", &gf::try_bf16, "linear_bf16 for a small batch, else None");
