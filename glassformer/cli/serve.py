@@ -52,10 +52,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as error:  # one line naming the fix, not a traceback
         if (error.name or "").split(".")[0] not in SERVE_EXTRA:
             raise
-        from . import UserError
-
-        raise UserError(f"serve: the module {error.name} is missing; install the serve extra: "
-                        "pip install 'glassformer[serve]'") from None
+        raise ValueError(f"serve: the module {error.name} is missing; install the serve extra: "
+                         "pip install 'glassformer[serve]'") from None
 
     config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
                           args.max_body_kb * 1024, args.timeout)
