@@ -58,3 +58,21 @@ def test_other_pools_and_reference_attention_keep_the_per_layer_path(tiny, promp
         handles = [engine.submit(p, params) for p in prompts([3, 6])]
         engine.run_until_done()
         assert all(len(h.wait(0).generated_ids) == 4 for h in handles)
+
+
+def test_more_rows_than_a_kernel_tile_still_equal_the_per_layer_path(tiny, prompts):
+    """12 decode rows: one fused call (the products take them all in one pass) against the
+    per-layer path's tiles of 8."""
+    model = quantize_model(tiny(), "int4")
+    params = RequestParams(max_new_tokens=6, eos_ids=(), logprobs=2)
+    todo = [(p, params) for p in prompts([5, 17, 3, 30, 1, 9, 2, 11, 4, 8, 6, 13])]
+    config = EngineConfig(block_size=4, n_blocks=160, token_budget=64, max_batch=12)
+    engine = Engine(model, None, config)
+    handles = [engine.submit(*t) for t in todo]
+    engine.run_until_done()
+    assert max(len(t.requests) for t in engine.trace) == 12
+    fused = [[(e.token_id, e.logprobs.logprob) for e in h if e.token_id is not None] for h in handles]
+    expected = _events(model, todo, config, fused=False)
+    for got, want in zip(fused, expected, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        torch.testing.assert_close([lp for _, lp in got], [w.logprob for _, w in want], atol=1e-4, rtol=1e-4)
