@@ -8,6 +8,8 @@ import signal
 
 from .options import add_quantize, add_threads
 
+SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette")  # and theirs
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
@@ -24,7 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="requests waiting beyond the batch (then 429)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens one request may ask for")
     parser.add_argument("--max-body-kb", type=int, default=1024, help="larger request bodies get 413")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may run")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a request may run (then 504, or an error event in a stream)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="on SIGTERM, seconds running requests get to finish")
     parser.add_argument("--ray", action="store_true",
@@ -36,11 +39,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from ..language_model import load
     from ..serving import EngineConfig
-    from ..serving.api.app import ServerConfig, create_app
+
+    try:
+        import uvicorn
+
+        from ..serving.api.app import ServerConfig, create_app
+    except ImportError as error:  # one line naming the fix, not a traceback
+        if (error.name or "").split(".")[0] not in SERVE_EXTRA:
+            raise
+        raise ValueError(f"serve: the module {error.name} is missing; install the serve extra: "
+                         "pip install 'glassformer[serve]'") from None
 
     config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
                           args.max_body_kb * 1024, args.timeout)

@@ -246,15 +246,17 @@ class Engine:
             self._finish(group, event, result)
 
     def _pick(self, ready: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Each request's next token, with its own settings and generator."""
+        """Each request's next token, with its own settings and generator; the plain greedy
+        rows in one argmax (each row's maximum is its own)."""
+        plain = [seq.params.sampling.greedy and not seq.params.sampling.uses_counts for seq in ready]
+        argmax = greedy(logits).tolist() if any(plain) else []  # (R,)
         tokens = []
         for i, seq in enumerate(ready):
-            row = logits[i : i + 1]  # (1, V)
-            sampling = seq.params.sampling
-            if sampling.greedy and not sampling.uses_counts:
-                tokens.append(int(greedy(row)))
+            if plain[i]:
+                tokens.append(argmax[i])
             else:
-                tokens.append(int(next_token(row, sampling, seq.generator, seq.counts)))
+                row = logits[i : i + 1]  # (1, V)
+                tokens.append(int(next_token(row, seq.params.sampling, seq.generator, seq.counts)))
         return tokens
 
     def run_until_done(self) -> None:
