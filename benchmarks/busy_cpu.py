@@ -5,10 +5,11 @@ with Glassformer's choice (glassformer/accel/threads.py).
     python benchmarks/busy_cpu.py [--tokens 64] [--iters 40] [--only decode-fp32 ...]
 
 Each figure is its own process (OpenMP's wait policy is fixed when torch loads): "default"
-imports torch first and keeps one thread per core and libgomp's spinning waits; "policy" does
+keeps one thread per core and libgomp's spinning waits (GOMP_SPINCOUNT=300000, its default,
+which `import glassformer` leaves alone); "policy" does
 what the `glassformer` command does: OMP_WAIT_POLICY=PASSIVE before torch loads, and one
 thread per core that other processes leave free; "threads" is that thread count alone, with
-libgomp's spinning waits (GOMP_SPINCOUNT=300000, its default). The busy process is a Python loop spinning
+the spinning waits. The busy process is a Python loop spinning
 for a bounded time, started before the figure's process and killed after it. Decode speed
 excludes the prompt: (n - 1) / (time for n tokens - time for 1). Prints tokens/s quiet and
 busy and busy / quiet for each.
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpu_report import print_cpu
+from cpu_report import print_cpu  # imports glassformer before torch: its wait policy holds
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE.parents[1] / "shared" / "data" / "tinyshakespeare.txt"
@@ -65,16 +66,16 @@ def train_worker(iters: int) -> float:
 
 
 def worker(workload: str, setting: str, tokens: int, iters: int) -> dict:
+    import torch
+
     if setting != "default":
-        import glassformer  # noqa: F401  (sets the wait policy before torch loads)
         from glassformer.accel import threads
 
         threads.configure()
-    import torch
 
     rate = train_worker(iters) if workload == "train" else decode_worker(WORKLOADS[workload], tokens)
     return {"tokens_per_second": rate, "threads": torch.get_num_threads(),
-            "wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp's default")}
+            "wait": "spin" if "GOMP_SPINCOUNT" in os.environ else os.environ["OMP_WAIT_POLICY"]}
 
 
 def measure(workload: str, setting: str, busy: bool, args) -> dict:
@@ -88,7 +89,7 @@ def measure(workload: str, setting: str, busy: bool, args) -> dict:
         env = {k: v for k, v in os.environ.items()
                if k not in ("OMP_NUM_THREADS", "GLASSFORMER_THREADS", "OMP_WAIT_POLICY",
                             "GOMP_SPINCOUNT")}
-        if setting == "threads":
+        if setting != "policy":
             env["GOMP_SPINCOUNT"] = "300000"
         done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     finally:

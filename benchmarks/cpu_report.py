@@ -9,13 +9,13 @@ from __future__ import annotations
 import sys
 import time
 
-import torch
-
-from glassformer.accel import threads
+from glassformer.accel import threads  # glassformer before torch (its OpenMP wait policy)
 from glassformer.accel.cpu import cpu_features
 
 
 def cpu_line(window: float = 0.2) -> str:
+    import torch
+
     cores = threads.allowed_cores()
     before = threads.snapshot(cores)
     time.sleep(window)
