@@ -109,9 +109,24 @@ def _import(name: str, library: Path) -> ModuleType | None:
 
 
 def _build(name: str, directory: Path, target: str) -> ModuleType:
-    from torch.utils import cpp_extension
+    """Compile under an OS lock: the kernel drops it when its holder dies, unlike torch's own
+    lock file, which a build killed midway leaves behind for every later one to wait on."""
+    import fcntl  # _why_unavailable() has ruled out Windows
 
     directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent builder finishes first
+        library = directory / f"{name}.so"
+        module = _import(name, library) if library.exists() else None
+        if module is not None:
+            return module
+        (directory / "lock").unlink(missing_ok=True)  # torch's lock: stale, as we hold ours
+        return _compile(name, directory, target)
+
+
+def _compile(name: str, directory: Path, target: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
     print(
         f"glassformer: compiling the CPU kernels once (about a minute) into {directory}",
         file=sys.stderr,

@@ -64,3 +64,21 @@ def test_key_changes_with_each_input(copied_sources, tmp_path, monkeypatch):
     keys["flags"] = build.cache_key("avx2")
     assert build.cache_key() == base  # every change undone: the same key again
     assert len(set(keys.values()) | {base}) == len(keys) + 1, keys
+
+
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch):
+    """torch's lock file outlives a killed build; the next build must not wait on it forever."""
+    from torch.utils import cpp_extension
+
+    directory = tmp_path / "key"
+    directory.mkdir()
+    (directory / "lock").write_text("")  # left by a build that was killed
+    seen = {}
+
+    def fake_load(name, build_directory, **_):
+        seen["stale lock"] = (directory / "lock").exists()
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert build._build("glassformer_kernels_test", directory, "native") == "module"
+    assert seen == {"stale lock": False}
