@@ -1,16 +1,16 @@
 """Hugging Face model folders (config.json, *.safetensors [+ index], tokenizer.json) -> Glassformer.
 
-Two families, each an explicit key map (`key_map`) between Hugging Face names and ours:
+Three families, each an explicit key map (`key_map`) between Hugging Face names and ours:
 - GPT-2 (`model_type` gpt2): learned positions, LayerNorm, GELU (tanh), fused c_attn. Its
   Conv1D layers store weights as (in, out), so they are transposed.
 - Llama (llama, mistral with its sliding window, qwen2 with q/k/v biases): RoPE (rotate-half),
   RMSNorm, SwiGLU. q/k/v_proj are stacked into our fused `qkv`, gate/up_proj into `mlp.up`.
+- BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (hf_bert.py).
 Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,8 @@ from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .files import read_json_object
+from .hf_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
+from .tensor_map import Entry
 from .validate import check_model, check_tensor
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
@@ -31,27 +33,22 @@ LLAMA_TYPES = ("llama", "mistral", "qwen2")
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One Hugging Face tensor: our parameter, the block of its rows, and whether to transpose."""
 
-    hf: str
-    ours: str
-    rows: tuple[int, int] | None = None
-    transpose: bool = False
-
-
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig equal to a Hugging Face config.json (as a dict)."""
+def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
+    """A ModelConfig equal to a Hugging Face config.json (as a dict); `pooler`: the weights
+    hold BERT's pooler."""
     kind = hf.get("model_type")
     try:
         if kind == "gpt2":
             return _gpt2_config(hf)
         if kind in LLAMA_TYPES:
             return _llama_config(hf)
+        if kind == "bert":
+            return bert_config(hf, pooler)
     except KeyError as error:
         raise ValueError(f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
-    raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)})")
+    raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
+                     "bert)")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
@@ -107,6 +104,8 @@ def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
     """Every Hugging Face tensor of the family with where it goes in Glassformer."""
     if model_type == "gpt2":
         return _gpt2_keys(config)
+    if model_type == "bert":
+        return bert_keys(config)
     return _llama_keys(config)
 
 
@@ -157,11 +156,11 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
     hf = read_json_object(config_path)
-    config = config_from_hf(hf)
+    tensors = read_safetensors(folder)
+    config = config_from_hf(hf, pooler=POOLER_KEY in tensors)
     tokenizer = ChatTokenizer.load(folder)
     check_vocabulary(tokenizer, config, folder)
     model = empty_model(config, dtype)
-    tensors = read_safetensors(folder)
     try:
         weights = state_dict(config, hf["model_type"], tensors, model)
     except ValueError as error:
@@ -191,9 +190,11 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
     missing = sorted(wanted - set(tensors))
     if missing:
         raise ValueError(f"missing tensor {missing[0]} ({len(missing)} missing in all)")
-    tied_head = config.tie_embeddings and "lm_head.weight" in tensors
+    bert = model_type == "bert"
+    copies = {TIED_COPIES[0] if bert else "lm_head.weight"} if config.tie_embeddings else set()
+    copies |= {TIED_COPIES[1]} if bert else set()
     unknown = sorted(k for k in set(tensors) - wanted
-                     if not k.endswith(_IGNORED_SUFFIXES) and not (tied_head and k == "lm_head.weight"))
+                     if not k.endswith(_IGNORED_SUFFIXES) and k not in copies)
     if unknown:
         raise ValueError(f"unexpected tensor {unknown[0]} for this {model_type} configuration")
     params = dict(model.state_dict())
