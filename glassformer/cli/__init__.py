@@ -7,11 +7,12 @@ import sys
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
-from . import chat, compare, experiment, export, generate, info, journey, pull, serve, train
+from . import chat, compare, experiment, export, fill_mask, generate, info, journey, pull, serve, train
 from . import eval as evaluate
 
 # Each command module defines add_parser(subparsers) and run(args) -> exit status.
-COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, chat, serve, experiment]
+COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, fill_mask, chat, serve,
+            experiment]
 
 
 class UserError(Exception):

@@ -32,7 +32,9 @@ from . import distributed
 from .allocator import keep_freed_memory
 from .config import TrainConfig, resume_conflicts
 from .data import TokenData, draw_starts, iter_documents, list_sources, windows, write_token_file
+from .masking import IGNORE
 from .metrics import MetricsLog, plot_losses
+from .objectives import Objective, get_objective
 from .optim import make_optimizer, set_learning_rate
 from .schedule import learning_rate
 
@@ -51,8 +53,14 @@ def bf16_supported(device: torch.device) -> bool:
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, reduction="mean"):
+    """Cross-entropy of model(x) against the targets y (B, T), over the positions whose target
+    is not IGNORE: the mean over them, or the sum."""
     logits = model(x)  # (B, T, vocab)
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction=reduction)
+    total = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE,
+                            reduction="sum")
+    if reduction == "sum":
+        return total
+    return total / (y != IGNORE).sum().clamp(min=1)
 
 
 def train_step(model, optimizer, x, y, grad_accum: int, grad_clip: float, amp) -> torch.Tensor:
@@ -74,15 +82,21 @@ def train_step(model, optimizer, x, y, grad_accum: int, grad_clip: float, amp) -
 
 
 @torch.no_grad()
-def evaluate(model, tokens, starts, context_length, batch_size, process, amp) -> float:
-    """Mean validation loss over the windows at `starts` (this process's share)."""
+def evaluate(model, tokens, starts, context_length, batch_size, process, amp,
+             objective: Objective | None = None, tokenizer=None, seed: int = 0) -> float:
+    """Mean validation loss over the windows at `starts` (this process's share); an
+    objective's random choices (masks) are drawn from `seed`, the same at every evaluation."""
     model.eval()
+    generator = torch.Generator().manual_seed(seed)
     totals = torch.zeros(2, dtype=torch.float64, device=process.device)  # (loss sum, tokens)
     for chunk in starts.split(batch_size):
         x, y = windows(tokens, chunk, context_length, process.device)
+        if objective is not None:
+            batch = objective.make_batch(x, y, tokenizer, generator)
+            x, y = batch.inputs, batch.targets
         with amp:
             totals[0] += lm_loss(model, x, y, reduction="sum").double()
-        totals[1] += y.numel()
+        totals[1] += (y != IGNORE).sum()
     distributed.all_reduce_sum(process, totals)
     model.train()
     return (totals[0] / totals[1]).item()
@@ -110,8 +124,9 @@ def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, re
             raise ValueError(f"{out} already holds a training run ({', '.join(left[:4])}"
                              f"{' ...' if len(left) > 4 else ''}): pass --resume to continue it, "
                              "or give a fresh --out")
+        objective = get_objective(config.objective, model_config)
         docs = iter_documents(sources, config.documents)
-        tokenizer = train_tokenizer(config.tokenizer, docs, config.vocab_size)
+        tokenizer = train_tokenizer(config.tokenizer, docs, config.vocab_size, objective.mask_token)
         return sources, tokenizer, model_config.replace(vocab_size=tokenizer.vocab_size), None
     checkpoint = Checkpoint.open(resume_source(out))
     tokenizer = checkpoint.tokenizer()
@@ -121,6 +136,7 @@ def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, re
     conflicts += resume_conflicts(TrainConfig.from_dict(checkpoint.meta["train"]), config)
     if conflicts:
         raise ValueError(f"cannot resume {out}: this run asks for {', '.join(conflicts)}")
+    get_objective(config.objective, model_config, tokenizer)
     return sources, tokenizer, model_config, checkpoint
 
 
@@ -144,6 +160,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         data, out, model_config, config, resume, process
     )
     T, main, device = model_config.context_length, process.is_main, process.device
+    objective = get_objective(config.objective, model_config, tokenizer)
     created = not out.exists()
     try:
         if main:
@@ -190,14 +207,15 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
             save_to_run(out, state["step"], links, model, tokenizer, meta, optimizer, rng)
 
     def run_eval(train_loss):
-        val_loss = evaluate(step_model, tokens.val, val_starts, T, config.batch_size, process, amp)
+        val_loss = evaluate(step_model, tokens.val, val_starts, T, config.batch_size, process, amp,
+                            objective, tokenizer, seed=config.seed + 2)
         _check_finite("validation loss", val_loss, state["step"], out)
         best = val_loss < state["best_val_loss"]
         state["best_val_loss"] = min(val_loss, state["best_val_loss"])
         record = {"iter": state["step"], "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
                   "train_loss": train_loss, "best": best,
                   "elapsed": time.perf_counter() - started}
-        if main and config.sample_tokens:
+        if main and config.sample_tokens and model_config.causal:  # an encoder writes no text
             record["sample"] = sample_text(model, tokenizer, config.sample_tokens,
                                            seed=config.seed + state["step"])
         metrics.append(record)
@@ -224,7 +242,9 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
                                config.decay_iters)
             set_learning_rate(optimizer, lr, config)
             starts = draw_starts(len(tokens.train), T, process.world_size * n_local, data_gen)
-            x, y = windows(tokens.train, starts[mine], T, device)
+            x, y = windows(tokens.train, starts, T)  # the whole step's windows: every process
+            batch = objective.make_batch(x, y, tokenizer, data_gen)  # draws the same choices
+            x, y = batch.inputs[mine].to(device), batch.targets[mine].to(device)
             loss = train_step(step_model, optimizer, x, y, config.grad_accum, config.grad_clip, amp)
             state["step"] += 1
             state["tokens_seen"] += tokens_per_step
