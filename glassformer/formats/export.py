@@ -2,7 +2,8 @@
 
 The family is read off the config: GPT-2 (learned positions, LayerNorm, biases, tied head) or
 Llama (RoPE, RMSNorm, SwiGLU, no biases), Qwen2 (q/k/v biases only) and Mistral (a sliding
-window); a bidirectional model is a BertForMaskedLM (hf_bert.py). A config that none of them can express is refused with the field that stops it.
+window); a bidirectional model is a BertForMaskedLM (hf_bert.py). A config that none of them
+can express is refused with the field that stops it.
 The folder is written whole beside its destination and renamed into place.
 """
 
