@@ -33,14 +33,20 @@ def load_config(preset: str | None, path: str | None) -> ModelConfig:
         raise ValueError(f"{path}: {error}") from None
 
 
+def stack(config: ModelConfig) -> str:
+    """What the blocks are: a decoder (causal attention) or an encoder (bidirectional)."""
+    return "decoder" if config.causal else "encoder"
+
+
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.preset, args.config)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = Transformer(config)
     counts = count_parameters(model)
     if args.json:
-        print(json.dumps({"config": config.to_dict(), "parameters": counts}))
+        print(json.dumps({"config": config.to_dict(), "stack": stack(config), "parameters": counts}))
         return 0
+    print(f"{'stack':>24}  {stack(config)}")
     for field, value in config.to_dict().items():
         print(f"{field:>24}  {value}")
     print()

@@ -1,7 +1,7 @@
 """Glassformer against a reference implementation, layer by layer, on the same weights and tokens.
 
 For each place in the forward pass (embeddings; each block's attention output and residual
-stream; the final norm; the logits) the largest absolute difference is reported, and the first
+stream; the final norm, or an encoder's masked-LM transform; the logits) the largest absolute difference is reported, and the first
 place that exceeds `atol + rtol · max|reference|` is named: a wrong port shows where it starts.
 
 The reference is Hugging Face `transformers` (an optional dependency, imported only here):
@@ -22,13 +22,16 @@ from ..formats import hub
 from ..model.transformer import Transformer
 from .trace import capture
 
-# model_type -> (base model attribute, its layer list, a layer's attention, the final norm)
+# model_type -> (base model, its layer list, a layer's attention output W_O, the final norm),
+# as submodule paths; BERT has no final norm but its masked-LM transform (from the model's root).
 LAYOUTS = {
     "gpt2": ("transformer", "h", "attn", "ln_f"),
     "llama": ("model", "layers", "self_attn", "norm"),
     "mistral": ("model", "layers", "self_attn", "norm"),
     "qwen2": ("model", "layers", "self_attn", "norm"),
+    "bert": ("bert", "encoder.layer", "attention.output.dense", None),
 }
+HEAD_TRANSFORMS = {"bert": "cls.predictions.transform"}
 
 
 @dataclass(frozen=True)
@@ -59,12 +62,13 @@ class Comparison:
                 "sites": [asdict(s) | {"ok": s.ok} for s in self.sites]}
 
 
-def sites(n_layers: int) -> list[str]:
+def sites(n_layers: int, final_norm: bool = True, head_transform: bool = False) -> list[str]:
     """The compared places, in forward order, as our hook site names."""
     names = ["embed.out"]
     for i in range(n_layers):
         names += [f"blocks.{i}.attn.out", f"blocks.{i}.resid_post"]
-    return [*names, "final_norm", "logits"]
+    names += ["final_norm"] * final_norm + ["head_transform"] * head_transform
+    return [*names, "logits"]
 
 
 def compare(model: Transformer, reference: torch.nn.Module, ids: torch.Tensor,
@@ -87,8 +91,8 @@ def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict
     if kind not in LAYOUTS:
         raise ValueError(f"compare: no layout for reference model_type {kind!r}")
     base_name, layers_name, attn_name, norm_name = LAYOUTS[kind]
-    base = getattr(reference, base_name)
-    layers = getattr(base, layers_name)
+    base = reference.get_submodule(base_name)
+    layers = base.get_submodule(layers_name)
     found: dict[str, torch.Tensor] = {}
 
     def keep(site: str):
@@ -98,18 +102,24 @@ def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict
 
     handles = []
     for i, layer in enumerate(layers):
-        handles.append(getattr(layer, attn_name).register_forward_hook(keep(f"blocks.{i}.attn.out")))
+        handles.append(layer.get_submodule(attn_name).register_forward_hook(keep(f"blocks.{i}.attn.out")))
         handles.append(layer.register_forward_hook(keep(f"blocks.{i}.resid_post")))
-    handles.append(getattr(base, norm_name).register_forward_hook(keep("final_norm")))
+    if norm_name is not None:
+        handles.append(base.get_submodule(norm_name).register_forward_hook(keep("final_norm")))
+    if kind in HEAD_TRANSFORMS:
+        transform = reference.get_submodule(HEAD_TRANSFORMS[kind])
+        handles.append(transform.register_forward_hook(keep("head_transform")))
+    options = {"use_cache": False} if norm_name is not None else {}  # an encoder has no cache
     try:
         with torch.no_grad():
-            out = reference(ids, output_hidden_states=True, use_cache=False)
+            out = reference(ids, output_hidden_states=True, **options)
     finally:
         for handle in handles:
             handle.remove()
     found["embed.out"] = out.hidden_states[0]
     found["logits"] = out.logits
-    return {site: found[site] for site in sites(len(layers))}
+    return {site: found[site] for site in sites(len(layers), norm_name is not None,
+                                                kind in HEAD_TRANSFORMS)}
 
 
 def hf_reference(source: str, model: Transformer, tokenizer: Any) -> torch.nn.Module:
@@ -122,8 +132,10 @@ def hf_reference(source: str, model: Transformer, tokenizer: Any) -> torch.nn.Mo
     path = Path(source).expanduser()
     if not path.exists() and source in hub.MODELS:
         path = hub.model_path(source)
+    auto = transformers.AutoModelForCausalLM if model.config.causal else transformers.AutoModelForMaskedLM
+
     def load(folder: Path, **kwargs: Any) -> torch.nn.Module:
-        return transformers.AutoModelForCausalLM.from_pretrained(
+        return auto.from_pretrained(
             folder, dtype=torch.float32, attn_implementation="eager", **kwargs)
 
     config_path = path / "config.json"
