@@ -1,8 +1,9 @@
 """Glassformer against a reference implementation, layer by layer, on the same weights and tokens.
 
 For each place in the forward pass (embeddings; each block's attention output and residual
-stream; the final norm, or an encoder's masked-LM transform; the logits) the largest absolute difference is reported, and the first
-place that exceeds `atol + rtol · max|reference|` is named: a wrong port shows where it starts.
+stream; the final norm, or an encoder's masked-LM transform; the logits) the largest absolute
+difference is reported, and the first place that exceeds `atol + rtol · max|reference|` is
+named: a wrong port shows where it starts.
 
 The reference is Hugging Face `transformers` (an optional dependency, imported only here):
 ours are read at our hook sites, theirs with forward hooks on the matching submodules.
