@@ -1,7 +1,7 @@
 """Training objectives side by side on tinyshakespeare: causal LM (clm) and masked LM (mlm).
 
-    python benchmarks/objectives.py [--data PATH] [--budget 40] [--steps 20] [--rounds 3]
-                                    [--out objectives.png]
+    python benchmarks/objectives.py [--data PATH] [--budget 40] [--steps 10] [--rounds 3]
+                                    [--threads N] [--out objectives.png]
 
 1. Each objective trains the same model (the same parameters: a small BERT-shaped stack, its
    attention causal for clm and bidirectional for mlm) for the same wall time (--budget
@@ -40,7 +40,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysh
 # One model shape for every objective; only the attention mask follows the objective.
 MODEL = get_preset("tiny-bert").replace(context_length=64, d_model=128, n_layers=4, n_heads=4,
                                         d_ff=512, pooler=False)
-TRAIN = TrainConfig(batch_size=12, max_iters=10**6, lr=1e-3, min_lr=1e-4, warmup_iters=50,
+TRAIN = TrainConfig(batch_size=12, max_iters=10**6, lr=1e-3, min_lr=1e-4, warmup_iters=10,
                     lr_decay_iters=2000, eval_interval=10**6, eval_iters=20, log_interval=5,
                     sample_tokens=0, device="cpu", seed=1337)
 RUNS = {  # objective -> the model's attention
@@ -126,12 +126,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--budget", type=float, default=40.0, help="training seconds per objective")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round (step speed)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round (step speed)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("objectives.png"))
     args = parser.parse_args()
     if not args.data.is_file():
         sys.exit(f"no corpus at {args.data} (give --data)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: run_objective(name, args.data, args.budget, Path(tmp)) for name in RUNS}

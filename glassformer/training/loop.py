@@ -136,7 +136,6 @@ def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, re
     conflicts += resume_conflicts(TrainConfig.from_dict(checkpoint.meta["train"]), config)
     if conflicts:
         raise ValueError(f"cannot resume {out}: this run asks for {', '.join(conflicts)}")
-    get_objective(config.objective, model_config, tokenizer)
     return sources, tokenizer, model_config, checkpoint
 
 
