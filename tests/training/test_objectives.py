@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,3 +129,10 @@ def test_mlm_resumed_equals_uninterrupted(tmp_path):
     part, _, _ = load_model(tmp_path / "part")
     for name, tensor in full.state_dict().items():
         torch.testing.assert_close(part.state_dict()[name], tensor, msg=name)
+
+
+def test_next_token_perplexity_refuses_an_encoder():
+    from glassformer.training.perplexity import perplexity
+
+    with pytest.raises(ValueError, match="encoder"):
+        perplexity(Transformer(get_preset("tiny-bert")), np.arange(40) % 90)
