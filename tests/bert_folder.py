@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -15,12 +16,10 @@ VOCAB = 400
 
 
 def corpus() -> Path:
-    for path in (CORPUS, Path("/work/shared/data/tinyshakespeare.txt")):
-        if path.is_file():
-            return path
-    import pytest
-
-    pytest.skip("tinyshakespeare.txt is not available")
+    """../shared/data/tinyshakespeare.txt beside the repository; the test is skipped without it."""
+    if not CORPUS.is_file():
+        pytest.skip(f"the corpus {CORPUS} is not available")
+    return CORPUS
 
 
 def wordpiece() -> Tokenizer:

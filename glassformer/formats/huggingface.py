@@ -190,7 +190,7 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
     missing = sorted(wanted - set(tensors))
     if missing:
         raise ValueError(f"missing tensor {missing[0]} ({len(missing)} missing in all)")
-    bert = model_type == "bert"
+    bert = model_type == "bert"  # copies of tied tensors a file may hold beside the originals
     copies = {TIED_COPIES[0] if bert else "lm_head.weight"} if config.tie_embeddings else set()
     copies |= {TIED_COPIES[1]} if bert else set()
     unknown = sorted(k for k in set(tensors) - wanted

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from bert_folder import VOCAB, save_bert
+from bert_folder import VOCAB, save_bert, wordpiece
 from safetensors.torch import load_file, save_file
 
 from glassformer import load
@@ -96,8 +96,6 @@ def test_pooler_equals_bert_model(tmp_path):
     tensors |= {f"bert.pooler.dense.{k}": v.contiguous()
                 for k, v in pretraining.bert.pooler.dense.state_dict().items()}
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    from bert_folder import wordpiece
-
     wordpiece().save(str(tmp_path / "tokenizer.json"))
     model, _ = load_hf(tmp_path)
     ids = _ids(2, 9, seed=4)
