@@ -58,8 +58,11 @@ class EngineConfig:
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Decoder | None = None,
                  config: EngineConfig = EngineConfig()) -> None:
-        self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         mc = model.config
+        if not mc.causal:
+            raise ValueError("engine: an encoder (bidirectional attention) does not continue text; "
+                             "the engine serves causal models")
+        self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         n_blocks = config.n_blocks
         if n_blocks is None:
             block_bytes = bytes_per_block(mc, config.block_size, config.kv_dtype)

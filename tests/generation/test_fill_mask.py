@@ -75,3 +75,11 @@ def test_a_decoder_is_refused(tmp_path):
     encoder = Transformer(get_preset("tiny-bert"))
     with pytest.raises(ValueError, match="no mask token"):
         fill_mask(encoder, CharTokenizer("ab"), "ab")
+
+
+def test_the_serving_engine_refuses_an_encoder(folder):
+    from glassformer.serving import Engine
+
+    lm = load(folder)
+    with pytest.raises(ValueError, match="encoder"):
+        Engine(lm.model, lm.tokenizer)
