@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from cpu_report import print_cpu
+
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # --corpus
 ANCHOR = "The meaning of life is"
 
@@ -205,6 +207,7 @@ def main() -> None:
     parser.add_argument("--corpus", default=str(CORPUS), help="tinyshakespeare.txt (workloads b, c, d)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    print_cpu(args.json)
     if args.threads:
         import torch
 

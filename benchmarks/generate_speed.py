@@ -17,6 +17,7 @@ import time
 
 import torch
 import transformers
+from cpu_report import print_cpu
 
 from glassformer import Transformer
 from glassformer.formats.huggingface import config_from_hf, state_dict
@@ -146,6 +147,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared machine)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the decode step")
     args = parser.parse_args()
+    print_cpu()
     torch.set_num_threads(args.threads)
     ours, hf = smollm2_models() if args.smollm2 else small_models()
     lengths = args.prompt_lengths or ([16, 128, 512] if args.smollm2 else [16, 128, 512])

@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from cpu_report import print_cpu
 
 from glassformer.accel import QuantizedLinear
 
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    print_cpu()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     shapes = step_shapes(args.layers)

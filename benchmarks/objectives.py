@@ -32,9 +32,10 @@ from glassformer.accel.fast_training import use_fast_training
 from glassformer.formats.checkpoint import load_model
 from glassformer.interpret.params import count_parameters
 from glassformer.training.config import TrainConfig
-from glassformer.training.loop import lm_loss, train
-from glassformer.training.masking import mask_tokens
+from glassformer.training.loop import train
+from glassformer.training.masking import apply_masks, draw_choices
 from glassformer.training.metrics import read_metrics
+from glassformer.training.objectives import OBJECTIVES
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 # One model shape for every objective; only the attention mask follows the objective.
@@ -46,7 +47,7 @@ TRAIN = TrainConfig(batch_size=12, max_iters=10**6, lr=1e-3, min_lr=1e-4, warmup
 RUNS = {  # objective -> the model's attention
     "clm": {"causal": True},
     "mlm": {"causal": False},
-}
+}  # (span trains an encoder-decoder: one more entry with n_encoder_layers)
 
 
 def run_objective(name: str, data: Path, budget: float, folder: Path) -> dict:
@@ -81,7 +82,7 @@ def batches(vocab: int, mask_id: int, n: int, generator: torch.Generator):
     B, T = TRAIN.batch_size, MODEL.context_length
     for _ in range(n):
         ids = torch.randint(0, mask_id, (B, T), generator=generator)
-        yield mask_tokens(ids, mask_id, vocab, generator)
+        yield apply_masks(ids, draw_choices(B, T, generator), mask_id, vocab)
 
 
 def step_rates(vocab: int, steps: int, rounds: int) -> tuple[list[float], list[float]]:
@@ -99,7 +100,7 @@ def step_rates(vocab: int, steps: int, rounds: int) -> tuple[list[float], list[f
     optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for m in (ours, theirs)}
 
     def our_loss(x, y):
-        return lm_loss(ours, x, y)
+        return OBJECTIVES["mlm"].loss(ours, (x, y))
 
     def their_loss(x, y):
         return theirs(input_ids=x, labels=y).loss

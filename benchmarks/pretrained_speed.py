@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from cpu_report import print_cpu
+
 PROMPT = "The meaning of life is"
 NEW_TOKENS = 128
 PREFILL = 512
@@ -112,6 +114,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    print_cpu(args.json)
     if args.threads:
         import torch
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cpu_report import print_cpu
 
 from glassformer import load
 
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--data", default=str(CORPUS))
     args = parser.parse_args()
+    print_cpu()
     text = Path(args.data).read_text(encoding="utf-8")[: args.chars]
     results = {}
     for mode in MODES:

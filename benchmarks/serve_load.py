@@ -6,10 +6,12 @@ Workloads:
   mixed   distinct tinyshakespeare passages of about 32-512 tokens, 64 new tokens, greedy
           (2 x clients requests, at least 8)
 For each: total generated tokens/s, time to first token (TTFT) p50/p95, end-to-end latency
-p50/p95, and the server process's peak and current resident memory (/proc).
+p50/p95, and the server process's peak and current resident memory (/proc). The engine alone
+runs on as many threads as the server's engine (--threads, default the cores less one, as
+`glassformer serve` does), so their ratio is the cost of HTTP.
 
     .venv/bin/python benchmarks/serve_load.py [--model smollm2-135m-instruct] [--quantize none]
-        [--clients 1 4 8 16] [--workloads anchor mixed] [--json]
+        [--clients 1 4 8 16] [--workloads anchor mixed] [--threads N] [--json]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import subprocess
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+from cpu_report import print_cpu
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 ANCHOR = "The meaning of life is"
@@ -104,8 +108,10 @@ def free_port() -> int:
 
 ENGINE_ALONE = """
 import json, sys, time
+import torch
 import glassformer
 from glassformer.serving import EngineConfig
+torch.set_num_threads(int(sys.argv[3]))
 lm = glassformer.load(sys.argv[1], quantize=sys.argv[2])
 lm.generate_many(["warm up"], max_new_tokens=4)
 start = time.perf_counter()
@@ -121,13 +127,16 @@ def main() -> None:
     parser.add_argument("--quantize", default="none")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--workloads", nargs="+", default=["anchor", "mixed"], choices=["anchor", "mixed"])
+    parser.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
+                        help="the engine's threads, in the server and alone")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    print_cpu(args.json)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())", "serve",
                "--model", args.model, "--quantize", args.quantize, "--name", NAME, "--port", str(port),
-               "--max-queue", "256"]
+               "--max-queue", "256", "--threads", str(args.threads)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = []
     try:
@@ -154,7 +163,7 @@ def main() -> None:
         server.terminate()
         server.wait(60)
     alone = subprocess.run([sys.executable, "-c", ENGINE_ALONE.format(anchor=ANCHOR), args.model,
-                            args.quantize], capture_output=True, text=True, check=True)
+                            args.quantize, str(args.threads)], capture_output=True, text=True, check=True)
     alone = json.loads(alone.stdout)
     rows.append({"workload": "anchor", "clients": 8, "engine_alone": True, **alone})
     if args.json:

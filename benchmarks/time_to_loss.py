@@ -22,6 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from cpu_report import print_cpu  # noqa: E402
 from train_throughput import DEFAULT_DATA, prepare  # noqa: E402
 
 
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["shakespeare-char-fast", "shakespeare-char"])
     parser.add_argument("--no-baseline", action="store_true")
     args = parser.parse_args()
+    print_cpu()
     tmp = Path(tempfile.mkdtemp(prefix="glassformer-ttl-"))
     rows = [] if args.no_baseline else [baseline(args.data, tmp, args.target)]
     rows += [glassformer(p, args.data, tmp, args.target) for p in args.presets]

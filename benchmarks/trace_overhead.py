@@ -25,6 +25,7 @@ import time
 import types
 
 import torch
+from cpu_report import print_cpu
 
 from glassformer import Transformer, get_preset
 from glassformer.interpret.trace import site_names
@@ -105,6 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args()
+    print_cpu()
     if args.threads:
         torch.set_num_threads(args.threads)
     cases = [("smollm2-135m", 1), ("smollm2-135m", 32), ("smollm2-135m", 256), ("tiny-llama", 8)]

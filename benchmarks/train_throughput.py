@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_recipe  # noqa: E402
+from cpu_report import cpu_line, print_cpu  # noqa: E402
 
 from glassformer.formats.checkpoint import load_model  # noqa: E402
 from glassformer.training import allocator  # noqa: E402
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="also train both for 2000 iters")
     parser.add_argument("--seeds", type=int, default=1, help="--full runs, each its own seed")
     args = parser.parse_args()
+    print_cpu()
 
     recipe = get_recipe("shakespeare-char")
     rates = matmul_ceiling()
@@ -134,7 +136,8 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, fp32 matmul ceiling {ceiling:.1f} GFLOP/s "
           f"({', '.join(f'{k} {v:.0f}' for k, v in rates.items())}), "
           f"{flops / 1e9:.2f} GFLOP per iteration, {tokens_per_iter} tokens per iteration")
-    result = {"ceiling_gflops": ceiling, "product_gflops": rates, "gflop_per_iter": flops / 1e9}
+    result = {"cpu": cpu_line(), "ceiling_gflops": ceiling, "product_gflops": rates,
+              "gflop_per_iter": flops / 1e9}
     for name, values in ms.items():
         m = statistics.median(values)
         achieved = flops / (m / 1e3) / 1e9

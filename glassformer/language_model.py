@@ -22,7 +22,7 @@ from .formats.files import read_json_object
 from .generation.fill_mask import MaskFill, fill_mask
 from .generation.generate import GenerationConfig, GenerationResult, generate
 from .generation.sampling import SamplingConfig
-from .interpret.trace import Names, run_with_cache
+from .interpret.trace import Names, capture, run_with_cache
 from .model.transformer import Transformer
 from .serving import Engine, EngineConfig, RequestParams
 
@@ -90,16 +90,30 @@ class LanguageModel:
         """An encoder's `top_k` most likely tokens at each mask token of `text`."""
         return fill_mask(self.model, self.tokenizer, text, top_k)
 
-    def logits(self, prompt: Prompt) -> torch.Tensor:
-        """Next-token logits at every position of one prompt: (T, vocab)."""
-        ids = torch.tensor([self.encode(prompt)], device=self.model.embed.tokens.weight.device)
+    def logits(self, prompt: Prompt, target: Prompt | None = None) -> torch.Tensor:
+        """Next-token logits at every position of one prompt: (T, vocab). An encoder-decoder
+        reads the prompt as its source and gives the decoder's logits at every position of
+        `target` behind its start token: (1 + len(target), vocab)."""
+        device = self.model.embed.tokens.weight.device
+        ids = torch.tensor([self.encode(prompt)], device=device)
         with torch.no_grad():
-            return self.model(ids)[0]
+            if not self.config.n_encoder_layers:
+                return self.model(ids)[0]
+            decoder_ids = [self.config.decoder_start_id] + ([] if target is None else self.encode(target))
+            return self.model(ids, torch.tensor([decoder_ids], device=device))[0]
 
-    def trace(self, prompt: Prompt, names: Names = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(logits (1, T, vocab), {hook site: tensor}) for one prompt; see glassformer.trace."""
-        ids = torch.tensor([self.encode(prompt)], device=self.model.embed.tokens.weight.device)
-        return run_with_cache(self.model, ids, names)
+    def trace(self, prompt: Prompt, names: Names = None, target: Prompt | None = None,
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(logits (1, T, vocab), {hook site: tensor}) for one prompt; see glassformer.trace.
+        An encoder-decoder reads the prompt as its source and `target` behind its start token."""
+        device = self.model.embed.tokens.weight.device
+        ids = torch.tensor([self.encode(prompt)], device=device)
+        if not self.config.n_encoder_layers:
+            return run_with_cache(self.model, ids, names)
+        decoder_ids = [self.config.decoder_start_id] + ([] if target is None else self.encode(target))
+        with torch.no_grad(), capture(self.model, names) as store:
+            logits = self.model(ids, torch.tensor([decoder_ids], device=device))
+        return logits, store
 
     def to(self, device: str | torch.device) -> LanguageModel:
         self.model.to(device)

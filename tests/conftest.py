@@ -1,7 +1,13 @@
+import os
+
 import pytest
 import torch
 
 from glassformer.accel import build
+
+# The command's thread policy samples the machine for 0.2 s and may change the count for the
+# rest of the session: tests keep torch's count (tests/accel/test_thread_policy.py unsets this).
+os.environ.setdefault("GLASSFORMER_THREADS", str(torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,9 @@ same arithmetic as `model(token, cache=cache)`; only the dispatch differs. Pytho
 token, C++ (csrc/decode_step.cpp) runs norm, QKV, RoPE, the cache write, attention, W_O,
 norm and feed-forward for every layer, and Python applies the final norm and head.
 The model owns its step (`Transformer.fused_step`), built by `FastDecoder.build` and dropped
-whenever its tensors change; `why_not` says why a model cannot take it.
+whenever its tensors change; `why_not` says why a model cannot take it. `rows` is the same
+step for one new token of each of several sequences whose keys and values sit in a paged
+pool (the serving engine's decode steps); each row's numbers are those `__call__` gives it.
 """
 
 from __future__ import annotations
@@ -99,6 +101,18 @@ class FastDecoder:
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.lm_head(x)  # (1, V): model.head without its hook site (no hooks here)
+
+
+    def rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             cos: torch.Tensor | None, sin: torch.Tensor | None,
+             keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """The residual streams (B, d) after every layer for the embedded tokens x (B, d) at
+        positions (B,); row b's token t sits at pool slot slots[b, t] (B, S), its new one at
+        slots[b, positions[b]]; cos, sin (B, d_head) its angles (None without RoPE); keys,
+        values per layer (n_slots, KV, d_head) float32, written at the new slots."""
+        cos = self.empty if cos is None else cos.contiguous()
+        sin = self.empty if sin is None else sin.contiguous()
+        return self.step_fn.step_paged(x, positions, slots, cos, sin, keys, values)
 
 
 def _linear_tensors(linear: QuantizedLinear) -> list[torch.Tensor]:

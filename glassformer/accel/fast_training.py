@@ -2,7 +2,7 @@
 oneDNN's products, as an explicit conversion the training loop applies.
 
 The layers in `glassformer.model.layers` are plain PyTorch and stay the reference. This swaps,
-in place, each RMSNorm, rotary application and gated-silu activation for its fused twin
+in place, each RMSNorm, rotary application, gated-silu and GELU activation for its fused twin
 (fused.py) where the C++ kernels are available, and each nn.Linear for a OneDNNLinear where
 oneDNN beats MKL on this CPU (onednn.py). The new modules hold the same parameters, so the
 state dict, an optimizer built before or after, and tied weights are unchanged; each still
@@ -20,7 +20,7 @@ from ..model.layers.norm import RMSNorm
 from ..model.layers.positions import Rotary
 from ..model.transformer import Transformer
 from .build import extension
-from .fused import FusedRMSNorm, FusedRotary, FusedSwiGLU
+from .fused import FusedGELU, FusedRMSNorm, FusedRotary, FusedSwiGLU
 from .onednn import OneDNNLinear, onednn_pays
 
 
@@ -47,6 +47,8 @@ def _fast_twin(module: nn.Module, fused: bool, onednn: bool) -> nn.Module | None
         return FusedRotary()
     if fused and type(module) is Activation and module.name == "silu" and module.gated:
         return FusedSwiGLU()
+    if fused and type(module) is Activation and module.name == "gelu" and not module.gated:
+        return FusedGELU()
     if onednn and type(module) is nn.Linear:
         return OneDNNLinear.sharing(module)
     return None

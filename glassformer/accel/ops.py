@@ -12,13 +12,12 @@ else in float32. `backend` is "auto" (C++ when built, else PyTorch), "cpp" or "t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from . import weight_formats as quant
 from .build import extension
+from .cpu import bf16_products_pay
 
 SMALL_BATCH = 8
 BACKENDS = ("auto", "cpp", "torch")
@@ -43,12 +42,6 @@ def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: to
     """sum_b dw[n, b] dx[m, b] (qw[n, b] · qx[m, b]): the integer dot of the kernels."""
     dots = torch.einsum("mbk,nbk->mnb", qx, qw)  # (M, N, nb), exact integers in float32
     return (dots * (dx.unsqueeze(1) * dw.unsqueeze(0))).sum(-1)  # (M, N)
-
-
-@functools.cache
-def bf16_products_pay() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware (AMX or AVX-512 BF16)."""
-    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 def _dense_linear(x, weight, bias, backend):

@@ -7,6 +7,7 @@ import sys
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
+from ..accel import threads
 from . import chat, compare, experiment, export, fill_mask, generate, info, journey, pull, serve, train
 from . import eval as evaluate
 
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _warn
         try:
+            if hasattr(args, "threads"):  # a command that computes
+                threads.configure(args.threads, args.threads_reserved)
             return args.run(args)
         except (UserError, ValueError, FileNotFoundError, NotADirectoryError, OSError) as error:
             print(f"glassformer: error: {error}", file=sys.stderr)

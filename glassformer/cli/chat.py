@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_quantize, add_sampling, checked_text, positive_int, sampling_config
+from .options import add_quantize, add_sampling, add_threads, checked_text, positive_int, sampling_config
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
@@ -22,6 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_quantize(parser)
     parser.add_argument("--max-context", type=positive_int, default=2048,
                         help="tokens of conversation kept in the KV cache")
+    add_threads(parser)
     parser.set_defaults(run=run)
 
 

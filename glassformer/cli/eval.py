@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import device, positive_int
+from .options import add_threads, device, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -18,6 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=positive_int, default=None, help="score at most this many")
     parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_threads(parser)
     parser.set_defaults(run=run)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import positive, positive_int
+from .options import add_threads, positive
 
 NAMES = ("ablation", "length", "cache", "explain")
 
@@ -27,21 +27,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--equal", choices=("time", "steps"), default=None,
                         help="ablation: give every run equal training time (default) or, on a busy "
                              "machine, as many steps as the base run made in its time")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads (default: torch's choice; 1 on a busy machine)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_threads(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from ..experiments import run_experiment
     from ..experiments.report import text_summary
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     options = {}
     if args.equal is not None:
         if args.name != "ablation":

@@ -19,6 +19,7 @@ from .options import (
     add_prompt,
     add_quantize,
     add_sampling,
+    add_threads,
     device,
     finite,
     positive,
@@ -61,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="send the prompt as a user message through the model's chat template")
     parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_threads(parser)
     parser.set_defaults(run=run)
 
 

@@ -10,8 +10,8 @@ import torch
 from ..formats.files import read_json_object
 from ..interpret.params import count_parameters
 from ..model.config import ModelConfig
+from ..model.encoder_decoder import build_model
 from ..model.presets import get_preset
-from ..model.transformer import Transformer
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,23 +33,36 @@ def load_config(preset: str | None, path: str | None) -> ModelConfig:
         raise ValueError(f"{path}: {error}") from None
 
 
-def stack(config: ModelConfig) -> str:
-    """What the blocks are: a decoder (causal attention) or an encoder (bidirectional)."""
-    return "decoder" if config.causal else "encoder"
-
-
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.preset, args.config)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-        model = Transformer(config)
+        model = build_model(config)
     counts = count_parameters(model)
+    stacks = stack_summary(config)
     if args.json:
-        print(json.dumps({"config": config.to_dict(), "stack": stack(config), "parameters": counts}))
+        print(json.dumps({"config": config.to_dict(), "parameters": counts, "stacks": stacks}))
         return 0
-    print(f"{'stack':>24}  {stack(config)}")
+    if config.n_encoder_layers or not config.causal:  # the stacks first
+        for stack in stacks:
+            print(f"{stack['name']:>24}  {stack['layers']} blocks: {', '.join(stack['sublayers'])}")
+        print()
     for field, value in config.to_dict().items():
         print(f"{field:>24}  {value}")
     print()
+    width = max(24, *map(len, counts))
     for component, count in counts.items():
-        print(f"{component:>24}  {count:,}")
+        print(f"{component:>{width}}  {count:,}")
     return 0
+
+
+def stack_summary(config: ModelConfig) -> list[dict]:
+    """The model's stacks (one for a decoder-only model, encoder and decoder otherwise): name,
+    number of blocks, and the sublayers of each block."""
+    self_attention = "causal self-attention" if config.causal else "bidirectional self-attention"
+    if not config.n_encoder_layers:  # one stack: a decoder, or an encoder (BERT)
+        return [{"name": "decoder" if config.causal else "encoder", "layers": config.n_layers,
+                 "sublayers": [self_attention, "feed-forward"]}]
+    return [{"name": "encoder", "layers": config.n_encoder_layers,
+             "sublayers": ["bidirectional self-attention", "feed-forward"]},
+            {"name": "decoder", "layers": config.n_layers,
+             "sublayers": ["causal self-attention", "cross-attention to the encoder", "feed-forward"]}]

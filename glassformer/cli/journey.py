@@ -11,6 +11,7 @@ from ..formats.files import check_output
 from ..formats.tokenizers import CharTokenizer
 from ..interpret.journey import collect_journey, summary, write_html
 from ..language_model import load
+from ..model.encoder_decoder import EncoderDecoder, build_model
 from ..model.presets import get_preset
 from ..model.transformer import Transformer
 from .options import add_prompt, add_quantize, device, positive_int, read_prompt
@@ -45,12 +46,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def random_model(preset: str, seed: int, device: str) -> tuple[Transformer, CharTokenizer]:
+def random_model(preset: str, seed: int,
+                 device: str) -> tuple[Transformer | EncoderDecoder, CharTokenizer]:
     config = get_preset(preset)
     if config.vocab_size < len(PRINTABLE) + 1:
         raise ValueError(f"preset: {preset} has {config.vocab_size} ids, the character tokenizer needs 96")
     torch.manual_seed(seed)
-    return Transformer(config).to(device), CharTokenizer(PRINTABLE)
+    return build_model(config).to(device), CharTokenizer(PRINTABLE)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,16 @@ def add_quantize(parser: argparse.ArgumentParser, default: str | None = "none") 
     )
 
 
+def add_threads(parser: argparse.ArgumentParser, reserved: int = 0) -> None:
+    """--threads; `reserved`: cores the command keeps for other work of its own."""
+    parser.set_defaults(threads_reserved=reserved)
+    parser.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="compute threads (default: GLASSFORMER_THREADS or OMP_NUM_THREADS if set, else "
+             "one per core other processes leave free, looked at again during long runs)",
+    )
+
+
 def add_sampling(parser: argparse.ArgumentParser) -> None:
     """One flag per field of SamplingConfig."""
     parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 (default): greedy")

@@ -6,7 +6,9 @@ import argparse
 import os
 import signal
 
-from .options import add_quantize
+from .options import add_quantize, add_threads
+
+SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette")  # and theirs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,32 +26,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="requests waiting beyond the batch (then 429)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens one request may ask for")
     parser.add_argument("--max-body-kb", type=int, default=1024, help="larger request bodies get 413")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may run")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a request may run (then 504, or an error event in a stream)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="on SIGTERM, seconds running requests get to finish")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for the engine (default: the cores less one, left to HTTP)")
     parser.add_argument("--ray", action="store_true",
                         help="run on Ray Serve (pip install glassformer[ray]): a local Ray, or the "
                              "cluster RAY_ADDRESS names")
     parser.add_argument("--replicas", type=int, default=1, help="--ray: copies of the server")
+    add_threads(parser, reserved=1)  # a core for the event loop: see run()
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    import uvicorn
-
     from ..language_model import load
     from ..serving import EngineConfig
-    from ..serving.api.app import ServerConfig, create_app
+
+    try:
+        import uvicorn
+
+        from ..serving.api.app import ServerConfig, create_app
+    except ImportError as error:  # one line naming the fix, not a traceback
+        if (error.name or "").split(".")[0] not in SERVE_EXTRA:
+            raise
+        raise ValueError(f"serve: the module {error.name} is missing; install the serve extra: "
+                         "pip install 'glassformer[serve]'") from None
 
     config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
                           args.max_body_kb * 1024, args.timeout)
     engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, max_batch=args.max_batch)
     # The engine's threads share the cores with the event loop: one thread waiting for a core
-    # that serves HTTP stalls every matrix product of a step.
-    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) - 1))
+    # that serves HTTP stalls every matrix product of a step (main() configured the threads
+    # with one core reserved).
     if args.ray:
         return _run_on_ray(args, config, engine)
     app = create_app(load(args.model, quantize=args.quantize), config, engine)

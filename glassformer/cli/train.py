@@ -17,6 +17,7 @@ from ..formats.files import read_json_object
 from ..model.config import ModelConfig
 from ..model.presets import PRESETS
 from ..training.config import RECIPES, TrainConfig
+from .options import add_threads
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_fields(model_args, ModelConfig, skip={"vocab_size"}, prefix="model.")
     train_args = parser.add_argument_group("training (TrainConfig fields)")
     _add_fields(train_args, TrainConfig, skip=set(), prefix="train.")
+    add_threads(parser)
     parser.set_defaults(run=run)
 
 

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..model.config import ModelConfig
-from ..model.transformer import Transformer
+from ..model.encoder_decoder import build_model
 from .files import read_json_object
 from .tokenizers import load_tokenizer
 from .validate import check_model
@@ -237,12 +237,12 @@ def load_weights(model: torch.nn.Module, path: str | Path, device: str | torch.d
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """(Transformer, tokenizer, meta) from a checkpoint folder or a run folder."""
+    """(Transformer or EncoderDecoder, tokenizer, meta) from a checkpoint folder or a run folder."""
     checkpoint = Checkpoint.open(path)
     tokenizer = checkpoint.tokenizer()
     if tokenizer.vocab_size > checkpoint.config.vocab_size:
         raise ValueError(f"{checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but "
                          f"the model {checkpoint.config.vocab_size}: they do not belong together")
-    model = Transformer(checkpoint.config).to(device)
+    model = build_model(checkpoint.config).to(device)
     checkpoint.load_weights(model, device)
     return model, tokenizer, checkpoint.meta

@@ -8,6 +8,7 @@ from torch.nn import init
 from torch.overrides import TorchFunctionMode
 
 from ..model.config import ModelConfig
+from ..model.encoder_decoder import EncoderDecoder, build_model
 from ..model.transformer import Transformer
 
 
@@ -25,10 +26,12 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def empty_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:
-    """A Transformer whose parameters are allocated but not initialised, for a loader to fill:
-    the random init it would overwrite costs seconds for a 100M-parameter model. Buffers
+def empty_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
+                ) -> Transformer | EncoderDecoder:
+    """A Transformer (or EncoderDecoder) whose parameters are allocated but not initialised,
+    for a loader to fill: the random init it would overwrite costs seconds for a 100M-parameter
+    model. Buffers
     (RoPE frequencies, ALiBi slopes) and weight tying are built as usual."""
     with _SkipInit():
-        model = Transformer(config)
+        model = build_model(config)
     return model.to(dtype)

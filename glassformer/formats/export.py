@@ -2,9 +2,9 @@
 
 The family is read off the config: GPT-2 (learned positions, LayerNorm, biases, tied head) or
 Llama (RoPE, RMSNorm, SwiGLU, no biases), Qwen2 (q/k/v biases only) and Mistral (a sliding
-window); a bidirectional model is a BertForMaskedLM (hf_bert.py). A config that none of them
-can express is refused with the field that stops it.
-The folder is written whole beside its destination and renamed into place.
+window); an encoder-decoder as T5 (huggingface_t5.py), a bidirectional model as a
+BertForMaskedLM (hf_bert.py). A config that none of them can express is refused with the field
+that stops it. The folder is written whole beside its destination and renamed into place.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from typing import Any
 from safetensors.torch import save_file
 
 from ..model.config import ModelConfig
+from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .hf_bert import bert_hf_config
 from .huggingface import GPT2_ACTIVATIONS, key_map
+from .huggingface_t5 import t5_hf_config
 from .tokenizers import HFTokenizer
 
 _BERT_SPECIALS = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
@@ -38,10 +40,12 @@ def _require(config: ModelConfig, family: str, **expected: Any) -> None:
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     """The Hugging Face config.json for a Glassformer config."""
+    if config.n_encoder_layers:
+        return t5_hf_config(config)
     if not config.causal:
         return bert_hf_config(config)
     _require(config, "a Hugging Face model", norm_placement="pre", final_norm=True, causal=True,
-             lm_head_bias=False)
+             lm_head_bias=False, scale_scores=True, scale_head_input=False)
     if config.position == "learned":
         _require(config, "GPT-2", norm="layernorm", gated=False, attn_bias=True, attn_out_bias=True,
                  mlp_bias=True, tie_embeddings=True, kv_heads=config.n_heads,
@@ -85,7 +89,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def export_hf(model: Transformer, tokenizer: Any, folder: str | Path) -> Path:
+def export_hf(model: Transformer | EncoderDecoder, tokenizer: Any, folder: str | Path) -> Path:
     """Write config.json, model.safetensors and (for tokenizers.json-based tokenizers) the
     tokenizer files into a new folder; returns it."""
     folder = Path(folder)

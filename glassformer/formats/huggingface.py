@@ -5,6 +5,8 @@ Three families, each an explicit key map (`key_map`) between Hugging Face names 
   Conv1D layers store weights as (in, out), so they are transposed.
 - Llama (llama, mistral with its sliding window, qwen2 with q/k/v biases): RoPE (rotate-half),
   RMSNorm, SwiGLU. q/k/v_proj are stacked into our fused `qkv`, gate/up_proj into `mlp.up`.
+- T5 (`model_type` t5, v1.0 and v1.1): an encoder-decoder; its config and key map live in
+  huggingface_t5.py.
 - BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (hf_bert.py).
 Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
 """
@@ -18,11 +20,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..model.config import ModelConfig
+from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .files import read_json_object
 from .hf_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
+from .huggingface_t5 import t5_config, t5_keys
 from .tensor_map import Entry
 from .validate import check_model, check_tensor
 
@@ -31,6 +35,8 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 # Buffers some transformers versions save, carrying no weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+# Copies of T5's shared token table that some files also store under each stack's name.
+_T5_TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
 
 
@@ -43,12 +49,14 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
             return _gpt2_config(hf)
         if kind in LLAMA_TYPES:
             return _llama_config(hf)
+        if kind == "t5":
+            return t5_config(hf)
         if kind == "bert":
             return bert_config(hf, pooler)
     except KeyError as error:
         raise ValueError(f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
     raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
-                     "bert)")
+                     "t5, bert)")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
@@ -104,6 +112,8 @@ def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
     """Every Hugging Face tensor of the family with where it goes in Glassformer."""
     if model_type == "gpt2":
         return _gpt2_keys(config)
+    if model_type == "t5":
+        return [Entry(hf, ours, rows) for hf, ours, rows in t5_keys(config)]
     if model_type == "bert":
         return bert_keys(config)
     return _llama_keys(config)
@@ -149,17 +159,27 @@ def _llama_keys(c: ModelConfig) -> list[Entry]:
 
 
 def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,
-            ) -> tuple[Transformer, ChatTokenizer]:
+            ) -> tuple[Transformer | EncoderDecoder, ChatTokenizer]:
     """Read a Hugging Face model folder: the model (eval mode, on CPU) and its tokenizer."""
+    model = load_hf_model(folder, dtype)
+    tokenizer = ChatTokenizer.load(folder)
+    check_vocabulary(tokenizer, model.config, folder)
+    return model, tokenizer
+
+
+def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
+                  ) -> Transformer | EncoderDecoder:
+    """The model of a Hugging Face folder alone (eval mode, on CPU), for folders without a
+    tokenizer."""
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
     hf = read_json_object(config_path)
+    config = config_from_hf(hf)  # a config it cannot read is refused before the weights are
     tensors = read_safetensors(folder)
-    config = config_from_hf(hf, pooler=POOLER_KEY in tensors)
-    tokenizer = ChatTokenizer.load(folder)
-    check_vocabulary(tokenizer, config, folder)
+    if POOLER_KEY in tensors:  # BERT's pooler, where the file holds one
+        config = config_from_hf(hf, pooler=True)
     model = empty_model(config, dtype)
     try:
         weights = state_dict(config, hf["model_type"], tensors, model)
@@ -167,7 +187,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,
         raise ValueError(f"{folder}: {error}") from None
     model.load_state_dict(weights, strict=True)
     check_model(model, str(folder), parameters=False)
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 def check_vocabulary(tokenizer, config: ModelConfig, where: Path) -> None:
@@ -180,7 +200,7 @@ def check_vocabulary(tokenizer, config: ModelConfig, where: Path) -> None:
 
 
 def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Tensor],
-               model: Transformer) -> dict[str, torch.Tensor]:
+               model: Transformer | EncoderDecoder) -> dict[str, torch.Tensor]:
     """Our state dict from the Hugging Face tensors, after strict name and shape checks."""
     entries = key_map(config, model_type)
     prefix = "transformer." if model_type == "gpt2" else ""
@@ -190,11 +210,13 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
     missing = sorted(wanted - set(tensors))
     if missing:
         raise ValueError(f"missing tensor {missing[0]} ({len(missing)} missing in all)")
-    bert = model_type == "bert"  # copies of tied tensors a file may hold beside the originals
-    copies = {TIED_COPIES[0] if bert else "lm_head.weight"} if config.tie_embeddings else set()
-    copies |= {TIED_COPIES[1]} if bert else set()
+    tied = {"lm_head.weight"} if config.tie_embeddings else set()
+    if model_type == "t5":
+        tied |= set(_T5_TIED_COPIES)
+    if model_type == "bert":  # copies of tied tensors a file may hold beside the originals
+        tied = ({TIED_COPIES[0]} if config.tie_embeddings else set()) | {TIED_COPIES[1]}
     unknown = sorted(k for k in set(tensors) - wanted
-                     if not k.endswith(_IGNORED_SUFFIXES) and k not in copies)
+                     if not k.endswith(_IGNORED_SUFFIXES) and k not in tied)
     if unknown:
         raise ValueError(f"unexpected tensor {unknown[0]} for this {model_type} configuration")
     params = dict(model.state_dict())

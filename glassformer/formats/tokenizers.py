@@ -44,13 +44,13 @@ class CharTokenizer:
         self._codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted
 
     @classmethod
-    def train(cls, documents: Iterable[str], mask: bool = False) -> CharTokenizer:
+    def train(cls, documents: Iterable[str]) -> CharTokenizer:
         seen: set[str] = set()
         for doc in documents:
             seen.update(doc)
         if not seen:
             raise ValueError("cannot build a character vocabulary from an empty corpus")
-        return cls("".join(seen), mask_token=MASK if mask else None)
+        return cls("".join(seen))
 
     @property
     def vocab_size(self) -> int:
@@ -127,9 +127,8 @@ class HFTokenizer:
         self.mask_id = None if self.mask_token is None else vocab[self.mask_token]
 
     @classmethod
-    def train_bpe(cls, documents: Iterable[str], vocab_size: int, mask: bool = False) -> HFTokenizer:
-        """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as its special token (and `[MASK]`
-        after it with `mask`)."""
+    def train_bpe(cls, documents: Iterable[str], vocab_size: int) -> HFTokenizer:
+        """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as its one special token."""
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + 1:
             raise ValueError(
@@ -140,8 +139,7 @@ class HFTokenizer:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=[EOT, MASK] if mask else [EOT],
-            initial_alphabet=alphabet,
+            vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet,
             show_progress=False,
         )
         tokenizer.train_from_iterator(documents, trainer)
@@ -180,16 +178,14 @@ class HFTokenizer:
         return cls(read_tokenizer(path), eos_token, bos_token)
 
 
-def train_tokenizer(kind: str, documents: Iterable[str], vocab_size: int | None = None,
-                    mask: bool = False):
-    """A new tokenizer of `kind` ("char" or "bpe") learned from `documents`; `mask` adds the
-    mask token masked-LM training needs."""
+def train_tokenizer(kind: str, documents: Iterable[str], vocab_size: int | None = None):
+    """A new tokenizer of `kind` ("char" or "bpe") learned from `documents`."""
     if kind == "char":
-        return CharTokenizer.train(documents, mask)
+        return CharTokenizer.train(documents)
     if kind == "bpe":
         if vocab_size is None:
             raise ValueError("vocab_size: byte-level BPE needs a vocabulary size")
-        return HFTokenizer.train_bpe(documents, vocab_size, mask)
+        return HFTokenizer.train_bpe(documents, vocab_size)
     raise ValueError(f"tokenizer: unknown kind {kind!r}; choose 'char' or 'bpe'")
 
 

@@ -27,6 +27,9 @@ class ChatSession:
                  seed: int | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat: this model's tokenizer has no chat template")
+        if model.config.n_encoder_layers:
+            raise ValueError("chat: a conversation's cache grows turn by turn in a decoder-only "
+                             "model; an encoder-decoder answers one source at a time (generate)")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = GenerationConfig(max_new_tokens=max_new_tokens,
                                        sampling=sampling or SamplingConfig(temperature=0.0))

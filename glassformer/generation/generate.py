@@ -1,6 +1,7 @@
 """Continue prompts: `generate` one, `generate_batch` several in one left-padded batch,
 `stream` one token by token. Each builds its rows and sampling state and runs the decode core
-(core.py); `beams > 1` hands the prompt to beam search (beam.py) instead.
+(core.py); `beams > 1` hands the prompt to beam search (beam.py) instead. An encoder-decoder
+(config.n_encoder_layers > 0) takes each prompt as its source (seq2seq.py), one at a time.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from ..model.transformer import Transformer
 from .beam import beam_search
 from .config import GenerationConfig, GenerationResult, Piece
 from .core import Row, SamplingState, decode_rows, eos_ids, seeded_generators
+from .seq2seq import stream_seq2seq
 from .stopping import Decoder
 
 DEFAULT = GenerationConfig()  # greedy, with the KV cache
@@ -62,6 +64,8 @@ def stream(
     """Iterate over the Pieces of one prompt's continuation as each token is generated."""
     if config.beams > 1:
         raise ValueError("beams: beam search settles its output only at the end; it cannot stream")
+    if model.config.n_encoder_layers:
+        return Stream(stream_seq2seq(model, prompt_ids, config, tokenizer))
     return Stream(stream_batch(model, [prompt_ids], config, tokenizer))
 
 
@@ -73,6 +77,8 @@ def generate_batch(
 ) -> list[GenerationResult]:
     """Continue several prompts in one left-padded batch; each row as if generated alone (with
     a seed, a sampled row draws what its prompt alone would)."""
+    if model.config.n_encoder_layers:
+        return [generate(model, p, config, tokenizer) for p in prompts]
     if config.beams > 1:
         return [beam_search(model, p, config, tokenizer) for p in prompts]
     return _drain(stream_batch(model, prompts, config, tokenizer))
@@ -85,6 +91,8 @@ def generate(
     tokenizer: Decoder | None = None,
 ) -> GenerationResult:
     """Continue one prompt: greedy, sampled, or beam search when config.beams > 1."""
+    if model.config.n_encoder_layers:
+        return _drain(stream_seq2seq(model, prompt_ids, config, tokenizer))[0]
     if config.beams > 1:
         return beam_search(model, prompt_ids, config, tokenizer)
     return _drain(stream_batch(model, [prompt_ids], config, tokenizer))[0]

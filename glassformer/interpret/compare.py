@@ -6,7 +6,10 @@ difference is reported, and the first place that exceeds `atol + rtol · max|ref
 named: a wrong port shows where it starts.
 
 The reference is Hugging Face `transformers` (an optional dependency, imported only here):
-ours are read at our hook sites, theirs with forward hooks on the matching submodules.
+ours are read at our hook sites, theirs with forward hooks on the matching submodules. An
+encoder-decoder (T5) reads the tokens as its source and, behind its start token, as the
+decoder's input; its places are each stack's blocks (self- and cross-attention outputs,
+residual streams) and final norm, then the logits.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 
 from ..formats import hub
+from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .trace import capture
 
@@ -72,12 +76,29 @@ def sites(n_layers: int, final_norm: bool = True, head_transform: bool = False) 
     return [*names, "logits"]
 
 
-def compare(model: Transformer, reference: torch.nn.Module, ids: torch.Tensor,
+def seq2seq_sites(n_encoder_layers: int, n_layers: int) -> list[str]:
+    """An encoder-decoder's compared places, in forward order."""
+    names = [f"encoder.blocks.{i}.{site}" for i in range(n_encoder_layers)
+             for site in ("attn.out", "resid_post")]
+    names += ["encoder.final_norm"]
+    names += [f"decoder.blocks.{i}.{site}" for i in range(n_layers)
+              for site in ("attn.out", "cross.out", "resid_post")]
+    return [*names, "decoder.final_norm", "logits"]
+
+
+def compare(model: Transformer | EncoderDecoder, reference: torch.nn.Module, ids: torch.Tensor,
             atol: float = 1e-4, rtol: float = 1e-4) -> Comparison:
     """Run both on ids (1, T) and diff every site."""
-    theirs = reference_activations(reference, ids)
-    with torch.no_grad(), capture(model, list(theirs)) as ours:
-        model(ids)
+    if isinstance(model, EncoderDecoder):
+        start = torch.full_like(ids[:, :1], model.config.decoder_start_id)
+        decoder_ids = torch.cat([start, ids[:, :-1]], dim=1)  # (1, T): the tokens, shifted right
+        theirs = seq2seq_activations(reference, ids, decoder_ids)
+        with torch.no_grad(), capture(model, list(theirs)) as ours:
+            model(ids, decoder_ids)
+    else:
+        theirs = reference_activations(reference, ids)
+        with torch.no_grad(), capture(model, list(theirs)) as ours:
+            model(ids)
     rows = []
     for site, expected in theirs.items():
         diff = (ours[site].float() - expected.float()).abs().max().item()
@@ -123,7 +144,39 @@ def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict
                                                 kind in HEAD_TRANSFORMS)}
 
 
-def hf_reference(source: str, model: Transformer, tokenizer: Any) -> torch.nn.Module:
+def seq2seq_activations(reference: torch.nn.Module, ids: torch.Tensor,
+                        decoder_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A T5 reference's tensors at our encoder-decoder sites, from forward hooks."""
+    if reference.config.model_type != "t5":
+        raise ValueError(f"compare: no layout for reference model_type {reference.config.model_type!r}")
+    found: dict[str, torch.Tensor] = {}
+
+    def keep(site: str):
+        def hook(module, args, output):
+            found[site] = (output[0] if isinstance(output, tuple) else output).detach()
+        return hook
+
+    modules = {}
+    for stack in ("encoder", "decoder"):
+        for i, block in enumerate(getattr(reference, stack).block):
+            modules[f"{stack}.blocks.{i}.attn.out"] = block.layer[0].SelfAttention
+            if stack == "decoder":
+                modules[f"{stack}.blocks.{i}.cross.out"] = block.layer[1].EncDecAttention
+            modules[f"{stack}.blocks.{i}.resid_post"] = block
+        modules[f"{stack}.final_norm"] = getattr(reference, stack).final_layer_norm
+    handles = [module.register_forward_hook(keep(site)) for site, module in modules.items()]
+    try:
+        with torch.no_grad():
+            found["logits"] = reference(input_ids=ids, decoder_input_ids=decoder_ids,
+                                        use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    sites = seq2seq_sites(len(reference.encoder.block), len(reference.decoder.block))
+    return {site: found[site] for site in sites}
+
+
+def hf_reference(source: str, model: Transformer | EncoderDecoder, tokenizer: Any) -> torch.nn.Module:
     """transformers' model for `source`: the GGUF or Hugging Face folder itself, or, for a
     Glassformer checkpoint, our weights exported to a Hugging Face folder."""
     try:
@@ -133,11 +186,14 @@ def hf_reference(source: str, model: Transformer, tokenizer: Any) -> torch.nn.Mo
     path = Path(source).expanduser()
     if not path.exists() and source in hub.MODELS:
         path = hub.model_path(source)
-    auto = transformers.AutoModelForCausalLM if model.config.causal else transformers.AutoModelForMaskedLM
+    auto = transformers.AutoModelForCausalLM
+    if model.config.n_encoder_layers:
+        auto = transformers.AutoModelForSeq2SeqLM
+    elif not model.config.causal:
+        auto = transformers.AutoModelForMaskedLM
 
     def load(folder: Path, **kwargs: Any) -> torch.nn.Module:
-        return auto.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="eager", **kwargs)
+        return auto.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager", **kwargs)
 
     config_path = path / "config.json"
     if path.is_file():

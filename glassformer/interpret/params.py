@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 
 
-def count_parameters(model: Transformer) -> dict[str, int]:
+def count_parameters(model: Transformer | EncoderDecoder) -> dict[str, int]:
     """{'token_embedding', 'positions', 'blocks.{i}.attention', 'blocks.{i}.feedforward',
-    'blocks.{i}.norms', 'final_norm', 'lm_head', 'total'} -> number of parameters; an encoder
-    adds 'token_types', 'embed_norm', 'head_transform' and 'pooler' where it has them."""
+    'blocks.{i}.norms', 'final_norm', 'lm_head', 'total'} -> number of parameters. An
+    encoder-decoder has those of each stack prefixed 'encoder.' and 'decoder.', each stack's
+    'relative_bias', and every decoder block's 'cross_attention'. An encoder (BERT) adds
+    'token_types', 'embed_norm', 'head_transform' and 'pooler' where it has them."""
     seen: set[int] = set()
 
     def unique(*modules: nn.Module | None) -> int:
@@ -29,13 +32,21 @@ def count_parameters(model: Transformer) -> dict[str, int]:
     for name, module in (("token_types", model.embed.token_types), ("embed_norm", model.embed.norm)):
         if module is not None:
             counts[name] = unique(module)
-    for i, block in enumerate(model.blocks):
-        counts[f"blocks.{i}.attention"] = unique(block.attn)
-        counts[f"blocks.{i}.feedforward"] = unique(block.mlp)
-        counts[f"blocks.{i}.norms"] = unique(block.norm1, block.norm2)
-    counts["final_norm"] = unique(model.final_norm)
+    stacks = [("", model)]
+    if isinstance(model, EncoderDecoder):
+        stacks = [("encoder.", model.encoder), ("decoder.", model.decoder)]
+    for prefix, stack in stacks:
+        if stack.relative_bias is not None:
+            counts[prefix + "relative_bias"] = unique(stack.relative_bias)
+        for i, block in enumerate(stack.blocks):
+            counts[f"{prefix}blocks.{i}.attention"] = unique(block.attn)
+            if block.cross is not None:
+                counts[f"{prefix}blocks.{i}.cross_attention"] = unique(block.cross)
+            counts[f"{prefix}blocks.{i}.feedforward"] = unique(block.mlp)
+            counts[f"{prefix}blocks.{i}.norms"] = unique(block.norm1, block.norm_cross, block.norm2)
+        counts[prefix + "final_norm"] = unique(stack.final_norm)
     for name in ("head_transform", "pooler"):
-        if getattr(model, name) is not None:
+        if getattr(model, name, None) is not None:
             counts[name] = unique(getattr(model, name))
     counts["lm_head"] = unique(model.lm_head)  # 0 (or the bias alone) when tied
     counts["total"] = sum(counts.values())

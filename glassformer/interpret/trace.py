@@ -26,6 +26,13 @@ Every site, in the order the forward pass reaches it, with the tensor's dimensio
     head_transform             (batch, pos, d_model)            Norm(σ(h W_t)) (head = "mlm")
     logits                     (batch, pos, vocab)              h W_headᵀ
 
+An encoder-decoder has the same sites in each stack, prefixed `encoder.` and `decoder.`
+(`encoder.blocks.{i}.attn.pattern`, `decoder.final_norm`; the shared embed.* sites fire for
+the encoder, then again for the decoder), each stack's T5 bias `{stack}.relative_bias`
+(batch, head, query, key), and in every decoder block the cross-attention sublayer between
+resid_mid and the self-attention: resid_self, norm_cross and cross.{q, scores, masked_scores,
+pattern, context, out}, whose keys are the encoder's tokens (pattern: decoder × encoder).
+
 With grouped-query attention q has n_heads heads and k, v have n_kv_heads. Asking for
 scores, masked_scores or pattern switches that layer to the reference attention kernel (the
 fused kernels never form the weights); every other site leaves the fast kernel in place.
@@ -72,6 +79,17 @@ OUTPUT_SITES = {
     "head_transform": ("batch", "pos", "d_model"),
     "logits": ("batch", "pos", "vocab"),
 }
+CROSS_SITES = {
+    "resid_self": ("batch", "pos", "d_model"),
+    "norm_cross": ("batch", "pos", "d_model"),
+    "cross.q": ("batch", "head", "pos", "d_head"),
+    "cross.scores": ("batch", "head", "query", "key"),
+    "cross.masked_scores": ("batch", "head", "query", "key"),
+    "cross.pattern": ("batch", "head", "query", "key"),
+    "cross.context": ("batch", "head", "pos", "d_head"),
+    "cross.out": ("batch", "pos", "d_model"),
+}
+STACK_SITES = {"relative_bias": ("batch", "head", "query", "key"), **OUTPUT_SITES}
 HEAD_DIMS = ("head", "kv_head")
 
 Names = Iterable[str] | Callable[[str], bool] | None
@@ -90,12 +108,18 @@ def site_names(config: ModelConfig) -> list[str]:
         for norm, before in (("norm1", "resid_mid"), ("norm2", "resid_post")):
             layer.remove(norm)
             layer.insert(layer.index(before), norm)
-    for i in range(config.n_layers):
-        names += [f"blocks.{i}.{site}" for site in layer]
-    if config.final_norm:
-        names.append("final_norm")
-    if config.head == "mlm":
-        names.append("head_transform")
+    if not config.n_encoder_layers:
+        names += [f"blocks.{i}.{site}" for i in range(config.n_layers) for site in layer]
+        names += ["final_norm"] if config.final_norm else []
+        return names + (["head_transform"] if config.head == "mlm" else []) + ["logits"]
+    cross = [site for site in CROSS_SITES if config.norm_placement == "pre" or site != "resid_self"]
+    at = layer.index("norm2" if config.norm_placement == "pre" else "resid_mid")
+    decoder_layer = layer[:at] + cross + layer[at:]
+    for stack, n, sites in (("encoder", config.n_encoder_layers, layer),
+                            ("decoder", config.n_layers, decoder_layer)):
+        names += [f"{stack}.relative_bias"] if config.position == "relative" else []
+        names += [f"{stack}.blocks.{i}.{site}" for i in range(n) for site in sites]
+        names += [f"{stack}.final_norm"] if config.final_norm else []
     return names + ["logits"]
 
 
@@ -105,9 +129,15 @@ def site_dims(name: str) -> tuple[str, ...]:
         return EMBED_SITES[name]
     if name in OUTPUT_SITES:
         return OUTPUT_SITES[name]
+    stack, _, rest = name.partition(".")
+    if stack in ("encoder", "decoder"):
+        if rest in STACK_SITES:
+            return STACK_SITES[rest]
+        name = rest
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in LAYER_SITES:
-        return LAYER_SITES[parts[2]]
+    layer_sites = LAYER_SITES | (CROSS_SITES if stack == "decoder" else {})
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in layer_sites:
+        return layer_sites[parts[2]]
     raise ValueError(f"unknown hook site {name!r}; see glassformer.trace for the names")
 
 

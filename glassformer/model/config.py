@@ -1,4 +1,5 @@
-"""ModelConfig: every architectural choice of a decoder-only transformer, validated once."""
+"""ModelConfig: every architectural choice of a transformer (decoder-only, or encoder-decoder
+when n_encoder_layers > 0), validated once."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
-Position = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
+Position = Literal["learned", "sinusoidal", "rope", "alibi", "relative", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
@@ -84,11 +85,29 @@ class ModelConfig(ConfigFields):
     embed_norm: bool = False  # a norm on the summed embeddings, before the first block
     head: Head = "lm"
     pooler: bool = False  # dense + tanh on the first token's final hidden state
+    # Encoder-decoder (T5, Vaswani et al.): n_layers is then the decoder's depth.
+    n_encoder_layers: int = 0  # 0: decoder-only; > 0: an encoder, and cross-attention per block
+    decoder_start_id: int = 0  # the token a decoder starts from (T5: its pad id)
+    relative_buckets: int = 32  # position="relative" (T5): buckets of key-minus-query distance
+    relative_max_distance: int = 128  # distances beyond this share the last bucket
+    scale_scores: bool = True  # False: Q Kᵀ is not divided by √d_head (T5 folds it into the init)
+    scale_head_input: bool = False  # True: h · d_model^-½ before the head (T5 v1.0's tied head)
 
     def __post_init__(self) -> None:
         check_finite(self)
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
             _positive(name, getattr(self, name))
+        for name in ("relative_buckets", "relative_max_distance"):
+            _positive(name, getattr(self, name))
+        if self.n_encoder_layers < 0:
+            raise ValueError(f"n_encoder_layers: must be 0 or more, got {self.n_encoder_layers}")
+        if not 0 <= self.decoder_start_id < self.vocab_size:
+            raise ValueError(f"decoder_start_id: {self.decoder_start_id} is not a token id below "
+                             f"vocab_size={self.vocab_size}")
+        if self.n_encoder_layers and not self.causal:
+            raise ValueError("causal: an encoder-decoder's decoder is causal (its encoder is not)")
+        if self.position == "relative" and self.relative_buckets < 4:
+            raise ValueError(f"relative_buckets: needs at least 4, got {self.relative_buckets}")
         for name in ("n_kv_heads", "d_head", "d_ff", "sliding_window", "rope_original_context"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

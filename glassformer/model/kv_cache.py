@@ -34,6 +34,9 @@ class KVCache:
         self.positions = torch.zeros(batch_size, self.max_length, dtype=torch.long)  # (B, S_max)
         self.valid = torch.ones(batch_size, self.max_length, dtype=torch.bool)  # (B, S_max)
         self.padded = False  # whether any stored position is padding
+        # An encoder-decoder's cross-attention keys and values per decoder layer, each
+        # (B, KV, S, d_head): the encoder's output projected once, at the first decode step.
+        self.cross: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.length = 0  # positions filled so far
 
     def reserve(self, positions: torch.Tensor, pad_mask: torch.Tensor | None) -> None:

@@ -42,6 +42,17 @@ _BERT = ModelConfig(
     n_token_types=2, embed_norm=True, head="mlm", pooler=True, dropout=0.1,
 )
 
+# T5 v1.0 (Raffel et al., 2020): relative bias, RMS norm, ReLU, no biases, tied head scaled
+# by d_model^-½; Q Kᵀ unscaled. n_layers is the decoder's depth.
+_T5 = ModelConfig(
+    vocab_size=32128, context_length=512, d_model=512, n_layers=6, n_heads=8, d_head=64,
+    d_ff=2048, position="relative", norm="rmsnorm", norm_eps=1e-6, activation="relu",
+    attn_bias=False, attn_out_bias=False, mlp_bias=False, final_norm=True, tie_embeddings=True,
+    dropout=0.1, n_encoder_layers=6, scale_scores=False, scale_head_input=True,
+)
+# Vaswani et al. (2017), base model: both stacks, post-norm, sinusoidal positions.
+_TRANSFORMER_BASE = _TRANSFORMER_DECODER.replace(n_encoder_layers=6)
+
 _TINY = dict(vocab_size=96, context_length=32, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
 PRESETS: dict[str, ModelConfig] = {
@@ -61,6 +72,11 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-bidirectional": _GPT2.replace(**_TINY, dropout=0.0, causal=False),
     "bert": _BERT,
     "tiny-bert": _BERT.replace(**_TINY, dropout=0.0),
+    "t5-small": _T5,
+    "transformer-base": _TRANSFORMER_BASE,
+    "tiny-t5": _T5.replace(**_TINY, d_head=8, n_encoder_layers=2, dropout=0.0,
+                           relative_buckets=16, relative_max_distance=32),
+    "tiny-transformer": _TRANSFORMER_BASE.replace(**_TINY, n_encoder_layers=2, dropout=0.0),
 }
 
 

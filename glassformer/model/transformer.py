@@ -18,7 +18,7 @@ from .layers.embedding import Embedding
 from .layers.heads import HEAD_TRANSFORMS, Pooler
 from .layers.masking import AttentionMask
 from .layers.norm import make_norm
-from .layers.positions import alibi_slopes, rope_cos_sin, rope_inverse_frequencies
+from .layers.positions import RelativeBias, alibi_slopes, rope_cos_sin, rope_inverse_frequencies
 
 # A decode step for one sequence: token (1,) fed against the cache -> next-token logits (1, V).
 DecodeStep = Callable[[torch.Tensor, KVCache], torch.Tensor]
@@ -29,6 +29,9 @@ class Transformer(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        if config.n_encoder_layers:
+            raise ValueError("n_encoder_layers: an encoder-decoder is an EncoderDecoder "
+                             "(glassformer.model.build_model chooses)")
         self.config = config
         self.hooks = Hooks()
         self.embed = Embedding(config, self.hooks)
@@ -47,23 +50,14 @@ class Transformer(nn.Module):
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # (d_head/2,)
         if config.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)
-        self.apply(self._init_weights)
-        residual_std = config.init_std / math.sqrt(2 * config.n_layers)
-        for block in self.blocks:  # outputs added to the residual stream grow with depth
-            nn.init.normal_(block.attn.out.weight, std=residual_std)
-            nn.init.normal_(block.mlp.down.weight, std=residual_std)
+        self.relative_bias = None
+        if config.position == "relative":
+            self.relative_bias = RelativeBias(config, bidirectional=not config.causal)
+        init_weights(self, config.init_std, self.blocks)
         # A fused decode step, installed by a conversion (glassformer.accel.quantize_model):
         # `build(model)` makes it, or None where it cannot serve this model as it now is.
         self._step_builder: Callable[[Transformer], DecodeStep | None] | None = None
         self._step: tuple[DecodeStep | None] | None = None  # built once; None: not yet
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=self.config.init_std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=self.config.init_std)
 
     def linear_layers(self) -> dict[str, nn.Module]:
         """Every weight matrix a forward pass multiplies by, by module path: each block's
@@ -147,6 +141,7 @@ class Transformer(nn.Module):
             k_valid=k_valid,
             alibi_slopes=getattr(self, "alibi_slopes", None),
             contiguous=contiguous,
+            position_bias=self.position_bias(positions, k_pos, contiguous),
         )
         rope = None
         if config.position == "rope":
@@ -162,8 +157,18 @@ class Transformer(nn.Module):
             x = self.hooks("final_norm", self.final_norm(x))
         return x
 
+    def position_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                      contiguous: bool) -> torch.Tensor | None:
+        """T5's relative bias (1 or B, H, Tq, Tk) where position="relative", else None."""
+        if self.relative_bias is None:
+            return None
+        rows = slice(0, 1) if contiguous else slice(None)  # every row alike: compute once
+        return self.relative_bias(q_pos[rows], k_pos[rows])
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (…, vocab) from hidden states (…, d)."""
+        if self.config.scale_head_input:
+            h = h * self.config.d_model**-0.5
         if self.head_transform is not None:
             h = self.hooks("head_transform", self.head_transform(h))  # (…, d)
         return self.hooks("logits", self.lm_head(h))
@@ -173,3 +178,22 @@ class Transformer(nn.Module):
         if self.pooler is None:
             raise ValueError("pooler: this model has no pooler (pooler=False)")
         return self.pooler(h)
+
+
+def init_weights(model: nn.Module, std: float, blocks: list[nn.Module]) -> None:
+    """Normal(0, std) weights and zero biases for every linear and embedding layer; the layers
+    that write into the residual stream of `blocks` get std / √(2·len(blocks)), as outputs
+    added to it grow with depth."""
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    model.apply(init)
+    residual_std = std / math.sqrt(2 * len(blocks))
+    for block in blocks:
+        for layer in (block.attn.out, block.mlp.down, getattr(block.cross, "out", None)):
+            if layer is not None:
+                nn.init.normal_(layer.weight, std=residual_std)

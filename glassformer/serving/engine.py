@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..accel import threads
 from ..generation.generate import GenerationResult
 from ..generation.sampling import greedy, next_token
 from ..generation.stopping import Decoder
@@ -58,11 +59,14 @@ class EngineConfig:
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Decoder | None = None,
                  config: EngineConfig = EngineConfig()) -> None:
-        mc = model.config
-        if not mc.causal:
-            raise ValueError("engine: an encoder (bidirectional attention) does not continue text; "
-                             "the engine serves causal models")
+        if model.config.n_encoder_layers:
+            raise ValueError("the serving engine runs decoder-only models; an encoder-decoder "
+                             "generates one source at a time (glassformer generate)")
+        if not model.config.causal:
+            raise ValueError("the serving engine runs causal models; an encoder (bidirectional "
+                             "attention) does not continue text (glassformer fill-mask)")
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
+        mc = model.config
         n_blocks = config.n_blocks
         if n_blocks is None:
             block_bytes = bytes_per_block(mc, config.block_size, config.kv_dtype)
@@ -166,6 +170,7 @@ class Engine:
                                         or self.scheduler.has_work())
                     if self._stopping:
                         return
+                threads.revisit()  # other work on this CPU comes and goes
                 self.step()
         except BaseException as error:  # a failed step ends every request, never hangs one
             self._error = error
@@ -244,15 +249,17 @@ class Engine:
             self._finish(group, event, result)
 
     def _pick(self, ready: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Each request's next token, with its own settings and generator."""
+        """Each request's next token, with its own settings and generator; the plain greedy
+        rows in one argmax (each row's maximum is its own)."""
+        plain = [seq.params.sampling.greedy and not seq.params.sampling.uses_counts for seq in ready]
+        argmax = greedy(logits).tolist() if any(plain) else []  # (R,)
         tokens = []
         for i, seq in enumerate(ready):
-            row = logits[i : i + 1]  # (1, V)
-            sampling = seq.params.sampling
-            if sampling.greedy and not sampling.uses_counts:
-                tokens.append(int(greedy(row)))
+            if plain[i]:
+                tokens.append(argmax[i])
             else:
-                tokens.append(int(next_token(row, sampling, seq.generator, seq.counts)))
+                row = logits[i : i + 1]  # (1, V)
+                tokens.append(int(next_token(row, seq.params.sampling, seq.generator, seq.counts)))
         return tokens
 
     def run_until_done(self) -> None:

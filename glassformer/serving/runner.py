@@ -12,6 +12,12 @@ numbers do not depend on which tokens share its step. Layers without such kernel
 nn.Linear) get tiles padded to exactly ROW_TILE rows: one fixed shape, one code path.
 The price is prefill speed (about half that of one large product per layer, measured on a
 2-core Zen 4); `invariant=False` sends all rows to each layer at once instead.
+
+Decode steps of a converted model (glassformer.quantize) with fast attention and a float32
+pool take the fused C++ step instead (accel/fast_decode.py `FastDecoder.rows`): one call runs
+every layer for every row, attending over each row's own block table in the pool, with no
+gather and no Python per layer. Each row's numbers are those of `generate`'s fused step for
+that sequence alone, so they too are independent of what shares the step.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..accel.fast_decode import FastDecoder
 from ..accel.quantized_linear import QuantizedLinear
 from ..model.layers.positions import apply_rope, rope_cos_sin
 from ..model.transformer import Transformer
@@ -75,6 +82,9 @@ class ModelRunner:
         """Runs the plan; returns next-token logits (R, V) for the requests that reach the end
         of their tokens in this step, in plan order."""
         self.pool.copy_blocks(plan.copies)
+        fused = self._fused(plan)
+        if fused is not None:
+            return self._run_fused(plan, fused)
         model, config = self.model, self.model.config
         ids, positions, last_rows = [], [], []
         for seq, n in plan.scheduled:
@@ -95,6 +105,34 @@ class ModelRunner:
         h = x[torch.tensor(last_rows, dtype=torch.long, device=self.device)]  # (R, d)
         if not last_rows:
             return h.new_zeros(0, config.vocab_size)
+        if model.final_norm is not None:
+            return self._rows(lambda t: model.head(model.final_norm(t)), h)  # (R, V)
+        return self._rows(model.head, h)
+
+    def _fused(self, plan: StepPlan) -> FastDecoder | None:
+        """The model's fused step where it can run this plan: decode rows only (one token
+        each), fast attention, a float32 pool; else None."""
+        if not self.fast or self.pool.kv_dtype != "fp32" or any(n != 1 for _, n in plan.scheduled):
+            return None
+        step = self.model.fused_step()
+        return step if isinstance(step, FastDecoder) else None
+
+    def _run_fused(self, plan: StepPlan, fused: FastDecoder) -> torch.Tensor:
+        model, bs = self.model, self.pool.block_size
+        seqs = [seq for seq, _ in plan.scheduled]
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
+                               for seq in seqs])  # (B, blocks)
+        slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(seqs), -1)  # (B, S)
+        positions = torch.tensor([seq.num_computed for seq in seqs])  # (B,)
+        ids = torch.tensor([seq.tokens[seq.num_computed] for seq in seqs])  # (B,)
+        x = model.embed(ids[None], positions[None])[0]  # (B, d)
+        cos = sin = None
+        if self.rope is not None:
+            cos, sin = self.rope[0][positions], self.rope[1][positions]  # (B, d_head) each
+        h = fused.rows(x, positions, slots, cos, sin, self.pool.keys, self.pool.values)  # (B, d)
+        last = [i for i, seq in enumerate(seqs) if seq.num_computed + 1 == seq.num_tokens]
+        h = h[last]  # (R, d)
         if model.final_norm is not None:
             return self._rows(lambda t: model.head(model.final_norm(t)), h)  # (R, V)
         return self._rows(model.head, h)

@@ -16,10 +16,11 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..accel import threads
+from ..accel.cpu import bf16_products_pay
 from ..accel.fast_training import use_fast_training
 from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
 from ..formats.tokenizers import train_tokenizer
@@ -27,6 +28,7 @@ from ..generation.config import GenerationConfig
 from ..generation.generate import generate
 from ..generation.sampling import SamplingConfig
 from ..model.config import ModelConfig
+from ..model.encoder_decoder import EncoderDecoder, build_model
 from ..model.transformer import Transformer
 from . import distributed
 from .allocator import keep_freed_memory
@@ -34,7 +36,7 @@ from .config import TrainConfig, resume_conflicts
 from .data import TokenData, draw_starts, iter_documents, list_sources, windows, write_token_file
 from .masking import IGNORE
 from .metrics import MetricsLog, plot_losses
-from .objectives import Objective, get_objective
+from .objectives import OBJECTIVES, Batch, get_objective
 from .optim import make_optimizer, set_learning_rate
 from .schedule import learning_rate
 
@@ -49,29 +51,25 @@ def autocast(device: torch.device, dtype: str):
 def bf16_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return device.type == "cpu" and bf16_products_pay()  # emulated bf16 is slower than fp32
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, reduction="mean"):
-    """Cross-entropy of model(x) against the targets y (B, T), over the positions whose target
-    is not IGNORE: the mean over them, or the sum."""
-    logits = model(x)  # (B, T, vocab)
-    total = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE,
-                            reduction="sum")
-    if reduction == "sum":
-        return total
-    return total / (y != IGNORE).sum().clamp(min=1)
+    return OBJECTIVES["clm"].loss(model, (x, y), reduction)
 
 
-def train_step(model, optimizer, x, y, grad_accum: int, grad_clip: float, amp) -> torch.Tensor:
-    """One optimizer step over `grad_accum` micro-batches of (x, y) (n, T). Returns the loss."""
+def train_step(model, optimizer, x, y, grad_accum: int, grad_clip: float, amp,
+               objective=OBJECTIVES["clm"], batch: Batch | None = None) -> torch.Tensor:
+    """One optimizer step over `grad_accum` micro-batches of (x, y) (n, T), or of the
+    objective's `batch` made from them. Returns the loss."""
+    batch = (x, y) if batch is None else batch
     total = torch.zeros((), device=x.device)
-    for i, (xb, yb) in enumerate(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True)):
+    for i, micro in enumerate(zip(*(t.chunk(grad_accum) for t in batch), strict=True)):
         last = i == grad_accum - 1
         sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with amp:
-                loss = lm_loss(model, xb, yb) / grad_accum
+                loss = objective.loss(model, micro) / grad_accum
             loss.backward()
         total += loss.detach()
     if grad_clip:
@@ -83,31 +81,33 @@ def train_step(model, optimizer, x, y, grad_accum: int, grad_clip: float, amp) -
 
 @torch.no_grad()
 def evaluate(model, tokens, starts, context_length, batch_size, process, amp,
-             objective: Objective | None = None, tokenizer=None, seed: int = 0) -> float:
-    """Mean validation loss over the windows at `starts` (this process's share); an
-    objective's random choices (masks) are drawn from `seed`, the same at every evaluation."""
+             objective=OBJECTIVES["clm"], tokenizer=None) -> float:
+    """Mean validation loss over the windows at `starts` (this process's share). A random
+    objective draws each window's randomness from its start: the same at every evaluation,
+    whatever the number of processes."""
     model.eval()
-    generator = torch.Generator().manual_seed(seed)
     totals = torch.zeros(2, dtype=torch.float64, device=process.device)  # (loss sum, tokens)
     for chunk in starts.split(batch_size):
         x, y = windows(tokens, chunk, context_length, process.device)
-        if objective is not None:
-            batch = objective.make_batch(x, y, tokenizer, generator)
-            x, y = batch.inputs, batch.targets
+        masks = [objective.draw_masks(1, context_length, torch.Generator().manual_seed(int(s)))
+                 for s in chunk]
+        batch = objective.batch(x, y, tokenizer, None if masks[0] is None else torch.cat(masks))
         with amp:
-            totals[0] += lm_loss(model, x, y, reduction="sum").double()
-        totals[1] += (y != IGNORE).sum()
+            totals[0] += objective.loss(model, batch, reduction="sum").double()
+        totals[1] += (batch[-1] != IGNORE).sum()  # the targets that count
     distributed.all_reduce_sum(process, totals)
     model.train()
     return (totals[0] / totals[1]).item()
 
 
-def sample_text(model: Transformer, tokenizer, n_tokens: int, seed: int,
+def sample_text(model: Transformer | EncoderDecoder, tokenizer, n_tokens: int, seed: int,
                 temperature: float = 0.8) -> str:
     """Text drawn after an end-of-text token, through the generation loop; past the context
-    the window slides to its most recent half."""
+    the window slides to its most recent half (an encoder-decoder's output stops there)."""
+    seq2seq = bool(model.config.n_encoder_layers)
+    n_tokens = min(n_tokens, model.config.context_length) if seq2seq else n_tokens
     config = GenerationConfig(max_new_tokens=n_tokens, sampling=SamplingConfig(temperature=temperature),
-                              seed=seed, eos_ids=(), overflow="slide",
+                              seed=seed, eos_ids=(), overflow="stop" if seq2seq else "slide",
                               use_cache=model.config.causal)
     return generate(model, [tokenizer.eos_id], config, tokenizer).text
 
@@ -115,6 +115,8 @@ def sample_text(model: Transformer, tokenizer, n_tokens: int, seed: int,
 def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, resume: bool,
              process):
     """Checks everything that could refuse the run before anything is written."""
+    objective = get_objective(config.objective)
+    objective.check(model_config)
     sources = list_sources(data)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out}: not a folder (--out names the run folder)")
@@ -124,19 +126,27 @@ def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, re
             raise ValueError(f"{out} already holds a training run ({', '.join(left[:4])}"
                              f"{' ...' if len(left) > 4 else ''}): pass --resume to continue it, "
                              "or give a fresh --out")
-        objective = get_objective(config.objective, model_config)
         docs = iter_documents(sources, config.documents)
-        tokenizer = train_tokenizer(config.tokenizer, docs, config.vocab_size, objective.mask_token)
-        return sources, tokenizer, model_config.replace(vocab_size=tokenizer.vocab_size), None
+        tokenizer = train_tokenizer(config.tokenizer, docs, config.vocab_size)
+        tokenizer = objective.prepare_tokenizer(tokenizer, model_config.context_length)
+        return sources, tokenizer, _for_tokenizer(model_config, tokenizer), None
     checkpoint = Checkpoint.open(resume_source(out))
     tokenizer = checkpoint.tokenizer()
-    model_config = model_config.replace(vocab_size=tokenizer.vocab_size)
+    model_config = _for_tokenizer(model_config, tokenizer)
     saved, asked = checkpoint.config.to_dict(), model_config.to_dict()
     conflicts = [f"{k}={asked[k]!r} (saved {saved[k]!r})" for k in saved if saved[k] != asked[k]]
     conflicts += resume_conflicts(TrainConfig.from_dict(checkpoint.meta["train"]), config)
     if conflicts:
         raise ValueError(f"cannot resume {out}: this run asks for {', '.join(conflicts)}")
     return sources, tokenizer, model_config, checkpoint
+
+
+def _for_tokenizer(model_config: ModelConfig, tokenizer) -> ModelConfig:
+    """The model's vocabulary is the tokenizer's; an encoder-decoder's decoder starts from
+    end-of-text."""
+    if model_config.n_encoder_layers:
+        return model_config.replace(vocab_size=tokenizer.vocab_size, decoder_start_id=tokenizer.eos_id)
+    return model_config.replace(vocab_size=tokenizer.vocab_size)
 
 
 def train(data, out_dir, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
@@ -159,7 +169,6 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         data, out, model_config, config, resume, process
     )
     T, main, device = model_config.context_length, process.is_main, process.device
-    objective = get_objective(config.objective, model_config, tokenizer)
     created = not out.exists()
     try:
         if main:
@@ -168,7 +177,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         distributed.barrier(process)
         tokens = TokenData.open(out / "tokens.bin", T, config.val_fraction)
         torch.manual_seed(config.seed)
-        model = use_fast_training(Transformer(model_config).to(device))  # fused C++ passes on a CPU
+        model = use_fast_training(build_model(model_config).to(device))  # fused C++ passes on a CPU
         optimizer = make_optimizer(model, config)
     except BaseException:
         if main and checkpoint is None:  # a refused fresh run leaves nothing behind
@@ -197,6 +206,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
     val_starts = draw_starts(len(tokens.val), T, config.eval_iters * config.batch_size,
                              torch.Generator().manual_seed(config.seed + 1))
     val_starts = val_starts[process.rank::process.world_size]
+    objective = get_objective(config.objective)
     tokens_per_step = process.world_size * n_local * T
 
     def save(links):
@@ -207,7 +217,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
 
     def run_eval(train_loss):
         val_loss = evaluate(step_model, tokens.val, val_starts, T, config.batch_size, process, amp,
-                            objective, tokenizer, seed=config.seed + 2)
+                            objective, tokenizer)
         _check_finite("validation loss", val_loss, state["step"], out)
         best = val_loss < state["best_val_loss"]
         state["best_val_loss"] = min(val_loss, state["best_val_loss"])
@@ -236,15 +246,17 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         while state["step"] < config.max_iters and not interrupted:
             if config.max_time and time.perf_counter() - loop_start >= config.max_time:
                 break
+            threads.revisit()  # other work on this CPU comes and goes
             t0 = time.perf_counter()
             lr = learning_rate(state["step"], config.lr, config.min_lr, config.warmup_iters,
                                config.decay_iters)
             set_learning_rate(optimizer, lr, config)
             starts = draw_starts(len(tokens.train), T, process.world_size * n_local, data_gen)
-            x, y = windows(tokens.train, starts, T)  # the whole step's windows: every process
-            batch = objective.make_batch(x, y, tokenizer, data_gen)  # draws the same choices
-            x, y = batch.inputs[mine].to(device), batch.targets[mine].to(device)
-            loss = train_step(step_model, optimizer, x, y, config.grad_accum, config.grad_clip, amp)
+            x, y = windows(tokens.train, starts[mine], T, device)
+            masks = objective.draw_masks(process.world_size * n_local, T, data_gen)  # every row's
+            batch = objective.batch(x, y, tokenizer, None if masks is None else masks[mine])
+            loss = train_step(step_model, optimizer, x, y, config.grad_accum, config.grad_clip, amp,
+                              objective, batch)
             state["step"] += 1
             state["tokens_seen"] += tokens_per_step
             run_tokens += tokens_per_step

@@ -1,65 +1,120 @@
-"""Training objectives: what a step reads and what it predicts, from the same token windows.
+"""Training objectives: what a model learns from the windows of tokens the loop draws.
 
-An objective turns a window's inputs x and next tokens y (B, T) into a Batch: the ids the
-model reads and, at each position, the id it should predict (IGNORE: no loss there). The loss
-is the cross-entropy over the counted positions (training.loop.lm_loss). Adding an objective is
-one function + one entry in OBJECTIVES (+ its name in ObjectiveName).
+- clm: causal language modelling, every position against the next token (decoder-only models).
+- span: T5's span corruption (span.py): the encoder reads a window with spans replaced by
+  sentinels, the decoder writes the hidden spans (encoder-decoder models).
+- mlm: BERT's masked LM (masking.py): 15% of positions chosen and masked, the originals
+  predicted there only (encoders: bidirectional, decoder-only models).
 
-    clm  causal LM: read x, predict y (the next token); a causal model
-    mlm  masked LM: read x with 15% of positions masked (masking.py), predict the originals
-         there; a bidirectional model and a tokenizer with a mask token
+An objective adds what it needs to the tokenizer, turns windows into a batch of tensors (the
+last of them the targets) and scores a model on a batch. Its randomness comes from the
+generator it is given, so a resumed run and any number of processes draw the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
-
 import torch
+import torch.nn.functional as F
 
 from ..model.config import ModelConfig
-from .masking import mask_tokens
+from .masking import IGNORE, apply_masks, draw_choices, with_mask_token
+from .span import corrupt, noise_mask, sentinel_ids, span_counts, with_sentinels
 
-ObjectiveName = Literal["clm", "mlm"]
-
-
-@dataclass(frozen=True)
-class Batch:
-    inputs: torch.Tensor  # (B, T) the ids the model reads
-    targets: torch.Tensor  # (B, T) the id to predict at each position; IGNORE: none
+Batch = tuple[torch.Tensor, ...]
 
 
-def causal_lm(x: torch.Tensor, y: torch.Tensor, tokenizer: Any, generator: torch.Generator) -> Batch:
-    return Batch(x, y)
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
 
 
-def masked_lm(x: torch.Tensor, y: torch.Tensor, tokenizer: Any, generator: torch.Generator) -> Batch:
-    return Batch(*mask_tokens(x, tokenizer.mask_id, tokenizer.vocab_size, generator))
+class CausalLM:
+    """Next-token prediction: the batch is (x, y), y the windows shifted by one."""
+
+    name = "clm"
+
+    def check(self, config: ModelConfig) -> None:
+        if config.n_encoder_layers:
+            raise ValueError("objective: clm trains decoder-only models; an encoder-decoder "
+                             "trains with --objective span")
+
+    def prepare_tokenizer(self, tokenizer, context_length: int):
+        return tokenizer
+
+    def draw_masks(self, n: int, length: int, generator: torch.Generator) -> None:
+        return None  # nothing random: the generator is left as it was
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor, tokenizer, masks: torch.Tensor | None = None) -> Batch:
+        return x, y
+
+    def loss(self, model: torch.nn.Module, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        x, y = batch
+        return cross_entropy(model(x), y, reduction)  # logits (B, T, vocab)
 
 
-@dataclass(frozen=True)
-class Objective:
-    make_batch: Callable[[torch.Tensor, torch.Tensor, Any, torch.Generator], Batch]
-    causal: bool | None  # the model it trains: causal, bidirectional (False), either (None)
-    mask_token: bool = False  # the tokenizer needs a mask token
+class SpanCorruption:
+    """T5's span corruption of the windows x (the shifted y is not used); the batch is
+    (encoder inputs, decoder inputs, targets)."""
+
+    name = "span"
+
+    def check(self, config: ModelConfig) -> None:
+        if not config.n_encoder_layers:
+            raise ValueError("objective: span corruption trains encoder-decoder models "
+                             "(e.g. --model tiny-t5)")
+        span_counts(config.context_length)
+
+    def prepare_tokenizer(self, tokenizer, context_length: int):
+        return with_sentinels(tokenizer, span_counts(context_length)[1])
+
+    def draw_masks(self, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        """Noise masks (n, length) for n windows."""
+        return torch.stack([noise_mask(length, generator) for _ in range(n)])
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor, tokenizer, masks: torch.Tensor | None = None) -> Batch:
+        sentinels = sentinel_ids(tokenizer, span_counts(x.shape[1])[1])
+        return corrupt(x, masks.to(x.device), sentinels, tokenizer.eos_id, tokenizer.eos_id)
+
+    def loss(self, model: torch.nn.Module, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        inputs, decoder_inputs, targets = batch
+        return cross_entropy(model(inputs, decoder_inputs), targets, reduction)  # (B, U, vocab)
 
 
-OBJECTIVES: dict[str, Objective] = {
-    "clm": Objective(causal_lm, causal=None),
-    "mlm": Objective(masked_lm, causal=False, mask_token=True),
-}
+class MaskedLM:
+    """BERT's masked LM on the windows x (the shifted y is not used); the batch is
+    (inputs with masks, targets: IGNORE except at the chosen positions)."""
+
+    name = "mlm"
+
+    def check(self, config: ModelConfig) -> None:
+        if config.causal or config.n_encoder_layers:
+            raise ValueError("objective: mlm trains a bidirectional encoder (causal=False, no "
+                             "decoder; e.g. --preset tiny-bert)")
+
+    def prepare_tokenizer(self, tokenizer, context_length: int):
+        return with_mask_token(tokenizer)
+
+    def draw_masks(self, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        """The uniform draws (n, length, 3) that choose and replace positions."""
+        return draw_choices(n, length, generator)
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor, tokenizer, masks: torch.Tensor | None = None) -> Batch:
+        if tokenizer.mask_id is None:
+            raise ValueError("objective: mlm needs a tokenizer with a mask token")
+        return apply_masks(x, masks, tokenizer.mask_id, tokenizer.vocab_size)
+
+    def loss(self, model: torch.nn.Module, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        inputs, targets = batch
+        total = cross_entropy(model(inputs), targets, "sum")  # IGNORE targets count for nothing
+        if reduction == "sum":
+            return total
+        return total / (targets != IGNORE).sum().clamp(min=1)  # a batch may choose no position
 
 
-def get_objective(name: str, model: ModelConfig, tokenizer: Any = None) -> Objective:
-    """The objective called `name`, checked against the model (and tokenizer) it will train."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"objective: unknown {name!r}; choose one of {', '.join(OBJECTIVES)}")
-    objective = OBJECTIVES[name]
-    if objective.causal is not None and model.causal != objective.causal:
-        kind = "a causal" if objective.causal else "a bidirectional (causal=False)"
-        raise ValueError(f"objective: {name} trains {kind} model; this one has causal={model.causal} "
-                         f"(try --preset tiny-bert or --no-causal)")
-    if objective.mask_token and tokenizer is not None and getattr(tokenizer, "mask_id", None) is None:
-        raise ValueError(f"objective: {name} needs a tokenizer with a mask token; this one has none")
-    return objective
+OBJECTIVES = {"clm": CausalLM(), "span": SpanCorruption(), "mlm": MaskedLM()}
+
+
+def get_objective(name: str):
+    try:
+        return OBJECTIVES[name]
+    except KeyError:
+        raise ValueError(f"objective: unknown {name!r}; choose one of {', '.join(OBJECTIVES)}") from None

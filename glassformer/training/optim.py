@@ -7,8 +7,10 @@ matrix and replaces it by about the nearest semi-orthogonal matrix (a few Newton
 iterations), so every direction of the update moves at the same rate; it applies to the
 matrices inside the blocks only. Embeddings, the head, gains and biases stay with AdamW.
 `StackedMuon` runs torch's update with the iterations of same-shaped matrices batched into
-one product each (at this scale, most of Muon's time is the per-product cost). Each param
-group carries its own `initial_lr`; the schedule scales them all alike.
+one product each (at this scale, most of Muon's time is the per-product cost), in bfloat16
+as torch's where the CPU has bfloat16 arithmetic, else in float32 (the same iterations, less
+rounded: an emulated bfloat16 product is 10-20× slower than a float32 one; accel/cpu.py).
+Each param group carries its own `initial_lr`; the schedule scales them all alike.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr
 
+from ..accel.cpu import bf16_products_pay
 from ..model.transformer import Transformer
 from .config import TrainConfig
 
@@ -66,12 +69,20 @@ class Optimizers:
             offset += count
 
 
-def orthogonalize(updates: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+def newton_schulz_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16, as torch.optim.Muon iterates, except on a CPU without bfloat16 arithmetic."""
+    if device.type == "cpu" and not bf16_products_pay():
+        return torch.float32
+    return torch.bfloat16
+
+
+def orthogonalize(updates: torch.Tensor, coefficients, steps: int, eps: float,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Newton–Schulz iterations X <- a X + (b A + c A²) X with A = X Xᵀ, on a stack of
-    matrices (n, rows, cols) in bfloat16, each first scaled to Frobenius norm 1; they drive
+    matrices (n, rows, cols) in `dtype`, each first scaled to Frobenius norm 1; they drive
     every singular value towards 1 (to about 0.7-1.2 with Muon's coefficients)."""
     a, b, c = coefficients
-    x = updates.bfloat16()
+    x = updates.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
     if tall:  # iterate on the wide orientation: the smaller Gram matrix
         x = x.mT
@@ -85,7 +96,12 @@ def orthogonalize(updates: torch.Tensor, coefficients, steps: int, eps: float) -
 
 class StackedMuon(torch.optim.Muon):
     """torch.optim.Muon, same arguments, state and result, with each param group's matrices
-    of one shape updated together."""
+    of one shape updated together. `ns_dtype`: the iterations' dtype (None: by the device,
+    `newton_schulz_dtype`)."""
+
+    def __init__(self, params, *args, ns_dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(params, *args, **kwargs)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -111,7 +127,9 @@ class StackedMuon(torch.optim.Muon):
             updates = torch.stack(grads).lerp_(torch.stack(buffers), momentum)  # (n, rows, cols)
         else:
             updates = torch.stack(buffers)
-        ortho = orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        dtype = self.ns_dtype or newton_schulz_dtype(updates.device)
+        ortho = orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                              dtype)
         torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
         step = _adjust_lr(lr, group["adjust_lr_fn"], shape)  # torch's own rule
         torch._foreach_add_(params, list(ortho.float().unbind(0)), alpha=-step)

@@ -8,6 +8,7 @@ from glassformer import KVCache, Transformer, get_preset
 from glassformer.accel.fast_decode import FastDecoder, why_not
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
+from glassformer.model.layers.positions import rope_cos_sin
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -38,6 +39,62 @@ def test_fused_step_equals_the_module_path(name, mode):
             torch.testing.assert_close(fused, expected, atol=2e-5, rtol=2e-5)
         assert fused_cache.length == module_cache.length == 20
         torch.testing.assert_close(fused_cache.keys[1][:, :, :20], module_cache.keys[1][:, :, :20])
+
+
+@pytest.mark.parametrize("name", PRE_NORM)
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_rows_over_a_paged_pool_equal_each_sequence_stepped_alone(name, mode):
+    """Seven sequences of different lengths, their keys scattered over a pool: each row's
+    logits and new keys are bit for bit those of the one-sequence step (the oracle above)."""
+    model = _converted(name, mode)
+    config, lengths = model.config, [1, 7, 20, 30, 4, 12, 26]
+    g = torch.Generator().manual_seed(0)
+    n_slots = sum(lengths) + 2 * len(lengths)
+    order = torch.randperm(n_slots, generator=g)  # every sequence's slots, scattered
+    with torch.no_grad():
+        step = model.fused_step()
+        keys = [torch.zeros(n_slots, config.kv_heads, config.head_dim) for _ in model.blocks]
+        values = [torch.zeros_like(k) for k in keys]
+        slots = torch.zeros(len(lengths), max(lengths) + 1, dtype=torch.long)  # (B, S)
+        ids, expected, caches, start = [], [], [], 0
+        for b, n in enumerate(lengths):
+            prompt = torch.randint(0, 96, (1, n + 1), generator=g)
+            cache = KVCache(config, 1)
+            model(prompt[:, :n], cache=cache)
+            slots[b, : n + 1] = order[start : start + n + 1]
+            start += n + 1
+            for layer in range(config.n_layers):  # (1, KV, S, d_head) -> the pool's (slot, KV, d_head)
+                keys[layer][slots[b, :n]] = cache.keys[layer][0, :, :n].transpose(0, 1)
+                values[layer][slots[b, :n]] = cache.values[layer][0, :, :n].transpose(0, 1)
+            ids.append(int(prompt[0, n]))
+            expected.append(step(prompt[0, n : n + 1], cache))  # (1, V)
+            caches.append(cache)
+        positions, ids = torch.tensor(lengths), torch.tensor(ids)  # (B,) each
+        x = model.embed(ids[None], positions[None])[0]  # (B, d)
+        cos = sin = None
+        if config.position == "rope":
+            cos, sin = (t.reshape(len(lengths), -1) for t in rope_cos_sin(
+                model.rope_inv_freq, positions[None], model.rope_attention_factor))  # (B, d_head)
+        h = step.rows(x, positions, slots, cos, sin, keys, values)  # (B, d)
+        for b, n in enumerate(lengths):
+            row = h[b : b + 1]
+            logits = step.lm_head(row if step.final_norm is None else step.final_norm(row))
+            assert torch.equal(logits, expected[b])
+            new = slots[b, n]
+            assert torch.equal(keys[-1][new], caches[b].keys[-1][0, :, n])
+            assert torch.equal(values[0][new], caches[b].values[0][0, :, n])
+
+
+def test_rows_refuse_a_slot_outside_the_pool():
+    model = _converted("tiny-llama", "int8")
+    config = model.config
+    with torch.no_grad():
+        step = model.fused_step()
+        keys = [torch.zeros(4, config.kv_heads, config.head_dim) for _ in model.blocks]
+        x = torch.zeros(1, config.d_model)
+        angles = torch.zeros(1, config.head_dim)
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            step.rows(x, torch.tensor([1]), torch.tensor([[0, 9]]), angles, angles, keys, keys)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -1,4 +1,4 @@
-"""The fused RMSNorm, RoPE and SwiGLU passes used in training equal the plain expressions:
+"""The fused RMSNorm, RoPE, SwiGLU and GELU passes used in training equal the plain expressions:
 values and gradients, against a float64 oracle, on odd sizes and strided inputs."""
 
 from __future__ import annotations
@@ -92,6 +92,28 @@ def test_swiglu_values_and_gradients(shape):
     assert_matches_oracle(fused.swiglu, plain_swiglu, [h])
 
 
+@pytest.mark.parametrize("shape", [(2, 7, 37), (12, 64, 512), (1, 3)])
+def test_gelu_values_and_gradients(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 4
+    x.view(-1)[:3] = torch.tensor([0.0, -12.0, 12.0])[: x.numel()]  # the centre and the tails
+    assert fused.gelu(x.clone().requires_grad_(True)) is not None
+    assert_matches_oracle(fused.gelu, torch.nn.functional.gelu, [x])
+
+
+@pytest.mark.parametrize("build", ["kernels", "avx2_kernels"])
+def test_gelu_kernels_of_each_build_equal_the_exact_gelu(build, request):
+    ext = request.getfixturevalue(build)
+    x = torch.linspace(-10, 10, 4099, dtype=torch.float64)  # 4099: a partial vector at the end
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    leaf = x.clone().requires_grad_(True)
+    y = torch.nn.functional.gelu(leaf)
+    y.backward(dy)
+    torch.testing.assert_close(ext.gelu_forward(x.float()).double(), y.detach(), rtol=1e-5,
+                               atol=3e-7)
+    torch.testing.assert_close(ext.gelu_backward(dy.float(), x.float()).double(), leaf.grad,
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(768, 128), (13, 21), (8, 16), (9, 7), (1, 5), (65, 768)])
 def test_transpose_tiles(kernels, shape):
     x = torch.randn(shape)
@@ -138,3 +160,25 @@ def test_training_step_gradients_equal_the_plain_path(monkeypatch):
     torch.testing.assert_close(loss, loss_plain)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_plain[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gelu_model_training_gradients_equal_the_plain_path(monkeypatch):
+    config = ModelConfig(vocab_size=50, context_length=16, d_model=32, n_layers=2, n_heads=4,
+                         position="learned", norm="layernorm", activation="gelu")
+    torch.manual_seed(0)
+    plain = Transformer(config)
+    model = Transformer(config)
+    model.load_state_dict(plain.state_dict())
+    use_fast_training(model)
+    ids = torch.randint(0, 50, (3, 17))
+    calls = []
+    real = fused.gelu
+    monkeypatch.setattr(fused, "gelu", lambda x: calls.append(1) or real(x))
+    grads = []
+    for m in (model, plain):
+        logits = m(ids[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1)).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert len(calls) == config.n_layers
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], rtol=1e-4, atol=1e-6, msg=name)

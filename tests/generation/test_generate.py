@@ -11,7 +11,8 @@ from glassformer.generation.generate import GenerationConfig, generate, generate
 from glassformer.generation.sampling import SamplingConfig
 from glassformer.model.kv_cache import KVCache
 
-CAUSAL = sorted(n for n in PRESETS if n.startswith("tiny-") and get_preset(n).causal)
+CAUSAL = sorted(n for n in PRESETS if n.startswith("tiny-") and get_preset(n).causal
+                and not get_preset(n).n_encoder_layers)  # decoder-only
 GREEDY = dict(eos_ids=())  # no end-of-text: runs are as long as asked
 
 

@@ -58,6 +58,6 @@ def test_bert_base_counts_every_parameter_and_shows_its_stack(capsys):
     assert counts["token_embedding"] + counts["positions"] == d * (v + c)
     assert counts["total"] == sum(p.numel() for p in _meta_model("bert").parameters())
     assert main(["info", "--preset", "tiny-bert", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["stack"] == "encoder"
-    assert main(["info", "--preset", "tiny-gpt2"]) == 0
-    assert capsys.readouterr().out.splitlines()[0].split() == ["stack", "decoder"]
+    assert json.loads(capsys.readouterr().out)["stacks"][0]["name"] == "encoder"
+    assert main(["info", "--preset", "tiny-bert"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[:3] == ["encoder", "2", "blocks:"]

@@ -6,7 +6,7 @@ from glassformer.interpret.trace import ablate, capture, patch, run_with_cache, 
 from glassformer.model.layers import attention
 from glassformer.model.layers.attention_backends import repeat_kv
 
-TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
+TINY = sorted(name for name in PRESETS if name.startswith("tiny-") and not PRESETS[name].n_encoder_layers)
 T = 6
 
 

@@ -11,7 +11,8 @@ from glassformer.model.layers.positions import (
     rope_inverse_frequencies,
 )
 
-TINY = sorted(name for name in PRESETS if name.startswith("tiny-"))
+TINY = sorted(name for name in PRESETS  # decoder-only; encoder-decoders: test_encoder_decoder.py
+              if name.startswith("tiny-") and not PRESETS[name].n_encoder_layers)
 CAUSAL = [name for name in TINY if PRESETS[name].causal]
 
 

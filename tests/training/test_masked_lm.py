@@ -15,12 +15,18 @@ from glassformer import Transformer, get_preset
 from glassformer.formats.checkpoint import load_model
 from glassformer.formats.tokenizers import CharTokenizer, load_tokenizer
 from glassformer.training.config import TrainConfig
-from glassformer.training.loop import lm_loss, train
-from glassformer.training.masking import IGNORE, mask_tokens
+from glassformer.training.loop import train
+from glassformer.training.masking import IGNORE, apply_masks, draw_choices, with_mask_token
 from glassformer.training.metrics import read_metrics
-from glassformer.training.objectives import OBJECTIVES, get_objective
+from glassformer.training.objectives import OBJECTIVES
+
+MLM = OBJECTIVES["mlm"]
 
 VOCAB, MASK_ID = 1000, 999
+
+
+def mask_tokens(ids, mask_id, vocab, generator):
+    return apply_masks(ids, draw_choices(*ids.shape, generator), mask_id, vocab)
 
 
 def _masked(seed=0, shape=(200, 500)):
@@ -61,34 +67,34 @@ def test_loss_counts_the_chosen_positions_only():
         logp = F.log_softmax(model(inputs), dim=-1)  # (B, T, vocab)
         chosen = targets != IGNORE
         expected = -logp[chosen].gather(1, targets[chosen][:, None]).mean()
-        torch.testing.assert_close(lm_loss(model, inputs, targets), expected)
-        total = lm_loss(model, inputs, targets, reduction="sum")
+        torch.testing.assert_close(MLM.loss(model, (inputs, targets)), expected)
+        total = MLM.loss(model, (inputs, targets), reduction="sum")
         torch.testing.assert_close(total, expected * chosen.sum())
 
 
-def test_causal_lm_is_the_next_token_loss():
-    torch.manual_seed(0)
-    model = Transformer(get_preset("tiny-gpt2")).eval()
-    x, y = torch.randint(0, 96, (2, 16)), torch.randint(0, 96, (2, 16))
-    batch = OBJECTIVES["clm"].make_batch(x, y, None, torch.Generator())
-    with torch.no_grad():
-        expected = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        torch.testing.assert_close(lm_loss(model, batch.inputs, batch.targets), expected)
+def test_the_objective_batch_masks_the_windows_with_the_drawn_choices():
+    tokenizer = with_mask_token(CharTokenizer("abcdefgh"))
+    x = torch.randint(0, 8, (3, 16), generator=torch.Generator().manual_seed(4))
+    choices = MLM.draw_masks(3, 16, torch.Generator().manual_seed(5))
+    inputs, targets = MLM.batch(x, x.roll(-1, 1), tokenizer, choices)
+    expected = apply_masks(x, choices, tokenizer.mask_id, tokenizer.vocab_size)
+    assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
 
 
 def test_objective_checks_name_the_problem():
     with pytest.raises(ValueError, match="mlm trains a bidirectional"):
-        get_objective("mlm", get_preset("tiny-gpt2"))
+        MLM.check(get_preset("tiny-gpt2"))
+    with pytest.raises(ValueError, match="mlm trains a bidirectional"):
+        MLM.check(get_preset("tiny-t5"))
     with pytest.raises(ValueError, match="mask token"):
-        get_objective("mlm", get_preset("tiny-bert"), CharTokenizer("abc"))
-    with pytest.raises(ValueError, match="objective"):
-        get_objective("span2", get_preset("tiny-bert"))
+        MLM.batch(torch.zeros(1, 4, dtype=torch.long), None, CharTokenizer("abc"),
+                  torch.zeros(1, 4, 3))
     with pytest.raises(ValueError, match="objective"):
         TrainConfig(objective="nsp")
 
 
 def test_char_tokenizer_mask_token_round_trip(tmp_path):
-    tok = CharTokenizer.train(["ab c"], mask=True)
+    tok = with_mask_token(CharTokenizer.train(["ab c"]))
     assert (tok.vocab_size, tok.eos_id, tok.mask_id) == (6, 4, 5)
     ids = tok.encode("a [MASK]b")
     assert ids == [1, 0, 5, 2] and tok.decode(ids) == "a [MASK]b"
@@ -136,3 +142,11 @@ def test_next_token_perplexity_refuses_an_encoder():
 
     with pytest.raises(ValueError, match="encoder"):
         perplexity(Transformer(get_preset("tiny-bert")), np.arange(40) % 90)
+
+
+def test_bpe_tokenizer_gets_a_special_mask_token():
+    from glassformer.formats.tokenizers import HFTokenizer
+
+    tok = with_mask_token(HFTokenizer.train_bpe(["to be or not to be"] * 5, 270))
+    assert tok.mask_id == tok.vocab_size - 1 and tok.encode("to [MASK] be")[1:2] != []
+    assert tok.mask_id in tok.encode("to [MASK] be") and with_mask_token(tok) is tok

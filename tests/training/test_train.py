@@ -81,7 +81,7 @@ def test_stacked_muon_equals_torch_muon(options):
     shapes = [(24, 8), (8, 8), (24, 8), (8, 20), (8, 20), (8, 8)]
     ours = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    stacked = StackedMuon(ours, lr=0.03, weight_decay=0.1, **options)
+    stacked = StackedMuon(ours, lr=0.03, weight_decay=0.1, ns_dtype=torch.bfloat16, **options)
     reference = torch.optim.Muon(theirs, lr=0.03, weight_decay=0.1, **options)
     for _ in range(3):
         for a, b in zip(ours, theirs, strict=True):
@@ -93,6 +93,57 @@ def test_stacked_muon_equals_torch_muon(options):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         torch.testing.assert_close(stacked.state[a]["momentum_buffer"],
                                    reference.state[b]["momentum_buffer"], rtol=0, atol=1e-6)
+
+
+def _plain_muon_step(p, grad, buffer, lr, weight_decay, momentum=0.95, steps=5):
+    """torch.optim.Muon's update written out for one matrix, in float64."""
+    a, b, c = torch.optim._muon.DEFAULT_A, torch.optim._muon.DEFAULT_B, torch.optim._muon.DEFAULT_C
+    buffer.lerp_(grad, 1 - momentum)
+    x = grad.double().lerp(buffer.double(), momentum)
+    x = x.T if x.shape[0] > x.shape[1] else x
+    x = x / x.norm()
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    x = x.T if p.shape[0] > p.shape[1] else x
+    scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5  # torch's default adjust_lr
+    return (p.double() * (1 - lr * weight_decay) - lr * scale * x).float()
+
+
+def test_float32_newton_schulz_is_the_plain_muon_update():
+    g = torch.Generator().manual_seed(1)
+    shapes = [(24, 8), (8, 8), (24, 8), (8, 20)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+    plain = [p.detach().clone() for p in ours]
+    buffers = [torch.zeros_like(p) for p in plain]
+    stacked = StackedMuon(ours, lr=0.03, weight_decay=0.1, ns_dtype=torch.float32)
+    for _ in range(3):
+        for i, p in enumerate(ours):
+            p.grad = torch.randn(p.shape, generator=g)
+            plain[i] = _plain_muon_step(plain[i], p.grad, buffers[i], 0.03, 0.1)
+        stacked.step()
+    for p, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize(("has_bf16", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_newton_schulz_runs_in_bf16_only_where_the_cpu_has_bf16_arithmetic(
+        monkeypatch, has_bf16, expected):
+    from glassformer.accel import cpu
+    from glassformer.training import optim
+
+    monkeypatch.delenv("GLASSFORMER_BF16", raising=False)
+    monkeypatch.setattr(cpu, "cpu_features",
+                        lambda: cpu.CpuFeatures("fake", avx2=True, avx512_bf16=has_bf16))
+    assert optim.newton_schulz_dtype(torch.device("cpu")) == expected
+    assert bf16_supported(torch.device("cpu")) == has_bf16
+    seen = []
+    monkeypatch.setattr(optim, "orthogonalize",
+                        lambda *args: seen.append(args[-1]) or torch.zeros(1, 8, 8))
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    p.grad = torch.ones(8, 8)
+    StackedMuon([p], lr=0.01).step()
+    assert seen == [expected]
 
 
 def test_muon_and_adamw_state_round_trips_through_a_checkpoint():

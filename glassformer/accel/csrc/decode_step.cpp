@@ -5,7 +5,9 @@
 //   cache[pos] = k, v;  a_i = softmax_t(q_i · k_t / sqrt(d_head) [- slope_i (pos - t)]) · v_t
 //   x += W_o a;  h = norm2(x);  x += W_down act(W_up h)   (gated: act(gate) * up)
 // exactly as glassformer/model/layers/*.py do for one row; Python (accel/fast_decode.py)
-// embeds the token before and applies the final norm and head after.
+// embeds the token before and applies the final norm and head after. step_paged does the
+// same for one new token of each of B sequences, their caches in a paged pool (the serving
+// engine's): each row with its own position and block table, never mixed with another row.
 
 #include <cmath>
 #include <cstring>
@@ -24,6 +26,22 @@ int tensors_of(WeightFormat format) {
     case WeightFormat::int4: return 3;
   }
   TORCH_CHECK(false, "decode step: unknown weight format ", static_cast<int>(format));
+}
+
+// e^x on 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7
+// (relative error below 2e-7), 2^n through the exponent bits; x is clamped to [-87, 88].
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2, high bits
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);     // and the rest
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
 WeightFormat weight_format(int64_t code) {
@@ -75,22 +93,96 @@ torch::Tensor DecodeStep::step(torch::Tensor x, int64_t pos, const torch::Tensor
                    const std::vector<torch::Tensor>& values) {
   TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(),
               "decode step: one cache tensor per layer");
-  x = x.contiguous().clone();  // (1, d): updated in place layer by layer
-  auto h = torch::empty_like(x);  // (1, d)
-  auto context = torch::empty({1, heads_ * d_head_}, x.options());  // (1, H·d_head)
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "decode step: x must be (1, d)");
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    TORCH_CHECK(pos < keys[l].size(2) && pos < values[l].size(2), "decode step: position ",
+                pos, " is past the cache (", keys[l].size(2), ")");
+  }
+  auto view_of = [&](size_t l, int64_t) {  // (1, KV, S, d_head): heads S tokens apart
+    const int64_t S = keys[l].size(2);
+    return KVView{keys[l].data_ptr<float>(), values[l].data_ptr<float>(), S * d_head_, d_head_,
+                  nullptr};
+  };
+  return layers(x, &pos, rope_ ? cos.data_ptr<float>() : nullptr,
+                rope_ ? sin.data_ptr<float>() : nullptr, view_of);
+}
+
+torch::Tensor DecodeStep::step_paged(torch::Tensor x, const torch::Tensor& positions,
+                                     const torch::Tensor& slots, const torch::Tensor& cos,
+                                     const torch::Tensor& sin,
+                                     const std::vector<torch::Tensor>& keys,
+                                     const std::vector<torch::Tensor>& values) {
+  TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(),
+              "decode step: one pool tensor per layer");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == d_, "decode step: x must be (B, d_model)");
+  const int64_t B = x.size(0);
+  TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.is_contiguous() &&
+                  positions.numel() == B, "decode step: positions must be (B,) int64");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.dim() == 2 &&
+                  slots.size(0) == B, "decode step: slots must be (B, S) int64");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* table = slots.data_ptr<int64_t>();
+  const int64_t S = slots.size(1);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    for (const auto* t : {&keys[l], &values[l]}) {
+      TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 &&
+                      t->size(1) == kv_heads_ && t->size(2) == d_head_,
+                  "decode step: the pool must be float32 (slots, KV, d_head) per layer");
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < S, "decode step: position ", pos[b], " is past the "
+                "slot table (", S, ")");
+    for (int64_t t = 0; t <= pos[b]; ++t) {
+      TORCH_CHECK(table[b * S + t] >= 0 && table[b * S + t] < keys[0].size(0),
+                  "decode step: slot ", table[b * S + t], " is outside the pool");
+    }
+  }
+  if (rope_) {
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * d_head_ &&
+                    sin.numel() == B * d_head_, "decode step: cos, sin must be (B, d_head)");
+  }
+  auto view_of = [&](size_t l, int64_t b) {  // (slots, KV, d_head): heads d_head apart
+    return KVView{keys[l].data_ptr<float>(), values[l].data_ptr<float>(), d_head_,
+                  kv_heads_ * d_head_, table + b * S};
+  };
+  return layers(x, pos, rope_ ? cos.data_ptr<float>() : nullptr,
+                rope_ ? sin.data_ptr<float>() : nullptr, view_of);
+}
+
+// Every layer for the B rows of x; row b at position pos[b], its angles at cos + b * d_head,
+// its cache in layer l at view_of(l, b).
+template <typename ViewOf>
+torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const float* cos,
+                                 const float* sin, ViewOf view_of) {
+  const int64_t B = x.size(0), width = (heads_ + 2 * kv_heads_) * d_head_;
+  x = x.contiguous().clone();  // (B, d): updated in place layer by layer
+  auto h = torch::empty_like(x);  // (B, d)
+  auto context = torch::empty({B, heads_ * d_head_}, x.options());  // (B, H·d_head)
+  std::vector<KVView> views(B);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const LayerWeights& layer = layers_[l];
     normalize(x, layer.norm1, h);
-    auto qkv = layer.qkv(h);  // (1, (H + 2 KV) d_head)
-    float* q = qkv.data_ptr<float>();
-    float* k = q + heads_ * d_head_;
-    float* v = k + kv_heads_ * d_head_;
-    if (rope_) {
-      rotate(q, heads_, cos.data_ptr<float>(), sin.data_ptr<float>());
-      rotate(k, kv_heads_, cos.data_ptr<float>(), sin.data_ptr<float>());
+    auto qkv = layer.qkv(h);  // (B, (H + 2 KV) d_head)
+    for (int64_t b = 0; b < B; ++b) {
+      float* q = static_cast<float*>(qkv.data_ptr()) + b * width;
+      float* k = q + heads_ * d_head_;
+      float* v = k + kv_heads_ * d_head_;
+      if (rope_) {
+        rotate(q, heads_, cos + b * d_head_, sin + b * d_head_);
+        rotate(k, kv_heads_, cos + b * d_head_, sin + b * d_head_);
+      }
+      views[b] = view_of(l, b);
+      store(views[b], k, v, pos[b]);
     }
-    store(keys[l], values[l], k, v, pos);
-    attend(q, keys[l], values[l], pos, context.data_ptr<float>());
+    const float* q0 = static_cast<float*>(qkv.data_ptr());
+    float* c0 = static_cast<float*>(context.data_ptr());
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+    for (int64_t i = 0; i < B * heads_; ++i) {
+      const int64_t b = i / heads_, head = i % heads_;
+      attend(q0 + b * width + head * d_head_, views[b], head, pos[b],
+             c0 + b * heads_ * d_head_ + head * d_head_);
+    }
     x.add_(layer.out(context));
     normalize(x, layer.norm2, h);
     x.add_(layer.down(activate(layer.up(h))));
@@ -100,20 +192,22 @@ torch::Tensor DecodeStep::step(torch::Tensor x, int64_t pos, const torch::Tensor
 
 void DecodeStep::normalize(const torch::Tensor& x, const NormWeights& norm,
                            torch::Tensor& out) const {
-  const float* a = x.data_ptr<float>();
   const float* w = norm.weight.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  double mean = 0.0, square = 0.0;
-  for (int64_t i = 0; i < d_; ++i) {
-    mean += a[i];
-    square += static_cast<double>(a[i]) * a[i];
-  }
-  mean /= d_;
-  const double variance = rmsnorm_ ? square / d_ : square / d_ - mean * mean;
-  const float inv = static_cast<float>(1.0 / std::sqrt(variance + eps_));
-  const float centre = rmsnorm_ ? 0.f : static_cast<float>(mean);
   const float* b = norm.bias ? norm.bias->data_ptr<float>() : nullptr;
-  for (int64_t i = 0; i < d_; ++i) y[i] = (a[i] - centre) * inv * w[i] + (b ? b[i] : 0.f);
+  for (int64_t row = 0; row < x.size(0); ++row) {
+    const float* a = x.data_ptr<float>() + row * d_;
+    float* y = out.data_ptr<float>() + row * d_;
+    double mean = 0.0, square = 0.0;
+    for (int64_t i = 0; i < d_; ++i) {
+      mean += a[i];
+      square += static_cast<double>(a[i]) * a[i];
+    }
+    mean /= d_;
+    const double variance = rmsnorm_ ? square / d_ : square / d_ - mean * mean;
+    const float inv = static_cast<float>(1.0 / std::sqrt(variance + eps_));
+    const float centre = rmsnorm_ ? 0.f : static_cast<float>(mean);
+    for (int64_t i = 0; i < d_; ++i) y[i] = (a[i] - centre) * inv * w[i] + (b ? b[i] : 0.f);
+  }
 }
 
 void DecodeStep::rotate(float* x, int64_t n_heads, const float* cos, const float* sin) const {
@@ -128,67 +222,67 @@ void DecodeStep::rotate(float* x, int64_t n_heads, const float* cos, const float
   }
 }
 
-void DecodeStep::store(const torch::Tensor& keys, const torch::Tensor& values, const float* k,
-           const float* v, int64_t pos) const {
-  const int64_t S = keys.size(2);
-  TORCH_CHECK(pos < S, "decode step: position ", pos, " is past the cache (", S, ")");
-  float* kc = keys.data_ptr<float>();
-  float* vc = values.data_ptr<float>();
+void DecodeStep::store(const KVView& kv, const float* k, const float* v, int64_t pos) const {
   for (int64_t g = 0; g < kv_heads_; ++g) {
-    std::memcpy(kc + (g * S + pos) * d_head_, k + g * d_head_, d_head_ * sizeof(float));
-    std::memcpy(vc + (g * S + pos) * d_head_, v + g * d_head_, d_head_ * sizeof(float));
+    std::memcpy(kv.keys + kv.offset(g, pos), k + g * d_head_, d_head_ * sizeof(float));
+    std::memcpy(kv.values + kv.offset(g, pos), v + g * d_head_, d_head_ * sizeof(float));
   }
 }
 
-void DecodeStep::attend(const float* q, const torch::Tensor& keys, const torch::Tensor& values,
-            int64_t pos, float* context) const {
-  const int64_t S = keys.size(2), n_rep = heads_ / kv_heads_;
+// One query head over its sequence's tokens first..pos: softmax(q · k_t / sqrt(d_head)
+// [- slope (pos - t)]) · v_t into out (d_head).
+void DecodeStep::attend(const float* q, const KVView& kv, int64_t head, int64_t pos,
+                        float* out) const {
   const int64_t first = window_ > 0 ? std::max<int64_t>(0, pos - window_ + 1) : 0;
+  const int64_t g = head / (heads_ / kv_heads_);
   const float scale = 1.f / std::sqrt(static_cast<float>(d_head_));
-  const float* kc = keys.data_ptr<float>();
-  const float* vc = values.data_ptr<float>();
-  const float* slopes = alibi_ ? alibi_->data_ptr<float>() : nullptr;
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t head = 0; head < heads_; ++head) {
-    const float* qh = q + head * d_head_;
-    const int64_t g = head / n_rep;
-    std::vector<float> p(pos - first + 1);
-    float top = -INFINITY;
-    for (int64_t t = first; t <= pos; ++t) {
-      const float* kt = kc + (g * S + t) * d_head_;
-      float s = dot(qh, kt, d_head_) * scale;
-      if (slopes) s -= slopes[head] * static_cast<float>(pos - t);
-      p[t - first] = s;
-      top = std::max(top, s);
-    }
-    float total = 0.f;
-    for (float& s : p) total += (s = std::exp(s - top));
-    float* out = context + head * d_head_;
-    std::fill(out, out + d_head_, 0.f);
-    for (int64_t t = first; t <= pos; ++t) {
-      const float* vt = vc + (g * S + t) * d_head_;
-      const float w = p[t - first] / total;
-      for (int64_t i = 0; i < d_head_; ++i) out[i] += w * vt[i];
-    }
+  const float slope = alibi_ ? alibi_->data_ptr<float>()[head] : 0.f;
+  std::vector<float> p(pos - first + 1);
+  float top = -INFINITY;
+  for (int64_t t = first; t <= pos; ++t) {
+    float s = dot(q, kv.keys + kv.offset(g, t), d_head_) * scale;
+    if (alibi_) s -= slope * static_cast<float>(pos - t);
+    p[t - first] = s;
+    top = std::max(top, s);
+  }
+  float total = 0.f;
+  for (float& s : p) total += (s = std::exp(s - top));
+  std::fill(out, out + d_head_, 0.f);
+  for (int64_t t = first; t <= pos; ++t) {
+    const float* vt = kv.values + kv.offset(g, t);
+    const float w = p[t - first] / total;
+    for (int64_t i = 0; i < d_head_; ++i) out[i] += w * vt[i];
   }
 }
 
-torch::Tensor DecodeStep::activate(torch::Tensor up) const {
+torch::Tensor DecodeStep::activate(const torch::Tensor& up) const {
   const int64_t width = gated_ ? 2 * d_ff_ : d_ff_;
   TORCH_CHECK(up.size(1) == width, "decode step: feed-forward width ", up.size(1));
-  float* u = up.data_ptr<float>();
-  auto hidden = gated_ ? torch::empty({1, d_ff_}, up.options()) : up;  // (1, d_ff)
-  float* y = hidden.data_ptr<float>();
-  for (int64_t i = 0; i < d_ff_; ++i) {
-    const float a = u[i];
-    float f;
-    switch (activation_) {
-      case 0: f = a > 0.f ? a : 0.f; break;
-      case 1: f = 0.5f * a * (1.f + std::erf(a * static_cast<float>(M_SQRT1_2))); break;
-      case 2: f = 0.5f * a * (1.f + std::tanh(0.7978845608f * (a + 0.044715f * a * a * a))); break;
-      default: f = a / (1.f + std::exp(-a)); break;
+  auto hidden = gated_ ? torch::empty({up.size(0), d_ff_}, up.options()) : up;  // (B, d_ff)
+  for (int64_t row = 0; row < up.size(0); ++row) {
+    const float* u = up.data_ptr<float>() + row * width;
+    float* y = hidden.data_ptr<float>() + row * d_ff_;
+    int64_t i = 0;
+    if (activation_ == 3) {  // silu a / (1 + e^-a), 8 lanes at a time
+      for (; i + 8 <= d_ff_; i += 8) {
+        const __m256 a = _mm256_loadu_ps(u + i);
+        const __m256 one = _mm256_set1_ps(1.f);
+        __m256 f = _mm256_div_ps(a, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), a))));
+        if (gated_) f = _mm256_mul_ps(f, _mm256_loadu_ps(u + d_ff_ + i));
+        _mm256_storeu_ps(y + i, f);
+      }
     }
-    y[i] = gated_ ? f * u[d_ff_ + i] : f;
+    for (; i < d_ff_; ++i) {
+      const float a = u[i];
+      float f;
+      switch (activation_) {
+        case 0: f = a > 0.f ? a : 0.f; break;
+        case 1: f = 0.5f * a * (1.f + std::erf(a * static_cast<float>(M_SQRT1_2))); break;
+        case 2: f = 0.5f * a * (1.f + std::tanh(0.7978845608f * (a + 0.044715f * a * a * a))); break;
+        default: f = a / (1.f + std::exp(-a)); break;
+      }
+      y[i] = gated_ ? f * u[d_ff_ + i] : f;
+    }
   }
   return hidden;
 }

@@ -123,6 +123,8 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
                    bool inverse);
 torch::Tensor swiglu_forward(const torch::Tensor& h);
 torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h);
+torch::Tensor gelu_forward(const torch::Tensor& x);
+torch::Tensor gelu_backward(const torch::Tensor& dy, const torch::Tensor& x);
 torch::Tensor transpose(const torch::Tensor& x);
 
 // ------------------------------------------------------------------ decode step
@@ -147,7 +149,23 @@ struct LayerWeights {
   LinearWeights qkv, out, up, down;
 };
 
-// One token of one sequence through every layer of a pre-norm decoder (decode_step.cpp).
+// Where one sequence's keys and values sit in one layer's storage: token t of KV head g at
+// g * head_stride + slot(t) * token_stride floats from the base, slot(t) = slots[t] (a paged
+// pool's block table) or t (a contiguous cache) where slots is null.
+struct KVView {
+  float* keys;
+  float* values;
+  int64_t head_stride, token_stride;
+  const int64_t* slots;
+
+  int64_t offset(int64_t g, int64_t t) const {
+    return g * head_stride + (slots ? slots[t] : t) * token_stride;
+  }
+};
+
+// New tokens through every layer of a pre-norm decoder (decode_step.cpp): one token of one
+// sequence (step), or one token of each of B sequences whose keys and values live in a paged
+// pool (step_paged). Each row is computed on its own, with the same arithmetic either way.
 class DecodeStep {
  public:
   // sizes: d_model, n_heads, n_kv_heads, d_head, d_ff, window (0: none)
@@ -162,14 +180,23 @@ class DecodeStep {
                      const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
                      const std::vector<torch::Tensor>& values);
 
+  // x (B, d) the embedded tokens; slots (B, S) int64: row b's token t is at pool slot
+  // slots[b, t] for t <= positions[b], its new token's slot last; cos, sin (B, d_head);
+  // keys, values per layer (n_slots, KV, d_head) float32. Returns the residual streams (B, d).
+  torch::Tensor step_paged(torch::Tensor x, const torch::Tensor& positions,
+                           const torch::Tensor& slots, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
+                           const std::vector<torch::Tensor>& values);
+
  private:
+  template <typename ViewOf>
+  torch::Tensor layers(torch::Tensor x, const int64_t* pos, const float* cos, const float* sin,
+                       ViewOf view_of);
   void normalize(const torch::Tensor& x, const NormWeights& norm, torch::Tensor& out) const;
   void rotate(float* x, int64_t n_heads, const float* cos, const float* sin) const;
-  void store(const torch::Tensor& keys, const torch::Tensor& values, const float* k,
-             const float* v, int64_t pos) const;
-  void attend(const float* q, const torch::Tensor& keys, const torch::Tensor& values,
-              int64_t pos, float* context) const;
-  torch::Tensor activate(torch::Tensor up) const;
+  void store(const KVView& kv, const float* k, const float* v, int64_t pos) const;
+  void attend(const float* q, const KVView& kv, int64_t head, int64_t pos, float* out) const;
+  torch::Tensor activate(const torch::Tensor& up) const;
 
   int64_t d_, heads_, kv_heads_, d_head_, d_ff_, window_;
   bool rmsnorm_, gated_, rope_;

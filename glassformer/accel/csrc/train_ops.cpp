@@ -1,5 +1,5 @@
-// Fused forward and backward passes of RMSNorm, rotary position embeddings and SwiGLU for
-// training, and a tiled transpose.
+// Fused forward and backward passes of RMSNorm, rotary position embeddings, SwiGLU and GELU
+// for training, and a tiled transpose.
 //
 // Each function is one pass over its tensors where the plain PyTorch expressions
 // (glassformer/model/layers/norm.py, positions.py, feedforward.py) take several elementwise
@@ -231,6 +231,72 @@ torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h) {
     }
   }
   return dh;
+}
+
+// Φ(x) = (1 + erf(x / √2)) / 2 for 8 floats, and e^(-x² / 2) for the caller's φ(x): erf by
+// Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7) on |x| / √2, its sign restored.
+static inline __m256 normal_cdf8(__m256 x, __m256* gauss) {
+  const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), x),
+                                 _mm256_set1_ps(0.70710678f));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), z, one));
+  __m256 p = _mm256_set1_ps(1.061405429f);
+  for (const float c : {-1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f})
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(c));
+  p = _mm256_mul_ps(p, t);
+  *gauss = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(z, z)));
+  const __m256 erf_abs = _mm256_fnmadd_ps(p, *gauss, one);
+  const __m256 erf = _mm256_or_ps(erf_abs, _mm256_and_ps(x, _mm256_set1_ps(-0.f)));
+  return _mm256_fmadd_ps(erf, _mm256_set1_ps(0.5f), _mm256_set1_ps(0.5f));
+}
+
+static void check_rows(const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, what,
+              " must be a contiguous float32 tensor");
+}
+
+// GELU (exact, as F.gelu): y = x Φ(x), elementwise over a contiguous tensor of any shape.
+torch::Tensor gelu_forward(const torch::Tensor& x) {
+  check_rows(x, "x");
+  auto y = torch::empty_like(x);
+  const float* __restrict xp = x.data_ptr<float>();
+  float* __restrict yp = y.data_ptr<float>();
+  const int64_t n = x.numel(), vectors = n / 8;
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t v = 0; v < vectors; ++v) {
+    __m256 gauss;
+    const __m256 x8 = _mm256_loadu_ps(xp + 8 * v);
+    _mm256_storeu_ps(yp + 8 * v, _mm256_mul_ps(x8, normal_cdf8(x8, &gauss)));
+  }
+  for (int64_t j = 8 * vectors; j < n; ++j)
+    yp[j] = 0.5f * xp[j] * (1.f + std::erf(xp[j] * 0.70710678f));
+  return y;
+}
+
+// The gradient of gelu_forward for the output gradient dy: dx = dy (Φ(x) + x φ(x)).
+torch::Tensor gelu_backward(const torch::Tensor& dy, const torch::Tensor& x) {
+  check_rows(x, "x");
+  check_rows(dy, "the gradient");
+  TORCH_CHECK(dy.sizes() == x.sizes(), "the gradient must have the input's shape");
+  auto dx = torch::empty_like(x);
+  const float* __restrict xp = x.data_ptr<float>();
+  const float* __restrict dyp = dy.data_ptr<float>();
+  float* __restrict dxp = dx.data_ptr<float>();
+  const float inv_sqrt_2pi = 0.39894228f;
+  const int64_t n = x.numel(), vectors = n / 8;
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t v = 0; v < vectors; ++v) {
+    __m256 gauss;
+    const __m256 x8 = _mm256_loadu_ps(xp + 8 * v);
+    const __m256 cdf = normal_cdf8(x8, &gauss);
+    const __m256 slope = _mm256_fmadd_ps(_mm256_mul_ps(x8, gauss), _mm256_set1_ps(inv_sqrt_2pi), cdf);
+    _mm256_storeu_ps(dxp + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(dyp + 8 * v), slope));
+  }
+  for (int64_t j = 8 * vectors; j < n; ++j) {
+    const float cdf = 0.5f * (1.f + std::erf(xp[j] * 0.70710678f));
+    dxp[j] = dyp[j] * (cdf + xp[j] * inv_sqrt_2pi * std::exp(-0.5f * xp[j] * xp[j]));
+  }
+  return dx;
 }
 
 // The transpose of a contiguous (M, K) float32 matrix, as a contiguous (K, M) one: 8 × 8 tiles

@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...model.encoder_decoder import EncoderDecoder
 from ...model.kv_cache import KVCache
 from ...model.transformer import Transformer
 from ..attribution import TENTHS, attention_rollout, integrated_gradients, token_baseline
-from ..trace import run_with_cache, site_dims
+from ..trace import capture, run_with_cache, site_dims
 from .steps import DIM_SYMBOLS, input_steps, layer_steps, output_steps
 
 ROWS, COLS = 6, 8  # the corner of each tensor shown in the report
@@ -88,6 +89,8 @@ def collect_journey(
     first mask token (else at the last position); it has no decode step."""
     if model.training:
         raise ValueError("journey: call model.eval() first (dropout is random)")
+    if isinstance(model, EncoderDecoder):
+        return collect_seq2seq_journey(model, tokenizer, text, top_k)
     config = model.config
     encode = tokenizer.encode if config.causal else getattr(tokenizer, "encode_sequence", tokenizer.encode)
     ids_list = encode(text)
@@ -161,4 +164,68 @@ def collect_journey(
             "baseline_logit": round(ig.baseline_logit, 4),
             "completeness_gap": float(f"{ig.completeness_gap:.3g}"),
         },
+    }
+
+
+def collect_seq2seq_journey(model: EncoderDecoder, tokenizer, text: str, top_k: int = 10,
+                            n_decoded: int = 8) -> dict:
+    """The journey of an encoder-decoder: `text` is the source; the decoder reads its start
+    token and up to n_decoded greedy tokens after it. The layers shown are the decoder's (its
+    causal self-attention and its cross-attention, decoder tokens × source tokens); the
+    encoder's own weights come as `encoder_attention`. No attribution is computed."""
+    config = model.config
+    source = tokenizer.encode(text)
+    if not source:
+        raise ValueError("text: nothing to trace (it encodes to no tokens)")
+    if len(source) > config.context_length:
+        raise ValueError(f"text: {len(source)} tokens exceed context_length={config.context_length}")
+    device = model.lm_head.weight.device
+    ids = torch.tensor([source], device=device)  # (1, S)
+    decoded = [config.decoder_start_id]
+    with torch.no_grad():
+        memory = model.encode(ids)
+        while len(decoded) <= min(n_decoded, config.context_length - 1):
+            step = model.head(model.forward_hidden(torch.tensor([decoded], device=device), memory))
+            token = int(step[0, -1].argmax())
+            if token == tokenizer.eos_id:
+                break
+            decoded.append(token)
+        with capture(model) as acts:
+            logits = model(ids, torch.tensor([decoded], device=device))  # (1, U, vocab)
+    last = logits[0, -1].float()
+    L, H = config.n_layers, config.n_heads
+
+    def maps(stack: str, site: str, n_layers: int) -> list:
+        return [[_weights(acts[f"{stack}.blocks.{i}.{site}"][0, h].flatten()) for h in range(H)]
+                for i in range(n_layers)]  # [layer][head]: rows × columns, row-major
+
+    residuals = [acts["embed.out"]] + [acts[f"decoder.blocks.{i}.resid_post"] for i in range(L)]
+    lens = []
+    with torch.no_grad():
+        for resid in residuals:
+            h = model.decoder.final_norm(resid) if model.decoder.final_norm is not None else resid
+            top_p, top_id = model.head(h)[0].float().softmax(dim=-1).max(dim=-1)  # (U,)
+            lens.append({"tokens": [token_text(tokenizer, int(i)) for i in top_id],
+                         "probs": [round(float(p), 3) for p in top_p]})
+    return {
+        "text": text,
+        "tokens": [token_text(tokenizer, i) for i in decoded],
+        "ids": decoded,
+        "source_tokens": [token_text(tokenizer, i) for i in source],
+        "source_ids": source,
+        "prefix": "decoder.",
+        "config": config.to_dict(),
+        "sizes": {"H": H, "KV": config.kv_heads, "d_head": config.head_dim, "d": config.d_model,
+                  "d_ff": config.ff_dim, "v": config.vocab_size, "L": L, "S": len(source)},
+        "dim_symbols": DIM_SYMBOLS,
+        "steps": {"input": input_steps(config), "layer": layer_steps(config),
+                  "output": output_steps(config)},
+        "sites": [_site(name, tensor) for name, tensor in acts.items()],
+        "attention": maps("decoder", "attn.pattern", L),  # U × U, causal
+        "cross_attention": maps("decoder", "cross.pattern", L),  # U × S
+        "encoder_attention": maps("encoder", "attn.pattern", config.n_encoder_layers),  # S × S
+        "decode_step": None,
+        "next_tokens": _top(tokenizer, last.softmax(dim=-1), last, top_k),
+        "logit_lens": lens,
+        "attribution": None,
     }

@@ -33,6 +33,8 @@ def input_steps(config: ModelConfig) -> list[dict]:
         "rope": "No position vector is added: RoPE rotates Q and K by their positions in every layer.",
         "alibi": "No position vector is added: ALiBi adds −slope·(i − j) to every attention score.",
         "none": "No position information at all: only the causal mask tells tokens apart.",
+        "relative": "No position vector is added: T5 adds a learned bias per head and bucket of "
+                    "distance to every attention score.",
     }
     steps = [{"site": "embed.tokens", "title": "Token embedding lookup", "equation": "E_token[ids]",
               "note": "row ids[i] of the (v × d) table E_token for every token"}]
@@ -70,6 +72,9 @@ def layer_steps(config: ModelConfig) -> list[dict]:
         mask += f", or i − j ≥ {config.sliding_window} (outside the window)"
     if config.position == "alibi":
         mask += "; plus the ALiBi bias −slope_h·(i − j)"
+    if config.position == "relative":
+        mask += "; plus T5's learned bias per head and bucket of distance j − i"
+    scale = " / √d_head" if config.scale_scores else ""
     act = ACTIVATION_NAMES[config.activation]
     hidden = (f"{act}({x_in} W_gate) ⊙ ({x_in} W_up)" if config.gated else f"{act}({x_in} W_1 + b_1)")
     gqa = ""
@@ -87,7 +92,7 @@ def layer_steps(config: ModelConfig) -> list[dict]:
          "note": "one key per token" + gqa},
         {"site": "attn.v", "title": "Values", "equation": f"V = {x_in} W_V",
          "note": "what each token hands on when attended to" + gqa},
-        {"site": "attn.scores", "title": "Raw scores", "equation": "A = Q Kᵀ / √d_head",
+        {"site": "attn.scores", "title": "Raw scores", "equation": f"A = Q Kᵀ{scale}",
          "note": "row i: how well query i matches every key"},
         {"site": "attn.masked_scores", "title": "Mask", "equation": "A_masked = A + M", "note": mask},
         {"site": "attn.pattern", "title": "Attention weights", "equation": "α = softmax(A_masked)",
@@ -108,14 +113,38 @@ def layer_steps(config: ModelConfig) -> list[dict]:
         {"site": "resid_post", "title": "Residual stream out",
          "equation": "x ← x + FFN(x̂)" if pre else "x", "note": "the input of the next layer"},
     ]
+    if config.n_encoder_layers:
+        at = next(i for i, step in enumerate(steps) if step["site"] == ("norm2" if pre else "resid_mid"))
+        steps[at:at] = cross_steps(pre, scale)
+    prefix = "decoder." if config.n_encoder_layers else ""  # an encoder-decoder shows its decoder
     present = set(site_names(config))
-    return [step for step in steps if f"blocks.0.{step['site']}" in present]
+    return [step for step in steps if f"{prefix}blocks.0.{step['site']}" in present]
+
+
+def cross_steps(pre: bool, scale: str) -> list[dict]:
+    """A decoder block's cross-attention sublayer (encoder-decoders)."""
+    x_in = "x̂" if pre else "x"
+    return [
+        {"site": "resid_self", "title": "Residual add (self-attention)", "equation": "x ← x + MultiHead(x̂)",
+         "note": "then the decoder reads the encoder"},
+        {"site": "norm_cross",
+         "title": "Norm before cross-attention" if pre else "Add & norm (cross-attention)",
+         "equation": "x̂ = Norm(x)" if pre else "x = Norm(x + Cross(x, m))", "note": ""},
+        {"site": "cross.q", "title": "Cross-attention queries", "equation": f"Q = {x_in} W_Q",
+         "note": "from the decoder; keys and values come from the encoder output m"},
+        {"site": "cross.pattern", "title": "Cross-attention weights",
+         "equation": f"α = softmax(Q (m W_K)ᵀ{scale} + M)",
+         "note": "rows: decoder tokens; columns: encoder (source) tokens; no causal mask"},
+        {"site": "cross.out", "title": "Cross-attention output",
+         "equation": "Cross = concat(α m W_V per head) W_O", "note": "added to the residual stream"},
+    ]
 
 
 def output_steps(config: ModelConfig) -> list[dict]:
     steps = []
     if config.final_norm:
-        steps.append({"site": "final_norm", "title": "Final norm", "equation": f"h = {_norm(config)}",
+        site = "decoder.final_norm" if config.n_encoder_layers else "final_norm"
+        steps.append({"site": site, "title": "Final norm", "equation": f"h = {_norm(config)}",
                       "note": ""})
     if config.head == "mlm":
         steps.append({"site": "head_transform", "title": "Masked-LM transform",

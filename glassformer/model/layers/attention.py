@@ -3,7 +3,8 @@
     Q, K, V = x W_Q, x W_K, x W_V          one fused product, split into heads
     Q, K    = rope(Q), rope(K)             when position = "rope"
     K, V    = cache.update(K, V)           when decoding: the new rows join the cached ones
-    A       = Q Kᵀ / √d_head + M           M: -inf where masked (+ ALiBi distances)
+    A       = Q Kᵀ / √d_head + M           M: -inf where masked (+ ALiBi or T5 relative bias);
+                                           T5 leaves out the 1/√d_head (scale_scores=False)
     out     = softmax(A) V  ->  concat heads  ->  W_O
 """
 
@@ -34,6 +35,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(q_width, config.d_model, bias=config.attn_out_bias)
         self.rotary = Rotary() if config.position == "rope" else None
         self.kernel = KERNELS[config.attention_kernel]
+        self.scale = None if config.scale_scores else 1.0  # None: the kernels' 1/√d_head
         self.dropout = config.dropout
         self.hooks, self.site = hooks, site
 
@@ -58,10 +60,11 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if hook and any(hook.wants(f"{site}.{name}") for name in WEIGHT_SITES):
             context, _ = reference_attention(
-                q, k, v, mask, dropout, hook=lambda name, t: hook(f"{site}.{name}", t)
+                q, k, v, mask, dropout, hook=lambda name, t: hook(f"{site}.{name}", t),
+                scale=self.scale,
             )
         else:
-            context = self.kernel(q, k, v, mask, dropout)  # (B, H, T, d_head)
+            context = self.kernel(q, k, v, mask, dropout, scale=self.scale)  # (B, H, T, d_head)
         context = hook(site + ".context", context)
         merged = context.transpose(1, 2).reshape(B, T, -1)  # (B, T, H·d_head): heads side by side
         return hook(site + ".out", self.out(merged))  # (B, T, d)

@@ -1,4 +1,5 @@
 """Attention kernels: three ways to compute softmax(QKᵀ/√d_head + M) V, all the same function.
+`scale` replaces 1/√d_head where a model says so (T5 uses 1).
 
 - reference: the math written plainly; returns the attention weights. The oracle.
 - sdpa: PyTorch's fused scaled_dot_product_attention.
@@ -38,11 +39,13 @@ def reference_attention(
     mask: AttentionMask,
     dropout: float = 0.0,
     hook: Hook = _no_hook,
+    scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the context αV (B, H, Tq, d_head) and the weights α (B, H, Tq, Tk)."""
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, Tk, d_head)
-    scores = hook("scores", q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]))  # (B, H, Tq, Tk)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = hook("scores", q @ k.transpose(-2, -1) * scale)  # (B, H, Tq, Tk)
     masked = hook("masked_scores", scores + mask.bias(scores.dtype))  # A + M
     pattern = hook("pattern", torch.softmax(masked.float(), dim=-1).to(q.dtype))  # α
     if mask.k_valid is not None:
@@ -52,7 +55,12 @@ def reference_attention(
 
 
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    dropout: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     n_rep = q.shape[1] // k.shape[1]
     if mask.is_plain and (q.shape[2] == 1 or not mask.causal):
@@ -62,7 +70,8 @@ def sdpa_attention(
     else:
         bias, is_causal = mask.bias(q.dtype), False
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=is_causal, enable_gqa=n_rep > 1
+        q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=is_causal, scale=scale,
+        enable_gqa=n_rep > 1,
     )  # (B, H, Tq, d_head)
     if mask.k_valid is not None:
         out = out.masked_fill(mask.empty_rows(), 0.0)
@@ -75,6 +84,7 @@ def flash_attention(
     v: torch.Tensor,
     mask: AttentionMask,
     dropout: float = 0.0,
+    scale: float | None = None,
     block_q: int = 64,
     block_k: int = 64,
 ) -> torch.Tensor:
@@ -82,7 +92,7 @@ def flash_attention(
         raise ValueError("attention_kernel: 'flash' is exact attention and takes no dropout")
     B, H, Tq, d_head = q.shape
     Tk, n_rep = k.shape[2], H // k.shape[1]
-    scale = 1.0 / math.sqrt(d_head)
+    scale = 1.0 / math.sqrt(d_head) if scale is None else scale
     out = torch.empty_like(q)  # (B, H, Tq, d_head)
     for r0 in range(0, Tq, block_q):
         rows = slice(r0, min(r0 + block_q, Tq))
@@ -112,8 +122,8 @@ def flash_attention(
     return out
 
 
-def _reference_context(q, k, v, mask, dropout=0.0):
-    return reference_attention(q, k, v, mask, dropout)[0]
+def _reference_context(q, k, v, mask, dropout=0.0, scale=None):
+    return reference_attention(q, k, v, mask, dropout, scale=scale)[0]
 
 
 KERNELS = {"reference": _reference_context, "sdpa": sdpa_attention, "flash": flash_attention}

@@ -1,7 +1,11 @@
 """One transformer block. Where the norms sit is a config choice (`norm_placement`):
 
-    pre  (GPT-2, Llama):      x = x + Attn(Norm1(x));   x = x + FFN(Norm2(x))
+    pre  (GPT-2, Llama, T5):  x = x + Attn(Norm1(x));   x = x + FFN(Norm2(x))
     post (GPT-1, Vaswani):    x = Norm1(x + Attn(x));   x = Norm2(x + FFN(x))
+
+A decoder block of an encoder-decoder (`cross=True`) has a third sublayer between the two,
+cross-attention to the encoder's output m, placed the same way:
+    pre:  x = x + Cross(NormX(x), m)          post: x = NormX(x + Cross(x, m))
 """
 
 from __future__ import annotations
@@ -13,18 +17,27 @@ from ..config import ModelConfig
 from ..hooks import Hooks
 from ..kv_cache import KVCache
 from .attention import Attention
+from .cross_attention import CrossAttention
 from .feedforward import FeedForward
 from .masking import AttentionMask
 from .norm import make_norm
 
+# What a cross-attention sublayer reads: the encoder's keys and values (B, KV, S, d_head) for
+# this block, and the mask over the encoder's positions.
+CrossInputs = tuple[torch.Tensor, torch.Tensor, AttentionMask]
+
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, hooks: Hooks, layer: int) -> None:
+    def __init__(
+        self, config: ModelConfig, hooks: Hooks, layer: int, cross: bool = False, prefix: str = ""
+    ) -> None:
         super().__init__()
-        site = f"blocks.{layer}"
+        site = f"{prefix}blocks.{layer}"
         self.pre_norm = config.norm_placement == "pre"
         self.norm1 = make_norm(config)
         self.attn = Attention(config, hooks, site + ".attn", layer)
+        self.norm_cross = make_norm(config) if cross else None
+        self.cross = CrossAttention(config, hooks, site + ".cross") if cross else None
         self.norm2 = make_norm(config)
         self.mlp = FeedForward(config, hooks, site + ".mlp")
         self.dropout = nn.Dropout(config.dropout)
@@ -36,15 +49,21 @@ class Block(nn.Module):
         mask: AttentionMask,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: KVCache | None = None,
+        cross: CrossInputs | None = None,
     ) -> torch.Tensor:
         hook, site = self.hooks, self.site
         x = hook(site + ".resid_pre", x)  # (B, T, d)
         if self.pre_norm:
             x = x + self.dropout(self.attn(hook(site + ".norm1", self.norm1(x)), mask, rope, cache))
+            if self.cross is not None:
+                x = hook(site + ".resid_self", x)
+                x = x + self.dropout(self.cross(hook(site + ".norm_cross", self.norm_cross(x)), *cross))
             x = hook(site + ".resid_mid", x)
             x = x + self.dropout(self.mlp(hook(site + ".norm2", self.norm2(x))))
         else:
             x = hook(site + ".norm1", self.norm1(x + self.dropout(self.attn(x, mask, rope, cache))))
+            if self.cross is not None:
+                x = hook(site + ".norm_cross", self.norm_cross(x + self.dropout(self.cross(x, *cross))))
             x = hook(site + ".resid_mid", x)
             x = hook(site + ".norm2", self.norm2(x + self.dropout(self.mlp(x))))
         return hook(site + ".resid_post", x)

@@ -1,4 +1,5 @@
-"""Which keys each query may see: causal, sliding window, padding, plus the ALiBi distance bias.
+"""Which keys each query may see: causal, sliding window, padding, plus a distance bias (ALiBi's
+slopes, or T5's learned relative position bias).
 
 The mask is described by positions rather than stored as a T×T matrix, so a tiled kernel can
 build just the tile it needs, and a decode step needs no mask at all.
@@ -22,6 +23,7 @@ class AttentionMask:
     k_valid: torch.Tensor | None = None  # (B, Tk) False for padding
     alibi_slopes: torch.Tensor | None = None  # (H,)
     contiguous: bool = False  # keys are 0..Tk-1 and the queries the last Tq of them
+    position_bias: torch.Tensor | None = None  # (B or 1, H, Tq, Tk) added to the scores (T5)
 
     @property
     def is_plain(self) -> bool:
@@ -31,6 +33,7 @@ class AttentionMask:
             and self.window is None
             and self.k_valid is None
             and self.alibi_slopes is None
+            and self.position_bias is None
         )
 
     def allowed(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
@@ -49,7 +52,8 @@ class AttentionMask:
     def bias(
         self, dtype: torch.dtype, rows: slice = slice(None), cols: slice = slice(None)
     ) -> torch.Tensor:
-        """The additive mask M: 0 where allowed, -inf elsewhere, plus ALiBi: (B, 1 or H, tq, tk).
+        """The additive mask M: 0 where allowed, -inf elsewhere, plus ALiBi or the relative
+        position bias: (B, 1 or H, tq, tk).
 
         A query that may see no key at all (a padding position) is given every key instead, so
         softmax stays finite; `empty_rows` marks those rows so kernels can zero their output.
@@ -63,6 +67,8 @@ class AttentionMask:
             bias = bias + alibi_bias(
                 self.alibi_slopes, self.q_pos[:, rows], self.k_pos[:, cols]
             ).to(dtype)
+        if self.position_bias is not None:
+            bias = bias + self.position_bias[:, :, rows, cols].to(dtype)
         return bias
 
     def empty_rows(self, rows: slice = slice(None)) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""Relative position schemes: rotary embeddings (RoPE, with context extension) and ALiBi.
+"""Relative position schemes: rotary embeddings (RoPE, with context extension), ALiBi and T5's
+bucketed bias.
 
 RoPE (Su et al., 2021) rotates each (x_i, x_{i+d/2}) pair of a query or key at position m by the
 angle m·θ_i with θ_i = base^(-2i/d), so that q_m·k_n depends only on m - n. ALiBi (Press et al.,
-2022) adds -slope_h·(m - n) to the attention score of head h instead.
+2022) adds -slope_h·(m - n) to the attention score of head h instead. T5 (Raffel et al., 2020)
+adds a learned scalar per head and bucket of n - m, one table per stack shared by its layers.
 """
 
 from __future__ import annotations
@@ -94,3 +96,37 @@ def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -
     """-slope_h · (m - n) for queries at m (B, Tq) and keys at n (B, Tk): (B, H, Tq, Tk)."""
     distance = (q_pos[:, :, None] - k_pos[:, None, :]).float()  # (B, Tq, Tk)
     return -slopes.to(q_pos.device)[None, :, None, None] * distance[:, None]
+
+
+def relative_bucket(distance: torch.Tensor, bidirectional: bool, n_buckets: int,
+                    max_distance: int) -> torch.Tensor:
+    """T5's bucket of each key-minus-query distance n - m: one bucket per distance below half
+    the buckets (per direction when bidirectional, else keys after the query all count as 0),
+    then logarithmically wider buckets up to max_distance, beyond which all share the last."""
+    bucket = torch.zeros_like(distance)
+    if bidirectional:
+        n_buckets //= 2
+        bucket = (distance > 0).long() * n_buckets  # keys after the query: the upper half
+        distance = distance.abs()
+    else:
+        distance = (-distance).clamp(min=0)  # how far back the key lies
+    exact = n_buckets // 2
+    log_ratio = torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+    far = (exact + (log_ratio * (n_buckets - exact)).long()).clamp(max=n_buckets - 1)
+    return bucket + torch.where(distance < exact, distance, far)
+
+
+class RelativeBias(nn.Module):
+    """The learned bias table (buckets, H) of one stack; `forward` gives it per query and key."""
+
+    def __init__(self, config: ModelConfig, bidirectional: bool) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.n_buckets, self.max_distance = config.relative_buckets, config.relative_max_distance
+        self.table = nn.Embedding(self.n_buckets, config.n_heads)  # (buckets, H)
+
+    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Queries at m (B, Tq), keys at n (B, Tk) -> bias (B, H, Tq, Tk)."""
+        distance = k_pos[:, None, :] - q_pos[:, :, None]  # (B, Tq, Tk)
+        buckets = relative_bucket(distance, self.bidirectional, self.n_buckets, self.max_distance)
+        return self.table(buckets).permute(0, 3, 1, 2)  # (B, H, Tq, Tk)

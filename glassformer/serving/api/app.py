@@ -13,7 +13,7 @@ import asyncio
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -38,12 +38,21 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting beyond the engine's batch; more get 429
     max_tokens: int = 1024  # most tokens one request may ask for
     max_body_bytes: int = 1 << 20  # larger bodies get 413
-    request_timeout_s: float = 600.0  # a request still running then is stopped (finish_reason "length")
+    request_timeout_s: float = 600.0  # a request still running then is stopped: 504 / an error event
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_tokens", "max_body_bytes"):
             if getattr(self, name) < (0 if name == "max_queue" else 1):
                 raise ValueError(f"{name}: too small, got {getattr(self, name)}")
+
+
+@dataclass
+class Admission:
+    """What a request's reader shares with its guard: the reader sets `done` when it has read
+    the last event; the guard sets `timed_out` before it cancels a request past its time."""
+
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    timed_out: bool = False
 
 
 class Server:
@@ -77,8 +86,8 @@ class Server:
         return parsed
 
     def submit(self, ids: list[int], fields: SamplingFields, asked: int | None,
-               request: Request) -> tuple[RequestHandle, asyncio.Event]:
-        """Admit a request; returns its handle and the event its reader sets when done."""
+               request: Request) -> tuple[RequestHandle, Admission]:
+        """Admit a request; returns its handle and what its reader shares with its guard."""
         context, cap = self.language_model.config.context_length, self.config.max_tokens
         if len(ids) > context:
             raise APIError(400, f"prompt: {len(ids)} tokens; this model's context holds {context}",
@@ -94,14 +103,14 @@ class Server:
             handle = self.engine.submit(ids, fields.params(limit, self.language_model.tokenizer.eos_id))
         except ValueError as error:
             raise APIError(400, str(error), str(error).split(":")[0], "invalid_value") from None
-        done = asyncio.Event()
+        admission = Admission()
         self.active += 1
-        guard = asyncio.create_task(self._guard(handle, request, done))
+        guard = asyncio.create_task(self._guard(handle, request, admission))
         self._guards.add(guard)
         guard.add_done_callback(self._guards.discard)
-        return handle, done
+        return handle, admission
 
-    async def _guard(self, handle: RequestHandle, request: Request, done: asyncio.Event) -> None:
+    async def _guard(self, handle: RequestHandle, request: Request, admission: Admission) -> None:
         """Holds the request's admission until its reader is done; cancels it in the engine as
         soon as the client disconnects or its time is up."""
 
@@ -109,10 +118,11 @@ class Server:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        waits = [asyncio.create_task(done.wait()), asyncio.create_task(disconnected())]
+        waits = [asyncio.create_task(admission.done.wait()), asyncio.create_task(disconnected())]
         try:
-            await asyncio.wait(waits, timeout=self.config.request_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
+            finished, _ = await asyncio.wait(waits, timeout=self.config.request_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            admission.timed_out = not finished and not handle.finished
         finally:
             for wait in waits:
                 wait.cancel()
@@ -123,12 +133,23 @@ class Server:
                 self.metrics.observe(handle.result)
 
     @staticmethod
-    async def events(handle: RequestHandle, done: asyncio.Event) -> AsyncIterator[Event]:
+    async def events(handle: RequestHandle, admission: Admission) -> AsyncIterator[Event]:
         try:
             async for event in handle:
                 yield event
         finally:
-            done.set()
+            admission.done.set()
+
+    def stopped(self, event: Event, admission: Admission) -> APIError | None:
+        """The error to answer for a request the server stopped before it finished: past its
+        time (504), or cancelled by a shutdown or a failed engine (503); else None."""
+        if event.stop_reason != "cancelled":
+            return None
+        if admission.timed_out:
+            return APIError(504, f"the request ran past this server's limit of "
+                                 f"{self.config.request_timeout_s:g} s", code="timeout")
+        return APIError(503, "the request was stopped before it finished (the server is shutting "
+                             "down or its engine failed)", code="cancelled")
 
     def prompt(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tokenizer = self.language_model.tokenizer

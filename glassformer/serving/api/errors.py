@@ -17,7 +17,7 @@ log = logging.getLogger("glassformer.serving.api")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-         503: "server_error"}
+         503: "server_error", 504: "server_error"}
 
 
 class APIError(Exception):
@@ -27,10 +27,13 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
 
-    def response(self) -> JSONResponse:
+    def payload(self) -> dict:
         body = ErrorBody(message=self.message, type=TYPES.get(self.status, "invalid_request_error"),
                          param=self.param, code=self.code)
-        return JSONResponse(ErrorResponse(error=body).model_dump(), self.status, headers=self.headers)
+        return ErrorResponse(error=body).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.payload(), self.status, headers=self.headers)
 
 
 def from_validation(error: ValidationError) -> APIError:

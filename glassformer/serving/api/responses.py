@@ -1,5 +1,8 @@
 """Answers in OpenAI's shapes: one JSON object, or server-sent events (a role delta for chat,
-content deltas, a last chunk with `finish_reason`, the usage chunk when asked, `data: [DONE]`)."""
+content deltas, a last chunk with `finish_reason`, the usage chunk when asked, `data: [DONE]`).
+A request the server stopped (past its time, or at a shutdown) gets an error instead of a
+finish_reason: the error response for a whole answer, an `{"error": ...}` event in a stream
+(its status line was sent with the first event)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .. import Event
 from .errors import APIError
 from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, Usage, new_id, now
@@ -24,10 +26,6 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def _finish(event: Event) -> str:
-    return "length" if event.stop_reason == "cancelled" else FINISH[event.stop_reason]
-
-
 async def answer(server: Server, request: Request, body: CompletionRequest | ChatCompletionRequest,
                  chat: bool) -> Response:
     ids = server.prompt(body)
@@ -37,7 +35,7 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
             server.tracer.check(sites)
         except ValueError as error:
             raise APIError(400, f"glassformer.trace: {error}", "glassformer.trace", "invalid_value") from None
-    handle, done = server.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
+    handle, admission = server.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
     head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
 
     async def extra() -> dict:
@@ -53,9 +51,12 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
 
     decode = server.language_model.tokenizer.decode
     if not body.stream:
-        events = [event async for event in server.events(handle, done)]
+        events = [event async for event in server.events(handle, admission)]
+        error = server.stopped(events[-1], admission)
+        if error is not None:
+            raise error
         text = "".join(event.text for event in events)
-        choice = {"index": 0, "logprobs": None, "finish_reason": _finish(events[-1])}
+        choice = {"index": 0, "logprobs": None, "finish_reason": FINISH[events[-1].stop_reason]}
         if body.logprob_count is not None:
             shape = chat_logprobs if chat else completion_logprobs
             choice["logprobs"] = shape(events, decode)
@@ -78,10 +79,10 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
         return _sse({**head, "object": kind, "choices": [choice], **(more or {})})
 
     async def stream() -> AsyncIterator[str]:
-        offset = 0
+        offset, error = 0, None
         if chat:
             yield chunk("", None, role=True)
-        async for event in server.events(handle, done):
+        async for event in server.events(handle, admission):
             if event.logprobs is not None:  # one chunk per token, its text possibly still held back
                 logprobs = (chat_logprobs([event], decode) if chat
                             else completion_logprobs([event], decode, offset))
@@ -90,8 +91,12 @@ async def answer(server: Server, request: Request, body: CompletionRequest | Cha
             elif event.text:
                 yield chunk(event.text, None)
             if event.finished:
-                yield chunk(None, _finish(event), more=await extra())
-        if body.stream_options is not None and body.stream_options.include_usage:
+                error = server.stopped(event, admission)
+                if error is None:
+                    yield chunk(None, FINISH[event.stop_reason], more=await extra())
+                else:
+                    yield _sse(error.payload())
+        if error is None and body.stream_options is not None and body.stream_options.include_usage:
             yield _sse({**head, "object": kind, "choices": [], "usage": usage()})
         yield _sse("[DONE]")
 

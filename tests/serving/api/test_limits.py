@@ -1,6 +1,7 @@
 """Limits and lifetimes: API keys, a full queue (429), a client that goes away (its request is
 cancelled and its KV blocks are free), timeouts, and /metrics showing it all."""
 
+import json
 import time
 
 import httpx
@@ -109,12 +110,37 @@ def test_disconnect_while_waiting_for_a_whole_answer_cancels(slow_server):
     assert engine.stats.tokens_generated < 60
 
 
-def test_request_timeout_ends_a_request_with_length(slow_server):
+def test_a_request_past_its_time_gets_504_not_a_finish_reason(slow_server):
     url, engine = slow_server(request_timeout_s=0.3)
     with httpx.Client(base_url=url, timeout=30) as http:
-        reply = http.post("/v1/completions", json=body()).json()
+        reply = http.post("/v1/completions", json=body())
+        assert reply.status_code == 504
+        error = reply.json()["error"]
+        assert error["code"] == "timeout" and "0.3 s" in error["message"]
+        wait_until(lambda: metric(http, "glassformer_kv_blocks_used") == 0, timeout=1.0)
+        assert metric(http, 'glassformer_requests_total{route="/v1/completions",status="504"}') == 1
+    assert 0 < engine.stats.tokens_generated < 60
+
+
+def test_a_stream_past_its_time_ends_with_an_error_event(slow_server):
+    url, engine = slow_server(request_timeout_s=0.3)
+    with httpx.Client(base_url=url, timeout=30) as http:
+        reply = http.post("/v1/completions", json=body(stream=True, stream_options={"include_usage": True}))
+    events = [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+              for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert reply.status_code == 200 and events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "timeout"
+    chunks = events[:-2]
+    assert chunks and all(c["choices"][0]["finish_reason"] is None for c in chunks)  # never "length"
+    assert all("usage" not in c for c in chunks)
+
+
+def test_a_request_that_ends_at_max_tokens_says_length(slow_server):
+    url, engine = slow_server(request_timeout_s=30)
+    with httpx.Client(base_url=url, timeout=30) as http:
+        reply = http.post("/v1/completions", json=body(max_tokens=3)).json()
     assert reply["choices"][0]["finish_reason"] == "length"
-    assert 0 < reply["usage"]["completion_tokens"] < 60
+    assert reply["usage"]["completion_tokens"] == 3
 
 
 def test_metrics_report_requests_and_latencies(slow_server):

@@ -73,3 +73,14 @@ def _refused(url: str) -> bool:
     except httpx.TransportError:
         return True
     return False
+
+
+def test_without_the_serve_extra_it_names_the_install_in_one_line():
+    code = ("import sys; sys.modules['uvicorn'] = sys.modules['fastapi'] = None\n"  # as if not installed
+            "from glassformer.cli import main; raise SystemExit(main(['serve', '--model', 'tiny']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "glassformer: error: serve: the module uvicorn is missing; install the serve extra: "
+        "pip install 'glassformer[serve]'"]
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,126 @@
+"""How many threads to compute with on a CPU that other work shares.
+
+PyTorch (and the C++ kernels, which follow `torch.get_num_threads()`) starts one thread per
+core. Each parallel region ends at a barrier, so when another process holds one of two
+cores, every region waits for the thread that the scheduler parked: decode fell from 78 to
+11.5 tokens/s so, against 35.7 on one thread. `ThreadPolicy` counts the cores other
+processes leave free (/proc/stat over a short window, less this process's own CPU time, among
+the cores `os.sched_getaffinity` allows) and computes on that many; `revisit()`, called from
+long loops (training steps, the serving engine), counts again over the time since the last
+look, at most every `interval` seconds, and applies the count to the calling thread too
+(OpenMP keeps it per thread: the engine's stepping thread would otherwise use every core). A
+number asked for (`--threads`, GLASSFORMER_THREADS, OMP_NUM_THREADS) is kept as it is.
+Torch's thread count belongs to the process, so the policy does too: `configure` (the
+command line's start) sets it, `revisit()` is a no-op in a process that never configured one.
+
+How long an idle OpenMP thread spins before sleeping is fixed when its runtime starts (at
+`import torch`): glassformer/__init__.py sets OMP_WAIT_POLICY=PASSIVE beforehand unless the
+environment says otherwise (benchmarks/busy_cpu.py measures both).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+ENVIRONMENT = ("GLASSFORMER_THREADS", "OMP_NUM_THREADS")
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def requested_threads(asked: int | None = None) -> int | None:
+    """The thread count asked for: `asked`, else the environment's, else None (choose)."""
+    if asked is not None:
+        return asked
+    for name in ENVIRONMENT:
+        text = os.environ.get(name, "").strip()
+        if text:
+            if not text.isdigit() or int(text) < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {text!r}")
+            return int(text)
+    return None
+
+
+def allowed_cores() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
+
+
+def snapshot(cores: set[int]) -> tuple[float, float, float]:
+    """(seconds busy on `cores` by anyone, seconds this process ran, wall time)."""
+    busy = 0
+    try:
+        with open("/proc/stat") as stat:
+            for line in stat:
+                name, *fields = line.split()
+                if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                    ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+                    busy += sum(ticks) - ticks[3] - ticks[4]
+    except OSError:
+        busy = 0
+    own = os.times()
+    return busy / _TICKS, own.user + own.system, time.monotonic()
+
+
+def free_cores(before, after, cores: int) -> float:
+    """Cores left by other processes between two snapshots (busy time of all, less ours)."""
+    wall = after[2] - before[2]
+    if wall <= 0:
+        return float(cores)
+    others = max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall
+    return max(0.0, cores - others)
+
+
+def choose_threads(free: float, cores: int, reserved: int = 0) -> int:
+    """One thread per core that is free most of the time, less `reserved`."""
+    return max(1, min(cores - reserved, int(free + 0.3) - reserved))
+
+
+class ThreadPolicy:
+    """The process's thread count: fixed where asked for, else chosen from the free cores."""
+
+    def __init__(self, asked: int | None = None, reserved: int = 0, interval: float = 10.0,
+                 window: float = 0.2):
+        self.fixed = requested_threads(asked)
+        self.reserved, self.interval = reserved, interval
+        self.cores = allowed_cores()
+        if self.fixed is not None:
+            self.threads = self.fixed
+        else:
+            before = snapshot(self.cores)
+            time.sleep(window)
+            self._last = snapshot(self.cores)
+            self.threads = self._choose(before, self._last)
+        torch.set_num_threads(self.threads)
+
+    def revisit(self) -> int:
+        """Choose again from the time since the last look, if `interval` has passed."""
+        if self.fixed is None and time.monotonic() - self._last[2] >= self.interval:
+            now = snapshot(self.cores)
+            self.threads = self._choose(self._last, now)
+            self._last = now
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        return self.threads
+
+    def _choose(self, before, after) -> int:
+        cores = len(self.cores)
+        return choose_threads(free_cores(before, after, cores), cores, self.reserved)
+
+
+_policy: ThreadPolicy | None = None
+
+
+def configure(asked: int | None = None, reserved: int = 0) -> ThreadPolicy:
+    """Choose this process's thread count now (see ThreadPolicy), and keep revisiting it."""
+    global _policy
+    _policy = ThreadPolicy(asked, reserved)
+    return _policy
+
+
+def revisit() -> None:
+    """The configured policy's revisit(), on the calling thread; nothing if none is."""
+    if _policy is not None:
+        _policy.revisit()

@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+from glassformer.accel import cpu, ops
+
+ZEN4 = ("model name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx fma avx2 avx512f avx512bw "
+        "avx512_bf16 avx512_vnni\n")
+ZEN3 = "model name\t: AMD EPYC 7R13\nflags\t\t: fpu sse avx fma avx2\n"
+SAPPHIRE = ("model name\t: Intel Xeon 8488C\nflags\t\t: avx fma avx2 avx512f avx512_bf16 "
+            "avx512_vnni amx_bf16 amx_tile avx_vnni\n")
+
+
+def test_features_are_read_from_the_flags():
+    zen4 = cpu.parse(ZEN4, "AVX512")
+    assert zen4.model == "AMD EPYC 9R14"
+    assert (zen4.avx2, zen4.avx512, zen4.avx512_bf16, zen4.vnni, zen4.amx) == (
+        True, True, True, True, False)
+    zen3 = cpu.parse(ZEN3, "AVX2")
+    assert (zen3.avx2, zen3.fma, zen3.avx512, zen3.bf16_arithmetic, zen3.vnni) == (
+        True, True, False, False, False)
+    assert cpu.parse(SAPPHIRE, "AVX512").amx
+
+
+def test_avx512_that_pytorch_does_not_dispatch_to_counts_as_absent():
+    capped = cpu.parse(ZEN4, "AVX2")  # ATEN_CPU_CAPABILITY=avx2 on a Zen 4
+    assert capped.avx2 and not (capped.avx512 or capped.avx512_bf16 or capped.vnni)
+    assert not cpu.parse(ZEN4, "DEFAULT").avx2
+
+
+def test_summary_names_every_deciding_feature():
+    line = cpu.parse(ZEN3, "AVX2").summary()
+    assert line == "AMD EPYC 7R13: AVX2 yes, AVX-512 no, AVX-512 BF16 no, AMX no, VNNI no"
+
+
+@pytest.mark.parametrize(("text", "capability", "pays"), [
+    (ZEN4, "AVX512", True), (ZEN4, "AVX2", False), (ZEN3, "AVX2", False),
+    (SAPPHIRE, "AVX512", True)])
+def test_bf16_products_pay_only_with_bf16_arithmetic(monkeypatch, text, capability, pays):
+    monkeypatch.delenv("GLASSFORMER_BF16", raising=False)
+    assert cpu.bf16_products_pay(cpu.parse(text, capability)) == pays
+    monkeypatch.setenv("GLASSFORMER_BF16", "0")
+    assert not cpu.bf16_products_pay(cpu.parse(text, capability))
+
+
+def test_this_machine_is_described():
+    features = cpu.cpu_features()
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        assert not (features.avx512 or features.avx512_bf16 or features.amx)
+    assert features.summary().startswith(features.model)
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_prefill_products_follow_the_decision(monkeypatch, pays):
+    monkeypatch.setattr(ops, "bf16_products_pay", lambda: pays)
+    x, w = torch.randn(16, 64), torch.randn(32, 64)
+    y = ops.linear_bf16(x, w.bfloat16(), None, "auto")
+    exact = x @ w.bfloat16().float().T
+    if pays:  # a bfloat16 product: its result is bfloat16 values, near the exact one
+        torch.testing.assert_close(y, exact, rtol=2e-2, atol=0.1)
+        assert torch.equal(y, y.bfloat16().float()) and not torch.equal(y, exact)
+    else:
+        torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5)

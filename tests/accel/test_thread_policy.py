@@ -1,0 +1,114 @@
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from glassformer.accel import threads
+from glassformer.cli import build_parser, main
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads(monkeypatch):
+    before = torch.get_num_threads()
+    for name in threads.ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(threads, "_policy", None)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_asked_then_environment_then_none(monkeypatch):
+    assert threads.requested_threads() is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.requested_threads() == 3
+    monkeypatch.setenv("GLASSFORMER_THREADS", "2")
+    assert threads.requested_threads() == 2 and threads.requested_threads(5) == 5
+    monkeypatch.setenv("GLASSFORMER_THREADS", "two")
+    with pytest.raises(ValueError, match="GLASSFORMER_THREADS: must be a positive integer"):
+        threads.requested_threads()
+
+
+def test_free_cores_is_the_others_busy_time_taken_from_the_cores():
+    # (seconds busy on the cores by anyone, seconds this process ran, wall time)
+    assert threads.free_cores((0, 0, 0), (1.0, 0.0, 1.0), 2) == pytest.approx(1.0)
+    assert threads.free_cores((0, 0, 0), (1.9, 1.9, 1.0), 2) == pytest.approx(2.0)  # all ours
+    assert threads.free_cores((0, 0, 0), (2.0, 1.0, 1.0), 2) == pytest.approx(1.0)
+    assert threads.free_cores((0, 0, 0), (6.0, 0.0, 1.0), 2) == 0.0
+
+
+@pytest.mark.parametrize(("free", "reserved", "expected"), [
+    (2.0, 0, 2), (1.8, 0, 2), (1.5, 0, 1), (1.0, 0, 1), (0.0, 0, 1), (2.0, 1, 1), (4.0, 1, 3)])
+def test_one_thread_per_free_core(free, reserved, expected):
+    assert threads.choose_threads(free, 4 if free > 2 else 2, reserved) == expected
+
+
+def test_a_number_asked_for_is_kept(monkeypatch):
+    monkeypatch.setattr(threads, "snapshot", lambda cores: pytest.fail("no sampling"))
+    policy = threads.ThreadPolicy(1)
+    assert policy.threads == torch.get_num_threads() == 1
+    assert policy.revisit() == 1
+
+
+def test_the_choice_follows_other_work_as_it_comes_and_goes(monkeypatch):
+    cores = len(threads.allowed_cores())
+    snapshots = iter([(0.0, 0.0, 0.0), (0.0, 0.0, 0.1),  # quiet at the start
+                      (0.1 + (cores - 1) * 10, 0.1, 10.1),  # then others take cores - 1
+                      (0.1 + (cores - 1) * 10, 0.1, 20.1)])  # then nothing again
+    monkeypatch.setattr(threads, "snapshot", lambda c: next(snapshots))
+    monkeypatch.setattr(threads.time, "sleep", lambda s: None)
+    clock = iter([5.0, 10.1, 20.1])
+    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    policy = threads.configure()
+    assert policy.threads == torch.get_num_threads() == cores
+    assert policy.revisit() == cores  # 5 s after: not looked at again yet
+    assert policy.revisit() == 1 == torch.get_num_threads()
+    threads.revisit()
+    assert policy.threads == torch.get_num_threads() == cores
+
+
+def test_a_spinning_process_is_seen():
+    cores = threads.allowed_cores()
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\n"
+                                "while time.time() < end: pass"])
+    try:
+        time.sleep(0.3)
+        before = threads.snapshot(cores)
+        time.sleep(0.5)
+        free = threads.free_cores(before, threads.snapshot(cores), len(cores))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert free <= len(cores) - 0.6
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "chat", "serve", "eval", "experiment"])
+def test_every_computing_command_takes_threads(command):
+    parser = build_parser()
+    required = {"train": ["--data", "x", "--out", "y"], "generate": ["--model", "m", "p"],
+                "chat": ["--model", "m"], "serve": ["--model", "m"], "eval": ["--model", "x", "--data", "y"],
+                "experiment": ["ablation"]}[command]
+    args = parser.parse_args([command, *required, "--threads", "3"])
+    assert args.threads == 3 and args.threads_reserved == (1 if command == "serve" else 0)
+
+
+def test_main_configures_the_threads_before_the_command(monkeypatch, tmp_path, capsys):
+    seen = []
+    monkeypatch.setattr(threads, "configure", lambda asked, reserved: seen.append((asked, reserved)))
+    assert main(["eval", "--model", str(tmp_path / "missing"), "--data", str(tmp_path / "none.txt"),
+                 "--threads", "1"]) != 0
+    assert seen == [(1, 0)]
+
+
+@pytest.mark.parametrize(("code", "env", "spins"), [
+    ("import glassformer", {}, "0"),  # OMP_WAIT_POLICY=PASSIVE: sleep at once
+    ("import torch, glassformer", {}, "300000"),  # too late: libgomp's default
+    ("import glassformer", {"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"),
+])
+def test_glassformer_imported_first_makes_openmp_threads_sleep_when_idle(code, env, spins):
+    environment = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**environment, **env, "OMP_DISPLAY_ENV": "VERBOSE"})
+    assert f"GOMP_SPINCOUNT = '{spins}'" in done.stderr
