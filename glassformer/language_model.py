@@ -19,6 +19,7 @@ import torch
 from .accel.quantize import quantize_format, quantize_model
 from .formats import checkpoint, hub
 from .formats.files import read_json_object
+from .generation.fill_mask import MaskFill, fill_mask
 from .generation.generate import GenerationConfig, GenerationResult, generate
 from .generation.sampling import SamplingConfig
 from .interpret.trace import Names, capture, run_with_cache
@@ -84,6 +85,10 @@ class LanguageModel:
                 for finished in [h for h in handles if h.finished and h.request_id in index]:
                     on_result(index.pop(finished.request_id), finished.result)
         return [h.result for h in handles]
+
+    def fill_mask(self, text: str, top_k: int = 5) -> list[MaskFill]:
+        """An encoder's `top_k` most likely tokens at each mask token of `text`."""
+        return fill_mask(self.model, self.tokenizer, text, top_k)
 
     def logits(self, prompt: Prompt, target: Prompt | None = None) -> torch.Tensor:
         """Next-token logits at every position of one prompt: (T, vocab). An encoder-decoder

@@ -93,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     extend = args.rope_scaling is not None  # a new window first, then the weights converted
     language_model = load(args.model, quantize=None if extend else args.quantize)
     model, tokenizer = language_model.model, language_model.tokenizer
+    if not model.config.causal:
+        raise ValueError(f"{args.model}: an encoder (bidirectional attention) does not continue "
+                         "text; try glassformer fill-mask")
     if extend:
         model = extend_context(model, args.rope_scaling, args.rope_factor)
         quantize_model(model, quantize_format(args.quantize))

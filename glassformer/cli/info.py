@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"config": config.to_dict(), "parameters": counts, "stacks": stacks}))
         return 0
-    if config.n_encoder_layers:  # the two stacks first
+    if config.n_encoder_layers or not config.causal:  # the stacks first
         for stack in stacks:
             print(f"{stack['name']:>24}  {stack['layers']} blocks: {', '.join(stack['sublayers'])}")
         print()
@@ -59,8 +59,8 @@ def stack_summary(config: ModelConfig) -> list[dict]:
     """The model's stacks (one for a decoder-only model, encoder and decoder otherwise): name,
     number of blocks, and the sublayers of each block."""
     self_attention = "causal self-attention" if config.causal else "bidirectional self-attention"
-    if not config.n_encoder_layers:
-        return [{"name": "decoder", "layers": config.n_layers,
+    if not config.n_encoder_layers:  # one stack: a decoder, or an encoder (BERT)
+        return [{"name": "decoder" if config.causal else "encoder", "layers": config.n_layers,
                  "sublayers": [self_attention, "feed-forward"]}]
     return [{"name": "encoder", "layers": config.n_encoder_layers,
              "sublayers": ["bidirectional self-attention", "feed-forward"]},

@@ -2,9 +2,9 @@
 
 The family is read off the config: GPT-2 (learned positions, LayerNorm, biases, tied head) or
 Llama (RoPE, RMSNorm, SwiGLU, no biases), Qwen2 (q/k/v biases only) and Mistral (a sliding
-window); an encoder-decoder as T5 (huggingface_t5.py). A config that none of them can express
-is refused with the field that stops it. The folder is written whole beside its destination
-and renamed into place.
+window); an encoder-decoder as T5 (huggingface_t5.py), a bidirectional model as a
+BertForMaskedLM (hf_bert.py). A config that none of them can express is refused with the field
+that stops it. The folder is written whole beside its destination and renamed into place.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from safetensors.torch import save_file
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
+from .hf_bert import bert_hf_config
 from .huggingface import GPT2_ACTIVATIONS, key_map
 from .huggingface_t5 import t5_hf_config
 from .tokenizers import HFTokenizer
 
+_BERT_SPECIALS = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+                  "unk_token": "[UNK]"}
 _GPT2_NAMES = {ours: theirs for theirs, ours in GPT2_ACTIVATIONS.items() if theirs != "gelu_pytorch_tanh"}
 
 
@@ -39,6 +42,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     """The Hugging Face config.json for a Glassformer config."""
     if config.n_encoder_layers:
         return t5_hf_config(config)
+    if not config.causal:
+        return bert_hf_config(config)
     _require(config, "a Hugging Face model", norm_placement="pre", final_norm=True, causal=True,
              lm_head_bias=False, scale_scores=True, scale_head_input=False)
     if config.position == "learned":
@@ -119,7 +124,11 @@ def export_hf(model: Transformer | EncoderDecoder, tokenizer: Any, folder: str |
 def _save_tokenizer(tokenizer: HFTokenizer, folder: Path) -> None:
     tokenizer.save(folder / "tokenizer.json")  # a ChatTokenizer also writes tokenizer_config.json
     side = folder / "tokenizer_config.json"
-    if not side.is_file():
-        side.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                    "bos_token": tokenizer.bos_token,
-                                    "eos_token": tokenizer.eos_token}, indent=2) + "\n")
+    config = json.loads(side.read_text()) if side.is_file() else {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token}
+    if tokenizer.mask_token is not None:  # an encoder's: the mask and BERT's other specials
+        vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+        config |= {"mask_token": tokenizer.mask_token}
+        config |= {key: token for key, token in _BERT_SPECIALS.items() if token in vocab}
+    side.write_text(json.dumps(config, indent=2) + "\n")

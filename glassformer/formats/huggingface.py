@@ -1,18 +1,18 @@
 """Hugging Face model folders (config.json, *.safetensors [+ index], tokenizer.json) -> Glassformer.
 
-Two families, each an explicit key map (`key_map`) between Hugging Face names and ours:
+Three families, each an explicit key map (`key_map`) between Hugging Face names and ours:
 - GPT-2 (`model_type` gpt2): learned positions, LayerNorm, GELU (tanh), fused c_attn. Its
   Conv1D layers store weights as (in, out), so they are transposed.
 - Llama (llama, mistral with its sliding window, qwen2 with q/k/v biases): RoPE (rotate-half),
   RMSNorm, SwiGLU. q/k/v_proj are stacked into our fused `qkv`, gate/up_proj into `mlp.up`.
 - T5 (`model_type` t5, v1.0 and v1.1): an encoder-decoder; its config and key map live in
   huggingface_t5.py.
+- BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (hf_bert.py).
 Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,9 @@ from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .files import read_json_object
+from .hf_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
 from .huggingface_t5 import t5_config, t5_keys
+from .tensor_map import Entry
 from .validate import check_model, check_tensor
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
@@ -37,18 +39,10 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 _T5_TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One Hugging Face tensor: our parameter, the block of its rows, and whether to transpose."""
 
-    hf: str
-    ours: str
-    rows: tuple[int, int] | None = None
-    transpose: bool = False
-
-
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig equal to a Hugging Face config.json (as a dict)."""
+def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
+    """A ModelConfig equal to a Hugging Face config.json (as a dict); `pooler`: the weights
+    hold BERT's pooler."""
     kind = hf.get("model_type")
     try:
         if kind == "gpt2":
@@ -57,9 +51,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             return _llama_config(hf)
         if kind == "t5":
             return t5_config(hf)
+        if kind == "bert":
+            return bert_config(hf, pooler)
     except KeyError as error:
         raise ValueError(f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
-    raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, t5)")
+    raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
+                     "t5, bert)")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
@@ -117,6 +114,8 @@ def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
         return _gpt2_keys(config)
     if model_type == "t5":
         return [Entry(hf, ours, rows) for hf, ours, rows in t5_keys(config)]
+    if model_type == "bert":
+        return bert_keys(config)
     return _llama_keys(config)
 
 
@@ -177,9 +176,11 @@ def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
     hf = read_json_object(config_path)
-    config = config_from_hf(hf)
-    model = empty_model(config, dtype)
+    config = config_from_hf(hf)  # a config it cannot read is refused before the weights are
     tensors = read_safetensors(folder)
+    if POOLER_KEY in tensors:  # BERT's pooler, where the file holds one
+        config = config_from_hf(hf, pooler=True)
+    model = empty_model(config, dtype)
     try:
         weights = state_dict(config, hf["model_type"], tensors, model)
     except ValueError as error:
@@ -212,6 +213,8 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
     tied = {"lm_head.weight"} if config.tie_embeddings else set()
     if model_type == "t5":
         tied |= set(_T5_TIED_COPIES)
+    if model_type == "bert":  # copies of tied tensors a file may hold beside the originals
+        tied = ({TIED_COPIES[0]} if config.tie_embeddings else set()) | {TIED_COPIES[1]}
     unknown = sorted(k for k in set(tensors) - wanted
                      if not k.endswith(_IGNORED_SUFFIXES) and k not in tied)
     if unknown:

@@ -1,11 +1,15 @@
 """Tokenizers: character-level, byte-level BPE, and any Hugging Face `tokenizer.json`.
 
 Every tokenizer has `encode(text) -> list[int]`, `encode_array(text) -> np.ndarray`,
-`decode(ids) -> str`, `vocab_size`, `eos_id`, `bos_id` (or None) and `save(path)`.
+`decode(ids) -> str`, `vocab_size`, `eos_id`, `bos_id`, `mask_id` (or None) and `save(path)`.
+`encode_sequence(text)` adds the special tokens a tokenizer.json's post-processor names (BERT's
+[CLS] ... [SEP]); elsewhere it is `encode`.
 `load_tokenizer(path)` reads either file format back:
 
 - character level: `{"type": "char", "chars": "<every character, sorted>", "eos_token": "..."}`;
-  id i is `chars[i]`, and the end-of-text token comes last (id = len(chars)).
+  id i is `chars[i]`, and the end-of-text token comes next (id = len(chars)). A tokenizer made
+  for masked-LM training also has `"mask_token": "[MASK]"`: one more id (len(chars) + 1),
+  written `[MASK]` in text (the five characters never stand for themselves there).
 - anything else is a Hugging Face `tokenizers` file (our byte-level BPE is saved this way).
 """
 
@@ -21,18 +25,22 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from .files import read_json_object
 
 EOT = "<|endoftext|>"
+MASK = "[MASK]"
 # Used when a tokenizer.json comes without a tokenizer_config.json naming its special tokens.
 _EOS_CANDIDATES = (EOT, "</s>", "<|end_of_text|>", "<eos>")
+_MASK_CANDIDATES = (MASK, "<mask>")
 
 
 class CharTokenizer:
-    """One id per character seen in the corpus, plus an end-of-text token."""
+    """One id per character seen in the corpus, plus an end-of-text token (and a mask token)."""
 
-    def __init__(self, chars: str, eos_token: str = EOT):
+    def __init__(self, chars: str, eos_token: str = EOT, mask_token: str | None = None):
         if len(set(chars)) != len(chars):
             raise ValueError("chars: characters must be unique")
+        if mask_token is not None and (not isinstance(mask_token, str) or len(mask_token) < 2):
+            raise ValueError(f"mask_token: expected a text of two or more characters, got {mask_token!r}")
         self.chars = "".join(sorted(chars))
-        self.eos_token = eos_token
+        self.eos_token, self.mask_token = eos_token, mask_token
         self._codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted
 
     @classmethod
@@ -46,7 +54,14 @@ class CharTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return len(self.chars) + 1
+        return len(self.chars) + (2 if self.mask_token else 1)
+
+    @property
+    def mask_id(self) -> int | None:
+        return len(self.chars) + 1 if self.mask_token else None
+
+    def encode_sequence(self, text: str) -> list[int]:
+        return self.encode(text)
 
     @property
     def eos_id(self) -> int:
@@ -57,6 +72,13 @@ class CharTokenizer:
         return None
 
     def encode_array(self, text: str) -> np.ndarray:
+        if self.mask_token and self.mask_token in text:
+            parts = [self._encode_chars(part) for part in text.split(self.mask_token)]
+            mask = np.array([self.mask_id], dtype=np.int64)
+            return np.concatenate([x for part in parts for x in (part, mask)][:-1])
+        return self._encode_chars(text)
+
+    def _encode_chars(self, text: str) -> np.ndarray:
         codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)  # (n_chars,)
         ids = np.searchsorted(self._codes, codes)
         known = ids < len(self._codes)
@@ -70,10 +92,12 @@ class CharTokenizer:
         return self.encode_array(text).tolist()
 
     def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self.eos_token if i == self.eos_id else self.chars[i] for i in ids)
+        special = {self.eos_id: self.eos_token, self.mask_id: self.mask_token}
+        return "".join(special[i] if i in special else self.chars[i] for i in ids)
 
     def to_dict(self) -> dict:
-        return {"type": "char", "chars": self.chars, "eos_token": self.eos_token}
+        out = {"type": "char", "chars": self.chars, "eos_token": self.eos_token}
+        return out | ({"mask_token": self.mask_token} if self.mask_token else {})
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), ensure_ascii=False), encoding="utf-8")
@@ -81,7 +105,7 @@ class CharTokenizer:
     @classmethod
     def load(cls, path: str | Path) -> CharTokenizer:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        return cls(data["chars"], data.get("eos_token", EOT))
+        return cls(data["chars"], data.get("eos_token", EOT), data.get("mask_token"))
 
 
 class HFTokenizer:
@@ -99,6 +123,8 @@ class HFTokenizer:
         self.eos_token, self.bos_token = eos_token, bos_token
         self._eos_id = None if eos_token is None else vocab[eos_token]
         self._bos_id = None if bos_token is None else vocab[bos_token]
+        self.mask_token = next((t for t in _MASK_CANDIDATES if t in vocab), None)
+        self.mask_id = None if self.mask_token is None else vocab[self.mask_token]
 
     @classmethod
     def train_bpe(cls, documents: Iterable[str], vocab_size: int) -> HFTokenizer:
@@ -133,6 +159,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_sequence(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)
@@ -174,7 +203,7 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None,
     if data.get("type") == "char":
         if not isinstance(data.get("chars"), str):
             raise ValueError(f"{path}: a character tokenizer lacks its \"chars\" string")
-        return CharTokenizer(data["chars"], data.get("eos_token", EOT))
+        return CharTokenizer(data["chars"], data.get("eos_token", EOT), data.get("mask_token"))
     side = path.with_name("tokenizer_config.json")
     if side.is_file():
         config = read_json_object(side)

@@ -1,8 +1,9 @@
 """Glassformer against a reference implementation, layer by layer, on the same weights and tokens.
 
 For each place in the forward pass (embeddings; each block's attention output and residual
-stream; the final norm; the logits) the largest absolute difference is reported, and the first
-place that exceeds `atol + rtol · max|reference|` is named: a wrong port shows where it starts.
+stream; the final norm, or an encoder's masked-LM transform; the logits) the largest absolute
+difference is reported, and the first place that exceeds `atol + rtol · max|reference|` is
+named: a wrong port shows where it starts.
 
 The reference is Hugging Face `transformers` (an optional dependency, imported only here):
 ours are read at our hook sites, theirs with forward hooks on the matching submodules. An
@@ -26,13 +27,16 @@ from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .trace import capture
 
-# model_type -> (base model attribute, its layer list, a layer's attention, the final norm)
+# model_type -> (base model, its layer list, a layer's attention output W_O, the final norm),
+# as submodule paths; BERT has no final norm but its masked-LM transform (from the model's root).
 LAYOUTS = {
     "gpt2": ("transformer", "h", "attn", "ln_f"),
     "llama": ("model", "layers", "self_attn", "norm"),
     "mistral": ("model", "layers", "self_attn", "norm"),
     "qwen2": ("model", "layers", "self_attn", "norm"),
+    "bert": ("bert", "encoder.layer", "attention.output.dense", None),
 }
+HEAD_TRANSFORMS = {"bert": "cls.predictions.transform"}
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,13 @@ class Comparison:
                 "sites": [asdict(s) | {"ok": s.ok} for s in self.sites]}
 
 
-def sites(n_layers: int) -> list[str]:
+def sites(n_layers: int, final_norm: bool = True, head_transform: bool = False) -> list[str]:
     """The compared places, in forward order, as our hook site names."""
     names = ["embed.out"]
     for i in range(n_layers):
         names += [f"blocks.{i}.attn.out", f"blocks.{i}.resid_post"]
-    return [*names, "final_norm", "logits"]
+    names += ["final_norm"] * final_norm + ["head_transform"] * head_transform
+    return [*names, "logits"]
 
 
 def seq2seq_sites(n_encoder_layers: int, n_layers: int) -> list[str]:
@@ -108,8 +113,8 @@ def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict
     if kind not in LAYOUTS:
         raise ValueError(f"compare: no layout for reference model_type {kind!r}")
     base_name, layers_name, attn_name, norm_name = LAYOUTS[kind]
-    base = getattr(reference, base_name)
-    layers = getattr(base, layers_name)
+    base = reference.get_submodule(base_name)
+    layers = base.get_submodule(layers_name)
     found: dict[str, torch.Tensor] = {}
 
     def keep(site: str):
@@ -119,18 +124,24 @@ def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict
 
     handles = []
     for i, layer in enumerate(layers):
-        handles.append(getattr(layer, attn_name).register_forward_hook(keep(f"blocks.{i}.attn.out")))
+        handles.append(layer.get_submodule(attn_name).register_forward_hook(keep(f"blocks.{i}.attn.out")))
         handles.append(layer.register_forward_hook(keep(f"blocks.{i}.resid_post")))
-    handles.append(getattr(base, norm_name).register_forward_hook(keep("final_norm")))
+    if norm_name is not None:
+        handles.append(base.get_submodule(norm_name).register_forward_hook(keep("final_norm")))
+    if kind in HEAD_TRANSFORMS:
+        transform = reference.get_submodule(HEAD_TRANSFORMS[kind])
+        handles.append(transform.register_forward_hook(keep("head_transform")))
+    options = {"use_cache": False} if norm_name is not None else {}  # an encoder has no cache
     try:
         with torch.no_grad():
-            out = reference(ids, output_hidden_states=True, use_cache=False)
+            out = reference(ids, output_hidden_states=True, **options)
     finally:
         for handle in handles:
             handle.remove()
     found["embed.out"] = out.hidden_states[0]
     found["logits"] = out.logits
-    return {site: found[site] for site in sites(len(layers))}
+    return {site: found[site] for site in sites(len(layers), norm_name is not None,
+                                                kind in HEAD_TRANSFORMS)}
 
 
 def seq2seq_activations(reference: torch.nn.Module, ids: torch.Tensor,
@@ -178,6 +189,8 @@ def hf_reference(source: str, model: Transformer | EncoderDecoder, tokenizer: An
     auto = transformers.AutoModelForCausalLM
     if model.config.n_encoder_layers:
         auto = transformers.AutoModelForSeq2SeqLM
+    elif not model.config.causal:
+        auto = transformers.AutoModelForMaskedLM
 
     def load(folder: Path, **kwargs: Any) -> torch.nn.Module:
         return auto.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager", **kwargs)

@@ -12,7 +12,8 @@ def count_parameters(model: Transformer | EncoderDecoder) -> dict[str, int]:
     """{'token_embedding', 'positions', 'blocks.{i}.attention', 'blocks.{i}.feedforward',
     'blocks.{i}.norms', 'final_norm', 'lm_head', 'total'} -> number of parameters. An
     encoder-decoder has those of each stack prefixed 'encoder.' and 'decoder.', each stack's
-    'relative_bias', and every decoder block's 'cross_attention'."""
+    'relative_bias', and every decoder block's 'cross_attention'. An encoder (BERT) adds
+    'token_types', 'embed_norm', 'head_transform' and 'pooler' where it has them."""
     seen: set[int] = set()
 
     def unique(*modules: nn.Module | None) -> int:
@@ -28,6 +29,9 @@ def count_parameters(model: Transformer | EncoderDecoder) -> dict[str, int]:
         "token_embedding": unique(model.embed.tokens),
         "positions": unique(model.embed.positions),
     }
+    for name, module in (("token_types", model.embed.token_types), ("embed_norm", model.embed.norm)):
+        if module is not None:
+            counts[name] = unique(module)
     stacks = [("", model)]
     if isinstance(model, EncoderDecoder):
         stacks = [("encoder.", model.encoder), ("decoder.", model.decoder)]
@@ -41,6 +45,9 @@ def count_parameters(model: Transformer | EncoderDecoder) -> dict[str, int]:
             counts[f"{prefix}blocks.{i}.feedforward"] = unique(block.mlp)
             counts[f"{prefix}blocks.{i}.norms"] = unique(block.norm1, block.norm_cross, block.norm2)
         counts[prefix + "final_norm"] = unique(stack.final_norm)
+    for name in ("head_transform", "pooler"):
+        if getattr(model, name, None) is not None:
+            counts[name] = unique(getattr(model, name))
     counts["lm_head"] = unique(model.lm_head)  # 0 (or the bias alone) when tied
     counts["total"] = sum(counts.values())
     return counts

@@ -5,7 +5,8 @@ Every site, in the order the forward pass reaches it, with the tensor's dimensio
 
     embed.tokens               (batch, pos, d_model)            E_token[ids]
     embed.positions            (batch, pos, d_model)            E_pos (learned / sinusoidal only)
-    embed.out                  (batch, pos, d_model)            I_emb = E_token[ids] + E_pos
+    embed.token_types          (batch, pos, d_model)            E_type[token_types] (n_token_types > 0)
+    embed.out                  (batch, pos, d_model)            I_emb = E_token[ids] + E_pos (+ E_type, Norm)
     blocks.{i}.resid_pre       (batch, pos, d_model)            residual stream entering block i
     blocks.{i}.norm1           (batch, pos, d_model)            Norm(x) (post-norm: Norm(x + Attn(x)))
     blocks.{i}.attn.q          (batch, head, pos, d_head)       Q = x W_Q (after RoPE)
@@ -22,6 +23,7 @@ Every site, in the order the forward pass reaches it, with the tensor's dimensio
     blocks.{i}.mlp.out         (batch, pos, d_model)            hidden W_down
     blocks.{i}.resid_post      (batch, pos, d_model)            residual stream leaving block i
     final_norm                 (batch, pos, d_model)            h = Norm(x) (when the model has one)
+    head_transform             (batch, pos, d_model)            Norm(σ(h W_t)) (head = "mlm")
     logits                     (batch, pos, vocab)              h W_headᵀ
 
 An encoder-decoder has the same sites in each stack, prefixed `encoder.` and `decoder.`
@@ -52,6 +54,7 @@ from ..model.transformer import Transformer
 EMBED_SITES = {
     "embed.tokens": ("batch", "pos", "d_model"),
     "embed.positions": ("batch", "pos", "d_model"),
+    "embed.token_types": ("batch", "pos", "d_model"),
     "embed.out": ("batch", "pos", "d_model"),
 }
 LAYER_SITES = {
@@ -73,6 +76,7 @@ LAYER_SITES = {
 }
 OUTPUT_SITES = {
     "final_norm": ("batch", "pos", "d_model"),
+    "head_transform": ("batch", "pos", "d_model"),
     "logits": ("batch", "pos", "vocab"),
 }
 CROSS_SITES = {
@@ -96,6 +100,8 @@ def site_names(config: ModelConfig) -> list[str]:
     names = ["embed.tokens"]
     if config.position in ("learned", "sinusoidal"):
         names.append("embed.positions")
+    if config.n_token_types:
+        names.append("embed.token_types")
     names.append("embed.out")
     layer = list(LAYER_SITES)
     if config.norm_placement == "post":  # each norm follows its residual add
@@ -104,7 +110,8 @@ def site_names(config: ModelConfig) -> list[str]:
             layer.insert(layer.index(before), norm)
     if not config.n_encoder_layers:
         names += [f"blocks.{i}.{site}" for i in range(config.n_layers) for site in layer]
-        return names + (["final_norm"] if config.final_norm else []) + ["logits"]
+        names += ["final_norm"] if config.final_norm else []
+        return names + (["head_transform"] if config.head == "mlm" else []) + ["logits"]
     cross = [site for site in CROSS_SITES if config.norm_placement == "pre" or site != "resid_self"]
     at = layer.index("norm2" if config.norm_placement == "pre" else "resid_mid")
     decoder_layer = layer[:at] + cross + layer[at:]

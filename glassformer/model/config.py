@@ -14,6 +14,7 @@ NormPlacement = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 AttentionKernel = Literal["reference", "sdpa", "flash"]
 RopeScaling = Literal["none", "linear", "ntk", "yarn"]
+Head = Literal["lm", "mlm"]  # mlm: BERT's dense + activation + norm before the decoder
 
 
 Config = TypeVar("Config", bound="ConfigFields")
@@ -79,6 +80,11 @@ class ModelConfig(ConfigFields):
     dropout: float = 0.0
     attention_kernel: AttentionKernel = "sdpa"
     init_std: float = 0.02
+    # Encoder parts (BERT): segment embeddings, a norm on the embeddings, the head, the pooler.
+    n_token_types: int = 0  # token-type (segment) embeddings; 0: none
+    embed_norm: bool = False  # a norm on the summed embeddings, before the first block
+    head: Head = "lm"
+    pooler: bool = False  # dense + tanh on the first token's final hidden state
     # Encoder-decoder (T5, Vaswani et al.): n_layers is then the decoder's depth.
     n_encoder_layers: int = 0  # 0: decoder-only; > 0: an encoder, and cross-attention per block
     decoder_start_id: int = 0  # the token a decoder starts from (T5: its pad id)
@@ -112,6 +118,7 @@ class ModelConfig(ConfigFields):
             ("activation", Activation),
             ("attention_kernel", AttentionKernel),
             ("rope_scaling", RopeScaling),
+            ("head", Head),
         ):
             if getattr(self, name) not in get_args(kind):
                 raise ValueError(
@@ -142,6 +149,8 @@ class ModelConfig(ConfigFields):
             raise ValueError("rope_scaling: context extension applies to position='rope' only")
         if self.init_std <= 0:
             raise ValueError(f"init_std: must be positive, got {self.init_std}")
+        if isinstance(self.n_token_types, bool) or self.n_token_types < 0:
+            raise ValueError(f"n_token_types: must be >= 0, got {self.n_token_types!r}")
 
     @property
     def kv_heads(self) -> int:

@@ -33,6 +33,14 @@ _ALIBI = ModelConfig(
     position="alibi", norm="layernorm", norm_placement="pre", activation="gelu",
     final_norm=True, tie_embeddings=True,
 )
+# BERT-base (Devlin et al., 2019): a bidirectional encoder, post-norm, segment embeddings,
+# a norm on the embeddings, the masked-LM head (tied decoder + bias) and a pooler.
+_BERT = ModelConfig(
+    vocab_size=30522, context_length=512, d_model=768, n_layers=12, n_heads=12, d_ff=3072,
+    position="learned", norm="layernorm", norm_placement="post", norm_eps=1e-12,
+    activation="gelu", final_norm=False, tie_embeddings=True, lm_head_bias=True, causal=False,
+    n_token_types=2, embed_norm=True, head="mlm", pooler=True, dropout=0.1,
+)
 
 # T5 v1.0 (Raffel et al., 2020): relative bias, RMS norm, ReLU, no biases, tied head scaled
 # by d_model^-½; Q Kᵀ unscaled. n_layers is the decoder's depth.
@@ -62,6 +70,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-alibi": _ALIBI.replace(**_TINY),
     "tiny-mistral": _LLAMA.replace(**_TINY, n_kv_heads=2, sliding_window=8),
     "tiny-bidirectional": _GPT2.replace(**_TINY, dropout=0.0, causal=False),
+    "bert": _BERT,
+    "tiny-bert": _BERT.replace(**_TINY, dropout=0.0),
     "t5-small": _T5,
     "transformer-base": _TRANSFORMER_BASE,
     "tiny-t5": _T5.replace(**_TINY, d_head=8, n_encoder_layers=2, dropout=0.0,

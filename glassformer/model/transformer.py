@@ -1,4 +1,6 @@
-"""The decoder-only transformer: embedding -> N blocks -> final norm -> language-model head."""
+"""The transformer: embedding -> N blocks -> final norm -> language-model head. A decoder
+(causal) or an encoder (bidirectional: BERT, with segment embeddings, the masked-LM head and
+a pooler)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from .hooks import Hooks
 from .kv_cache import KVCache
 from .layers.block import Block
 from .layers.embedding import Embedding
+from .layers.heads import HEAD_TRANSFORMS, Pooler
 from .layers.masking import AttentionMask
 from .layers.norm import make_norm
 from .layers.positions import RelativeBias, alibi_slopes, rope_cos_sin, rope_inverse_frequencies
@@ -35,6 +38,9 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, self.hooks, i) for i in range(config.n_layers))
         self.final_norm = make_norm(config) if config.final_norm else None
+        transform = HEAD_TRANSFORMS[config.head]
+        self.head_transform = transform(config) if transform is not None else None
+        self.pooler = Pooler(config) if config.pooler else None
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.tokens.weight  # W_head = E_token
@@ -55,9 +61,11 @@ class Transformer(nn.Module):
 
     def linear_layers(self) -> dict[str, nn.Module]:
         """Every weight matrix a forward pass multiplies by, by module path: each block's
-        attn.qkv, attn.out, mlp.up, mlp.down, then lm_head. Conversions replace these."""
+        attn.qkv, attn.out, mlp.up, mlp.down, then head_transform.dense and pooler.dense
+        where the model has them, then lm_head. Conversions replace these."""
         parts = ("attn.qkv", "attn.out", "mlp.up", "mlp.down")
         names = [f"blocks.{i}.{part}" for i in range(len(self.blocks)) for part in parts]
+        names += [f"{part}.dense" for part in ("head_transform", "pooler") if getattr(self, part)]
         return {name: self.get_submodule(name) for name in [*names, "lm_head"]}
 
     def install_fused_step(self, build: Callable[[Transformer], DecodeStep | None]) -> None:
@@ -88,8 +96,9 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
         pad_mask: torch.Tensor | None = None,
+        token_types: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.head(self.forward_hidden(ids, cache, positions, pad_mask))
+        return self.head(self.forward_hidden(ids, cache, positions, pad_mask, token_types))
 
     def forward_hidden(
         self,
@@ -97,11 +106,13 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
         pad_mask: torch.Tensor | None = None,
+        token_types: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final hidden state h (B, T, d), before the head.
 
         positions (B, T): absolute positions, by default continuing the cache.
-        pad_mask (B, T): True for real tokens, False for (left) padding.
+        pad_mask (B, T): True for real tokens, False for padding (left, or right in an encoder).
+        token_types (B, T): segment ids, for a model with n_token_types.
         """
         config = self.config
         B, T = ids.shape
@@ -137,7 +148,7 @@ class Transformer(nn.Module):
             rows = positions[:1] if contiguous else positions  # every row alike: compute once
             rope = rope_cos_sin(self.rope_inv_freq, rows, self.rope_attention_factor)
             rope = tuple(t.to(self.embed.tokens.weight.dtype) for t in rope)
-        x = self.dropout(self.embed(ids, positions))  # (B, T, d)
+        x = self.dropout(self.embed(ids, positions, token_types))  # (B, T, d)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
         if cache is not None:
@@ -158,7 +169,15 @@ class Transformer(nn.Module):
         """Logits (…, vocab) from hidden states (…, d)."""
         if self.config.scale_head_input:
             h = h * self.config.d_model**-0.5
+        if self.head_transform is not None:
+            h = self.hooks("head_transform", self.head_transform(h))  # (…, d)
         return self.hooks("logits", self.lm_head(h))
+
+    def pool(self, h: torch.Tensor) -> torch.Tensor:
+        """The pooled vector (B, d) of each sequence's final hidden states h (B, T, d)."""
+        if self.pooler is None:
+            raise ValueError("pooler: this model has no pooler (pooler=False)")
+        return self.pooler(h)
 
 
 def init_weights(model: nn.Module, std: float, blocks: list[nn.Module]) -> None:

@@ -62,6 +62,9 @@ class Engine:
         if model.config.n_encoder_layers:
             raise ValueError("the serving engine runs decoder-only models; an encoder-decoder "
                              "generates one source at a time (glassformer generate)")
+        if not model.config.causal:
+            raise ValueError("the serving engine runs causal models; an encoder (bidirectional "
+                             "attention) does not continue text (glassformer fill-mask)")
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         mc = model.config
         n_blocks = config.n_blocks

@@ -43,7 +43,8 @@ class TrainConfig(ConfigFields):
     vocab_size: int | None = None  # for bpe
     documents: Literal["file", "line", "blank"] = "file"
     device: str = "auto"  # auto: cuda when present, else cpu
-    objective: Literal["clm", "span"] = "clm"  # span: T5's span corruption (encoder-decoders)
+    objective: Literal["clm", "span", "mlm"] = "clm"  # span: T5's span corruption (encoder-decoders);
+    # mlm: BERT's masked LM (encoders)
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -74,8 +75,8 @@ class TrainConfig(ConfigFields):
             raise ValueError(f"tokenizer: choose char or bpe, got {self.tokenizer!r}")
         if self.tokenizer == "bpe" and self.vocab_size is None:
             raise ValueError("vocab_size: a bpe tokenizer needs --vocab-size")
-        if self.objective not in ("clm", "span"):
-            raise ValueError(f"objective: choose clm or span, got {self.objective!r}")
+        if self.objective not in ("clm", "span", "mlm"):
+            raise ValueError(f"objective: choose clm, span or mlm, got {self.objective!r}")
         if self.documents not in ("file", "line", "blank"):
             raise ValueError(f"documents: choose file, line or blank, got {self.documents!r}")
 

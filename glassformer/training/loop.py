@@ -34,6 +34,7 @@ from . import distributed
 from .allocator import keep_freed_memory
 from .config import TrainConfig, resume_conflicts
 from .data import TokenData, draw_starts, iter_documents, list_sources, windows, write_token_file
+from .masking import IGNORE
 from .metrics import MetricsLog, plot_losses
 from .objectives import OBJECTIVES, Batch, get_objective
 from .optim import make_optimizer, set_learning_rate
@@ -93,7 +94,7 @@ def evaluate(model, tokens, starts, context_length, batch_size, process, amp,
         batch = objective.batch(x, y, tokenizer, None if masks[0] is None else torch.cat(masks))
         with amp:
             totals[0] += objective.loss(model, batch, reduction="sum").double()
-        totals[1] += batch[-1].numel()
+        totals[1] += (batch[-1] != IGNORE).sum()  # the targets that count
     distributed.all_reduce_sum(process, totals)
     model.train()
     return (totals[0] / totals[1]).item()
@@ -223,7 +224,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         record = {"iter": state["step"], "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
                   "train_loss": train_loss, "best": best,
                   "elapsed": time.perf_counter() - started}
-        if main and config.sample_tokens:
+        if main and config.sample_tokens and model_config.causal:  # an encoder writes no text
             record["sample"] = sample_text(model, tokenizer, config.sample_tokens,
                                            seed=config.seed + state["step"])
         metrics.append(record)

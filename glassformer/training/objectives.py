@@ -3,6 +3,8 @@
 - clm: causal language modelling, every position against the next token (decoder-only models).
 - span: T5's span corruption (span.py): the encoder reads a window with spans replaced by
   sentinels, the decoder writes the hidden spans (encoder-decoder models).
+- mlm: BERT's masked LM (masking.py): 15% of positions chosen and masked, the originals
+  predicted there only (encoders: bidirectional, decoder-only models).
 
 An objective adds what it needs to the tokenizer, turns windows into a batch of tensors (the
 last of them the targets) and scores a model on a batch. Its randomness comes from the
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.config import ModelConfig
+from .masking import IGNORE, apply_masks, draw_choices, with_mask_token
 from .span import corrupt, noise_mask, sentinel_ids, span_counts, with_sentinels
 
 Batch = tuple[torch.Tensor, ...]
@@ -76,7 +79,38 @@ class SpanCorruption:
         return cross_entropy(model(inputs, decoder_inputs), targets, reduction)  # (B, U, vocab)
 
 
-OBJECTIVES = {"clm": CausalLM(), "span": SpanCorruption()}
+class MaskedLM:
+    """BERT's masked LM on the windows x (the shifted y is not used); the batch is
+    (inputs with masks, targets: IGNORE except at the chosen positions)."""
+
+    name = "mlm"
+
+    def check(self, config: ModelConfig) -> None:
+        if config.causal or config.n_encoder_layers:
+            raise ValueError("objective: mlm trains a bidirectional encoder (causal=False, no "
+                             "decoder; e.g. --preset tiny-bert)")
+
+    def prepare_tokenizer(self, tokenizer, context_length: int):
+        return with_mask_token(tokenizer)
+
+    def draw_masks(self, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        """The uniform draws (n, length, 3) that choose and replace positions."""
+        return draw_choices(n, length, generator)
+
+    def batch(self, x: torch.Tensor, y: torch.Tensor, tokenizer, masks: torch.Tensor | None = None) -> Batch:
+        if tokenizer.mask_id is None:
+            raise ValueError("objective: mlm needs a tokenizer with a mask token")
+        return apply_masks(x, masks, tokenizer.mask_id, tokenizer.vocab_size)
+
+    def loss(self, model: torch.nn.Module, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        inputs, targets = batch
+        total = cross_entropy(model(inputs), targets, "sum")  # IGNORE targets count for nothing
+        if reduction == "sum":
+            return total
+        return total / (targets != IGNORE).sum().clamp(min=1)  # a batch may choose no position
+
+
+OBJECTIVES = {"clm": CausalLM(), "span": SpanCorruption(), "mlm": MaskedLM()}
 
 
 def get_objective(name: str):

@@ -31,6 +31,9 @@ def perplexity(model: torch.nn.Module, ids: np.ndarray, batch_size: int = 8,
                max_tokens: int | None = None) -> dict:
     """Loss over consecutive, non-overlapping windows of context_length + 1 tokens."""
     T = model.config.context_length
+    if not model.config.causal:
+        raise ValueError("perplexity: an encoder (bidirectional attention) sees the tokens it would "
+                         "predict; next-token perplexity needs a causal model")
     if max_tokens is not None:
         ids = ids[: max_tokens + 1]
     window = min(T, len(ids) - 1)

@@ -150,8 +150,8 @@ def test_missing_file(llama_folder, name):
 
 def test_unsupported_architecture(llama_folder):
     path = llama_folder / "config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | {"model_type": "bert"}))
-    with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"model_type": "xlnet"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'xlnet'"):
         load_hf(llama_folder)
 
 

@@ -56,13 +56,15 @@ BAD = {
         (["--device", "bogus"], "bogus"), (["--top-k", "-4"], "--top-k"),
     ],
     "export": [(["--format", "onnx"], "--format")],
+    "fill-mask": [(["--top-k", "0"], "--top-k"), (["--top-k", "many"], "not an integer"),
+                  (["--device", "bogus"], "bogus")],
     "experiment": [
         (["--budget", "nan"], "--budget"), (["--budget", "-1"], "--budget"),
         (["--budget", "0"], "--budget"), (["--budget", "inf"], "--budget"),
         (["--threads", "0"], "--threads"), (["--equal", "vibes"], "--equal"),
     ],
 }
-PROMPTED = {"generate", "compare", "journey"}
+PROMPTED = {"generate", "compare", "journey", "fill-mask"}
 
 
 def _argv(command, extra, model):

@@ -232,7 +232,7 @@ HF = {
     "tokenizer a list": (_write("tokenizer.json", b"[]"), ""),
     "tokenizer garbage": (_write("tokenizer.json", b'{"model": 5}'), "tokenizer"),
     "tokenizer config a list": (_write("tokenizer_config.json", b"[1]"), "tokenizer_config.json"),
-    "model_type unknown": (_config_edit(lambda c: c | {"model_type": "bert"}), "unsupported model_type"),
+    "model_type unknown": (_config_edit(lambda c: c | {"model_type": "xlnet"}), "unsupported model_type"),
 }
 
 

@@ -47,3 +47,17 @@ def test_info_command_bad_preset(capsys):
     assert main(["info", "--preset", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("glassformer: error: unknown preset") and err.count("\n") == 1
+
+
+def test_bert_base_counts_every_parameter_and_shows_its_stack(capsys):
+    counts = count_parameters(_meta_model("bert"))
+    d, v, c = 768, 30522, 512
+    assert counts["token_types"] == 2 * d and counts["embed_norm"] == 2 * d
+    assert counts["head_transform"] == d * d + d + 2 * d and counts["pooler"] == d * d + d
+    assert counts["lm_head"] == v  # the decoder's bias; its weight is the token embedding
+    assert counts["token_embedding"] + counts["positions"] == d * (v + c)
+    assert counts["total"] == sum(p.numel() for p in _meta_model("bert").parameters())
+    assert main(["info", "--preset", "tiny-bert", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stacks"][0]["name"] == "encoder"
+    assert main(["info", "--preset", "tiny-bert"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[:3] == ["encoder", "2", "blocks:"]

@@ -191,7 +191,8 @@ def test_linear_layers_lists_every_weight_matrix_once(name):
     assert {id(m) for m in layers.values()} == linears and len(layers) == len(linears)
     assert list(layers)[:4] == ["blocks.0.attn.qkv", "blocks.0.attn.out", "blocks.0.mlp.up",
                                 "blocks.0.mlp.down"]
-    assert list(layers)[-1] == "lm_head" and len(layers) == 4 * model.config.n_layers + 1
+    extra = (model.config.head == "mlm") + model.config.pooler  # head_transform, pooler
+    assert list(layers)[-1] == "lm_head" and len(layers) == 4 * model.config.n_layers + 1 + extra
 
 
 def test_no_fused_step_without_a_conversion():

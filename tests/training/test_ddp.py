@@ -94,3 +94,31 @@ def test_ddp_equals_one_process_on_the_same_global_batch(tmp_path):
     for name, tensor in a.state_dict().items():
         torch.testing.assert_close(tensor, b.state_dict()[name], msg=name)
     assert not (tmp_path / "ddp" / ".step-0000003.tmp").exists()  # only rank 0 wrote
+
+
+ENCODER = CONFIG.replace(causal=False)
+MLM = RUN.replace(objective="mlm", batch_size=4)
+
+
+def _mlm_worker(rank, world, port, tmp):
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    try:
+        train(f"{tmp}/corpus.txt", f"{tmp}/ddp", ENCODER, MLM, progress=False, echo=lambda s: None)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_masked_lm_equals_one_process(tmp_path):
+    """Every rank masks its share of the same step's windows with the same draws."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    mp.spawn(_mlm_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    train(tmp_path / "corpus.txt", tmp_path / "one", ENCODER, MLM.replace(grad_accum=2),
+          progress=False, echo=lambda s: None)
+    a, tokenizer, _ = load_model(tmp_path / "ddp")
+    b, _, _ = load_model(tmp_path / "one")
+    assert tokenizer.mask_id is not None
+    for name, tensor in a.state_dict().items():
+        torch.testing.assert_close(tensor, b.state_dict()[name], msg=name)

@@ -74,10 +74,10 @@ def test_objectives_refuse_the_other_kind_of_model(corpus, tmp_path):
 
 
 def test_registry():
-    assert set(OBJECTIVES) == {"clm", "span"}
+    assert set(OBJECTIVES) == {"clm", "span", "mlm"}
     with pytest.raises(ValueError, match="objective: unknown 'mlm2'"):
         get_objective("mlm2")
-    with pytest.raises(ValueError, match="objective: choose clm or span"):
+    with pytest.raises(ValueError, match="objective: choose clm, span or mlm"):
         TrainConfig(objective="mlm2")
 
 

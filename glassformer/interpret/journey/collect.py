@@ -70,7 +70,7 @@ def _logit_lens(model: Transformer, tokenizer, residuals: list[torch.Tensor]) ->
     with torch.no_grad():
         for resid in residuals:
             h = model.final_norm(resid) if model.final_norm is not None else resid
-            probs = model.lm_head(h)[0].float().softmax(dim=-1)  # (T, vocab)
+            probs = model.head(h)[0].float().softmax(dim=-1)  # (T, vocab)
             top_p, top_id = probs.max(dim=-1)  # (T,)
             rows.append({
                 "tokens": [token_text(tokenizer, int(i)) for i in top_id],
@@ -84,13 +84,16 @@ def collect_journey(
 ) -> dict:
     """Everything the report shows for `text`: sites with shapes, dims, stats and previews;
     attention weights; next tokens; logit lens; rollout and integrated-gradient attributions;
-    and one decode step of the most likely next token against the KV cache."""
+    and one decode step of the most likely next token against the KV cache. An encoder
+    (bidirectional) reads the text with its tokenizer's special tokens and predicts at its
+    first mask token (else at the last position); it has no decode step."""
     if model.training:
         raise ValueError("journey: call model.eval() first (dropout is random)")
     if isinstance(model, EncoderDecoder):
         return collect_seq2seq_journey(model, tokenizer, text, top_k)
     config = model.config
-    ids_list = tokenizer.encode(text)
+    encode = tokenizer.encode if config.causal else getattr(tokenizer, "encode_sequence", tokenizer.encode)
+    ids_list = encode(text)
     if not ids_list:
         raise ValueError("text: nothing to trace (it encodes to no tokens)")
     T = len(ids_list)
@@ -101,7 +104,9 @@ def collect_journey(
     decode = config.causal and T < config.context_length
     cache = KVCache(config, 1, max_length=T + 1) if decode else None
     logits, acts = run_with_cache(model, ids, cache=cache)
-    last = logits[0, -1].float()  # (vocab,)
+    mask_id = None if config.causal else getattr(tokenizer, "mask_id", None)
+    position = ids_list.index(mask_id) if mask_id in ids_list else T - 1
+    last = logits[0, position].float()  # (vocab,)
     probs = last.softmax(dim=-1)
     next_tokens = _top(tokenizer, probs, last, top_k)
     L = config.n_layers
@@ -122,11 +127,12 @@ def collect_journey(
     if reference is not None:  # a real token's embedding: a smooth path, unlike zeros
         baseline = token_baseline(model, ids, reference)
         baseline_text = f"E_token[{token_text(tokenizer, reference)!r}] at every position but the first"
-        ig = integrated_gradients(model, ids, target, baseline=baseline, steps=ig_steps, edges=TENTHS)
+        ig = integrated_gradients(model, ids, target, position, baseline=baseline, steps=ig_steps,
+                                  edges=TENTHS)
     else:
         baseline_text = "zeros"
-        ig = integrated_gradients(model, ids, target, steps=ig_steps)
-    rollout = attention_rollout(patterns)[0, -1]  # (T,)
+        ig = integrated_gradients(model, ids, target, position, steps=ig_steps)
+    rollout = attention_rollout(patterns)[0, position]  # (T,)
     residuals = [acts["embed.out"]] + [acts[f"blocks.{i}.resid_post"] for i in range(L)]
     return {
         "text": text,
@@ -144,7 +150,10 @@ def collect_journey(
             for p in patterns
         ],  # [layer][head]: the T × T weights, row-major
         "decode_step": decode_step,
-        "next_tokens": next_tokens,
+        "next_tokens": next_tokens,  # at prediction.position
+        "prediction": {"position": position,
+                       "title": "Next-token probabilities" if position == T - 1 and mask_id is None
+                       else "Masked-token probabilities"},
         "logit_lens": _logit_lens(model, tokenizer, residuals),
         "attribution": {
             "target": next_tokens[0]["token"],

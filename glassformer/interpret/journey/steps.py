@@ -47,6 +47,16 @@ def input_steps(config: ModelConfig) -> list[dict]:
     else:
         steps.append({"site": "embed.out", "title": "Input embedding", "equation": "I_emb = E_token[ids]",
                       "note": position_note[config.position]})
+    if config.n_token_types:  # before embed.out, which it joins
+        steps.insert(-1, {"site": "embed.token_types", "title": "Segment embedding",
+                          "equation": "E_type[token_types]",
+                          "note": "which segment each token belongs to (sentence A or B)"})
+    if config.n_token_types or config.embed_norm:
+        out = steps[-1]
+        out["equation"] += " + E_type" * bool(config.n_token_types)
+        if config.embed_norm:
+            out["equation"] = f"I_emb = Norm({out['equation'].removeprefix('I_emb = ')})"
+            out["note"] = f"{_norm(config)}; the residual stream begins"
     return steps
 
 
@@ -136,6 +146,12 @@ def output_steps(config: ModelConfig) -> list[dict]:
         site = "decoder.final_norm" if config.n_encoder_layers else "final_norm"
         steps.append({"site": site, "title": "Final norm", "equation": f"h = {_norm(config)}",
                       "note": ""})
+    if config.head == "mlm":
+        steps.append({"site": "head_transform", "title": "Masked-LM transform",
+                      "equation": f"h ← Norm({ACTIVATION_NAMES[config.activation]}(h W_t + b_t))",
+                      "note": "a dense layer, its activation and a norm before the decoder"})
     head = "W_head = E_token (tied)" if config.tie_embeddings else "W_head: its own (v × d) matrix"
-    steps.append({"site": "logits", "title": "Logits", "equation": "logits = h W_headᵀ", "note": head})
+    bias = " + b" if config.lm_head_bias else ""
+    steps.append({"site": "logits", "title": "Logits", "equation": f"logits = h W_headᵀ{bias}",
+                  "note": head})
     return steps

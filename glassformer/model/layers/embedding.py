@@ -1,4 +1,5 @@
-"""Token embedding and absolute positions: I_emb = E_token[ids] + E_pos[positions]."""
+"""Token embedding and absolute positions: I_emb = E_token[ids] + E_pos[positions]
+(+ E_type[token_types] for segment embeddings, then a norm where configured: BERT)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..hooks import Hooks
+from .norm import make_norm
 
 
 class SinusoidalPositions(nn.Module):
@@ -38,10 +40,24 @@ class Embedding(nn.Module):
             self.positions = nn.Embedding(config.context_length, config.d_model)  # E_pos (c, d)
         elif config.position == "sinusoidal":
             self.positions = SinusoidalPositions(config.d_model)
+        self.token_types = None
+        if config.n_token_types:
+            self.token_types = nn.Embedding(config.n_token_types, config.d_model)  # E_type (s, d)
+        self.norm = make_norm(config) if config.embed_norm else None
         self.hooks = hooks
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        """token_types (B, T): segment ids, all 0 when not given."""
         x = self.hooks("embed.tokens", self.tokens(ids))  # (B, T, d)
         if self.positions is not None:
             x = x + self.hooks("embed.positions", self.positions(positions).to(x.dtype))
+        if self.token_types is not None:
+            if token_types is None:
+                token_types = torch.zeros_like(ids)  # (B, T)
+            x = x + self.hooks("embed.token_types", self.token_types(token_types))
+        elif token_types is not None:
+            raise ValueError("token_types: this model has no token-type embeddings (n_token_types=0)")
+        if self.norm is not None:
+            x = self.norm(x)
         return self.hooks("embed.out", x)  # (B, T, d)

@@ -1,0 +1,15 @@
+"""One entry of a loader's key map: a tensor in a foreign file and where it goes in ours."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One Hugging Face tensor: our parameter, the block of its rows, and whether to transpose."""
+
+    hf: str
+    ours: str
+    rows: tuple[int, int] | None = None
+    transpose: bool = False
