@@ -161,22 +161,27 @@ def _llama_keys(c: ModelConfig) -> list[Entry]:
 def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,
             ) -> tuple[Transformer | EncoderDecoder, ChatTokenizer]:
     """Read a Hugging Face model folder: the model (eval mode, on CPU) and its tokenizer."""
-    model = load_hf_model(folder, dtype)
+    hf, config = read_config(folder)
     tokenizer = ChatTokenizer.load(folder)
-    check_vocabulary(tokenizer, model.config, folder)
-    return model, tokenizer
+    check_vocabulary(tokenizer, config, folder)  # before the weights: the likelier mistake
+    return load_hf_model(folder, dtype, (hf, config)), tokenizer
 
 
-def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
-                  ) -> Transformer | EncoderDecoder:
-    """The model of a Hugging Face folder alone (eval mode, on CPU), for folders without a
-    tokenizer."""
-    folder = Path(folder)
-    config_path = folder / "config.json"
+def read_config(folder: str | Path) -> tuple[dict, ModelConfig]:
+    """A folder's config.json as read, and as a ModelConfig (refused if it cannot be read)."""
+    config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
     hf = read_json_object(config_path)
-    config = config_from_hf(hf)  # a config it cannot read is refused before the weights are
+    return hf, config_from_hf(hf)
+
+
+def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
+                  configs: tuple[dict, ModelConfig] | None = None) -> Transformer | EncoderDecoder:
+    """The model of a Hugging Face folder alone (eval mode, on CPU), for folders without a
+    tokenizer; `configs` is read_config's answer where it was read already."""
+    folder = Path(folder)
+    hf, config = configs or read_config(folder)
     tensors = read_safetensors(folder)
     if POOLER_KEY in tensors:  # BERT's pooler, where the file holds one
         config = config_from_hf(hf, pooler=True)
