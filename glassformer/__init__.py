@@ -1,4 +1,4 @@
-"""Glassformer: a glass-box decoder-only transformer."""
+"""Glassformer: a glass-box transformer (decoder-only, encoder-only and encoder-decoder)."""
 
 import os
 import sys
