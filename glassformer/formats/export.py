@@ -3,7 +3,7 @@
 The family is read off the config: GPT-2 (learned positions, LayerNorm, biases, tied head) or
 Llama (RoPE, RMSNorm, SwiGLU, no biases), Qwen2 (q/k/v biases only) and Mistral (a sliding
 window); an encoder-decoder as T5 (huggingface_t5.py), a bidirectional model as a
-BertForMaskedLM (hf_bert.py). A config that none of them can express is refused with the field
+BertForMaskedLM (huggingface_bert.py). A config that none of them can express is refused with the field
 that stops it. The folder is written whole beside its destination and renamed into place.
 """
 
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
-from .hf_bert import bert_hf_config
+from .huggingface_bert import bert_hf_config
 from .huggingface import GPT2_ACTIVATIONS, key_map
 from .huggingface_t5 import t5_hf_config
 from .tokenizers import HFTokenizer

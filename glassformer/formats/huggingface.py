@@ -7,7 +7,7 @@ Three families, each an explicit key map (`key_map`) between Hugging Face names 
   RMSNorm, SwiGLU. q/k/v_proj are stacked into our fused `qkv`, gate/up_proj into `mlp.up`.
 - T5 (`model_type` t5, v1.0 and v1.1): an encoder-decoder; its config and key map live in
   huggingface_t5.py.
-- BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (hf_bert.py).
+- BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (huggingface_bert.py).
 Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
 """
 
@@ -25,7 +25,7 @@ from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .files import read_json_object
-from .hf_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
+from .huggingface_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
 from .huggingface_t5 import t5_config, t5_keys
 from .tensor_map import Entry
 from .validate import check_model, check_tensor
