@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
-from .huggingface_bert import bert_hf_config
 from .huggingface import GPT2_ACTIVATIONS, key_map
+from .huggingface_bert import bert_hf_config
 from .huggingface_t5 import t5_hf_config
 from .tokenizers import HFTokenizer
 
