@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from glassformer.accel import threads  # glassformer before torch (its OpenMP wait policy)
+from glassformer.accel import threads
 from glassformer.accel.cpu import cpu_features
 
 

@@ -103,11 +103,10 @@ def test_main_configures_the_threads_before_the_command(monkeypatch, tmp_path, c
 
 
 @pytest.mark.parametrize(("code", "env", "spins"), [
-    ("import glassformer", {}, "0"),  # OMP_WAIT_POLICY=PASSIVE: sleep at once
-    ("import torch, glassformer", {}, "300000"),  # too late: libgomp's default
-    ("import glassformer", {"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"),
+    ("import glassformer", {}, "300000"),  # libgomp's default: a passive wait slows a quiet CPU
+    ("import glassformer", {"OMP_WAIT_POLICY": "PASSIVE"}, "0"),  # the user's choice holds
 ])
-def test_glassformer_imported_first_makes_openmp_threads_sleep_when_idle(code, env, spins):
+def test_glassformer_leaves_openmp_wait_policy_to_the_environment(code, env, spins):
     environment = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**environment, **env, "OMP_DISPLAY_ENV": "VERBOSE"})
