@@ -1,17 +1,20 @@
-"""Training objectives side by side on tinyshakespeare: causal LM (clm) and masked LM (mlm).
+"""Training objectives side by side on tinyshakespeare: causal LM (clm), masked LM (mlm) and
+T5's span corruption (span).
 
     python benchmarks/objectives.py [--data PATH] [--budget 40] [--steps 10] [--rounds 3]
                                     [--threads N] [--out objectives.png]
 
-1. Each objective trains the same model (the same parameters: a small BERT-shaped stack, its
-   attention causal for clm and bidirectional for mlm) for the same wall time (--budget
-   seconds) through `glassformer.training.loop.train`; the loss curves against seconds go in
-   one PNG and a table prints each final validation loss. The two losses measure different
-   tasks (the next character; a masked character seen from both sides): compare each curve's
-   fall, not one number against the other.
-2. tokens/s of one masked-LM training step (forward, backward, AdamW) on identical batches:
-   Glassformer's against transformers' own BertForMaskedLM on the same shapes, in alternating
-   rounds so a busy machine slows both alike; the ratio is printed.
+1. Each objective trains a model of the same width for the same wall time (--budget seconds):
+   clm and mlm the same BERT-shaped stack of 4 layers (causal for clm, bidirectional for
+   mlm), span a T5-shaped encoder-decoder of 2 + 2 layers (its cross-attention makes it about
+   12% larger; the table prints each count), through `glassformer.training.loop.train`. The
+   loss curves against seconds go in one PNG and a table prints each final validation loss.
+   The losses measure different tasks (the next character; a masked character seen from both
+   sides; the characters of the dropped spans): compare each curve's fall, not the numbers.
+2. tokens/s of one training step (forward, backward, AdamW) on identical batches, Glassformer's
+   against transformers' own model on the same shapes: masked LM against BertForMaskedLM,
+   span corruption against T5ForConditionalGeneration; in alternating rounds so a busy machine
+   slows both alike; the ratios are printed.
 
 Adding an objective here is one more entry in RUNS.
 """
@@ -36,6 +39,7 @@ from glassformer.training.loop import train
 from glassformer.training.masking import apply_masks, draw_choices
 from glassformer.training.metrics import read_metrics
 from glassformer.training.objectives import OBJECTIVES
+from glassformer.training.span import corrupt, span_counts
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 # One model shape for every objective; only the attention mask follows the objective.
@@ -44,14 +48,17 @@ MODEL = get_preset("tiny-bert").replace(context_length=64, d_model=128, n_layers
 TRAIN = TrainConfig(batch_size=12, max_iters=10**6, lr=1e-3, min_lr=1e-4, warmup_iters=10,
                     lr_decay_iters=2000, eval_interval=10**6, eval_iters=20, log_interval=5,
                     sample_tokens=0, device="cpu", seed=1337)
-RUNS = {  # objective -> the model's attention
-    "clm": {"causal": True},
-    "mlm": {"causal": False},
-}  # (span trains an encoder-decoder: one more entry with n_encoder_layers)
+SPAN_MODEL = get_preset("tiny-t5").replace(context_length=64, d_model=128, n_layers=2,
+                                           n_encoder_layers=2, n_heads=4, d_head=32, d_ff=512)
+RUNS = {  # objective -> its model
+    "clm": MODEL.replace(causal=True),
+    "mlm": MODEL.replace(causal=False),
+    "span": SPAN_MODEL,
+}
 
 
 def run_objective(name: str, data: Path, budget: float, folder: Path) -> dict:
-    model = MODEL.replace(**RUNS[name])
+    model = RUNS[name]
     summary = train(data, folder / name, model, TRAIN.replace(objective=name, max_time=budget),
                     progress=False, echo=lambda _: None)
     records = [r for r in read_metrics(folder / name / "metrics.jsonl") if "lr" in r]
@@ -123,6 +130,69 @@ def step_rates(vocab: int, steps: int, rounds: int) -> tuple[list[float], list[f
     return a, b
 
 
+def span_batches(vocab: int, n: int, generator: torch.Generator):
+    """n span-corruption batches (inputs, decoder inputs, targets) of random characters; the
+    top ids of the vocabulary are the sentinels, id 0 end-of-text and the start token."""
+    B, T = TRAIN.batch_size, SPAN_MODEL.context_length
+    n_spans = span_counts(T)[1]
+    sentinels = torch.arange(vocab - n_spans, vocab)  # (n_spans,)
+    for _ in range(n):
+        ids = torch.randint(1, vocab - n_spans, (B, T), generator=generator)
+        masks = OBJECTIVES["span"].draw_masks(B, T, generator)  # (B, T)
+        yield corrupt(ids, masks, sentinels, 0, 0)
+
+
+def span_step_rates(vocab: int, steps: int, rounds: int) -> tuple[list[float], list[float]]:
+    """tokens/s (encoder + decoder tokens) of Glassformer's and transformers' T5 step."""
+    import transformers
+
+    from glassformer.model.encoder_decoder import build_model
+
+    torch.manual_seed(0)
+    config = SPAN_MODEL.replace(vocab_size=vocab)
+    ours = build_model(config)
+    theirs = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=vocab, d_model=config.d_model, d_kv=config.d_head, d_ff=config.d_ff,
+        num_layers=config.n_encoder_layers, num_decoder_layers=config.n_layers,
+        num_heads=config.n_heads, relative_attention_num_buckets=config.relative_buckets,
+        relative_attention_max_distance=config.relative_max_distance, dropout_rate=0.0,
+        feed_forward_proj="relu", layer_norm_epsilon=config.norm_eps, tie_word_embeddings=True,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=0))
+    ours.train(), theirs.train()
+    optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for m in (ours, theirs)}
+
+    def rate(model, loss_fn, seed: int) -> float:
+        optimizer = optimizers[id(model)]
+        data = list(span_batches(vocab, steps + 2, torch.Generator().manual_seed(seed)))
+        for i, batch in enumerate(data):
+            if i == 2:  # two warm-up steps
+                start = time.perf_counter()
+            loss_fn(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        tokens = batch[0].numel() + batch[1].numel()
+        return steps * tokens / (time.perf_counter() - start)
+
+    def their_loss(batch):
+        inputs, decoder_inputs, targets = batch
+        return theirs(input_ids=inputs, decoder_input_ids=decoder_inputs, labels=targets).loss
+
+    a, b = [], []
+    for r in range(rounds):
+        a.append(rate(ours, lambda batch: OBJECTIVES["span"].loss(ours, batch), r))
+        b.append(rate(theirs, their_loss, r))
+    return a, b
+
+
+def print_rates(title: str, ours: list[float], theirs: list[float], their_name: str, args) -> None:
+    ratio = statistics.median(o / t for o, t in zip(ours, theirs, strict=True))
+    print(f"{title}, batch {TRAIN.batch_size} x {MODEL.context_length} tokens, "
+          f"{args.rounds} alternating rounds of {args.steps} steps:")
+    print(f"  glassformer  {statistics.median(ours):>9,.0f} tokens/s")
+    print(f"  transformers {statistics.median(theirs):>9,.0f} tokens/s ({their_name})")
+    print(f"  ratio glassformer / transformers: {ratio:.2f} (median of rounds; > 1: faster)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -148,13 +218,10 @@ def main() -> None:
         print(f"{name:<10} {result['params']:>9,} {s['iters']:>6} {s['tokens_per_second']:>9,.0f} "
               f"{s['val_loss']:>15.4f}")
     print(f"loss curves: {args.out}")
-    ours, theirs = step_rates(vocab, args.steps, args.rounds)
-    ratio = statistics.median(o / t for o, t in zip(ours, theirs, strict=True))
-    print(f"masked-LM training step, batch {TRAIN.batch_size} x {MODEL.context_length} tokens, "
-          f"{args.rounds} alternating rounds of {args.steps} steps:")
-    print(f"  glassformer  {statistics.median(ours):>9,.0f} tokens/s")
-    print(f"  transformers {statistics.median(theirs):>9,.0f} tokens/s (BertForMaskedLM)")
-    print(f"  ratio glassformer / transformers: {ratio:.2f} (median of rounds; > 1: faster)")
+    print_rates("masked-LM training step", *step_rates(vocab, args.steps, args.rounds),
+                "BertForMaskedLM", args)
+    print_rates("span-corruption training step", *span_step_rates(results["span"]["vocab"], args.steps,
+                args.rounds), "T5ForConditionalGeneration", args)
 
 
 if __name__ == "__main__":
