@@ -214,7 +214,8 @@ class Engine:
         logits = self.runner.run(plan)  # (R, V)
         ready = self.scheduler.advance(plan)
         plain = [i for i, seq in enumerate(ready) if seq.group is None]
-        tokens = self._pick([ready[i] for i in plain], logits[plain])
+        plain_logits = logits if len(plain) == len(ready) else logits[plain]  # no copy when all
+        tokens = self._pick([ready[i] for i in plain], plain_logits)
         for i, token in zip(plain, tokens, strict=True):
             seq = ready[i]
             piece = seq.accept(token, self.model.config.context_length)

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 
+import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from glassformer import ModelConfig, Transformer
 from glassformer.formats.checkpoint import load_model
+from glassformer.model.presets import get_preset
 from glassformer.training.config import TrainConfig
 from glassformer.training.loop import train, train_step
 from glassformer.training.optim import make_optimizer
@@ -39,11 +41,16 @@ def _fresh():
     return model, make_optimizer(model, STEP)
 
 
-def _worker(rank, world, port, tmp):
+def _join(rank, world, port):
+    """This process as rank `rank` of `world`, set up as torchrun sets it up."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
+
+
+def _worker(rank, world, port, tmp):
+    _join(rank, world, port)
     try:
         model, opt = _fresh()
         x, y = _global_batch()
@@ -97,28 +104,39 @@ def test_ddp_equals_one_process_on_the_same_global_batch(tmp_path):
 
 
 ENCODER = CONFIG.replace(causal=False)
-MLM = RUN.replace(objective="mlm", batch_size=4)
+SEQ2SEQ = get_preset("tiny-t5").replace(context_length=16, d_model=16, n_heads=2, d_ff=32)
+# objective -> (model, run): the masks or noise spans of the whole global batch are drawn on
+# every process, so each rank corrupts its own share of the same draws.
+OBJECTIVES = {"mlm": (ENCODER, RUN.replace(objective="mlm", batch_size=4)),
+              "span": (SEQ2SEQ, RUN.replace(objective="span"))}
 
 
-def _mlm_worker(rank, world, port, tmp):
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+def _objective_worker(rank, world, port, tmp, objective):
+    _join(rank, world, port)
     try:
-        train(f"{tmp}/corpus.txt", f"{tmp}/ddp", ENCODER, MLM, progress=False, echo=lambda s: None)
+        summary = train(f"{tmp}/corpus.txt", f"{tmp}/ddp", *OBJECTIVES[objective], progress=False,
+                        echo=lambda s: None)
+        if rank == 0:
+            with open(f"{tmp}/summary.json", "w") as f:
+                json.dump(summary, f)
     finally:
         dist.destroy_process_group()
 
 
-def test_ddp_masked_lm_equals_one_process(tmp_path):
-    """Every rank masks its share of the same step's windows with the same draws."""
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_ddp_objective_equals_one_process(tmp_path, objective):
+    """2 ranks equal 1 process accumulating both slices: weights and validation loss."""
     (tmp_path / "corpus.txt").write_text(TEXT)
-    mp.spawn(_mlm_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    train(tmp_path / "corpus.txt", tmp_path / "one", ENCODER, MLM.replace(grad_accum=2),
-          progress=False, echo=lambda s: None)
+    mp.spawn(_objective_worker, args=(2, _free_port(), str(tmp_path), objective), nprocs=2,
+             join=True)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    model_config, run = OBJECTIVES[objective]
+    single = train(tmp_path / "corpus.txt", tmp_path / "one", model_config,
+                   run.replace(grad_accum=2), progress=False, echo=lambda s: None)
+    assert summary["world_size"] == 2 and single["tokens_seen"] == summary["tokens_seen"]
+    assert abs(single["val_loss"] - summary["val_loss"]) < 1e-5
     a, tokenizer, _ = load_model(tmp_path / "ddp")
     b, _, _ = load_model(tmp_path / "one")
-    assert tokenizer.mask_id is not None
+    assert objective != "mlm" or tokenizer.mask_id is not None
     for name, tensor in a.state_dict().items():
         torch.testing.assert_close(tensor, b.state_dict()[name], msg=name)
