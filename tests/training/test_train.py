@@ -112,7 +112,7 @@ def _plain_muon_step(p, grad, buffer, lr, weight_decay, momentum=0.95, steps=5):
 
 def test_float32_newton_schulz_is_the_plain_muon_update():
     g = torch.Generator().manual_seed(1)
-    shapes = [(24, 8), (8, 8), (24, 8), (8, 20)]
+    shapes = [(24, 8), (8, 8), (24, 8), (8, 20), (8, 12)]  # the long side ≥ 2× the short: by the Gram matrix
     ours = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
     plain = [p.detach().clone() for p in ours]
     buffers = [torch.zeros_like(p) for p in plain]
