@@ -119,6 +119,11 @@ std::vector<torch::Tensor> rms_norm_forward(const torch::Tensor& x, const torch:
                                             double eps);
 std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& g, const torch::Tensor& x,
                                              const torch::Tensor& w, const torch::Tensor& r);
+std::vector<torch::Tensor> layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w,
+                                              const c10::optional<torch::Tensor>& b, double eps);
+std::vector<torch::Tensor> layer_norm_backward(const torch::Tensor& g, const torch::Tensor& x,
+                                               const torch::Tensor& w, const torch::Tensor& mu,
+                                               const torch::Tensor& r, bool has_bias);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                    bool inverse);
 torch::Tensor swiglu_forward(const torch::Tensor& h);

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -172,6 +173,10 @@ def create_app(language_model: LanguageModel, config: ServerConfig,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # The engine's thread takes the GIL back after every step's products; while the event
+        # loop runs Python, a waiting thread gets it after the switch interval (5 ms by default,
+        # a sixth of a decode step): 0.5 ms makes each step wait less (3-4% more tokens/s).
+        sys.setswitchinterval(5e-4)
         server.engine.start()
         try:
             yield
