@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from ..accel import threads
+from ..accel.greedy import argmax_rows
 from ..generation.generate import GenerationResult
-from ..generation.sampling import greedy, next_token
+from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
 from .beam import BeamGroup
@@ -253,7 +254,7 @@ class Engine:
         """Each request's next token, with its own settings and generator; the plain greedy
         rows in one argmax (each row's maximum is its own)."""
         plain = [seq.params.sampling.greedy and not seq.params.sampling.uses_counts for seq in ready]
-        argmax = greedy(logits).tolist() if any(plain) else []  # (R,)
+        argmax = argmax_rows(logits).tolist() if any(plain) else []  # (R,)
         tokens = []
         for i, seq in enumerate(ready):
             if plain[i]:

@@ -37,5 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("gelu_forward", &gf::gelu_forward, "x Φ(x), exact GELU, contiguous float32");
   module.def("gelu_backward", &gf::gelu_backward, "GELU gradient dy (Φ(x) + x φ(x))");
   module.def("transpose", &gf::transpose, "(M, K) -> contiguous (K, M), float32");
+  module.def("argmax_rows", &gf::argmax_rows, NoGil(), "torch.argmax(logits, -1) of (R, V) float32");
   module.attr("SMALL_BATCH") = gf::kSmallBatch;
 }

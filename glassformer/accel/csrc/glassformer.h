@@ -4,7 +4,9 @@
 //   matvec.cpp       float weights (f32, bf16) and the checks on tensors from Python
 //   quantized.cpp    the block formats (q8, q4): products and dequantization
 //   decode_step.cpp  one decode step through every layer (calls the linear_* entry points)
-//   train_ops.cpp    training's fused RMSNorm, RoPE, SwiGLU passes and a tiled transpose
+//   greedy.cpp       each row's argmax, the greedy pick of a decode step
+//   train_ops.cpp    training's fused RMSNorm, LayerNorm, RoPE, SwiGLU, GELU passes and a tiled
+//                    transpose
 //   bindings.cpp     the Python module
 //
 // Built for AVX2 + FMA + F16C; the quantized products also have AVX-512 VNNI paths, taken
@@ -113,6 +115,9 @@ c10::optional<torch::Tensor> try_q4(const torch::Tensor& x, const torch::Tensor&
 // q8 (no mins) or q4 blocks -> the (N, K) float32 weight.
 torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d, const Bias& m,
                          int64_t K);
+
+// The first index of each row's maximum, as torch.argmax (greedy.cpp).
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 
 // Training passes (train_ops.cpp).
 std::vector<torch::Tensor> rms_norm_forward(const torch::Tensor& x, const torch::Tensor& w,
