@@ -6,12 +6,14 @@ Workloads:
   mixed   distinct tinyshakespeare passages of about 32-512 tokens, 64 new tokens, greedy
           (2 x clients requests, at least 8)
 For each: total generated tokens/s, time to first token (TTFT) p50/p95, end-to-end latency
-p50/p95, and the server process's peak and current resident memory (/proc). The engine alone
-runs on as many threads as the server's engine (--threads, default the cores less one, as
-`glassformer serve` does), so their ratio is the cost of HTTP.
+p50/p95, and the server process's peak and current resident memory (/proc); each row is the
+median of --repeats rounds. At the anchor's 8 clients, each round is followed by one of the
+same requests through the engine alone (built and warmed up once, on as many threads as the
+server's engine: --threads, default the cores less one, as `glassformer serve` does), so
+their ratio, round by round, is the cost of HTTP.
 
     .venv/bin/python benchmarks/serve_load.py [--model smollm2-135m-instruct] [--quantize none]
-        [--clients 1 4 8 16] [--workloads anchor mixed] [--threads N] [--json]
+        [--clients 1 4 8 16] [--workloads anchor mixed] [--threads N] [--repeats 3] [--json]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -106,18 +109,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# One engine, built and warmed up before the clock starts, as the server's is; each line on
+# its stdin runs the anchor requests once and answers with their tokens/s.
 ENGINE_ALONE = """
 import json, sys, time
 import torch
 import glassformer
-from glassformer.serving import EngineConfig
+from glassformer.serving import Engine, EngineConfig, RequestParams
 torch.set_num_threads(int(sys.argv[3]))
 lm = glassformer.load(sys.argv[1], quantize=sys.argv[2])
-lm.generate_many(["warm up"], max_new_tokens=4)
-start = time.perf_counter()
-results = lm.generate_many([{anchor!r}] * 8, max_new_tokens=64, engine=EngineConfig())
-wall = time.perf_counter() - start
-print(json.dumps({{"tokens_per_second": sum(r.n_generated for r in results) / wall}}))
+engine = Engine(lm.model, lm.tokenizer, EngineConfig())
+params = RequestParams.from_fields(max_new_tokens=64, temperature=0.0)
+def run(prompts):
+    handles = [engine.submit(lm.encode(p), params) for p in prompts]
+    engine.run_until_done()
+    return [h.result for h in handles]
+run(["warm up"] * 8)
+print("ready", flush=True)
+for _ in sys.stdin:
+    start = time.perf_counter()
+    results = run([{anchor!r}] * 8)
+    wall = time.perf_counter() - start
+    print(json.dumps({{"tokens_per_second": sum(r.n_generated for r in results) / wall}}), flush=True)
 """
 
 
@@ -129,6 +142,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["anchor", "mixed"], choices=["anchor", "mixed"])
     parser.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
                         help="the engine's threads, in the server and alone")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per row (the median is shown)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     print_cpu(args.json)
@@ -138,8 +152,20 @@ def main() -> None:
                "--model", args.model, "--quantize", args.quantize, "--name", NAME, "--port", str(port),
                "--max-queue", "256", "--threads", str(args.threads)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    alone = subprocess.Popen([sys.executable, "-c", ENGINE_ALONE.format(anchor=ANCHOR), args.model,
+                              args.quantize, str(args.threads)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+
+    def engine_alone() -> float:
+        """One round of the anchor requests through the engine alone: tokens/s."""
+        alone.stdin.write("go\n")
+        alone.stdin.flush()
+        return json.loads(alone.stdout.readline())["tokens_per_second"]
+
     rows = []
     try:
+        if alone.stdout.readline().strip() != "ready":
+            sys.exit("the engine alone did not start")
         while True:
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -151,25 +177,39 @@ def main() -> None:
         asyncio.run(load(url, [ANCHOR], 1))  # warm up
         for workload in args.workloads:
             for clients in args.clients:
-                measured = asyncio.run(load(url, requests_for(workload, clients), clients))
-                row = {"workload": workload, "clients": clients, **measured, **memory_mb(server.pid)}
+                # Repeated rounds; at the anchor's 8 clients each one is followed by a round of
+                # the engine alone, so both see the same machine (the other process idles).
+                rounds, alone_rounds = [], []
+                for _ in range(args.repeats):
+                    rounds.append(asyncio.run(load(url, requests_for(workload, clients), clients)))
+                    if workload == "anchor" and clients == 8:
+                        alone_rounds.append(engine_alone())
+                measured = sorted(rounds, key=lambda r: r["tokens_per_second"])[len(rounds) // 2]
+                row = {"workload": workload, "clients": clients, **measured, **memory_mb(server.pid),
+                       "rounds_tokens_per_second": [r["tokens_per_second"] for r in rounds]}
+                if alone_rounds:
+                    row["engine_alone_tokens_per_second"] = statistics.median(alone_rounds)
+                    row["http_cost"] = statistics.median(
+                        1 - r["tokens_per_second"] / a for r, a in zip(rounds, alone_rounds, strict=True))
                 rows.append(row)
                 if not args.json:
                     print(f"{workload:6} {clients:2} clients: {row['tokens_per_second']:6.1f} tok/s  "
                           f"TTFT p50 {row['ttft_p50']:.3f} p95 {row['ttft_p95']:.3f} s  "
                           f"latency p50 {row['latency_p50']:.2f} p95 {row['latency_p95']:.2f} s  "
-                          f"RSS peak {row['peak_rss_mb']:.0f} now {row['rss_mb']:.0f} MB", flush=True)
+                          f"RSS peak {row['peak_rss_mb']:.0f} now {row['rss_mb']:.0f} MB  (median of "
+                          f"{', '.join(f'{r:.0f}' for r in row['rounds_tokens_per_second'])})",
+                          flush=True)
+                    if alone_rounds:
+                        print(f"       engine alone: {row['engine_alone_tokens_per_second']:.1f} tok/s "
+                              f"(rounds {', '.join(f'{a:.0f}' for a in alone_rounds)}); HTTP costs "
+                              f"{row['http_cost']:.1%} (median of the rounds' ratios)", flush=True)
     finally:
         server.terminate()
+        alone.terminate()
         server.wait(60)
-    alone = subprocess.run([sys.executable, "-c", ENGINE_ALONE.format(anchor=ANCHOR), args.model,
-                            args.quantize, str(args.threads)], capture_output=True, text=True, check=True)
-    alone = json.loads(alone.stdout)
-    rows.append({"workload": "anchor", "clients": 8, "engine_alone": True, **alone})
+        alone.wait(60)
     if args.json:
         print(json.dumps(rows, indent=1))
-    else:
-        print(f"engine alone, anchor, 8 requests: {alone['tokens_per_second']:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""RMSNorm, LayerNorm, rotary embeddings, SwiGLU and GELU as single C++ passes (csrc/train_ops.cpp) for
+"""RMSNorm, rotary embeddings, SwiGLU and GELU as single C++ passes (csrc/train_ops.cpp) for
 training.
 
 The plain expressions in `glassformer.model.layers` take several elementwise ops each,
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..model.layers.feedforward import Activation
-from ..model.layers.norm import LayerNorm, RMSNorm
+from ..model.layers.norm import RMSNorm
 from ..model.layers.positions import Rotary
 from .build import extension
 
@@ -45,25 +45,6 @@ class _RMSNorm(torch.autograd.Function):
         grad_rows = grad.reshape(rows.shape).contiguous()  # (R, d)
         dx, dw = extension().rms_norm_backward(grad_rows, rows, weight, inv_rms)
         return dx.view(grad.shape), dw, None
-
-
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                eps: float) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, d)
-        y, mean, inv_std = extension().layer_norm_forward(rows, weight, bias, eps)  # (R, d), (R,) ×2
-        ctx.save_for_backward(rows, weight, mean, inv_std)
-        ctx.has_bias = bias is not None
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        rows, weight, mean, inv_std = ctx.saved_tensors
-        grad_rows = grad.reshape(rows.shape).contiguous()  # (R, d)
-        dx, dw, db = extension().layer_norm_backward(grad_rows, rows, weight, mean, inv_std,
-                                                     ctx.has_bias)
-        return dx.view(grad.shape), dw, db, None
 
 
 class _Rope(torch.autograd.Function):
@@ -115,15 +96,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return _RMSNorm.apply(x, weight, eps)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               eps: float) -> torch.Tensor | None:
-    """(x - mean(x)) / sqrt(var(x) + eps) * weight (+ bias) over the last dimension, or None
-    where the fused kernel does not apply."""
-    if not _applies(x, weight, *([] if bias is None else [bias])):
-        return None
-    return _LayerNorm.apply(x, weight, bias, eps)
-
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x cos + rotate_half(x) sin for x (B, H, T, D) and cos, sin (B or 1, 1, T, D), or None
     where the fused kernel does not apply."""
@@ -156,14 +128,6 @@ class FusedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = rms_norm(x, self.weight, self.eps)
-        return super().forward(x) if y is None else y
-
-
-class FusedLayerNorm(LayerNorm):
-    """LayerNorm, same parameters, through `layer_norm` where it applies."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = layer_norm(x, self.weight, self.bias, self.eps)
         return super().forward(x) if y is None else y
 
 

@@ -1,4 +1,4 @@
-"""The fused RMSNorm, LayerNorm, RoPE, SwiGLU and GELU passes used in training equal the plain expressions:
+"""The fused RMSNorm, RoPE, SwiGLU and GELU passes used in training equal the plain expressions:
 values and gradients, against a float64 oracle, on odd sizes and strided inputs."""
 
 from __future__ import annotations
@@ -65,35 +65,6 @@ def test_rms_norm_takes_strided_input():
     w = torch.randn(24)
     assert_matches_oracle(lambda x, w: fused.rms_norm(x, w, 1e-6),
                           lambda x, w: plain_rms_norm(x, w, 1e-6), [x, w])
-
-
-@pytest.mark.parametrize("shape", [(2, 7, 16), (3, 5, 37), (1, 1, 128), (64, 130)])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_layer_norm_values_and_gradients(shape, with_bias):
-    g = torch.Generator().manual_seed(sum(shape))
-    x = torch.randn(shape, generator=g) * 3 + 5  # an offset mean, as the residual stream has
-    w = torch.randn(shape[-1], generator=g)
-    b = torch.randn(shape[-1], generator=g)
-    calls = []
-
-    def fused_norm(x, w, b=None):
-        y = fused.layer_norm(x, w, b, 1e-5)
-        calls.append(y is not None)
-        return y
-
-    def plain_norm(x, w, b=None):
-        return torch.nn.functional.layer_norm(x, w.shape, w, b, 1e-5)
-
-    assert_matches_oracle(fused_norm, plain_norm, [x, w, b] if with_bias else [x, w])
-    assert calls == [True]
-
-
-def test_layer_norm_takes_strided_input():
-    x = torch.randn(6, 5, 24).transpose(0, 1)  # (5, 6, 24), not contiguous
-    w = torch.randn(24)
-    assert_matches_oracle(lambda x, w: fused.layer_norm(x, w, None, 1e-6),
-                          lambda x, w: torch.nn.functional.layer_norm(x, (24,), w, None, 1e-6),
-                          [x, w])
 
 
 @pytest.mark.parametrize("batch_angles", [1, 2])
@@ -201,16 +172,13 @@ def test_gelu_model_training_gradients_equal_the_plain_path(monkeypatch):
     use_fast_training(model)
     ids = torch.randint(0, 50, (3, 17))
     calls = []
-    for name in ("gelu", "layer_norm"):
-        real = getattr(fused, name)
-        monkeypatch.setattr(fused, name, lambda *a, real=real, name=name:
-                            calls.append(name) or real(*a))
+    real = fused.gelu
+    monkeypatch.setattr(fused, "gelu", lambda x: calls.append(1) or real(x))
     grads = []
     for m in (model, plain):
         logits = m(ids[:, :-1])
         torch.nn.functional.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1)).backward()
         grads.append({n: p.grad for n, p in m.named_parameters()})
-    L = config.n_layers  # two norms per layer and the final one, one GELU per layer
-    assert sorted(calls) == sorted(["gelu"] * L + ["layer_norm"] * (2 * L + 1))
+    assert len(calls) == config.n_layers
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], rtol=1e-4, atol=1e-6, msg=name)

@@ -28,22 +28,6 @@ int tensors_of(WeightFormat format) {
   TORCH_CHECK(false, "decode step: unknown weight format ", static_cast<int>(format));
 }
 
-// e^x on 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7
-// (relative error below 2e-7), 2^n through the exponent bits; x is clamped to [-87, 88].
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2, high bits
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);     // and the rest
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i two_n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 WeightFormat weight_format(int64_t code) {
   TORCH_CHECK(code >= 0 && code <= 3, "decode step: unknown weight format ", code);
   return static_cast<WeightFormat>(code);

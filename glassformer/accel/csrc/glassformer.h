@@ -5,7 +5,8 @@
 //   quantized.cpp    the block formats (q8, q4): products and dequantization
 //   decode_step.cpp  one decode step through every layer (calls the linear_* entry points)
 //   greedy.cpp       each row's argmax, the greedy pick of a decode step
-//   train_ops.cpp    training's fused RMSNorm, LayerNorm, RoPE, SwiGLU, GELU passes and a tiled
+//   attention_train.cpp  training's attention for short sequences, forward and backward
+//   train_ops.cpp    training's fused RMSNorm, RoPE, SwiGLU, GELU passes and a tiled
 //                    transpose
 //   bindings.cpp     the Python module
 //
@@ -42,6 +43,25 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (the
+// Cephes coefficients, within 2 ulp of expf), 2^n put in the exponent bits; x is clamped to
+// [-87.3, 88.3].
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
 // sum_i a[i] b[i], 8 lanes at a time (a plain loop is one serial chain of adds).
@@ -124,11 +144,6 @@ std::vector<torch::Tensor> rms_norm_forward(const torch::Tensor& x, const torch:
                                             double eps);
 std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& g, const torch::Tensor& x,
                                              const torch::Tensor& w, const torch::Tensor& r);
-std::vector<torch::Tensor> layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w,
-                                              const c10::optional<torch::Tensor>& b, double eps);
-std::vector<torch::Tensor> layer_norm_backward(const torch::Tensor& g, const torch::Tensor& x,
-                                               const torch::Tensor& w, const torch::Tensor& mu,
-                                               const torch::Tensor& r, bool has_bias);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                    bool inverse);
 torch::Tensor swiglu_forward(const torch::Tensor& h);
@@ -136,6 +151,15 @@ torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h);
 torch::Tensor gelu_forward(const torch::Tensor& x);
 torch::Tensor gelu_backward(const torch::Tensor& dy, const torch::Tensor& x);
 torch::Tensor transpose(const torch::Tensor& x);
+
+// Training's exact attention for short sequences (attention_train.cpp): (out, lse) and
+// (dq, dk, dv).
+std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch::Tensor& k,
+                                             const torch::Tensor& v, bool causal, double scale);
+std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const torch::Tensor& q,
+                                              const torch::Tensor& k, const torch::Tensor& v,
+                                              const torch::Tensor& out, const torch::Tensor& lse,
+                                              bool causal, double scale);
 
 // ------------------------------------------------------------------ decode step
 

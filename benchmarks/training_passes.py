@@ -1,0 +1,103 @@
+"""Training's C++ passes against PyTorch's own, forward and backward, at the `shakespeare-char`
+preset's sizes (batch 12, context 64, d_model 128, 4 heads of 32, d_ff 512): attention
+(PyTorch's fused scaled_dot_product_attention) and exact GELU (F.gelu); and the fast preset's
+Muon Newton–Schulz step in float32 (the direct iteration vs the one on the Gram matrix).
+Interleaved rounds; prints the median µs of each and the ratio.
+
+    python benchmarks/training_passes.py [--rounds 7]
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
+        python benchmarks/training_passes.py      # as on a CPU with AVX2 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from cpu_report import print_cpu
+
+from glassformer.accel import attention, fused
+from glassformer.accel.build import extension
+from glassformer.model.layers.attention_backends import sdpa_attention
+from glassformer.model.layers.masking import AttentionMask
+from glassformer.training.allocator import keep_freed_memory
+from glassformer.training.optim import orthogonalize
+
+B, T, D_MODEL, HEADS, D_FF = 12, 64, 128, 4, 512
+MUON = (3.4445, -4.7750, 2.0315)
+
+
+def forward_backward(fn, *inputs):
+    """A closure running fn forward and backward on fresh leaves of `inputs`."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    grad = torch.randn_like(fn(*leaves))
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        fn(*leaves).backward(grad)
+
+    return run
+
+
+def direct_newton_schulz(stack: torch.Tensor) -> torch.Tensor:
+    """Muon's iteration as torch writes it, in float32, on the wide orientation."""
+    a, b, c = MUON
+    x = stack.mT if stack.shape[-2] > stack.shape[-1] else stack
+    x = x / x.norm(dim=(-2, -1), keepdim=True)
+    for _ in range(5):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
+
+
+def contenders() -> dict[str, tuple]:
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(B, T, 3 * D_MODEL, generator=g)  # (B, T, 3 d): the fused product
+    q, k, v = (t.view(B, T, HEADS, -1).transpose(1, 2) for t in qkv.split(D_MODEL, dim=-1))
+    positions = torch.arange(T).expand(B, T)
+    causal = AttentionMask(positions, positions, causal=True, contiguous=True)
+    u = torch.randn(B, T, D_FF, generator=g)
+    stacks = [torch.randn(4, *shape, generator=g) for shape in
+              ((3 * 128, 128), (128, 128), (2 * 336, 128), (128, 336))]  # the fast preset's
+    return {
+        "attention": (forward_backward(lambda q, k, v: sdpa_attention(q, k, v, causal), q, k, v),
+                      forward_backward(lambda q, k, v: attention.attention(q, k, v, causal), q, k, v)),
+        "GELU": (forward_backward(F.gelu, u), forward_backward(fused.gelu, u)),
+        "Newton-Schulz (float32)": (lambda: [direct_newton_schulz(s) for s in stacks],
+                                    lambda: [orthogonalize(s, MUON, 5, 1e-7, torch.float32)
+                                             for s in stacks]),
+    }
+
+
+def timed(run, repeats: int = 50) -> float:
+    for _ in range(3):
+        run()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    print_cpu()
+    if extension() is None:
+        raise SystemExit("the C++ kernels are not available here")
+    keep_freed_memory()  # as the training loop runs
+    print(f"{torch.get_num_threads()} threads; forward + backward, µs (median of {args.rounds} rounds)")
+    for name, (theirs, ours) in contenders().items():
+        rounds = [(timed(theirs), timed(ours)) for _ in range(args.rounds)]
+        base = statistics.median(r[0] for r in rounds)
+        mine = statistics.median(r[1] for r in rounds)
+        ratio = statistics.median(r[0] / r[1] for r in rounds)
+        print(f"{name:24s} PyTorch {base:8.0f}  Glassformer {mine:8.0f}  {ratio:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
