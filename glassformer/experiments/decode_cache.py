@@ -4,8 +4,9 @@ Without a cache, the step at context L runs the model over all L tokens again; w
 runs one token against L cached keys and values. Per token the first grows about linearly
 with L (so a whole generation grows quadratically) and the second stays nearly flat (the
 generation grows linearly), at the price of the cache's memory: 2 · layers · kv_heads ·
-d_head numbers per token. Timings are medians of a few repeats; lengths whose expected cost
-would overrun the model's share of the budget are skipped and marked so.
+d_head numbers per token. Timings are medians of a few repeats; past the two shortest lengths
+(a growth needs two points, and they cost little), lengths whose expected cost would overrun
+the model's share of the budget are skipped and marked so.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _time_cell(name: str, length: int, loaded: dict[str, Transformer]):
     def run(ctx: Context) -> dict:
         spent = sum(r["cell_seconds"] for r in ctx.results.values() if r["model"] == name)
         done = [r for r in ctx.results.values() if r["model"] == name and not r["skipped"]]
-        if done:  # per doubling of L: about 2x (linear layers) to 4x (attention) the time
+        if len(done) >= 2:  # per doubling of L: about 2x (linear layers) to 4x (attention)
             last = done[-1]
             growth = GROWTH_PER_DOUBLING ** math.log2(length / last["length"])
             expected = (ctx.settings["repeats"] + 1) * last["uncached_seconds"] * growth
