@@ -2,8 +2,8 @@
 oneDNN's products, as an explicit conversion the training loop applies.
 
 The layers in `glassformer.model.layers` are plain PyTorch and stay the reference. This swaps,
-in place, each RMSNorm, rotary application, gated-silu and GELU activation for its
-fused twin (fused.py), and each attention on PyTorch's fused kernel for the C++ one
+in place, each RMSNorm, LayerNorm, rotary application, gated-silu and GELU activation for
+its fused twin (fused.py), and each attention on PyTorch's fused kernel for the C++ one
 (attention.py), where the C++ kernels are available; and each nn.Linear for a OneDNNLinear
 where oneDNN beats MKL on this CPU (onednn.py). The new modules hold the same parameters, so the
 state dict, an optimizer built before or after, and tied weights are unchanged; each still
@@ -19,12 +19,12 @@ from torch import nn
 from ..model.layers.attention import Attention
 from ..model.layers.attention_backends import sdpa_attention
 from ..model.layers.feedforward import Activation
-from ..model.layers.norm import RMSNorm
+from ..model.layers.norm import LayerNorm, RMSNorm
 from ..model.layers.positions import Rotary
 from ..model.transformer import Transformer
 from .attention import attention
 from .build import extension
-from .fused import FusedGELU, FusedRMSNorm, FusedRotary, FusedSwiGLU
+from .fused import FusedGELU, FusedLayerNorm, FusedRMSNorm, FusedRotary, FusedSwiGLU
 from .onednn import OneDNNLinear, onednn_pays
 
 
@@ -49,6 +49,10 @@ def _fast_twin(module: nn.Module, fused: bool, onednn: bool) -> nn.Module | None
     if fused and type(module) is RMSNorm:
         twin = FusedRMSNorm(module.weight.shape[0], module.eps)
         twin.weight = module.weight
+        return twin
+    if fused and type(module) is LayerNorm:
+        twin = FusedLayerNorm(module.weight.shape[0], module.eps, module.bias is not None)
+        twin.weight, twin.bias = module.weight, module.bias
         return twin
     if fused and type(module) is Rotary:
         return FusedRotary()
