@@ -9,6 +9,7 @@ where oneDNN beats MKL on this CPU (onednn.py). The new modules hold the same pa
 state dict, an optimizer built before or after, and tied weights are unchanged; each still
 takes the plain expression for any call it does not apply to (no gradient, other dtypes or
 devices). The C++ build, when one is due, happens here, with its one-line notice.
+`clip_grad_norm_` is the step's gradient clipping in one C++ call.
 """
 
 from __future__ import annotations
@@ -63,3 +64,17 @@ def _fast_twin(module: nn.Module, fused: bool, onednn: bool) -> nn.Module | None
     if onednn and type(module) is nn.Linear:
         return OneDNNLinear.sharing(module)
     return None
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (foreach): every gradient scaled by
+    min(1, max_norm / (total norm + 1e-6)); returns the total norm. One C++ call where the
+    gradients are contiguous float32 CPU tensors and the kernels are built (PyTorch's foreach
+    path takes a norm and a multiplication per tensor there); PyTorch's otherwise."""
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
+    plain = any(g.device.type != "cpu" or g.dtype != torch.float32 or g.is_sparse
+                or not g.is_contiguous() for g in grads)
+    if plain or not grads or extension() is None:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    return extension().clip_grad_norm(grads, max_norm)

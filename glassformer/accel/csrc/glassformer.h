@@ -9,6 +9,7 @@
 //   train_ops.cpp    training's fused RMSNorm, LayerNorm, RoPE, SwiGLU, GELU passes and a
 //                    tiled transpose
 //   train_autograd.cpp  LayerNorm and GELU as autograd nodes in C++ (no Python backward)
+//   grad_clip.cpp    gradient clipping by the global norm, all tensors in one call
 //   bindings.cpp     the Python module
 //
 // Built for AVX2 + FMA + F16C; the quantized products also have AVX-512 VNNI paths, taken
@@ -162,6 +163,9 @@ torch::Tensor transpose(const torch::Tensor& x);
 torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& w, const Bias& b,
                          double eps);
 torch::Tensor gelu(const torch::Tensor& x);
+
+// clip_grad_norm_ over float32 gradients, in place; the total norm (grad_clip.cpp).
+torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm);
 
 // Training's exact attention for short sequences (attention_train.cpp): (out, lse) and
 // (dq, dk, dv).
