@@ -1,6 +1,8 @@
 """Training's C++ passes against PyTorch's own, forward and backward, at the `shakespeare-char`
 preset's sizes (batch 12, context 64, d_model 128, 4 heads of 32, d_ff 512): attention
-(PyTorch's fused scaled_dot_product_attention) and exact GELU (F.gelu); and the fast preset's
+(PyTorch's fused scaled_dot_product_attention), exact GELU (F.gelu), LayerNorm without bias
+(F.layer_norm) and the clipping of the preset model's gradients (clip_grad_norm_, foreach);
+and the fast preset's
 Muon Newton–Schulz step in float32 (the direct iteration vs the one on the Gram matrix).
 Interleaved rounds; prints the median µs of each and the ratio.
 
@@ -21,9 +23,12 @@ from cpu_report import print_cpu
 
 from glassformer.accel import attention, fused
 from glassformer.accel.build import extension
+from glassformer.accel.fast_training import clip_grad_norm_
+from glassformer.model.encoder_decoder import build_model
 from glassformer.model.layers.attention_backends import sdpa_attention
 from glassformer.model.layers.masking import AttentionMask
 from glassformer.training.allocator import keep_freed_memory
+from glassformer.training.config import get_recipe
 from glassformer.training.optim import orthogonalize
 
 B, T, D_MODEL, HEADS, D_FF = 12, 64, 128, 4, 512
@@ -54,6 +59,16 @@ def direct_newton_schulz(stack: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def preset_gradients(seed: int) -> list[torch.nn.Parameter]:
+    """The `shakespeare-char` model's parameters (65 characters), each with a random gradient."""
+    torch.manual_seed(seed)
+    model = build_model(get_recipe("shakespeare-char").model.replace(vocab_size=65))
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
 def contenders() -> dict[str, tuple]:
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(B, T, 3 * D_MODEL, generator=g)  # (B, T, 3 d): the fused product
@@ -61,12 +76,18 @@ def contenders() -> dict[str, tuple]:
     positions = torch.arange(T).expand(B, T)
     causal = AttentionMask(positions, positions, causal=True, contiguous=True)
     u = torch.randn(B, T, D_FF, generator=g)
+    x, w = torch.randn(B, T, D_MODEL, generator=g), torch.randn(D_MODEL, generator=g)
+    theirs_params, our_params = preset_gradients(0), preset_gradients(0)
     stacks = [torch.randn(4, *shape, generator=g) for shape in
               ((3 * 128, 128), (128, 128), (2 * 336, 128), (128, 336))]  # the fast preset's
     return {
         "attention": (forward_backward(lambda q, k, v: sdpa_attention(q, k, v, causal), q, k, v),
                       forward_backward(lambda q, k, v: attention.attention(q, k, v, causal), q, k, v)),
         "GELU": (forward_backward(F.gelu, u), forward_backward(fused.gelu, u)),
+        "LayerNorm": (forward_backward(lambda x, w: F.layer_norm(x, (D_MODEL,), w), x, w),
+                      forward_backward(lambda x, w: fused.layer_norm(x, w, None, 1e-5), x, w)),
+        "clip_grad_norm_": (lambda: torch.nn.utils.clip_grad_norm_(theirs_params, 1.0, foreach=True),
+                            lambda: clip_grad_norm_(our_params, 1.0)),
         "Newton-Schulz (float32)": (lambda: [direct_newton_schulz(s) for s in stacks],
                                     lambda: [orthogonalize(s, MUON, 5, 1e-7, torch.float32)
                                              for s in stacks]),

@@ -1,13 +1,15 @@
-"""RMSNorm, rotary embeddings, SwiGLU and GELU as single C++ passes (csrc/train_ops.cpp) for
-training.
+"""RMSNorm, LayerNorm, rotary embeddings, SwiGLU and GELU as single C++ passes
+(csrc/train_ops.cpp) for training.
 
 The plain expressions in `glassformer.model.layers` take several elementwise ops each,
 forward and backward, and at the sizes of a small model on a CPU those ops' fixed costs add
 up to a large share of a training step. These autograd functions compute the same values in
-one pass each way. They apply to float32 CPU tensors that need a gradient, with the kernels
-built; every other call (inference, other dtypes or devices) keeps the plain expressions,
-which remain the reference (tests/accel/test_fused.py compares both, values and gradients).
-The modules at the end are the layers' drop-in replacements, installed by
+one pass each way; LayerNorm and GELU are autograd nodes written in C++
+(csrc/train_autograd.cpp), whose backward pass never enters Python. They apply to float32
+CPU tensors that need a gradient, with the kernels built; every other call (inference, other
+dtypes or devices) keeps the plain expressions, which remain the reference
+(tests/accel/test_fused.py compares both, values and gradients). The modules at the end are
+the layers' drop-in replacements, installed by
 `fast_training.use_fast_training`.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..model.layers.feedforward import Activation
-from ..model.layers.norm import RMSNorm
+from ..model.layers.norm import LayerNorm, RMSNorm
 from ..model.layers.positions import Rotary
 from .build import extension
 
@@ -75,25 +77,21 @@ class _SwiGLU(torch.autograd.Function):
         return extension().swiglu_backward(grad_rows, rows).view(*grad.shape[:-1], -1)
 
 
-class _GELU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        ctx.save_for_backward(x)
-        return extension().gelu_forward(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        return extension().gelu_backward(grad.contiguous(), x)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x / sqrt(mean(x²) + eps) * weight over the last dimension, or None where the fused
     kernel does not apply (the caller then computes the plain expression)."""
     if not _applies(x, weight):
         return None
     return _RMSNorm.apply(x, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               eps: float) -> torch.Tensor | None:
+    """(x - mean(x)) / sqrt(var(x) + eps) * weight (+ bias) over the last dimension, or None
+    where the fused kernel does not apply."""
+    if not _applies(x, weight, *([] if bias is None else [bias])):
+        return None
+    return extension().layer_norm(x, weight, bias, eps)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -120,7 +118,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor | None:
     apply. ATen's erf is several times slower on AVX2 than this one pass."""
     if not _applies(x):
         return None
-    return _GELU.apply(x)
+    return extension().gelu(x)
 
 
 class FusedRMSNorm(RMSNorm):
@@ -128,6 +126,14 @@ class FusedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = rms_norm(x, self.weight, self.eps)
+        return super().forward(x) if y is None else y
+
+
+class FusedLayerNorm(LayerNorm):
+    """LayerNorm, same parameters, through `layer_norm` where it applies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = layer_norm(x, self.weight, self.bias, self.eps)
         return super().forward(x) if y is None else y
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ..accel import threads
 from ..accel.cpu import bf16_products_pay
-from ..accel.fast_training import use_fast_training
+from ..accel.fast_training import clip_grad_norm_, use_fast_training
 from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
 from ..formats.tokenizers import train_tokenizer
 from ..generation.config import GenerationConfig
@@ -73,7 +73,7 @@ def train_step(model, optimizer, x, y, grad_accum: int, grad_clip: float, amp,
             loss.backward()
         total += loss.detach()
     if grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+        clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total

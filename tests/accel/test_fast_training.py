@@ -94,3 +94,51 @@ def test_the_converted_model_trains_like_the_plain_one():
     grads = {name: p.grad for name, p in plain.named_parameters()}
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _gradients(seed: int, scale: float) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(65, 128), (128,), (512, 128), (3,), (40_000,)]  # pieces of 16,384 and partial ones
+    return [torch.randn(s, generator=g, dtype=torch.float64) * scale for s in shapes]
+
+
+@pytest.mark.parametrize("build_name", ["kernels", "avx2_kernels"])
+@pytest.mark.parametrize("scale", [1.0, 1e-4])  # clipped, and left as they are (coefficient 1)
+def test_clip_grad_norm_equals_torchs(build_name, scale, request):
+    ext = request.getfixturevalue(build_name)
+    grads64 = _gradients(int(scale * 10) + 3, scale)
+    reference = [g.clone() for g in grads64]
+    params = [torch.zeros_like(g, requires_grad=True) for g in reference]
+    for p, g in zip(params, reference, strict=True):
+        p.grad = g
+    total_ref = torch.nn.utils.clip_grad_norm_(params, 0.5, foreach=True)
+    grads = [g.float() for g in grads64]
+    total = ext.clip_grad_norm(grads, 0.5)
+    torch.testing.assert_close(total.double(), total_ref, rtol=1e-6, atol=0)
+    for got, ref in zip(grads, reference, strict=True):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_clip_grad_norm_takes_the_kernel_for_float32_and_torch_for_the_rest(monkeypatch):
+    from glassformer.accel.fast_training import clip_grad_norm_
+
+    calls = []
+    real = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    for dtype, plain in ((torch.float32, False), (torch.float64, True)):
+        params = [torch.zeros(s, dtype=dtype, requires_grad=True) for s in ((4, 8), (8,), (2,))]
+        for p in params[:2]:
+            p.grad = torch.randn(p.shape, generator=g, dtype=dtype)
+        # the third has no gradient: left out, as torch leaves it
+        expected = torch.linalg.vector_norm(torch.cat([p.grad.double().flatten()
+                                                       for p in params[:2]]))
+        clipped = [p.grad.double() * min(1.0, 1.0 / (expected.item() + 1e-6)) for p in params[:2]]
+        total = clip_grad_norm_(params, 1.0)
+        torch.testing.assert_close(total.double(), expected, rtol=1e-6, atol=0)
+        for p, ref in zip(params[:2], clipped, strict=True):
+            torch.testing.assert_close(p.grad.double(), ref, rtol=1e-6, atol=1e-9)
+        assert len(calls) == plain
+        calls.clear()

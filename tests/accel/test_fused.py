@@ -1,4 +1,4 @@
-"""The fused RMSNorm, RoPE, SwiGLU and GELU passes used in training equal the plain expressions:
+"""The fused RMSNorm, LayerNorm, RoPE, SwiGLU and GELU passes used in training equal the plain expressions:
 values and gradients, against a float64 oracle, on odd sizes and strided inputs."""
 
 from __future__ import annotations
@@ -67,6 +67,63 @@ def test_rms_norm_takes_strided_input():
                           lambda x, w: plain_rms_norm(x, w, 1e-6), [x, w])
 
 
+def plain_layer_norm(x, w, b, eps):
+    centred = x - x.mean(-1, keepdim=True)
+    y = centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + eps) * w
+    return y if b is None else y + b
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(2, 7, 16), (3, 5, 37), (1, 1, 128), (12, 64, 128)])
+def test_layer_norm_values_and_gradients(shape, bias):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3 + 5  # an offset: the mean must come out exactly
+    params = [torch.randn(shape[-1], generator=g) for _ in range(2 if bias else 1)]
+    assert fused.layer_norm(x.requires_grad_(True), *params[:1], None, 1e-5) is not None
+
+    def fused_norm(x, w, b=None):
+        return fused.layer_norm(x, w, b, 1e-5)
+
+    def reference(x, w, b=None):
+        return plain_layer_norm(x, w, b, 1e-5)
+
+    assert_matches_oracle(fused_norm, reference, [x.detach(), *params])
+
+
+def test_layer_norm_takes_strided_input_and_gradient():
+    x = torch.randn(6, 5, 24).transpose(0, 1)  # (5, 6, 24), not contiguous
+    w, b = torch.randn(24), torch.randn(24)
+    leaf = x.clone().requires_grad_(True)
+    y = fused.layer_norm(leaf, w, b, 1e-6)
+    grad = torch.randn(6, 5, 24).transpose(0, 1)  # a strided output gradient too
+    y.backward(grad)
+    ref_leaf = x.double().requires_grad_(True)
+    ref = plain_layer_norm(ref_leaf, w.double(), b.double(), 1e-6)
+    ref.backward(grad.double())
+    torch.testing.assert_close(y.detach().double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("build", ["kernels", "avx2_kernels"])
+def test_layer_norm_kernels_of_each_build(build, request):
+    ext = request.getfixturevalue(build)
+    g = torch.Generator().manual_seed(3)
+    x, grad = torch.randn(70, 131, generator=g, dtype=torch.float64) * 2 + 1, torch.randn(
+        70, 131, generator=g, dtype=torch.float64)
+    w, b = torch.randn(131, generator=g, dtype=torch.float64), torch.randn(131, generator=g,
+                                                                          dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y_ref = plain_layer_norm(*leaves, 1e-5)
+    y_ref.backward(grad)
+    y, mean, inv_std = ext.layer_norm_forward(x.float(), w.float(), b.float(), 1e-5)
+    dx, dw, db = ext.layer_norm_backward(grad.float(), x.float(), w.float(), mean, inv_std, True)
+    torch.testing.assert_close(y.double(), y_ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean.double(), x.mean(-1), rtol=1e-6, atol=1e-6)
+    for got, leaf in zip((dx, dw, db), leaves, strict=True):
+        torch.testing.assert_close(got.double(), leaf.grad, rtol=1e-4, atol=1e-4)
+    assert ext.layer_norm_backward(grad.float(), x.float(), w.float(), mean, inv_std, False)[2] is None
+
+
 @pytest.mark.parametrize("batch_angles", [1, 2])
 @pytest.mark.parametrize("d_head", [8, 6, 64])
 def test_rope_values_and_gradients_on_a_transposed_view(batch_angles, d_head):
@@ -103,14 +160,19 @@ def test_gelu_values_and_gradients(shape):
 @pytest.mark.parametrize("build", ["kernels", "avx2_kernels"])
 def test_gelu_kernels_of_each_build_equal_the_exact_gelu(build, request):
     ext = request.getfixturevalue(build)
-    x = torch.linspace(-10, 10, 4099, dtype=torch.float64)  # 4099: a partial vector at the end
+    # a dense grid (steps of 1e-4 on [-10, 10]; 200,001 points: a partial vector at the end),
+    # each point as float32 holds it, so only the kernels' own error counts
+    x = torch.linspace(-10, 10, 200_001, dtype=torch.float64).float().double()
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     leaf = x.clone().requires_grad_(True)
     y = torch.nn.functional.gelu(leaf)
-    y.backward(dy)
-    torch.testing.assert_close(ext.gelu_forward(x.float()).double(), y.detach(), rtol=1e-5,
-                               atol=3e-7)
-    torch.testing.assert_close(ext.gelu_backward(dy.float(), x.float()).double(), leaf.grad,
+    y.sum().backward()
+    slope = leaf.grad  # Φ(x) + x φ(x)
+    y_kernel = ext.gelu_forward(x.float()).double()
+    slope_kernel = ext.gelu_backward(torch.ones_like(x).float(), x.float()).double()
+    assert (y_kernel - y.detach()).abs().max() < 1e-6
+    assert (slope_kernel - slope).abs().max() < 1e-6
+    torch.testing.assert_close(ext.gelu_backward(dy.float(), x.float()).double(), dy * slope,
                                rtol=1e-5, atol=1e-6)
 
 
@@ -172,13 +234,16 @@ def test_gelu_model_training_gradients_equal_the_plain_path(monkeypatch):
     use_fast_training(model)
     ids = torch.randint(0, 50, (3, 17))
     calls = []
-    real = fused.gelu
-    monkeypatch.setattr(fused, "gelu", lambda x: calls.append(1) or real(x))
+    for name in ("gelu", "layer_norm"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, real=real, name=name:
+                            calls.append(name) or real(*a))
     grads = []
     for m in (model, plain):
         logits = m(ids[:, :-1])
         torch.nn.functional.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1)).backward()
         grads.append({n: p.grad for n, p in m.named_parameters()})
-    assert len(calls) == config.n_layers
+    L = config.n_layers  # two norms per layer and the final one, one activation per layer
+    assert sorted(calls) == sorted(["gelu"] * L + ["layer_norm"] * (2 * L + 1))
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], rtol=1e-4, atol=1e-6, msg=name)

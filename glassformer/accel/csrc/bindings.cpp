@@ -29,6 +29,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("try_q4", &gf::try_q4, NoGil(), "linear_q4 for a small batch of K features, else None");
   module.def("rms_norm_forward", &gf::rms_norm_forward, "RMSNorm rows: (y, 1/rms) (train_ops.cpp)");
   module.def("rms_norm_backward", &gf::rms_norm_backward, "RMSNorm gradients (dx, dw)");
+  module.def("layer_norm_forward", &gf::layer_norm_forward, "LayerNorm rows: (y, mean, 1/std)");
+  module.def("layer_norm_backward", &gf::layer_norm_backward, "LayerNorm gradients (dx, dw, db)");
+  module.def("layer_norm", &gf::layer_norm, "LayerNorm on the last dimension, a C++ autograd node");
+  module.def("gelu", &gf::gelu, "exact GELU, a C++ autograd node");
+  module.def("clip_grad_norm", &gf::clip_grad_norm, "clip_grad_norm_ in place: the total norm");
   module.def("rope", &gf::rope, "rotary embedding of (B, H, T, D), inverse: the backward pass");
   module.def("swiglu_forward", &gf::swiglu_forward, "silu(g) u for h = [g | u] (R, 2F)");
   module.def("swiglu_backward", &gf::swiglu_backward, "SwiGLU gradient [dg | du] (R, 2F)");

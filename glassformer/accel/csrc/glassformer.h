@@ -6,8 +6,10 @@
 //   decode_step.cpp  one decode step through every layer (calls the linear_* entry points)
 //   greedy.cpp       each row's argmax, the greedy pick of a decode step
 //   attention_train.cpp  training's attention for short sequences, forward and backward
-//   train_ops.cpp    training's fused RMSNorm, RoPE, SwiGLU, GELU passes and a tiled
-//                    transpose
+//   train_ops.cpp    training's fused RMSNorm, LayerNorm, RoPE, SwiGLU, GELU passes and a
+//                    tiled transpose
+//   train_autograd.cpp  LayerNorm and GELU as autograd nodes in C++ (no Python backward)
+//   grad_clip.cpp    gradient clipping by the global norm, all tensors in one call
 //   bindings.cpp     the Python module
 //
 // Built for AVX2 + FMA + F16C; the quantized products also have AVX-512 VNNI paths, taken
@@ -144,6 +146,11 @@ std::vector<torch::Tensor> rms_norm_forward(const torch::Tensor& x, const torch:
                                             double eps);
 std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& g, const torch::Tensor& x,
                                              const torch::Tensor& w, const torch::Tensor& r);
+std::vector<torch::Tensor> layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w,
+                                              const torch::Tensor& b, double eps);
+std::vector<torch::Tensor> layer_norm_backward(const torch::Tensor& g, const torch::Tensor& x,
+                                               const torch::Tensor& w, const torch::Tensor& mu,
+                                               const torch::Tensor& r, bool has_bias);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                    bool inverse);
 torch::Tensor swiglu_forward(const torch::Tensor& h);
@@ -151,6 +158,14 @@ torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h);
 torch::Tensor gelu_forward(const torch::Tensor& x);
 torch::Tensor gelu_backward(const torch::Tensor& dy, const torch::Tensor& x);
 torch::Tensor transpose(const torch::Tensor& x);
+
+// LayerNorm and GELU with their gradients as autograd nodes in C++ (train_autograd.cpp).
+torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& w, const Bias& b,
+                         double eps);
+torch::Tensor gelu(const torch::Tensor& x);
+
+// clip_grad_norm_ over float32 gradients, in place; the total norm (grad_clip.cpp).
+torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm);
 
 // Training's exact attention for short sequences (attention_train.cpp): (out, lse) and
 // (dq, dk, dv).

@@ -1,5 +1,5 @@
-// Fused forward and backward passes of RMSNorm, rotary position embeddings, SwiGLU and GELU
-// for training, and a tiled transpose.
+// Fused forward and backward passes of RMSNorm, LayerNorm, rotary position embeddings, SwiGLU
+// and GELU for training, and a tiled transpose.
 //
 // Each function is one pass over its tensors where the plain PyTorch expressions
 // (glassformer/model/layers/norm.py, positions.py, feedforward.py) take several elementwise
@@ -91,6 +91,124 @@ std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& g, const torch
     }
   }
   return {dx, partial.sum(0)};
+}
+
+// y = (x - mu) r w (+ b) with mu = mean(x), r = 1 / sqrt(mean((x - mu)²) + eps) for each row of
+// x (R, d); b may be undefined (no bias). Returns y, mu (R) and r (R).
+std::vector<torch::Tensor> layer_norm_forward(const torch::Tensor& x, const torch::Tensor& w,
+                                              const torch::Tensor& b, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "x must be a contiguous (R, d) float32 tensor");
+  const int64_t R = x.size(0), d = x.size(1), d8 = d / 8 * 8;
+  check_weight(w.view({1, -1}), torch::kFloat32, 1, d, "weight");
+  if (b.defined()) check_weight(b.view({1, -1}), torch::kFloat32, 1, d, "bias");
+  auto y = torch::empty_like(x);             // (R, d)
+  auto mu = torch::empty({R}, x.options());  // (R,)
+  auto r = torch::empty({R}, x.options());   // (R,)
+  const float* __restrict xp = x.data_ptr<float>();
+  const float* __restrict wp = w.data_ptr<float>();
+  const float* __restrict bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* __restrict yp = y.data_ptr<float>();
+  float* __restrict mp = mu.data_ptr<float>();
+  float* __restrict rp = r.data_ptr<float>();
+#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
+  for (int64_t i = 0; i < R; ++i) {
+    const float* __restrict a = xp + i * d;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d8; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(a + j));
+    float sum = hsum(acc);
+    for (int64_t j = d8; j < d; ++j) sum += a[j];
+    const float mean = sum / d;
+    const __m256 mean8 = _mm256_set1_ps(mean);
+    acc = _mm256_setzero_ps();  // a second pass over the centred row: no cancellation
+    for (int64_t j = 0; j < d8; j += 8) {
+      const __m256 c = _mm256_sub_ps(_mm256_loadu_ps(a + j), mean8);
+      acc = _mm256_fmadd_ps(c, c, acc);
+    }
+    float squares = hsum(acc);
+    for (int64_t j = d8; j < d; ++j) squares += (a[j] - mean) * (a[j] - mean);
+    const float inv = 1.f / std::sqrt(squares / d + static_cast<float>(eps));
+    mp[i] = mean;
+    rp[i] = inv;
+    float* __restrict y_row = yp + i * d;
+    const __m256 inv8 = _mm256_set1_ps(inv);
+    for (int64_t j = 0; j < d8; j += 8) {
+      const __m256 n8 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(a + j), mean8), inv8);
+      const __m256 b8 = bp ? _mm256_loadu_ps(bp + j) : _mm256_setzero_ps();
+      _mm256_storeu_ps(y_row + j, _mm256_fmadd_ps(n8, _mm256_loadu_ps(wp + j), b8));
+    }
+    for (int64_t j = d8; j < d; ++j) y_row[j] = (a[j] - mean) * inv * wp[j] + (bp ? bp[j] : 0.f);
+  }
+  return {y, mu, r};
+}
+
+// The gradients of layer_norm_forward for the output gradient g (R, d): with n = (x - mu) r,
+//   dx = r (g w - mean(g w) - n mean(g w n)),  dw = sum over rows of g n,  db = sum of g.
+// Returns dx, dw and db (undefined without `has_bias`).
+std::vector<torch::Tensor> layer_norm_backward(const torch::Tensor& g, const torch::Tensor& x,
+                                               const torch::Tensor& w, const torch::Tensor& mu,
+                                               const torch::Tensor& r, bool has_bias) {
+  TORCH_CHECK(g.sizes() == x.sizes() && g.is_contiguous() && g.scalar_type() == torch::kFloat32,
+              "the gradient must be a contiguous float32 tensor shaped like x");
+  const int64_t R = x.size(0), d = x.size(1);
+  const int threads = at::get_num_threads();
+  auto dx = torch::empty_like(x);  // (R, d)
+  std::vector<float> partial(threads * 2 * d, 0.f);  // (threads, 2, d): dw, db per thread
+  const float* __restrict gp = g.data_ptr<float>();
+  const float* __restrict xp = x.data_ptr<float>();
+  const float* __restrict wp = w.data_ptr<float>();
+  const float* __restrict mp = mu.data_ptr<float>();
+  const float* __restrict rp = r.data_ptr<float>();
+  float* __restrict dxp = dx.data_ptr<float>();
+#pragma omp parallel num_threads(threads)
+  {
+    float* __restrict dw = partial.data() + omp_get_thread_num() * 2 * d;
+    float* __restrict db = dw + d;
+    std::vector<float> n(d), gw(d);  // the current row's n and g w
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < R; ++i) {
+      const float* __restrict gi = gp + i * d;
+      const float* __restrict xi = xp + i * d;
+      const float mean = mp[i], ri = rp[i];
+      const __m256 mean8 = _mm256_set1_ps(mean), r8 = _mm256_set1_ps(ri);
+      __m256 acc_gw = _mm256_setzero_ps(), acc_gwn = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= d; j += 8) {
+        const __m256 g8 = _mm256_loadu_ps(gi + j);
+        const __m256 n8 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xi + j), mean8), r8);
+        const __m256 gw8 = _mm256_mul_ps(g8, _mm256_loadu_ps(wp + j));
+        _mm256_storeu_ps(n.data() + j, n8);
+        _mm256_storeu_ps(gw.data() + j, gw8);
+        acc_gw = _mm256_add_ps(acc_gw, gw8);
+        acc_gwn = _mm256_fmadd_ps(gw8, n8, acc_gwn);
+        _mm256_storeu_ps(dw + j, _mm256_fmadd_ps(g8, n8, _mm256_loadu_ps(dw + j)));
+        _mm256_storeu_ps(db + j, _mm256_add_ps(g8, _mm256_loadu_ps(db + j)));
+      }
+      float sum_gw = hsum(acc_gw), sum_gwn = hsum(acc_gwn);
+      for (; j < d; ++j) {
+        n[j] = (xi[j] - mean) * ri;
+        gw[j] = gi[j] * wp[j];
+        sum_gw += gw[j];
+        sum_gwn += gw[j] * n[j];
+        dw[j] += gi[j] * n[j];
+        db[j] += gi[j];
+      }
+      const __m256 mean_gw8 = _mm256_set1_ps(sum_gw / d), mean_gwn8 = _mm256_set1_ps(sum_gwn / d);
+      float* __restrict dx_row = dxp + i * d;
+      for (j = 0; j + 8 <= d; j += 8) {
+        const __m256 centred = _mm256_fnmadd_ps(
+            _mm256_loadu_ps(n.data() + j), mean_gwn8,
+            _mm256_sub_ps(_mm256_loadu_ps(gw.data() + j), mean_gw8));
+        _mm256_storeu_ps(dx_row + j, _mm256_mul_ps(r8, centred));
+      }
+      for (; j < d; ++j) dx_row[j] = ri * (gw[j] - sum_gw / d - n[j] * sum_gwn / d);
+    }
+  }
+  auto sums = torch::zeros({2, d}, x.options());  // (2, d): dw, db
+  float* __restrict sp = sums.data_ptr<float>();
+  for (int t = 0; t < threads; ++t)
+    for (int64_t j = 0; j < 2 * d; ++j) sp[j] += partial[t * 2 * d + j];
+  return {dx, sums[0], has_bias ? sums[1] : torch::Tensor()};
 }
 
 // y = x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) on the halves of the last
@@ -215,18 +333,42 @@ torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h) {
   return dh;
 }
 
+// e^w for 8 floats w in [-81, 0], the Gaussian's range in normal_cdf8: w = n ln2 + r with
+// |r| <= ln2 / 2, e^r by a degree-5 polynomial fitted here for relative error (1.1e-7; exp8's
+// degree 7 buys accuracy that erf's 1.5e-7 does not keep), n rounded by adding 1.5 2^23,
+// whose low mantissa bits then hold n: shifted into the exponent, they make 2^n.
+static inline __m256 exp_gauss8(__m256 w) {
+  const __m256 magic = _mm256_set1_ps(12582912.f);
+  const __m256 shifted = _mm256_fmadd_ps(w, _mm256_set1_ps(1.44269504f), magic);
+  const __m256 n = _mm256_sub_ps(shifted, magic);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), w);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(8.31253e-3f);
+  for (const float c : {4.189011e-2f, 1.6667114e-1f, 4.999923e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
 // Φ(x) = (1 + erf(x / √2)) / 2 for 8 floats, and e^(-x² / 2) for the caller's φ(x): erf by
-// Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7) on |x| / √2, its sign restored.
+// Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7) on z = |x| / √2, its sign restored.
+// Its t = 1 / (1 + p z) is a reciprocal estimate and one Newton step (relative error ~2e-7)
+// where a division would hold up the pipeline; z stops at 9, where erfc(z) is below 1e-36.
 static inline __m256 normal_cdf8(__m256 x, __m256* gauss) {
-  const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), x),
-                                 _mm256_set1_ps(0.70710678f));
+  const __m256 z = _mm256_min_ps(_mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), x),
+                                               _mm256_set1_ps(0.70710678f)),
+                                 _mm256_set1_ps(9.f));
   const __m256 one = _mm256_set1_ps(1.f);
-  const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), z, one));
+  const __m256 den = _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), z, one);
+  const __m256 guess = _mm256_rcp_ps(den);
+  const __m256 t = _mm256_fmadd_ps(guess, _mm256_fnmadd_ps(den, guess, one), guess);
   __m256 p = _mm256_set1_ps(1.061405429f);
   for (const float c : {-1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f})
     p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(c));
   p = _mm256_mul_ps(p, t);
-  *gauss = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(z, z)));
+  *gauss = exp_gauss8(_mm256_fnmadd_ps(z, z, _mm256_setzero_ps()));
   const __m256 erf_abs = _mm256_fnmadd_ps(p, *gauss, one);
   const __m256 erf = _mm256_or_ps(erf_abs, _mm256_and_ps(x, _mm256_set1_ps(-0.f)));
   return _mm256_fmadd_ps(erf, _mm256_set1_ps(0.5f), _mm256_set1_ps(0.5f));

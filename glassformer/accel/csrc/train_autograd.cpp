@@ -1,0 +1,57 @@
+// LayerNorm and GELU for training as autograd functions written in C++, around the passes of
+// train_ops.cpp.
+//
+// A Python autograd function costs tens of microseconds a call on each pass (its context, and
+// the engine taking the GIL to run its backward), more than ATen's LayerNorm spends on a small
+// model's rows. These nodes are C++ through and through: the backward pass never enters Python.
+
+#include <torch/autograd.h>
+
+#include "glassformer.h"
+
+namespace glassformer {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w, const Bias& b, double eps) {
+    const auto rows = x.reshape({-1, x.size(-1)}).contiguous();  // (R, d)
+    // y (R, d), mu (R), r (R)
+    auto out = glassformer::layer_norm_forward(rows, w, b ? *b : torch::Tensor(), eps);
+    ctx->save_for_backward({rows, w, out[1], out[2]});
+    ctx->saved_data["has_bias"] = b.has_value();
+    return out[0].view(x.sizes());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& rows = saved[0];
+    const auto g = grads[0].reshape(rows.sizes()).contiguous();  // (R, d)
+    auto out = glassformer::layer_norm_backward(g, rows, saved[1], saved[2], saved[3],
+                                                ctx->saved_data["has_bias"].toBool());
+    return {out[0].view(grads[0].sizes()), out[1], out[2], torch::Tensor()};
+  }
+};
+
+struct GeluFunction : public torch::autograd::Function<GeluFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x) {
+    const auto input = x.contiguous();
+    ctx->save_for_backward({input});
+    return glassformer::gelu_forward(input);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {glassformer::gelu_backward(grads[0].contiguous(), ctx->get_saved_variables()[0])};
+  }
+};
+
+torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& w, const Bias& b,
+                         double eps) {
+  return LayerNormFunction::apply(x, w, b, eps);
+}
+
+torch::Tensor gelu(const torch::Tensor& x) { return GeluFunction::apply(x); }
+
+}  // namespace glassformer
