@@ -170,6 +170,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
     )
     T, main, device = model_config.context_length, process.is_main, process.device
     created = not out.exists()
+    distributed.barrier(process)  # every rank has checked the run folder before rank 0 writes
     try:
         if main:
             out.mkdir(parents=True, exist_ok=True)
