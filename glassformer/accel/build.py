@@ -8,9 +8,10 @@ version, the flags, the Python and torch versions and the CPU's feature flags, s
 any of them builds afresh. A cached build is imported directly (the compiler is only asked
 its version). Setting `GLASSFORMER_KERNELS=torch` selects the pure-PyTorch path everywhere.
 
-Two targets: "native" (-march=native, the one the library uses: AVX-512 VNNI where the CPU
-has it) and "avx2" (AVX2 + FMA + F16C only), so the AVX2 path is built and tested on CPUs
-that have more.
+Two targets: "native" (-march=native: AVX-512 VNNI where the CPU has it) and "avx2" (AVX2 +
+FMA + F16C only), so the AVX2 path is built and tested on CPUs that have more. The library
+uses "native", or "avx2" where PyTorch's dispatch is lowered below the CPU's AVX-512
+(`ATEN_CPU_CAPABILITY=avx2`): the whole process then computes as an AVX2-only CPU does.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from types import ModuleType
 import torch
 
 from ..home import home
+from .cpu import kernel_target
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))  # every translation unit of the extension
@@ -169,17 +171,19 @@ def _load(target: str) -> ModuleType | str:
     return reason
 
 
-def extension(target: str = "native") -> ModuleType | None:
-    """The compiled kernels for `target` (built on the first call), or None for the PyTorch
-    path."""
+def extension(target: str | None = None) -> ModuleType | None:
+    """The compiled kernels for `target` (default: `cpu.kernel_target()`; built on the first
+    call), or None for the PyTorch path."""
+    target = target or kernel_target()
     if target not in _loaded:
         _loaded[target] = _load(target)
     found = _loaded[target]
     return None if isinstance(found, str) else found
 
 
-def why_unavailable(target: str = "native") -> str | None:
+def why_unavailable(target: str | None = None) -> str | None:
     """Why `extension(target)` is None (deciding it first), or None when it is not."""
+    target = target or kernel_target()
     extension(target)
     found = _loaded[target]
     return found if isinstance(found, str) else None

@@ -67,12 +67,30 @@ def parse(cpuinfo: str, capability: str) -> CpuFeatures:
 @functools.cache
 def cpu_features() -> CpuFeatures:
     """This machine's features, read once per process."""
+    return parse(_cpuinfo(), torch.backends.cpu.get_cpu_capability())
+
+
+@functools.cache
+def _cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as info:
-            text = info.read()
+            return info.read()
     except OSError:
-        text = ""
-    return parse(text, torch.backends.cpu.get_cpu_capability())
+        return ""
+
+
+def choose_kernel_target(has_avx512: bool, capability: str) -> str:
+    """The build of the C++ kernels to use: "native", or "avx2" where PyTorch dispatches below
+    the AVX-512 this CPU has (ATEN_CPU_CAPABILITY=avx2), so that the kernels too compute as an
+    AVX2-only CPU does."""
+    return "avx2" if has_avx512 and capability != "AVX512" else "native"
+
+
+@functools.cache
+def kernel_target() -> str:
+    """This process's kernel build (see choose_kernel_target), decided once."""
+    has_avx512 = parse(_cpuinfo(), "AVX512").avx512
+    return choose_kernel_target(has_avx512, torch.backends.cpu.get_cpu_capability())
 
 
 def bf16_products_pay(features: CpuFeatures | None = None) -> bool:

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -60,3 +64,24 @@ def test_prefill_products_follow_the_decision(monkeypatch, pays):
         assert torch.equal(y, y.bfloat16().float()) and not torch.equal(y, exact)
     else:
         torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("text", "capability", "target"), [
+    (ZEN4, "AVX512", "native"), (ZEN4, "AVX2", "avx2"), (ZEN3, "AVX2", "native"),
+    (SAPPHIRE, "AVX512", "native"), (SAPPHIRE, "AVX2", "avx2")])
+def test_the_kernels_follow_pytorchs_dispatch(text, capability, target):
+    """Dispatch lowered below the CPU's AVX-512 takes the AVX2 build of the C++ kernels too."""
+    has_avx512 = cpu.parse(text, "AVX512").avx512
+    assert cpu.choose_kernel_target(has_avx512, capability) == target
+
+
+def test_a_lowered_dispatch_loads_the_avx2_kernels():
+    """ATEN_CPU_CAPABILITY=avx2 in a real process: on a CPU with AVX-512 the library's kernels
+    are the AVX2 build; elsewhere the native one."""
+    code = ("import torch; from glassformer.accel import build, cpu\n"
+            "print(cpu.kernel_target(), build.extension() is build.extension(cpu.kernel_target()))")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=600, check=True)
+    expected = "avx2" if cpu.parse(cpu._cpuinfo(), "AVX512").avx512 else "native"
+    assert done.stdout.split() == [expected, "True"]
