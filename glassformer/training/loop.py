@@ -286,6 +286,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         plot_losses(out / "metrics.jsonl", out / "loss.png")
     if interrupted:
         raise KeyboardInterrupt
+    distributed.barrier(process)  # no rank returns before rank 0 has saved the run
     return {
         "iters": state["step"], "tokens_seen": state["tokens_seen"], "train_loss": train_loss,
         "val_loss": val_loss, "val_perplexity": math.exp(val_loss) if val_loss == val_loss else None,

@@ -116,6 +116,7 @@ def _objective_worker(rank, world, port, tmp, objective):
     try:
         summary = train(f"{tmp}/corpus.txt", f"{tmp}/ddp", *OBJECTIVES[objective], progress=False,
                         echo=lambda s: None)
+        assert os.path.exists(summary["checkpoint"])  # every rank returns after rank 0 saved
         if rank == 0:
             with open(f"{tmp}/summary.json", "w") as f:
                 json.dump(summary, f)
