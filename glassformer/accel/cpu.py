@@ -67,11 +67,11 @@ def parse(cpuinfo: str, capability: str) -> CpuFeatures:
 @functools.cache
 def cpu_features() -> CpuFeatures:
     """This machine's features, read once per process."""
-    return parse(_cpuinfo(), torch.backends.cpu.get_cpu_capability())
+    return parse(cpuinfo_text(), torch.backends.cpu.get_cpu_capability())
 
 
 @functools.cache
-def _cpuinfo() -> str:
+def cpuinfo_text() -> str:
     try:
         with open("/proc/cpuinfo") as info:
             return info.read()
@@ -89,7 +89,7 @@ def choose_kernel_target(has_avx512: bool, capability: str) -> str:
 @functools.cache
 def kernel_target() -> str:
     """This process's kernel build (see choose_kernel_target), decided once."""
-    has_avx512 = parse(_cpuinfo(), "AVX512").avx512
+    has_avx512 = parse(cpuinfo_text(), "AVX512").avx512
     return choose_kernel_target(has_avx512, torch.backends.cpu.get_cpu_capability())
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .build import extension
+from .cpu import cpuinfo_text
 
 
 def _transposed(t: torch.Tensor) -> torch.Tensor:
@@ -47,10 +47,7 @@ def onednn_pays() -> bool:
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    cpuinfo = cpuinfo_text()
     return "vendor_id" in cpuinfo and "GenuineIntel" not in cpuinfo
 
 
