@@ -52,16 +52,27 @@ class CpuFeatures:
 def parse(cpuinfo: str, capability: str) -> CpuFeatures:
     """The features named by /proc/cpuinfo's text, as far as `capability` (PyTorch's
     dispatch level: "AVX512", "AVX2", "DEFAULT", ...) lets them be used."""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.startswith("model name")), platform.processor() or "unknown CPU")
-    flags_line = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    flags = set(flags_line.partition(":")[2].split())
+    fields = _first_processor(cpuinfo)
+    model = fields.get("model name") or platform.processor() or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:  # a virtual machine may name no model
+        model += f" (family {fields['cpu family']}, model {fields['model']})"
+    flags = set(fields.get("flags", "").split())
     found = {name: flag in flags for name, flag in _FLAGS.items()}
     if capability != "AVX512":
         found.update(avx512=False, avx512_bf16=False, avx512_vnni=False, amx=False)
     if capability not in ("AVX512", "AVX2"):
         found.update(avx2=False, fma=False, avx_vnni=False)
     return CpuFeatures(model=model, **found)
+
+
+def _first_processor(cpuinfo: str) -> dict[str, str]:
+    """The first processor's `key : value` lines of /proc/cpuinfo's text."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, colon, value = line.partition(":")
+        if colon and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    return fields
 
 
 @functools.cache

@@ -36,6 +36,14 @@ def test_summary_names_every_deciding_feature():
     assert line == "AMD EPYC 7R13: AVX2 yes, AVX-512 no, AVX-512 BF16 no, AMX no, VNNI no"
 
 
+def test_a_generic_model_name_gets_the_family_and_model_numbers():
+    text = ("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+            "flags\t\t: fpu avx2 fma\n\nprocessor\t: 1\ncpu family\t: 99\nmodel\t\t: 7\n")
+    features = cpu.parse(text, "AVX2")
+    assert features.model == "AMD EPYC (family 25, model 1)"  # the first processor's
+    assert features.avx2 and features.fma
+
+
 @pytest.mark.parametrize(("text", "capability", "pays"), [
     (ZEN4, "AVX512", True), (ZEN4, "AVX2", False), (ZEN3, "AVX2", False),
     (SAPPHIRE, "AVX512", True)])
