@@ -3,14 +3,13 @@
 
 The plain expressions in `glassformer.model.layers` take several elementwise ops each,
 forward and backward, and at the sizes of a small model on a CPU those ops' fixed costs add
-up to a large share of a training step. These autograd functions compute the same values in
-one pass each way; LayerNorm and GELU are autograd nodes written in C++
-(csrc/train_autograd.cpp), whose backward pass never enters Python. They apply to float32
-CPU tensors that need a gradient, with the kernels built; every other call (inference, other
-dtypes or devices) keeps the plain expressions, which remain the reference
+up to a large share of a training step. These compute the same values in one pass each
+way, as autograd nodes written in C++ (csrc/train_autograd.cpp), whose backward pass never
+enters Python (a Python autograd function costs tens of microseconds a call each way). They
+apply to float32 CPU tensors that need a gradient, with the kernels built; every other call
+(inference, other dtypes or devices) keeps the plain expressions, which remain the reference
 (tests/accel/test_fused.py compares both, values and gradients). The modules at the end are
-the layers' drop-in replacements, installed by
-`fast_training.use_fast_training`.
+the layers' drop-in replacements, installed by `fast_training.use_fast_training`.
 """
 
 from __future__ import annotations
@@ -33,56 +32,12 @@ def _applies(*tensors: torch.Tensor) -> bool:
     )
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()  # (R, d)
-        y, inv_rms = extension().rms_norm_forward(rows, weight, eps)  # (R, d), (R,)
-        ctx.save_for_backward(rows, weight, inv_rms)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        rows, weight, inv_rms = ctx.saved_tensors
-        grad_rows = grad.reshape(rows.shape).contiguous()  # (R, d)
-        dx, dw = extension().rms_norm_backward(grad_rows, rows, weight, inv_rms)
-        return dx.view(grad.shape), dw, None
-
-
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return extension().rope(x, cos, sin, False)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        if grad.stride(-1) != 1:
-            grad = grad.contiguous()
-        return extension().rope(grad, cos, sin, True), None, None
-
-
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
-        rows = h.reshape(-1, h.shape[-1]).contiguous()  # (R, 2F)
-        ctx.save_for_backward(rows)
-        return extension().swiglu_forward(rows).view(*h.shape[:-1], h.shape[-1] // 2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (rows,) = ctx.saved_tensors
-        grad_rows = grad.reshape(rows.shape[0], -1).contiguous()  # (R, F)
-        return extension().swiglu_backward(grad_rows, rows).view(*grad.shape[:-1], -1)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x / sqrt(mean(x²) + eps) * weight over the last dimension, or None where the fused
     kernel does not apply (the caller then computes the plain expression)."""
     if not _applies(x, weight):
         return None
-    return _RMSNorm.apply(x, weight, eps)
+    return extension().rms_norm(x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -102,7 +57,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     if cos.dtype != torch.float32 or cos.shape[0] not in (1, x.shape[0]) or cos.shape[1] != 1:
         return None
     angles = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # (B or 1, T, D) each
-    return _Rope.apply(x, *angles)
+    return extension().rotary(x, *angles)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor | None:
@@ -110,7 +65,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor | None:
     one gradient tensor for both halves; or None where the fused kernel does not apply."""
     if not _applies(h) or h.shape[-1] % 2:
         return None
-    return _SwiGLU.apply(h)
+    return extension().swiglu(h)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor | None:

@@ -31,7 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rms_norm_backward", &gf::rms_norm_backward, "RMSNorm gradients (dx, dw)");
   module.def("layer_norm_forward", &gf::layer_norm_forward, "LayerNorm rows: (y, mean, 1/std)");
   module.def("layer_norm_backward", &gf::layer_norm_backward, "LayerNorm gradients (dx, dw, db)");
+  module.def("rms_norm", &gf::rms_norm, "RMSNorm on the last dimension, a C++ autograd node");
   module.def("layer_norm", &gf::layer_norm, "LayerNorm on the last dimension, a C++ autograd node");
+  module.def("rotary", &gf::rotary, "rope(x, cos, sin) as a C++ autograd node");
+  module.def("swiglu", &gf::swiglu, "silu(g) u for h = [g | u], a C++ autograd node");
   module.def("gelu", &gf::gelu, "exact GELU, a C++ autograd node");
   module.def("clip_grad_norm", &gf::clip_grad_norm, "clip_grad_norm_ in place: the total norm");
   module.def("rope", &gf::rope, "rotary embedding of (B, H, T, D), inverse: the backward pass");

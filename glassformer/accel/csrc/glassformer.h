@@ -8,7 +8,7 @@
 //   attention_train.cpp  training's attention for short sequences, forward and backward
 //   train_ops.cpp    training's fused RMSNorm, LayerNorm, RoPE, SwiGLU, GELU passes and a
 //                    tiled transpose
-//   train_autograd.cpp  LayerNorm and GELU as autograd nodes in C++ (no Python backward)
+//   train_autograd.cpp  the training passes as autograd nodes in C++ (no Python backward)
 //   grad_clip.cpp    gradient clipping by the global norm, all tensors in one call
 //   bindings.cpp     the Python module
 //
@@ -159,9 +159,13 @@ torch::Tensor gelu_forward(const torch::Tensor& x);
 torch::Tensor gelu_backward(const torch::Tensor& dy, const torch::Tensor& x);
 torch::Tensor transpose(const torch::Tensor& x);
 
-// LayerNorm and GELU with their gradients as autograd nodes in C++ (train_autograd.cpp).
+// RMSNorm, LayerNorm, rotary embeddings, SwiGLU and GELU with their gradients as autograd
+// nodes in C++ (train_autograd.cpp).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& w, const Bias& b,
                          double eps);
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor swiglu(const torch::Tensor& h);
 torch::Tensor gelu(const torch::Tensor& x);
 
 // clip_grad_norm_ over float32 gradients, in place; the total norm (grad_clip.cpp).

@@ -1,5 +1,5 @@
-// LayerNorm and GELU for training as autograd functions written in C++, around the passes of
-// train_ops.cpp.
+// RMSNorm, LayerNorm, rotary embeddings, SwiGLU and GELU for training as autograd functions
+// written in C++, around the passes of train_ops.cpp.
 //
 // A Python autograd function costs tens of microseconds a call on each pass (its context, and
 // the engine taking the GIL to run its backward), more than ATen's LayerNorm spends on a small
@@ -35,6 +35,55 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   }
 };
 
+struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w, double eps) {
+    const auto rows = x.reshape({-1, x.size(-1)}).contiguous();  // (R, d)
+    auto out = glassformer::rms_norm_forward(rows, w, eps);       // y (R, d), 1/rms (R)
+    ctx->save_for_backward({rows, w, out[1]});
+    return out[0].view(x.sizes());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto g = grads[0].reshape(saved[0].sizes()).contiguous();  // (R, d)
+    auto out = glassformer::rms_norm_backward(g, saved[0], saved[1], saved[2]);
+    return {out[0].view(grads[0].sizes()), out[1], torch::Tensor()};
+  }
+};
+
+struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& cos, const torch::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return glassformer::rope(x, cos, sin, false);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto g = grads[0].stride(-1) == 1 ? grads[0] : grads[0].contiguous();
+    return {glassformer::rope(g, saved[0], saved[1], true), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& h) {
+    const auto rows = h.reshape({-1, h.size(-1)}).contiguous();  // (R, 2F)
+    ctx->save_for_backward({rows});
+    auto shape = h.sizes().vec();
+    shape.back() /= 2;
+    return glassformer::swiglu_forward(rows).view(shape);  // (..., F)
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto rows = ctx->get_saved_variables()[0];
+    const auto g = grads[0].reshape({rows.size(0), -1}).contiguous();  // (R, F)
+    auto shape = grads[0].sizes().vec();
+    shape.back() *= 2;
+    return {glassformer::swiglu_backward(g, rows).view(shape)};
+  }
+};
+
 struct GeluFunction : public torch::autograd::Function<GeluFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x) {
     const auto input = x.contiguous();
@@ -53,5 +102,15 @@ torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& w, const B
 }
 
 torch::Tensor gelu(const torch::Tensor& x) { return GeluFunction::apply(x); }
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  return RmsNormFunction::apply(x, w, eps);
+}
+
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  return RotaryFunction::apply(x, cos, sin);
+}
+
+torch::Tensor swiglu(const torch::Tensor& h) { return SwiGluFunction::apply(h); }
 
 }  // namespace glassformer
