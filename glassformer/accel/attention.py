@@ -22,23 +22,6 @@ from .build import extension
 MAX_POSITIONS = 512  # a (T, T) score panel per head stays in cache
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        out, lse = extension().attention_forward(q, k, v, causal, scale)  # (B, H, T, D), (B, H, T)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        if grad.stride(-1) != 1:
-            grad = grad.contiguous()
-        dq, dk, dv = extension().attention_backward(grad, q, k, v, out, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
-
-
 def _applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
              dropout: float) -> bool:
     B, H, T, D = q.shape
@@ -66,4 +49,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attention
     if not _applies(q, k, v, mask, dropout):
         return sdpa_attention(q, k, v, mask, dropout, scale=scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _Attention.apply(q, k, v, mask.causal, scale)
+    return extension().attention(q, k, v, mask.causal, scale)  # a C++ autograd node

@@ -44,6 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("gelu_backward", &gf::gelu_backward, "GELU gradient dy (Φ(x) + x φ(x))");
   module.def("attention_forward", &gf::attention_forward, "softmax(scale q k^T) v: (out, lse)");
   module.def("attention_backward", &gf::attention_backward, "its gradients (dq, dk, dv)");
+  module.def("attention", &gf::attention, "attention_forward as a C++ autograd node");
   module.def("transpose", &gf::transpose, "(M, K) -> contiguous (K, M), float32");
   module.def("argmax_rows", &gf::argmax_rows, NoGil(), "torch.argmax(logits, -1) of (R, V) float32");
   module.attr("SMALL_BATCH") = gf::kSmallBatch;

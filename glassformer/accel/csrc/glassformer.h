@@ -159,14 +159,16 @@ torch::Tensor gelu_forward(const torch::Tensor& x);
 torch::Tensor gelu_backward(const torch::Tensor& dy, const torch::Tensor& x);
 torch::Tensor transpose(const torch::Tensor& x);
 
-// RMSNorm, LayerNorm, rotary embeddings, SwiGLU and GELU with their gradients as autograd
-// nodes in C++ (train_autograd.cpp).
+// RMSNorm, LayerNorm, rotary embeddings, SwiGLU, GELU and attention with their gradients as
+// autograd nodes in C++ (train_autograd.cpp).
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor layer_norm(const torch::Tensor& x, const torch::Tensor& w, const Bias& b,
                          double eps);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 torch::Tensor swiglu(const torch::Tensor& h);
 torch::Tensor gelu(const torch::Tensor& x);
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        bool causal, double scale);
 
 // clip_grad_norm_ over float32 gradients, in place; the total norm (grad_clip.cpp).
 torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm);

@@ -1,5 +1,5 @@
-// RMSNorm, LayerNorm, rotary embeddings, SwiGLU and GELU for training as autograd functions
-// written in C++, around the passes of train_ops.cpp.
+// RMSNorm, LayerNorm, rotary embeddings, SwiGLU, GELU and attention for training as autograd
+// functions written in C++, around the passes of train_ops.cpp and attention_train.cpp.
 //
 // A Python autograd function costs tens of microseconds a call on each pass (its context, and
 // the engine taking the GIL to run its backward), more than ATen's LayerNorm spends on a small
@@ -84,6 +84,27 @@ struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
   }
 };
 
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q,
+                               const torch::Tensor& k, const torch::Tensor& v, bool causal,
+                               double scale) {
+    auto out = glassformer::attention_forward(q, k, v, causal, scale);  // (B, H, T, D), (B, H, T)
+    ctx->save_for_backward({q, k, v, out[0], out[1]});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    return out[0];
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto g = grads[0].stride(-1) == 1 ? grads[0] : grads[0].contiguous();
+    auto d = glassformer::attention_backward(g, s[0], s[1], s[2], s[3], s[4],
+                                             ctx->saved_data["causal"].toBool(),
+                                             ctx->saved_data["scale"].toDouble());
+    return {d[0], d[1], d[2], torch::Tensor(), torch::Tensor()};
+  }
+};
+
 struct GeluFunction : public torch::autograd::Function<GeluFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x) {
     const auto input = x.contiguous();
@@ -112,5 +133,10 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 }
 
 torch::Tensor swiglu(const torch::Tensor& h) { return SwiGluFunction::apply(h); }
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        bool causal, double scale) {
+  return AttentionFunction::apply(q, k, v, causal, scale);
+}
 
 }  // namespace glassformer
