@@ -10,7 +10,9 @@ plain PyTorch (benchmarks/nanogpt_recipe.py), not nanoGPT's own code. A third co
 same baseline with glibc's allocator set as Glassformer sets it (glassformer/allocator.py), to
 show what that setting alone is worth. Prints ms/iteration, tokens/s, achieved FLOP/s and its
 fraction of this machine's fp32 matmul ceiling (the faster of MKL and oneDNN on a 1024³
-product), measured here too. --full also trains both for the recipe's 2000 iterations (with
+product), measured here too, and the step's matrix products alone (`products_alone_ms`): no
+step that does the same products with PyTorch's library can beat the recipe by more than the
+recipe's time over theirs. --full also trains both for the recipe's 2000 iterations (with
 --seeds N: N times, seeds 1337, 1338, ...) and prints the validation losses: each one's own
 estimate, and both measured alike over every window of the whole validation split.
 """
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_recipe  # noqa: E402
 from cpu_report import cpu_line, print_cpu  # noqa: E402
 
+from glassformer import Transformer  # noqa: E402
 from glassformer.formats.checkpoint import load_model  # noqa: E402
 from glassformer.training import allocator  # noqa: E402
 from glassformer.training.config import get_recipe  # noqa: E402
@@ -60,6 +63,26 @@ def matmul_ceiling(n: int = 1024, repeats: int = 20) -> dict[str, float]:
             best = min(best, time.perf_counter() - t0)
         rates[name] = 2 * n**3 / best / 1e9
     return rates
+
+
+def products_alone_ms(model: torch.nn.Module, rows: int, iters: int) -> float:
+    """ms per step of the step's linear-layer products and nothing else: for each weight W
+    (out, in), y = x Wᵀ, dx = dy W and dW = dyᵀ x on `rows` tokens, each product into its
+    own buffer allocated once, one after another with this process's threads. Attention's
+    products are left out, so this is below what any step of the model can take."""
+    plan = []  # (a, b, out): out = a @ b
+    for layer in model.linear_layers().values():
+        n_out, n_in = layer.weight.shape
+        x, w, dy = torch.randn(rows, n_in), torch.randn(n_out, n_in), torch.randn(rows, n_out)
+        plan += [(x, w.t(), torch.empty(rows, n_out)), (dy, w, torch.empty(rows, n_in)),
+                 (dy.t(), x, torch.empty(n_out, n_in))]
+    for a, b, out in plan:  # warm-up
+        torch.mm(a, b, out=out)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        for a, b, out in plan:
+            torch.mm(a, b, out=out)
+    return 1e3 * (time.perf_counter() - t0) / iters
 
 
 def baseline_ms(tmp: Path, vocab: int, iters: int, env: dict[str, str]) -> float:
@@ -124,6 +147,8 @@ def main() -> None:
     kept = {"MALLOC_MMAP_THRESHOLD_": str(allocator.MMAP_THRESHOLD),
             "MALLOC_TRIM_THRESHOLD_": str(allocator.TRIM_THRESHOLD)}
     ms = {"nanoGPT recipe": [], "nanoGPT + allocator": [], "glassformer": []}
+    products = []  # the products alone, each round
+    shape = Transformer(recipe.model.replace(vocab_size=vocab))
     for r in range(args.rounds):
         ms["nanoGPT recipe"].append(baseline_ms(tmp, vocab, args.iters, {}))
         ms["nanoGPT + allocator"].append(baseline_ms(tmp, vocab, args.iters, kept))
@@ -133,6 +158,7 @@ def main() -> None:
                      progress=False, echo=lambda s: None)
         ms["glassformer"].append(1e3 * ours["iters"] * tokens_per_iter / ours["tokens_per_second"]
                                  / ours["iters"])
+        products.append(products_alone_ms(shape, tokens_per_iter, args.iters))
     print(f"threads {torch.get_num_threads()}, fp32 matmul ceiling {ceiling:.1f} GFLOP/s "
           f"({', '.join(f'{k} {v:.0f}' for k, v in rates.items())}), "
           f"{flops / 1e9:.2f} GFLOP per iteration, {tokens_per_iter} tokens per iteration")
@@ -155,6 +181,15 @@ def main() -> None:
         print(f"glassformer / {base} tokens/s: {speedup:.2f}x (median of rounds: "
               f"{', '.join(f'{v:.2f}' for v in per_round)}; best round of each: {best:.2f}x)")
         result[f"speedup vs {base}"], result[f"speedup_best vs {base}"] = speedup, best
+    # The recipe's step over the products alone, round by round: the most any step doing the
+    # same products here could gain on the recipe (the rest of the step at no cost).
+    bound = statistics.median(b / p for b, p in zip(ms["nanoGPT recipe"], products, strict=True))
+    rest = [g - p for g, p in zip(ms["glassformer"], products, strict=True)]
+    print(f"matrix products alone {statistics.median(products):.1f} ms/iter (rounds: "
+          f"{', '.join(f'{v:.1f}' for v in products)}): the recipe / them {bound:.2f}x, the "
+          f"most a step with the same products can gain here; Glassformer's step spends "
+          f"{statistics.median(rest):.1f} ms beyond them")
+    result["products_alone_ms"], result["products_bound"] = statistics.median(products), bound
     if args.full:
         result["full"] = []
         for seed in range(1337, 1337 + args.seeds):

@@ -38,15 +38,42 @@ Rows rows_of(const torch::Tensor& x) {
   return {x.data_ptr<float>(), x.stride(0), x.stride(1), x.stride(2)};
 }
 
-// panel[d * Tp + j] = x(b, h, j)[d] for j < T, zero for T <= j < Tp.
+// panel[d * Tp + j] = x(b, h, j)[d] for j < T, zero for T <= j < Tp; D a multiple of 8.
+// Blocks of 8 rows are transposed in registers (unpack, shuffle, then swap 128-bit halves).
 void transpose_panel(const Rows& x, int64_t b, int64_t h, int64_t T, int64_t Tp, int64_t D,
                      float* panel) {
-  for (int64_t d = 0; d < D; ++d)
+  const int64_t T8 = T / 8 * 8;
+  for (int64_t j = 0; j < T8; j += 8)
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 r[8], t[8];
+      for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(x(b, h, j + a) + d);
+      for (int a = 0; a < 8; a += 2) {
+        t[a] = _mm256_unpacklo_ps(r[a], r[a + 1]);
+        t[a + 1] = _mm256_unpackhi_ps(r[a], r[a + 1]);
+      }
+      for (int a = 0; a < 8; a += 4)
+        for (int c = 0; c < 2; ++c) {
+          r[a + c] = _mm256_shuffle_ps(t[a + c], t[a + c + 2], _MM_SHUFFLE(1, 0, 1, 0));
+          r[a + c + 2] = _mm256_shuffle_ps(t[a + c], t[a + c + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+      // r[0..3]: columns {0, 2, 1, 3} of rows 0-3 (low halves) and {4, 6, 5, 7} (high); r[4..7]
+      // the same for rows 4-7.
+      static constexpr int order[4] = {0, 2, 1, 3};
+      for (int c = 0; c < 4; ++c) {
+        const __m256 top = r[order[c]], bottom = r[4 + order[c]];
+        _mm256_storeu_ps(panel + (d + c) * Tp + j, _mm256_permute2f128_ps(top, bottom, 0x20));
+        _mm256_storeu_ps(panel + (d + c + 4) * Tp + j, _mm256_permute2f128_ps(top, bottom, 0x31));
+      }
+    }
+  for (int64_t d = 0; d < D; ++d) {
+    for (int64_t j = T8; j < T; ++j) panel[d * Tp + j] = x(b, h, j)[d];
     for (int64_t j = T; j < Tp; ++j) panel[d * Tp + j] = 0.f;
-  for (int64_t j = 0; j < T; ++j) {
-    const float* row = x(b, h, j);
-    for (int64_t d = 0; d < D; ++d) panel[d * Tp + j] = row[d];
   }
+}
+
+// dst[0..D) = src[0..D), D a multiple of 8.
+inline void copy_row(const float* src, int64_t D, float* dst) {
+  for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(dst + c, _mm256_loadu_ps(src + c));
 }
 
 // s[m][j] = scale (a_m · column j of the panel) for M rows a_m (lda apart) and j < n rounded
@@ -178,7 +205,7 @@ std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch
   const float s = static_cast<float>(scale);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> panel(D * Tp), scores(kQueries * Tp), probs(kQueries * Tp), query(kQueries * D);
+    std::vector<float> panel(D * Tp), scores(kQueries * Tp), probs(kQueries * Tp);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < B * H; ++task) {
       const int64_t b = task / H, h = task % H, kv = h / group;
@@ -187,12 +214,12 @@ std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch
         const int64_t rows = std::min<int64_t>(kQueries, T - i0);
         const int64_t n_last = causal ? i0 + rows : T;  // the columns the tile's last row sees
         const int64_t width = (n_last + 7) / 8 * 8;
-        for (int64_t m = 0; m < rows; ++m) std::copy_n(qr(b, h, i0 + m), D, query.data() + m * D);
+        const float* query = qr(b, h, i0);  // rows qr.time apart
         if (rows == kQueries)
-          dots<kQueries>(query.data(), D, panel.data(), Tp, D, n_last, s, scores.data(), Tp);
+          dots<kQueries>(query, qr.time, panel.data(), Tp, D, n_last, s, scores.data(), Tp);
         else
           for (int64_t m = 0; m < rows; ++m)
-            dots<1>(query.data() + m * D, D, panel.data(), Tp, D, n_last, s, scores.data() + m * Tp, Tp);
+            dots<1>(query + m * qr.time, D, panel.data(), Tp, D, n_last, s, scores.data() + m * Tp, Tp);
         float sums[kQueries];
         for (int64_t m = 0; m < rows; ++m) {
           const int64_t n = causal ? i0 + m + 1 : T;
@@ -239,7 +266,7 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> k_panel(D * Tp), v_panel(D * Tp), scores(kQueries * Tp), probs(kQueries * Tp),
-        dprobs(kQueries * Tp), query(kQueries * D), dout(kQueries * D), dk_rows(T * D), dv_rows(T * D);
+        dprobs(kQueries * Tp), dk_rows(T * D), dv_rows(T * D);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < B * KV; ++task) {
       const int64_t b = task / KV, kv = task % KV;
@@ -252,18 +279,16 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
           const int64_t rows = std::min<int64_t>(kQueries, T - i0);
           const int64_t n_last = causal ? i0 + rows : T;
           const int64_t width = (n_last + 7) / 8 * 8;
-          for (int64_t m = 0; m < rows; ++m) {
-            std::copy_n(qr(b, h, i0 + m), D, query.data() + m * D);
-            std::copy_n(gr(b, h, i0 + m), D, dout.data() + m * D);
-          }
+          const float* query = qr(b, h, i0);  // rows qr.time apart
+          const float* dout = gr(b, h, i0);   // rows gr.time apart
           if (rows == kQueries) {
-            dots<kQueries>(query.data(), D, k_panel.data(), Tp, D, n_last, s, scores.data(), Tp);
-            dots<kQueries>(dout.data(), D, v_panel.data(), Tp, D, n_last, 1.f, dprobs.data(), Tp);
+            dots<kQueries>(query, qr.time, k_panel.data(), Tp, D, n_last, s, scores.data(), Tp);
+            dots<kQueries>(dout, gr.time, v_panel.data(), Tp, D, n_last, 1.f, dprobs.data(), Tp);
           } else {
             for (int64_t m = 0; m < rows; ++m) {
-              dots<1>(query.data() + m * D, D, k_panel.data(), Tp, D, n_last, s,
+              dots<1>(query + m * qr.time, D, k_panel.data(), Tp, D, n_last, s,
                       scores.data() + m * Tp, Tp);
-              dots<1>(dout.data() + m * D, D, v_panel.data(), Tp, D, n_last, 1.f,
+              dots<1>(dout + m * gr.time, D, v_panel.data(), Tp, D, n_last, 1.f,
                       dprobs.data() + m * Tp, Tp);
             }
           }
@@ -272,7 +297,7 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
             float* p = probs.data() + m * Tp;
             float* dp = dprobs.data() + m * Tp;  // dout_i · v_j, then ds_ij in place
             exponentials(scores.data() + m * Tp, lp[(b * H + h) * T + i0 + m], n, width, p);
-            const __m256 Di = _mm256_set1_ps(dot(dout.data() + m * D, orow(b, h, i0 + m), D));
+            const __m256 Di = _mm256_set1_ps(dot(dout + m * gr.time, orow(b, h, i0 + m), D));
             const __m256 s8 = _mm256_set1_ps(s);
             for (int64_t j = 0; j < width; j += 8)  // zero past n, as p is
               _mm256_storeu_ps(dp + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), s8),
@@ -280,14 +305,14 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
           }
           float* dq_rows = dqp + ((b * T + i0) * H + h) * D;  // rows H * D apart
           if (rows == kQueries) {
-            add_outer<kQueries>(probs.data(), Tp, dout.data(), D, n_last, D, dv_rows.data());
-            add_outer<kQueries>(dprobs.data(), Tp, query.data(), D, n_last, D, dk_rows.data());
+            add_outer<kQueries>(probs.data(), Tp, dout, gr.time, n_last, D, dv_rows.data());
+            add_outer<kQueries>(dprobs.data(), Tp, query, qr.time, n_last, D, dk_rows.data());
             weighted_rows<kQueries>(dprobs.data(), Tp, kr, b, kv, n_last, D, dq_rows, H * D);
           } else {
             for (int64_t m = 0; m < rows; ++m) {
-              add_outer<1>(probs.data() + m * Tp, Tp, dout.data() + m * D, D, n_last, D,
+              add_outer<1>(probs.data() + m * Tp, Tp, dout + m * gr.time, D, n_last, D,
                            dv_rows.data());
-              add_outer<1>(dprobs.data() + m * Tp, Tp, query.data() + m * D, D, n_last, D,
+              add_outer<1>(dprobs.data() + m * Tp, Tp, query + m * qr.time, D, n_last, D,
                            dk_rows.data());
               weighted_rows<1>(dprobs.data() + m * Tp, Tp, kr, b, kv, n_last, D,
                                dq_rows + m * H * D, H * D);
@@ -296,8 +321,8 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
         }
       }
       for (int64_t j = 0; j < T; ++j) {
-        std::copy_n(dk_rows.data() + j * D, D, dkp + ((b * T + j) * KV + kv) * D);
-        std::copy_n(dv_rows.data() + j * D, D, dvp + ((b * T + j) * KV + kv) * D);
+        copy_row(dk_rows.data() + j * D, D, dkp + ((b * T + j) * KV + kv) * D);
+        copy_row(dv_rows.data() + j * D, D, dvp + ((b * T + j) * KV + kv) * D);
       }
     }
   }
