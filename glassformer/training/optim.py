@@ -9,7 +9,9 @@ matrices inside the blocks only. Embeddings, the head, gains and biases stay wit
 `StackedMuon` runs torch's update with the iterations of same-shaped matrices batched into
 one product each (at this scale, most of Muon's time is the per-product cost), in bfloat16
 as torch's where the CPU has bfloat16 arithmetic, else in float32 (the same iterations, less
-rounded: an emulated bfloat16 product is 10-20× slower than a float32 one; accel/cpu.py).
+rounded: an emulated bfloat16 product is 10-20× slower than a float32 one; accel/cpu.py). In
+float32 on a CPU with the C++ kernels, `accel/csrc/newton_schulz.cpp` runs the same iterations
+a matrix per thread at a time, its chain of small products kept in that core's cache.
 Each param group carries its own `initial_lr`; the schedule scales them all alike.
 """
 
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr
 
+from ..accel.build import extension
 from ..accel.cpu import bf16_products_pay
 from ..model.transformer import Transformer
 from .config import TrainConfig
@@ -87,6 +90,10 @@ def orthogonalize(updates: torch.Tensor, coefficients, steps: int, eps: float,
     if tall:  # iterate on the wide orientation: the smaller Gram matrix
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    kernels = extension() if dtype == torch.float32 and x.device.type == "cpu" else None
+    if kernels is not None:  # the same iterations, each matrix's chain on one thread
+        x = kernels.newton_schulz(x, *coefficients, steps)
+        return x.mT if tall else x
     if dtype == torch.float32 and x.shape[-1] >= 2 * x.shape[-2]:
         x = _iterate_on_gram(x, coefficients, steps)
         return x.mT if tall else x

@@ -170,6 +170,11 @@ torch::Tensor gelu(const torch::Tensor& x);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         bool causal, double scale);
 
+// Muon's Newton–Schulz iterations on a float32 stack (n, short, long) of matrices of norm 1,
+// one matrix per thread at a time (newton_schulz.cpp).
+torch::Tensor newton_schulz(const torch::Tensor& stack, double a, double b, double c,
+                            int64_t steps);
+
 // clip_grad_norm_ over float32 gradients, in place; the total norm (grad_clip.cpp).
 torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm);
 
