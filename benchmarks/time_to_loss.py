@@ -1,19 +1,22 @@
 """Wall time to a validation loss: the nanoGPT recipe vs Glassformer's two shakespeare presets.
 
-    python benchmarks/time_to_loss.py [--data PATH] [--target 1.886] [--presets ...]
+    python benchmarks/time_to_loss.py [--data PATH] [--target 1.886] [--presets ...] [--rounds 1]
 
 Each contender runs as its own process, timed from launch to exit (imports, data preparation,
 evaluations and checkpoints included). Also printed: the time of the first evaluation at or
 below the target (launch overhead added), the final validation loss and the iterations.
 The baseline is nanoGPT's published CPU recipe re-expressed in plain PyTorch
 (benchmarks/nanogpt_recipe.py), not nanoGPT's own code; its data preparation (prepare.py) is
-done beforehand and not timed, as in nanoGPT.
+done beforehand and not timed, as in nanoGPT. With --rounds N all of them run N times in turn
+(each preset's ratio to the recipe taken within a round, so that a machine whose speed drifts
+slows both alike), and the median of the rounds' ratios is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +39,7 @@ def _timed(command: list[str]) -> tuple[float, dict]:
 
 
 def baseline(data: Path, tmp: Path, target: float) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
     vocab = prepare(data, tmp)
     wall, result = _timed([sys.executable, str(HERE / "nanogpt_recipe.py"), str(tmp / "train.bin"),
                            str(tmp / "val.bin"), str(vocab)])
@@ -64,22 +68,27 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=1.886)
     parser.add_argument("--presets", nargs="+", default=["shakespeare-char-fast", "shakespeare-char"])
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     print_cpu()
     tmp = Path(tempfile.mkdtemp(prefix="glassformer-ttl-"))
-    rows = [] if args.no_baseline else [baseline(args.data, tmp, args.target)]
-    rows += [glassformer(p, args.data, tmp, args.target) for p in args.presets]
-    print(f"target validation loss {args.target}")
-    for row in rows:
-        hit = row["seconds_to_target"]
-        print(f"{row['name']:22s} whole process {row['wall_seconds']:7.1f} s   "
-              f"to target {'not reached' if hit is None else f'{hit:7.1f} s'}   "
-              f"final val loss {row['val_loss']:.4f} after {row['iters']} iterations")
+    rounds = []
+    for r in range(args.rounds):
+        rows = [] if args.no_baseline else [baseline(args.data, tmp / f"recipe{r}", args.target)]
+        rows += [glassformer(p, args.data, tmp / f"round{r}", args.target) for p in args.presets]
+        rounds.append(rows)
+        print(f"round {r + 1}, target validation loss {args.target}")
+        for row in rows:
+            hit = row["seconds_to_target"]
+            print(f"{row['name']:22s} whole process {row['wall_seconds']:7.1f} s   "
+                  f"to target {'not reached' if hit is None else f'{hit:7.1f} s'}   "
+                  f"final val loss {row['val_loss']:.4f} after {row['iters']} iterations")
     if not args.no_baseline:
-        for row in rows[1:]:
-            print(f"{row['name']} / nanoGPT recipe whole-process time: "
-                  f"{row['wall_seconds'] / rows[0]['wall_seconds']:.2f}x")
-    print(json.dumps(rows))
+        for i, preset in enumerate(args.presets, start=1):
+            ratios = [rows[i]["wall_seconds"] / rows[0]["wall_seconds"] for rows in rounds]
+            print(f"{preset} / nanoGPT recipe whole-process time: {statistics.median(ratios):.2f}x"
+                  f" (rounds: {', '.join(f'{v:.2f}' for v in ratios)})")
+    print(json.dumps(rounds))
 
 
 if __name__ == "__main__":
