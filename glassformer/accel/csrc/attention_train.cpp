@@ -39,31 +39,15 @@ Rows rows_of(const torch::Tensor& x) {
 }
 
 // panel[d * Tp + j] = x(b, h, j)[d] for j < T, zero for T <= j < Tp; D a multiple of 8.
-// Blocks of 8 rows are transposed in registers (unpack, shuffle, then swap 128-bit halves).
+// Blocks of 8 rows are transposed in registers.
 void transpose_panel(const Rows& x, int64_t b, int64_t h, int64_t T, int64_t Tp, int64_t D,
                      float* panel) {
   const int64_t T8 = T / 8 * 8;
   for (int64_t j = 0; j < T8; j += 8)
     for (int64_t d = 0; d < D; d += 8) {
-      __m256 r[8], t[8];
+      __m256 r[8];
       for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(x(b, h, j + a) + d);
-      for (int a = 0; a < 8; a += 2) {
-        t[a] = _mm256_unpacklo_ps(r[a], r[a + 1]);
-        t[a + 1] = _mm256_unpackhi_ps(r[a], r[a + 1]);
-      }
-      for (int a = 0; a < 8; a += 4)
-        for (int c = 0; c < 2; ++c) {
-          r[a + c] = _mm256_shuffle_ps(t[a + c], t[a + c + 2], _MM_SHUFFLE(1, 0, 1, 0));
-          r[a + c + 2] = _mm256_shuffle_ps(t[a + c], t[a + c + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        }
-      // r[0..3]: columns {0, 2, 1, 3} of rows 0-3 (low halves) and {4, 6, 5, 7} (high); r[4..7]
-      // the same for rows 4-7.
-      static constexpr int order[4] = {0, 2, 1, 3};
-      for (int c = 0; c < 4; ++c) {
-        const __m256 top = r[order[c]], bottom = r[4 + order[c]];
-        _mm256_storeu_ps(panel + (d + c) * Tp + j, _mm256_permute2f128_ps(top, bottom, 0x20));
-        _mm256_storeu_ps(panel + (d + c + 4) * Tp + j, _mm256_permute2f128_ps(top, bottom, 0x31));
-      }
+      transpose8x8(r, panel + d * Tp + j, Tp);
     }
   for (int64_t d = 0; d < D; ++d) {
     for (int64_t j = T8; j < T; ++j) panel[d * Tp + j] = x(b, h, j)[d];

@@ -47,6 +47,29 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The 8 × 8 block whose rows are r[0..8) transposed in registers: its column c stored at
+// out + c * ldo. Pairs of rows are interleaved, then quadruples; r[0..3] then hold columns
+// {0, 2, 1, 3} of rows 0-3 (low halves) and {4, 6, 5, 7} (high), r[4..7] the same for rows
+// 4-7, whose 128-bit halves are joined last.
+inline void transpose8x8(__m256 r[8], float* out, int64_t ldo) {
+  __m256 t[8];
+  for (int a = 0; a < 8; a += 2) {
+    t[a] = _mm256_unpacklo_ps(r[a], r[a + 1]);
+    t[a + 1] = _mm256_unpackhi_ps(r[a], r[a + 1]);
+  }
+  for (int a = 0; a < 8; a += 4)
+    for (int b = 0; b < 2; ++b) {
+      r[a + b] = _mm256_shuffle_ps(t[a + b], t[a + b + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[a + b + 2] = _mm256_shuffle_ps(t[a + b], t[a + b + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  static constexpr int order[4] = {0, 2, 1, 3};
+  for (int c = 0; c < 4; ++c) {
+    const __m256 top = r[order[c]], bottom = r[4 + order[c]];
+    _mm256_storeu_ps(out + c * ldo, _mm256_permute2f128_ps(top, bottom, 0x20));
+    _mm256_storeu_ps(out + (c + 4) * ldo, _mm256_permute2f128_ps(top, bottom, 0x31));
+  }
+}
+
 // e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (the
 // Cephes coefficients, within 2 ulp of expf), 2^n put in the exponent bits; x is clamped to
 // [-87.3, 88.3].

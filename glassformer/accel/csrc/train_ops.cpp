@@ -438,25 +438,9 @@ torch::Tensor transpose(const torch::Tensor& x) {
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
   for (int64_t j = 0; j < K8; j += 8) {
     for (int64_t i = 0; i < M8; i += 8) {
-      __m256 r[8], t[8];
+      __m256 r[8];
       for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(xp + (i + a) * K + j);
-      for (int a = 0; a < 8; a += 2) {  // pairs of rows interleaved
-        t[a] = _mm256_unpacklo_ps(r[a], r[a + 1]);
-        t[a + 1] = _mm256_unpackhi_ps(r[a], r[a + 1]);
-      }
-      for (int a = 0; a < 8; a += 4)  // then quadruples
-        for (int b = 0; b < 2; ++b) {
-          r[a + b] = _mm256_shuffle_ps(t[a + b], t[a + b + 2], _MM_SHUFFLE(1, 0, 1, 0));
-          r[a + b + 2] = _mm256_shuffle_ps(t[a + b], t[a + b + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        }
-      // r[0..3] hold columns {0, 2, 1, 3} of rows 0-3 (low lanes) and {4, 6, 5, 7} (high);
-      // the same for rows 4-7 in r[4..7]: join the 128-bit halves.
-      static constexpr int order[4] = {0, 2, 1, 3};
-      for (int c = 0; c < 4; ++c) {
-        const __m256 top = r[order[c]], bottom = r[4 + order[c]];
-        _mm256_storeu_ps(yp + (j + c) * M + i, _mm256_permute2f128_ps(top, bottom, 0x20));
-        _mm256_storeu_ps(yp + (j + c + 4) * M + i, _mm256_permute2f128_ps(top, bottom, 0x31));
-      }
+      transpose8x8(r, yp + j * M + i, M);
     }
     for (int64_t c = j; c < j + 8; ++c)
       for (int64_t i = M8; i < M; ++i) yp[c * M + i] = xp[i * K + c];
