@@ -93,16 +93,14 @@ def orthogonalize(updates: torch.Tensor, coefficients, steps: int, eps: float,
     kernels = extension() if dtype == torch.float32 and x.device.type == "cpu" else None
     if kernels is not None:  # the same iterations, each matrix's chain on one thread
         x = kernels.newton_schulz(x, *coefficients, steps)
-        return x.mT if tall else x
-    if dtype == torch.float32 and x.shape[-1] >= 2 * x.shape[-2]:
+    elif dtype == torch.float32 and x.shape[-1] >= 2 * x.shape[-2]:
         x = _iterate_on_gram(x, coefficients, steps)
-        return x.mT if tall else x
-    for _ in range(steps):
-        gram = x @ x.mT  # (n, short, short)
-        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, polynomial, x, beta=a)
+    else:
+        for _ in range(steps):
+            gram = x @ x.mT  # (n, short, short)
+            polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, polynomial, x, beta=a)
     return x.mT if tall else x
-
 
 
 def _iterate_on_gram(x: torch.Tensor, coefficients, steps: int) -> torch.Tensor:
