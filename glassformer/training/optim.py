@@ -137,13 +137,33 @@ class StackedMuon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params and self._in_kernels(params):
+                self._update_in_kernels(group, params)
+                continue
             by_shape: dict[torch.Size, list[nn.Parameter]] = {}
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_shape.setdefault(p.shape, []).append(p)
-            for shape, params in by_shape.items():
-                self._update(group, shape, params)
+            for p in params:
+                by_shape.setdefault(p.shape, []).append(p)
+            for shape, shaped in by_shape.items():
+                self._update(group, shape, shaped)
         return loss
+
+    def _in_kernels(self, params: list[nn.Parameter]) -> bool:
+        """Whether the C++ step applies: float32 iterations of float32 CPU matrices."""
+        dtype = self.ns_dtype or newton_schulz_dtype(params[0].device)
+        return (dtype == torch.float32 and extension() is not None
+                and all(p.device.type == "cpu" and p.dtype == torch.float32
+                        and p.grad.dtype == torch.float32 and not p.grad.is_sparse for p in params))
+
+    def _update_in_kernels(self, group: dict, params: list[nn.Parameter]) -> None:
+        """`_update` for every matrix of the group in one C++ call, a matrix per thread at a
+        time (each matrix's momentum, iterations and update stay in one core's cache)."""
+        lr = group["lr"]
+        buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+        rates = [_adjust_lr(lr, group["adjust_lr_fn"], p.shape) for p in params]
+        extension().muon_update(params, [p.grad for p in params], buffers, rates, group["momentum"],
+                                group["nesterov"], *group["ns_coefficients"], group["ns_steps"],
+                                group["eps"], 1 - lr * group["weight_decay"])
 
     def _update(self, group: dict, shape: torch.Size, params: list[nn.Parameter]) -> None:
         lr, momentum = group["lr"], group["momentum"]

@@ -57,3 +57,49 @@ def test_orthogonalize_runs_the_kernel_in_float32_and_agrees_with_pytorch(
     torch.testing.assert_close(with_kernel, without, rtol=0, atol=1e-6)
     optim.orthogonalize(x, MUON, 5, 1e-7, torch.bfloat16)  # bfloat16 stays with PyTorch
     assert calls == [1]
+
+
+def _muon_run(shapes, steps=3, **options):
+    """StackedMuon's parameters and momentum buffers after `steps` steps on seeded gradients."""
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+    opt = optim.StackedMuon(params, lr=0.03, weight_decay=0.1, ns_dtype=torch.float32, **options)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return params + [opt.state[p]["momentum_buffer"] for p in params]
+
+
+# tall, wide and square; by the Gram matrix (long >= 2 short) and directly
+SHAPES = [(48, 16), (16, 16), (16, 40), (12, 20), (7, 3), (40, 16)]
+
+
+@pytest.mark.parametrize("options", [{}, {"nesterov": False, "adjust_lr_fn": "match_rms_adamw"}])
+def test_muon_update_is_the_pytorch_step(kernels, monkeypatch, options):
+    ours = _muon_run(SHAPES, **options)  # through kernels.muon_update
+    monkeypatch.setattr(optim.StackedMuon, "_in_kernels", lambda self, params: False)
+    theirs = _muon_run(SHAPES, **options)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_muon_step_takes_the_kernel_for_float32_only(kernels, monkeypatch):
+    calls = []
+    spy = type("Spy", (), {"muon_update": lambda self, *a: calls.append(1) or kernels.muon_update(*a),
+                           "newton_schulz": lambda self, *a: kernels.newton_schulz(*a)})()
+    monkeypatch.setattr(optim, "extension", lambda: spy)
+    for dtype, expected in ((torch.float32, [1]), (torch.bfloat16, [])):
+        calls.clear()
+        p = torch.nn.Parameter(torch.randn(8, 24))
+        p.grad = torch.randn(8, 24)
+        optim.StackedMuon([p], lr=0.01, ns_dtype=dtype).step()
+        assert calls == expected
+
+
+def test_muon_update_refuses_mismatched_lists(kernels):
+    p, g, b = torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="one gradient, buffer and rate"):
+        kernels.muon_update([p], [g], [], [0.1], 0.95, True, *MUON, 5, 1e-7, 1.0)
+    with pytest.raises(RuntimeError, match="float32 CPU matrices"):
+        kernels.muon_update([p], [torch.zeros(8, 4)], [b], [0.1], 0.95, True, *MUON, 5, 1e-7, 1.0)

@@ -38,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("gelu", &gf::gelu, "exact GELU, a C++ autograd node");
   module.def("clip_grad_norm", &gf::clip_grad_norm, "clip_grad_norm_ in place: the total norm");
   module.def("newton_schulz", &gf::newton_schulz, "Muon's iterations, float32, a matrix per task");
+  module.def("muon_update", &gf::muon_update, NoGil(), "Muon's step in place, float32, a matrix per task");
   module.def("rope", &gf::rope, "rotary embedding of (B, H, T, D), inverse: the backward pass");
   module.def("swiglu_forward", &gf::swiglu_forward, "silu(g) u for h = [g | u] (R, 2F)");
   module.def("swiglu_backward", &gf::swiglu_backward, "SwiGLU gradient [dg | du] (R, 2F)");

@@ -198,6 +198,13 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 // one matrix per thread at a time (newton_schulz.cpp).
 torch::Tensor newton_schulz(const torch::Tensor& stack, double a, double b, double c,
                             int64_t steps);
+// torch.optim.Muon's step on float32 matrices in one call, a matrix per task: the momentum
+// buffer (and Nesterov's look-ahead), the iterations, weight decay `decay` = 1 - lr · wd and
+// the update at each matrix's own rate (newton_schulz.cpp).
+void muon_update(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                 const std::vector<torch::Tensor>& buffers, const std::vector<double>& rates,
+                 double momentum, bool nesterov, double a, double b, double c, int64_t steps,
+                 double eps, double decay);
 
 // clip_grad_norm_ over float32 gradients, in place; the total norm (grad_clip.cpp).
 torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm);

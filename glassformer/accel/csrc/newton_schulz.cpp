@@ -7,7 +7,8 @@
 // iterations are those of glassformer/training/optim.py, on a stack (n, short, long) of
 // matrices already of Frobenius norm 1: on the Gram matrix A = X Xᵀ where long >= 2 short
 // (P_k = a I + b A_k + c A_k², A_{k+1} = P_k A_k P_k, X = P_{steps-1} ··· P_0 X_0), else
-// directly (X <- a X + (b A + c A²) X).
+// directly (X <- a X + (b A + c A²) X). `muon_update` is the whole Muon step of a list of
+// matrices in one call, a matrix per task: momentum, the iterations, weight decay, update.
 
 #include <atomic>
 
@@ -38,6 +39,10 @@ torch::Tensor direct(torch::Tensor x, double a, double b, double c, int64_t step
   return x;
 }
 
+torch::Tensor orthogonalized(const torch::Tensor& x, double a, double b, double c, int64_t steps) {
+  return x.size(1) >= 2 * x.size(0) ? on_gram(x, a, b, c, steps) : direct(x, a, b, c, steps);
+}
+
 }  // namespace
 
 torch::Tensor newton_schulz(const torch::Tensor& stack, double a, double b, double c,
@@ -47,13 +52,43 @@ torch::Tensor newton_schulz(const torch::Tensor& stack, double a, double b, doub
               "the stack must be (n, short, long) float32 on the CPU");
   const auto x = stack.contiguous();
   auto out = torch::empty_like(x);  // (n, short, long)
-  const bool gram = x.size(2) >= 2 * x.size(1);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < x.size(0); i = next++)
-      out[i].copy_(gram ? on_gram(x[i], a, b, c, steps) : direct(x[i], a, b, c, steps));
+      out[i].copy_(orthogonalized(x[i], a, b, c, steps));
   });
   return out;
+}
+
+void muon_update(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                 const std::vector<torch::Tensor>& buffers, const std::vector<double>& rates,
+                 double momentum, bool nesterov, double a, double b, double c, int64_t steps,
+                 double eps, double decay) {
+  const auto n = static_cast<int64_t>(params.size());
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == n && static_cast<int64_t>(buffers.size()) == n &&
+                  static_cast<int64_t>(rates.size()) == n,
+              "muon_update: one gradient, buffer and rate per parameter");
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(params[i].dim() == 2 && params[i].device().is_cpu() &&
+                    params[i].scalar_type() == torch::kFloat32 &&
+                    grads[i].sizes() == params[i].sizes() &&
+                    buffers[i].sizes() == params[i].sizes(),
+                "muon_update takes float32 CPU matrices, each with its gradient and buffer");
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const at::NoGradGuard no_grad;  // each pool thread has its own grad mode
+    for (int64_t i = next++; i < n; i = next++) {
+      auto buffer = buffers[i];
+      buffer.lerp_(grads[i], 1 - momentum);
+      const auto update = nesterov ? grads[i].lerp(buffers[i], momentum) : buffer;
+      const bool tall = update.size(0) > update.size(1);
+      auto x = tall ? update.t() : update;  // (short, long)
+      x = (x / x.norm().clamp_min(eps)).contiguous();
+      const auto ortho = orthogonalized(x, a, b, c, steps);
+      auto param = params[i];
+      param.mul_(decay).add_(tall ? ortho.t() : ortho, -rates[i]);
+    }
+  });
 }
 
 }  // namespace glassformer
