@@ -2,8 +2,9 @@
 preset's sizes (batch 12, context 64, d_model 128, 4 heads of 32, d_ff 512): attention
 (PyTorch's fused scaled_dot_product_attention), exact GELU (F.gelu), LayerNorm without bias
 (F.layer_norm) and the clipping of the preset model's gradients (clip_grad_norm_, foreach);
-and the fast preset's
-Muon Newton–Schulz step in float32 (the direct iteration vs the one on the Gram matrix).
+and, for the fast preset's Muon matrices in float32, the Newton–Schulz iterations (the direct
+iteration vs the one on the Gram matrix) and the whole Muon step (StackedMuon's PyTorch ops
+vs its one C++ call).
 Interleaved rounds; prints the median µs of each and the ratio.
 
     python benchmarks/training_passes.py [--rounds 7]
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +29,10 @@ from glassformer.accel.fast_training import clip_grad_norm_
 from glassformer.model.encoder_decoder import build_model
 from glassformer.model.layers.attention_backends import sdpa_attention
 from glassformer.model.layers.masking import AttentionMask
+from glassformer.training import optim
 from glassformer.training.allocator import keep_freed_memory
 from glassformer.training.config import get_recipe
-from glassformer.training.optim import orthogonalize
+from glassformer.training.optim import StackedMuon, orthogonalize
 
 B, T, D_MODEL, HEADS, D_FF = 12, 64, 128, 4, 512
 MUON = (3.4445, -4.7750, 2.0315)
@@ -59,6 +62,23 @@ def direct_newton_schulz(stack: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class PyTorchMuon(StackedMuon):
+    """StackedMuon through PyTorch's ops only, its iterations included."""
+
+    def step(self, closure=None):
+        with mock.patch.object(optim, "extension", lambda: None):
+            return super().step(closure)
+
+
+def muon_step(optimizer: type[StackedMuon], shapes):
+    """A closure stepping `optimizer` in float32 over matrices of `shapes` with fixed gradients."""
+    g = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    return optimizer(params, lr=0.03, weight_decay=0.1, ns_dtype=torch.float32).step
+
+
 def preset_gradients(seed: int) -> list[torch.nn.Parameter]:
     """The `shakespeare-char` model's parameters (65 characters), each with a random gradient."""
     torch.manual_seed(seed)
@@ -78,8 +98,8 @@ def contenders() -> dict[str, tuple]:
     u = torch.randn(B, T, D_FF, generator=g)
     x, w = torch.randn(B, T, D_MODEL, generator=g), torch.randn(D_MODEL, generator=g)
     theirs_params, our_params = preset_gradients(0), preset_gradients(0)
-    stacks = [torch.randn(4, *shape, generator=g) for shape in
-              ((3 * 128, 128), (128, 128), (2 * 336, 128), (128, 336))]  # the fast preset's
+    shapes = ((3 * 128, 128), (128, 128), (2 * 336, 128), (128, 336))  # the fast preset's
+    stacks = [torch.randn(4, *shape, generator=g) for shape in shapes]
     return {
         "attention": (forward_backward(lambda q, k, v: sdpa_attention(q, k, v, causal), q, k, v),
                       forward_backward(lambda q, k, v: attention.attention(q, k, v, causal), q, k, v)),
@@ -91,6 +111,7 @@ def contenders() -> dict[str, tuple]:
         "Newton-Schulz (float32)": (lambda: [direct_newton_schulz(s) for s in stacks],
                                     lambda: [orthogonalize(s, MUON, 5, 1e-7, torch.float32)
                                              for s in stacks]),
+        "Muon step (float32)": (muon_step(PyTorchMuon, 4 * shapes), muon_step(StackedMuon, 4 * shapes)),
     }
 
 

@@ -10,8 +10,9 @@ matrices inside the blocks only. Embeddings, the head, gains and biases stay wit
 one product each (at this scale, most of Muon's time is the per-product cost), in bfloat16
 as torch's where the CPU has bfloat16 arithmetic, else in float32 (the same iterations, less
 rounded: an emulated bfloat16 product is 10-20× slower than a float32 one; accel/cpu.py). In
-float32 on a CPU with the C++ kernels, `accel/csrc/newton_schulz.cpp` runs the same iterations
-a matrix per thread at a time, its chain of small products kept in that core's cache.
+float32 on a CPU with the C++ kernels, `accel/csrc/newton_schulz.cpp` runs the whole step (the
+momentum, the same iterations, the update) a matrix per thread at a time, its chain of small
+products kept in that core's cache.
 Each param group carries its own `initial_lr`; the schedule scales them all alike.
 """
 
@@ -123,8 +124,9 @@ def _iterate_on_gram(x: torch.Tensor, coefficients, steps: int) -> torch.Tensor:
 
 class StackedMuon(torch.optim.Muon):
     """torch.optim.Muon, same arguments, state and result, with each param group's matrices
-    of one shape updated together. `ns_dtype`: the iterations' dtype (None: by the device,
-    `newton_schulz_dtype`)."""
+    of one shape updated together; in float32 on the CPU, where the kernels are built, every
+    matrix of a group in one C++ call instead. `ns_dtype`: the iterations' dtype (None: by the
+    device, `newton_schulz_dtype`)."""
 
     def __init__(self, params, *args, ns_dtype: torch.dtype | None = None, **kwargs) -> None:
         super().__init__(params, *args, **kwargs)

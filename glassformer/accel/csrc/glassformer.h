@@ -10,7 +10,7 @@
 //                    tiled transpose
 //   train_autograd.cpp  the training passes as autograd nodes in C++ (no Python backward)
 //   grad_clip.cpp    gradient clipping by the global norm, all tensors in one call
-//   newton_schulz.cpp  Muon's float32 Newton–Schulz iterations, a matrix per thread
+//   newton_schulz.cpp  Muon's float32 Newton–Schulz iterations and whole step, a matrix per thread
 //   bindings.cpp     the Python module
 //
 // Built for AVX2 + FMA + F16C; the quantized products also have AVX-512 VNNI paths, taken
