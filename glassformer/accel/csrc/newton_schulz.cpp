@@ -43,6 +43,17 @@ torch::Tensor orthogonalized(const torch::Tensor& x, double a, double b, double 
   return x.size(1) >= 2 * x.size(0) ? on_gram(x, a, b, c, steps) : direct(x, a, b, c, steps);
 }
 
+// task(i) for i in [0, n), each call on one thread, the threads taking the next i as they
+// finish (matrices of several sizes balance), with gradient recording off.
+template <typename Task>
+void each_matrix(int64_t n, const Task& task) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    const at::NoGradGuard no_grad;  // each pool thread has its own grad mode
+    for (int64_t i = next++; i < n; i = next++) task(i);
+  });
+}
+
 }  // namespace
 
 torch::Tensor newton_schulz(const torch::Tensor& stack, double a, double b, double c,
@@ -52,11 +63,7 @@ torch::Tensor newton_schulz(const torch::Tensor& stack, double a, double b, doub
               "the stack must be (n, short, long) float32 on the CPU");
   const auto x = stack.contiguous();
   auto out = torch::empty_like(x);  // (n, short, long)
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < x.size(0); i = next++)
-      out[i].copy_(orthogonalized(x[i], a, b, c, steps));
-  });
+  each_matrix(x.size(0), [&](int64_t i) { out[i].copy_(orthogonalized(x[i], a, b, c, steps)); });
   return out;
 }
 
@@ -74,20 +81,17 @@ void muon_update(const std::vector<torch::Tensor>& params, const std::vector<tor
                     grads[i].sizes() == params[i].sizes() &&
                     buffers[i].sizes() == params[i].sizes(),
                 "muon_update takes float32 CPU matrices, each with its gradient and buffer");
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    const at::NoGradGuard no_grad;  // each pool thread has its own grad mode
-    for (int64_t i = next++; i < n; i = next++) {
-      auto buffer = buffers[i];
-      buffer.lerp_(grads[i], 1 - momentum);
-      const auto update = nesterov ? grads[i].lerp(buffers[i], momentum) : buffer;
-      const bool tall = update.size(0) > update.size(1);
-      auto x = tall ? update.t() : update;  // (short, long)
-      x = (x / x.norm().clamp_min(eps)).contiguous();
-      const auto ortho = orthogonalized(x, a, b, c, steps);
-      auto param = params[i];
-      param.mul_(decay).add_(tall ? ortho.t() : ortho, -rates[i]);
-    }
+  each_matrix(n, [&](int64_t i) {
+    auto buffer = buffers[i];
+    buffer.lerp_(grads[i], 1 - momentum);
+    const auto update = nesterov ? grads[i].lerp(buffer, momentum) : buffer;
+    const bool tall = update.size(0) > update.size(1);
+    const auto wide = tall ? update.t() : update;       // (short, long)
+    auto x = torch::empty(wide.sizes(), wide.options());  // contiguous, norm 1
+    at::div_out(x, wide, wide.norm().clamp_min(eps));
+    const auto ortho = orthogonalized(x, a, b, c, steps);
+    auto param = params[i];
+    param.mul_(decay).add_(tall ? ortho.t() : ortho, -rates[i]);
   });
 }
 
