@@ -28,8 +28,8 @@ def test_two_replicas_answer_like_generate(tmp_path, language_model):
     from glassformer.serving.api.ray_serve import application
 
     folder = write_checkpoint(tmp_path / "model", language_model.model, language_model.tokenizer, {})
-    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    port = free_port()  # after Ray's own processes have taken their ports
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(application(str(folder), "none", ServerConfig("tiny", max_tokens=32),
