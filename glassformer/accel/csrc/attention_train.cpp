@@ -55,11 +55,6 @@ void transpose_panel(const Rows& x, int64_t b, int64_t h, int64_t T, int64_t Tp,
   }
 }
 
-// dst[0..D) = src[0..D), D a multiple of 8.
-inline void copy_row(const float* src, int64_t D, float* dst) {
-  for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(dst + c, _mm256_loadu_ps(src + c));
-}
-
 // s[m][j] = scale (a_m · column j of the panel) for M rows a_m (lda apart) and j < n rounded
 // up to 8; s rows ldS apart. Two columns of 8 for each of the M rows: 2 M independent chains
 // of multiply-adds, each panel load shared by the M rows.
@@ -305,8 +300,8 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
         }
       }
       for (int64_t j = 0; j < T; ++j) {
-        copy_row(dk_rows.data() + j * D, D, dkp + ((b * T + j) * KV + kv) * D);
-        copy_row(dv_rows.data() + j * D, D, dvp + ((b * T + j) * KV + kv) * D);
+        std::copy_n(dk_rows.data() + j * D, D, dkp + ((b * T + j) * KV + kv) * D);
+        std::copy_n(dv_rows.data() + j * D, D, dvp + ((b * T + j) * KV + kv) * D);
       }
     }
   }
