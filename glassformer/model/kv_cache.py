@@ -1,14 +1,39 @@
 """The KV cache: keys and values of past positions, kept so each new token costs one query.
 
-Preallocated per layer as (B, n_kv_heads, S_max, d_head) and written by position, so shapes
-stay static. The cache holds n_kv_heads, not n_heads: grouped-query attention shrinks it.
+Attention reaches its cache through one small interface, `AttentionCache.attend`: it hands
+over the new rows' queries, keys and values and its own attention function, and the cache
+stores the keys and values where it keeps them and calls that function over what each query
+may see. Two caches implement it:
+- `KVCache` (here): dense, preallocated per layer as (B, n_kv_heads, S_max, d_head) and
+  written by position, so shapes stay static; one call over every row;
+- the serving engine's paged view of its pool (serving/paged_attention.py): block tables,
+  slots, and one call per request (or one for all decoding rows).
+The cache holds n_kv_heads, not n_heads: grouped-query attention shrinks it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 
 from .config import ModelConfig
+from .layers.masking import AttentionMask
+
+# An attention module's own math: context (B, H, Tq, d_head) from q (B, H, Tq, d_head),
+# k and v (B, KV, Tk, d_head) and the mask between them.
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], torch.Tensor]
+
+
+class AttentionCache(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
+        """Store the new keys and values k, v (B, KV, T, d_head) of `layer`, and return
+        `attention` of the queries q (B, H, T, d_head) over every key each may see:
+        (B, H, T, d_head). `mask` is the model's mask over the dense cache's positions; a
+        cache that keeps its own positions (the engine's) builds its own."""
+        ...
 
 
 class KVCache:
@@ -54,6 +79,13 @@ class KVCache:
         if pad_mask is not None:
             self.valid[:, self.length : self.length + T] = pad_mask
             self.padded = True
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
+        if mask is None:
+            raise ValueError("mask: the dense cache attends under the model's mask")
+        keys, values = self.update(layer, k, v)  # (B, KV, S, d_head): cached + new rows
+        return attention(q, keys, values, mask)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor

@@ -4,6 +4,7 @@ a pooler)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -82,6 +83,18 @@ class Transformer(nn.Module):
             self._step = (self._step_builder(self),)
         return self._step[0]
 
+    def with_products(self, wrap: Callable[[nn.Module], nn.Module]) -> Transformer:
+        """A view of this model: its modules copied, sharing every parameter, buffer and the
+        hook registry, with each of `linear_layers()` replaced by `wrap(layer)` (the serving
+        engine runs its products in fixed row tiles through one). No fused step: the view
+        runs the module path."""
+        shared = {id(t): t for t in (*self.parameters(), *self.buffers())}
+        shared.update({id(self.hooks): self.hooks, id(self._step): None, id(self._step_builder): None})
+        view = copy.deepcopy(self, shared)
+        for name, layer in view.linear_layers().items():
+            view.set_submodule(name, wrap(layer))
+        return view
+
     def _apply(self, fn, recurse=True):
         self._step = None  # parameters and buffers may be replaced (.to(), .float(), .cuda())
         return super()._apply(fn, recurse)
@@ -133,16 +146,7 @@ class Transformer(nn.Module):
             k_pos, k_valid = cache.key_positions(T), cache.key_valid(T)
         else:
             k_pos, k_valid = positions, pad_mask
-        mask = AttentionMask(
-            q_pos=positions,
-            k_pos=k_pos,
-            causal=config.causal,
-            window=config.sliding_window,
-            k_valid=k_valid,
-            alibi_slopes=getattr(self, "alibi_slopes", None),
-            contiguous=contiguous,
-            position_bias=self.position_bias(positions, k_pos, contiguous),
-        )
+        mask = self.attention_mask(positions, k_pos, k_valid, contiguous)
         rope = None
         if config.position == "rope":
             rows = positions[:1] if contiguous else positions  # every row alike: compute once
@@ -156,6 +160,23 @@ class Transformer(nn.Module):
         if self.final_norm is not None:
             x = self.hooks("final_norm", self.final_norm(x))
         return x
+
+    def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                       k_valid: torch.Tensor | None = None, contiguous: bool = False) -> AttentionMask:
+        """What queries at q_pos (B, Tq) may see of keys at k_pos (B, Tk): causality, the
+        window, padding (k_valid (B, Tk)), ALiBi or T5's relative bias, as this model has them.
+        `contiguous`: the keys are 0..Tk-1 and the queries the last Tq of them."""
+        config = self.config
+        return AttentionMask(
+            q_pos=q_pos,
+            k_pos=k_pos,
+            causal=config.causal,
+            window=config.sliding_window,
+            k_valid=k_valid,
+            alibi_slopes=getattr(self, "alibi_slopes", None),
+            contiguous=contiguous,
+            position_bias=self.position_bias(q_pos, k_pos, contiguous),
+        )
 
     def position_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
                       contiguous: bool) -> torch.Tensor | None:

@@ -1,13 +1,20 @@
-"""Attention over block tables: each request's queries against the keys its blocks hold.
+"""The engine's paged KV cache as an attention cache (model/kv_cache.py `AttentionCache`).
 
-- reference: per query token, the keys and values of its own prefix gathered from the pool
-  in position order, then the model's reference kernel (the oracle). Every product then has
-  a shape set by the token's position alone, so its numbers are the same bit for bit
-  whatever shares the step, the chunk, the block size or the cache hits (matrix products
-  sum in an order that may change with their shapes).
-- fast: the single-query requests of a step (decoding) in one batched SDPA call, their keys
-  gathered into (B, KV, S_max, d_head) with the padding masked; each multi-token chunk
-  (prefill) in its own SDPA call with the causal mask offset by its cached prefix.
+The engine runs the model's own blocks over the flat batch of a step: the N new tokens of
+every request as one sequence of N rows (B = 1, T = N). Each attention layer hands the view
+its queries, keys and values and its own attention function (`Attention.context`: the
+model's kernel, its score scale, hook sites). The view writes the keys and values at their
+pool slots, then calls that function over each request's own keys, read back from the pool
+in position order, under the mask the model itself builds (`Transformer.attention_mask`:
+causality, the window, ALiBi, T5's relative bias):
+
+- reference: each query alone over its own prefix. Every call has a shape set by the token's
+  position alone, so its numbers are the same bit for bit whatever shares the step, the
+  chunk, the block size or the cache hits; a decoding query is the very call `generate`
+  makes on the module path.
+- fast: the single-query requests of a step (decoding) in one call, their keys gathered
+  into (B, KV, S_max, d_head) with the padding masked; each multi-token chunk (prefill) in
+  one call with the causal mask offset by its cached prefix.
 Queries, keys and values of request r are at positions 0..S_r-1 of its own sequence.
 """
 
@@ -16,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..model.layers.attention_backends import reference_attention
+from ..model.kv_cache import AttentionFn
 from ..model.layers.masking import AttentionMask
+from ..model.transformer import Transformer
 from .kv_pool import KVPool
 
 ATTENTION = ("reference", "fast")
@@ -43,17 +50,21 @@ class Part:
     def context(self) -> int:
         return self.slots.shape[0]
 
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.n)
 
-class AttentionPlan:
-    """Per step, the gather indices and masks (as additive biases) that every layer reuses."""
 
-    def __init__(self, parts: list[Part], fast: bool, window: int | None,
-                 alibi_slopes: torch.Tensor | None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        self.window, self.alibi_slopes = window, alibi_slopes
+class PagedView:
+    """One step's view of the pool: where each request's keys are and what each query sees.
+    Built once per step; every layer reuses its gather indices and masks."""
+
+    def __init__(self, pool: KVPool, parts: list[Part], fast: bool, model: Transformer) -> None:
+        self.pool, self.fast = pool, fast
+        device = pool.keys[0].device
+        self.new_slots = torch.cat([p.slots[p.context - p.n :] for p in parts]).to(device)  # (N,)
         self.single = [p for p in parts if p.n == 1] if fast else []
         self.chunks = [p for p in parts if not (fast and p.n == 1)]
-        self.fast = fast
         if self.single:
             B, s_max = len(self.single), max(p.context for p in self.single)
             self.rows = torch.tensor([p.start for p in self.single], device=device)  # (B,)
@@ -64,58 +75,44 @@ class AttentionPlan:
                 valid[b, : p.context] = True
             k_pos = torch.arange(s_max, device=device).expand(B, s_max)  # (B, S_max)
             q_pos = torch.tensor([[p.context - 1] for p in self.single], device=device)  # (B, 1)
-            self.single_bias = self._mask(q_pos, k_pos, valid).bias(dtype)  # (B, 1 or H, 1, S_max)
+            self.single_mask = model.attention_mask(q_pos, k_pos, valid)
+        # fast: one mask per chunk; reference: one per query, over its own prefix
         self.chunk_masks = [
-            self._mask(torch.arange(p.context - p.n, p.context, device=device)[None],
-                       torch.arange(p.context, device=device)[None])
+            [model.attention_mask(torch.arange(end - m, end, device=device)[None],
+                                  torch.arange(end, device=device)[None], contiguous=True)
+             for end, m in self._calls(p)]
             for p in self.chunks
         ]
-        # fast chunks: no bias when a causal mask over a fresh prompt says it all
-        self.chunk_biases = [
-            None if mask.is_plain and p.n == p.context else mask.bias(dtype)
-            for p, mask in zip(self.chunks, self.chunk_masks, strict=True)
-        ] if fast else []
 
-    def _mask(self, q_pos, k_pos, valid=None) -> AttentionMask:
-        return AttentionMask(q_pos=q_pos, k_pos=k_pos, causal=True, window=self.window,
-                             k_valid=valid, alibi_slopes=self.alibi_slopes, contiguous=valid is None)
+    def _calls(self, part: Part) -> list[tuple[int, int]]:
+        """(keys seen, queries) of each attention call for a chunk's queries, in order."""
+        if self.fast:
+            return [(part.context, part.n)]
+        first = part.context - part.n
+        return [(first + i + 1, 1) for i in range(part.n)]
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
+        """q (1, H, N, d_head), k and v (1, KV, N, d_head): the step's new rows."""
+        self.pool.write(layer, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        out = torch.empty_like(q)  # (1, H, N, d_head)
+        if self.single:  # every query sees itself, so no row of the mask is empty
+            keys, values = self._read(layer, self.slot_matrix, q.dtype)  # (B, KV, S_max, d_head)
+            queries = q[0, :, self.rows].transpose(0, 1)[:, :, None]  # (B, H, 1, d_head)
+            context = attention(queries, keys, values, self.single_mask)  # (B, H, 1, d_head)
+            out[0, :, self.rows] = context[:, :, 0].transpose(0, 1)
+        for part, masks in zip(self.chunks, self.chunk_masks, strict=True):
+            keys, values = self._read(layer, part.slots, q.dtype)  # (1, KV, S, d_head)
+            row = part.start
+            for (end, m), call_mask in zip(self._calls(part), masks, strict=True):
+                out[:, :, row : row + m] = attention(q[:, :, row : row + m], keys[:, :, :end],
+                                                     values[:, :, :end], call_mask)
+                row += m
+        return out
 
-def _sdpa(q, k, v, bias) -> torch.Tensor:
-    """q (B, H, n, d), k and v (B, KV, S, d); bias None means causal over n = S."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, plan: AttentionPlan) -> torch.Tensor:
-    """Context vectors (N, H, d_head) for the flat queries q (N, H, d_head) of a step."""
-    out = torch.empty_like(q)  # (N, H, d_head)
-    if plan.single:  # every query sees itself, so no row of the bias is all -inf
-        k, v = pool.read(layer, plan.slot_matrix)  # (B, S_max, KV, d_head)
-        qb = q[plan.rows][:, :, None]  # (B, H, 1, d_head)
-        context = _sdpa(qb, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                        plan.single_bias)  # (B, H, 1, d_head)
-        out[plan.rows] = context[:, :, 0]
-    for i, (part, mask) in enumerate(zip(plan.chunks, plan.chunk_masks, strict=True)):
-        k, v = pool.read(layer, part.slots)  # (S, KV, d_head)
-        k, v = k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype)  # (1, KV, S, d)
-        qc = q[part.start : part.start + part.n].transpose(0, 1)[None]  # (1, H, n, d_head)
-        if plan.fast:
-            context = _sdpa(qc, k, v, plan.chunk_biases[i])[0].transpose(0, 1)  # (n, H, d_head)
-        else:
-            context = _per_query(qc, k, v, mask)
-        out[part.start : part.start + part.n] = context
-    return out
-
-
-def _per_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-    """The reference kernel for each query alone over its own prefix: (n, H, d_head)."""
-    n, S = q.shape[2], k.shape[2]
-    rows = []
-    for i in range(n):
-        end = S - n + i + 1  # keys 0..end-1 precede or are the query
-        sub = AttentionMask(q_pos=mask.q_pos[:, i : i + 1], k_pos=mask.k_pos[:, :end], causal=True,
-                            window=mask.window, alibi_slopes=mask.alibi_slopes, contiguous=True)
-        k_i, v_i = k[:, :, :end].contiguous(), v[:, :, :end].contiguous()  # (1, KV, end, d_head)
-        rows.append(reference_attention(q[:, :, i : i + 1].contiguous(), k_i, v_i, sub)[0][0, :, 0])
-    return torch.stack(rows)  # (n, H, d_head)
+    def _read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype):
+        """Keys and values at slots (S,) or (B, S): each (1 or B, KV, S, d_head) in `dtype`."""
+        k, v = self.pool.read(layer, slots)  # (..., S, KV, d_head)
+        if slots.dim() == 1:
+            k, v = k[None], v[None]
+        return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)

@@ -3,26 +3,27 @@
 import pytest
 import torch
 
+from glassformer import Transformer, get_preset
 from glassformer.model.layers.attention_backends import reference_attention
-from glassformer.model.layers.masking import AttentionMask
-from glassformer.model.layers.positions import alibi_slopes
 from glassformer.serving.kv_pool import KVPool, bytes_per_block, quantize_kv
-from glassformer.serving.paged_attention import AttentionPlan, Part, paged_attention, slots_of
+from glassformer.serving.paged_attention import PagedView, Part, slots_of
 
 
-def _setup(kv_dtype="fp32", block_size=4, n_blocks=32, H=4, KV=2, d=8):
-    from glassformer import get_preset
-
-    config = get_preset("tiny-llama").replace(n_heads=H, n_kv_heads=KV, d_model=H * d, n_layers=1)
+def _setup(kv_dtype="fp32", block_size=4, n_blocks=32, H=4, KV=2, d=8, **changes):
+    config = get_preset("tiny-llama").replace(n_heads=H, n_kv_heads=KV, d_model=H * d, n_layers=1,
+                                              **changes)
     return config, KVPool(config, n_blocks, block_size, kv_dtype)
 
 
-@pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("alibi", [False, True])
-def test_fast_and_reference_equal_dense_attention(window, alibi):
+@pytest.mark.parametrize("changes", [
+    {}, {"sliding_window": 3}, {"position": "alibi"}, {"position": "relative"},
+    {"scale_scores": False}, {"attention_kernel": "flash"},
+])
+def test_fast_and_reference_equal_the_layers_attention_over_dense_keys(changes):
     torch.manual_seed(0)
-    config, pool = _setup()
-    slopes = alibi_slopes(4) if alibi else None
+    config, pool = _setup(**changes)
+    model = Transformer(config).eval()
+    attn = model.blocks[0].attn
     # three requests: a decode (1 new token of 7), a chunk (5 new of 9), a fresh prompt (6)
     shapes = [(7, 1), (9, 5), (6, 6)]
     free = torch.randperm(32).tolist()  # blocks scattered over the pool
@@ -30,22 +31,25 @@ def test_fast_and_reference_equal_dense_attention(window, alibi):
     for context, n in shapes:
         table = [free.pop() for _ in range(-(-context // 4))]
         slots = slots_of(table, context, 4)
-        k, v = torch.randn(context, 2, 8), torch.randn(context, 2, 8)
-        pool.write(0, slots, k, v)
+        k, v = torch.randn(context, 2, 8), torch.randn(context, 2, 8)  # (S, KV, d)
+        pool.write(0, slots[: context - n], k[: context - n], v[: context - n])  # cached
         parts.append(Part(start, n, slots))
         keys.append((k, v))
         start += n
-    q = torch.randn(start, 4, 8)  # (N, H, d)
+    q = torch.randn(1, 4, start, 8)  # (1, H, N, d)
+    new_k = torch.cat([k[-p.n :] for p, (k, _) in zip(parts, keys, strict=True)]).transpose(0, 1)[None]
+    new_v = torch.cat([v[-p.n :] for p, (_, v) in zip(parts, keys, strict=True)]).transpose(0, 1)[None]
     expected = torch.empty_like(q)
     for part, (k, v) in zip(parts, keys, strict=True):
         S = part.context
-        mask = AttentionMask(torch.arange(S - part.n, S)[None], torch.arange(S)[None], window=window,
-                             alibi_slopes=slopes)
-        qp = q[part.start : part.start + part.n].transpose(0, 1)[None]
-        out = reference_attention(qp, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask)[0]
-        expected[part.start : part.start + part.n] = out[0].transpose(0, 1)
+        mask = model.attention_mask(torch.arange(S - part.n, S)[None], torch.arange(S)[None],
+                                    contiguous=True)
+        qp = q[:, :, part.rows]
+        expected[:, :, part.rows] = reference_attention(
+            qp, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale=attn.scale)[0]
     for fast in (False, True):
-        got = paged_attention(q, pool, 0, AttentionPlan(parts, fast, window, slopes))
+        view = PagedView(pool, parts, fast, model)
+        got = view.attend(0, q, new_k, new_v, None, attn.context)
         torch.testing.assert_close(got, expected)
 
 

@@ -15,7 +15,7 @@ def _events(model, todo, config, fused):
     """Every request's (token, logprob, top logprobs) per step, arrivals staggered."""
     engine = Engine(model, None, config)
     if not fused:
-        engine.runner._fused = lambda plan: None
+        engine.runner._fused = lambda: None
     handles, step = [], 0
     while len(handles) < len(todo) or engine.has_work():
         if step < len(todo):

@@ -2,7 +2,8 @@
 
     Q, K, V = x W_Q, x W_K, x W_V          one fused product, split into heads
     Q, K    = rope(Q), rope(K)             when position = "rope"
-    K, V    = cache.update(K, V)           when decoding: the new rows join the cached ones
+    K, V    = cache[...] + (K, V)          when decoding: the new rows join the cached ones
+                                           (the cache calls back `context`, see kv_cache.py)
     A       = Q Kᵀ / √d_head + M           M: -inf where masked (+ ALiBi or T5 relative bias);
                                            T5 leaves out the 1/√d_head (scale_scores=False)
     out     = softmax(A) V  ->  concat heads  ->  W_O
@@ -15,7 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..hooks import Hooks
-from ..kv_cache import KVCache
+from ..kv_cache import AttentionCache
 from .attention_backends import KERNELS, reference_attention
 from .masking import AttentionMask
 from .positions import Rotary
@@ -42,10 +43,12 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: AttentionMask,
+        mask: AttentionMask | None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
     ) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d). `mask` may be None only for a cache that builds its own
+        masks (the serving engine's paged view)."""
         B, T, _ = x.shape
         hook, site = self.hooks, self.site
         q, k, v = self.qkv(x).split(self.split, dim=-1)
@@ -55,16 +58,23 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = self.rotary(q, *rope), self.rotary(k, *rope)
         q, k, v = hook(site + ".q", q), hook(site + ".k", k), hook(site + ".v", v)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # (B, KV, S, d_head): cached + new rows
-        dropout = self.dropout if self.training else 0.0
-        if hook and any(hook.wants(f"{site}.{name}") for name in WEIGHT_SITES):
-            context, _ = reference_attention(
-                q, k, v, mask, dropout, hook=lambda name, t: hook(f"{site}.{name}", t),
-                scale=self.scale,
-            )
+        if cache is None:
+            context = self.context(q, k, v, mask)  # (B, H, T, d_head)
         else:
-            context = self.kernel(q, k, v, mask, dropout, scale=self.scale)  # (B, H, T, d_head)
+            context = cache.attend(self.layer, q, k, v, mask, self.context)
         context = hook(site + ".context", context)
         merged = context.transpose(1, 2).reshape(B, T, -1)  # (B, T, H·d_head): heads side by side
         return hook(site + ".out", self.out(merged))  # (B, T, d)
+
+    def context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: AttentionMask) -> torch.Tensor:
+        """softmax(Q Kᵀ · scale + M) V: (B, H, Tq, d_head) for q (B, H, Tq, d_head) and k, v
+        (B, KV, Tk, d_head). The one attention function of this layer, whoever holds the keys."""
+        hook, site = self.hooks, self.site
+        dropout = self.dropout if self.training else 0.0
+        if hook and any(hook.wants(f"{site}.{name}") for name in WEIGHT_SITES):
+            return reference_attention(
+                q, k, v, mask, dropout, hook=lambda name, t: hook(f"{site}.{name}", t),
+                scale=self.scale,
+            )[0]
+        return self.kernel(q, k, v, mask, dropout, scale=self.scale)

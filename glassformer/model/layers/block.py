@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..hooks import Hooks
-from ..kv_cache import KVCache
+from ..kv_cache import AttentionCache
 from .attention import Attention
 from .cross_attention import CrossAttention
 from .feedforward import FeedForward
@@ -46,9 +46,9 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: AttentionMask,
+        mask: AttentionMask | None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | None = None,
+        cache: AttentionCache | None = None,
         cross: CrossInputs | None = None,
     ) -> torch.Tensor:
         hook, site = self.hooks, self.site
