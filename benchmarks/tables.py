@@ -1,0 +1,3 @@
+"""placeholder"""
+def records_markdown(folder):
+    return "No records yet."
