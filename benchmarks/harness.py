@@ -95,10 +95,11 @@ def peak_mb(children: bool = False) -> float:
     return usage.ru_maxrss / 1024  # Linux reports KiB
 
 
-def add_arguments(parser: argparse.ArgumentParser, repeats: int) -> None:
-    """The flags every benchmark shares."""
-    parser.add_argument("--repeats", type=int, default=repeats,
-                        help=f"timed rounds per figure; median, min and max are reported (default {repeats})")
+def add_arguments(parser: argparse.ArgumentParser, repeats: int | None) -> None:
+    """The flags every benchmark shares (`repeats` None: one that times nothing, so no --repeats)."""
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats,
+                            help=f"timed rounds per figure: median, min and max (default {repeats})")
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="folder the JSON record is written to (default benchmarks/results)")
     parser.add_argument("--no-record", action="store_true", help="write no record")
