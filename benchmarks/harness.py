@@ -32,9 +32,25 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cpu_report import cpu_line
+from glassformer.accel import threads
+from glassformer.accel.cpu import cpu_features
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_line(window: float = 0.2) -> str:
+    """The machine a figure comes from: the CPU model, the vector features that choose the fast
+    paths (glassformer/accel/cpu.py), PyTorch's dispatch level, the threads, and how busy the
+    cores are right now ("loaded" when other processes hold more than a fifth of a core)."""
+    import torch
+
+    cores = threads.allowed_cores()
+    before = threads.snapshot(cores)
+    time.sleep(window)
+    busy = len(cores) - threads.free_cores(before, threads.snapshot(cores), len(cores))
+    return (f"CPU {cpu_features().summary()}; dispatch {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads on {len(cores)} cores, others using {busy:.1f} "
+            f"({'loaded' if busy > 0.2 else 'quiet'} machine)")
 
 
 @dataclass(frozen=True)
