@@ -2,7 +2,7 @@
 each quiet and beside a process that keeps one core busy, with PyTorch's default threads and
 with Glassformer's choice (glassformer/accel/threads.py).
 
-    python benchmarks/busy_cpu.py [--tokens 64] [--iters 40] [--only decode-fp32 ...]
+    python benchmarks/busy_cpu.py [--tokens 64] [--iters 40] [--repeats 1] [--only decode-fp32 ...]
 
 Each figure is its own process (OpenMP's wait policy is fixed when torch loads): "default"
 keeps one thread per core and libgomp's spinning waits (GOMP_SPINCOUNT=300000, its default);
@@ -11,8 +11,9 @@ leave free, with the same waits; "passive" adds OMP_WAIT_POLICY=PASSIVE (idle th
 at once), which Glassformer leaves to the user because it slows a quiet machine. The busy
 process is a Python loop spinning for a bounded time, started before the figure's process and
 killed after it. Decode speed
-excludes the prompt: (n - 1) / (time for n tokens - time for 1). Prints tokens/s quiet and
-busy and busy / quiet for each.
+excludes the prompt: (n - 1) / (time for n tokens - time for 1). With --repeats N each figure
+is measured N times, quiet and busy alternating; prints the median tokens/s quiet and busy and
+busy / quiet for each.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpu_report import print_cpu
+import harness
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE.parents[1] / "shared" / "data" / "tinyshakespeare.txt"
@@ -108,22 +109,30 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    harness.add_arguments(parser, repeats=1)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, args.tokens, args.iters)))
         return
-    print_cpu(args.json)
+    record = harness.start("busy_cpu", args, json_mode=args.json)
     rows = []
     for workload in args.only:
         for setting in SETTINGS:
-            quiet, busy = (measure(workload, setting, b, args) for b in (False, True))
+            runs = [[measure(workload, setting, b, args) for b in (False, True)] for _ in range(args.repeats)]
+            rates = [harness.Timing(tuple(r[i]["tokens_per_second"] for r in runs)) for i in (0, 1)]
+            quiet, busy = ({**runs[0][i], "tokens_per_second": rates[i].median} for i in (0, 1))
             row = {"workload": workload, "setting": setting, "quiet": quiet, "busy": busy,
                    "ratio": busy["tokens_per_second"] / quiet["tokens_per_second"]}
             rows.append(row)
+            for i, state in enumerate(("quiet", "busy")):
+                record.figure(f"{workload}, {setting}, {state}", rates[i], "tokens/s",
+                              threads=runs[0][i]["threads"])
+            record.ratio(f"{workload}, {setting}: busy / quiet", row["ratio"])
             if not args.json:
                 print(f"{workload:12} {setting:8} quiet {quiet['tokens_per_second']:8.1f} tok/s "
                       f"({quiet['threads']} threads)  busy {busy['tokens_per_second']:8.1f} tok/s "
                       f"({busy['threads']} threads)  busy/quiet {row['ratio']:.2f}", flush=True)
+    record.write()
     if args.json:
         print(json.dumps(rows))
 

@@ -10,11 +10,13 @@ Workloads:
      the accuracy cost of int8 keys and values: greedy tokens shared with an fp32 KV cache
 For each: total tokens/s, time to first token (TTFT) p50/p95, time per output token (TPOT)
 p50/p95, peak RSS (which counts loading the model) and resident memory at the end. Every
-run is its own subprocess (its own peak RSS). transformers runs the same GGUF weights
-dequantized to float32 (a and c only: it takes one setting for all).
+run is its own subprocess (its own peak RSS); with --repeats N every run is made N times, the
+rounds alternating between systems, and each figure is the median (min and max in the record).
+transformers runs the same GGUF weights dequantized to float32 (a and c only: it takes one
+setting for all).
 
     .venv/bin/python benchmarks/engine_throughput.py [--workloads a b c d] [--modes none int8 int4]
-        [--skip sequential transformers] [--threads N] [--json]
+        [--skip sequential transformers] [--threads N] [--repeats 1] [--json]
 """
 
 from __future__ import annotations
@@ -25,19 +27,17 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from cpu_report import print_cpu
+import harness
+from harness import peak_mb
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # --corpus
 ANCHOR = "The meaning of life is"
-
-
-def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def rss_mb() -> float:
@@ -206,8 +206,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--corpus", default=str(CORPUS), help="tinyshakespeare.txt (workloads b, c, d)")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    harness.add_arguments(parser, repeats=1)
     args = parser.parse_args()
-    print_cpu(args.json)
     if args.threads:
         import torch
 
@@ -217,6 +217,7 @@ def main() -> None:
         system, name, mode = args.worker
         print(json.dumps(SYSTEMS[system](name, mode)))
         return
+    record = harness.start("engine_throughput", args, json_mode=args.json)
     runs = []
     for name in args.workloads:
         for mode in args.modes:
@@ -225,20 +226,34 @@ def main() -> None:
                 runs.append(("sequential", name, mode))
         if name in "ac" and "transformers" not in args.skip:
             runs.append(("transformers", name, "fp32"))
+    rounds: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for system, name, mode in runs:
+            command = [sys.executable, __file__, "--worker", system, name, mode, "--corpus", args.corpus]
+            if args.threads:
+                command += ["--threads", str(args.threads)]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode:
+                sys.exit(f"{system} {name} {mode} failed:\n{done.stderr[-2000:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            result.pop("tokens")
+            rounds.setdefault(f"{name} {system} {mode}", []).append(result)
+            if not args.json:
+                shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+                print(f"{name} {system:<12} {mode:<5} {json.dumps(shown)}", flush=True)
     results = {}
-    for system, name, mode in runs:
-        command = [sys.executable, __file__, "--worker", system, name, mode, "--corpus", args.corpus]
-        if args.threads:
-            command += ["--threads", str(args.threads)]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode:
-            sys.exit(f"{system} {name} {mode} failed:\n{done.stderr[-2000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        result.pop("tokens")
-        results[f"{name} {system} {mode}"] = result
-        if not args.json:
-            shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
-            print(f"{name} {system:<12} {mode:<5} {json.dumps(shown)}", flush=True)
+    for key, values in rounds.items():  # each figure the median of its rounds
+        results[key] = {k: statistics.median(r[k] for r in values) if isinstance(v, (int, float)) else v
+                        for k, v in values[0].items()}
+        for k, unit in (("tokens_per_s", "tokens/s"), ("ttft_p95", "s"), ("peak_mb", "MB")):
+            if k in values[0]:
+                record.figure(f"{key}, {k}", harness.Timing(tuple(r[k] for r in values)), unit)
+    for key, result in results.items():
+        name, system, _ = key.split()
+        theirs = results.get(f"{name} transformers fp32")
+        if system == "engine" and theirs:
+            record.ratio(f"{key} / transformers tokens/s", result["tokens_per_s"] / theirs["tokens_per_s"])
+    record.write()
     if args.json:
         print(json.dumps(results))
 

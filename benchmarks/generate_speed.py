@@ -4,7 +4,8 @@ on the same weights as the competitor (ratio > 1: glassformer is faster).
 
 Both are timed inside one generation: prefill = prompt tokens / time to the first new token,
 decode = (N - 1) / time from the first to the last new token (HF through a streamer that notes
-the time of each token); best of --repeats rounds, the two alternating. Run:
+the time of each token); the median of --repeats rounds (min and max in the record), the two
+alternating. Run:
     .venv/bin/python benchmarks/generate_speed.py                 # small random Llama-shaped model
     .venv/bin/python benchmarks/generate_speed.py --smollm2       # SmolLM2-135M-Instruct (GGUF)
     .venv/bin/python benchmarks/generate_speed.py --compile       # + torch.compile of the decode step
@@ -15,9 +16,9 @@ from __future__ import annotations
 import argparse
 import time
 
+import harness
 import torch
 import transformers
-from cpu_report import print_cpu
 
 from glassformer import Transformer
 from glassformer.formats.huggingface import config_from_hf, state_dict
@@ -91,13 +92,14 @@ def hf_once(model: torch.nn.Module, prompt: list[int], n: int, use_cache: bool) 
     return len(prompt) / (first - start), (n - 1) / (last - first), out[0, len(prompt):].tolist()
 
 
-def best_of(repeats: int, runs, prompt: list[int], n: int, use_cache: bool) -> list[tuple]:
-    """Each (run, model)'s best prefill and decode rates over `repeats` rounds, alternating."""
+def rounds(repeats: int, runs, prompt: list[int], n: int, use_cache: bool) -> list[tuple]:
+    """Each (run, model)'s prefill and decode rates over `repeats` rounds, alternating, and its ids."""
     results = [[] for _ in runs]
     for _ in range(repeats):
         for mine, (run, model) in zip(results, runs, strict=True):
             mine.append(run(model, prompt, n, use_cache))
-    return [(max(r[0] for r in rs), max(r[1] for r in rs), rs[0][2]) for rs in results]
+    return [(harness.Timing(tuple(r[0] for r in rs)), harness.Timing(tuple(r[1] for r in rs)), rs[0][2])
+            for rs in results]
 
 
 def matrix_share(model: Transformer, prompt: list[int], n: int) -> tuple[float, float]:
@@ -117,8 +119,9 @@ def matrix_share(model: Transformer, prompt: list[int], n: int) -> tuple[float, 
     return matrix / wall, wall / n
 
 
-def compiled_decode_rate(model: Transformer, prompt: list[int], n: int, repeats: int) -> tuple[float, float]:
-    """(eager, compiled) decode tokens/s of a loop over decode_one_token with a preallocated cache."""
+def compiled_decode_rate(model: Transformer, prompt: list[int], n: int, repeats: int) -> dict:
+    """Eager and compiled decode tokens/s of a loop over decode_one_token with a preallocated cache
+    (the prefill untimed), their rounds alternating."""
     compiled = torch.compile(decode_one_token)
 
     def loop(step) -> float:
@@ -135,7 +138,9 @@ def compiled_decode_rate(model: Transformer, prompt: list[int], n: int, repeats:
     loop(compiled)  # compiles (a static graph, then one with a symbolic cache length)
     loop(compiled)
     print(f"  torch.compile warm-up: {time.perf_counter() - started:.0f} s")
-    return max(loop(decode_one_token) for _ in range(repeats)), max(loop(compiled) for _ in range(repeats))
+    samples = [(loop(decode_one_token), loop(compiled)) for _ in range(repeats)]
+    return {"eager": harness.Timing(tuple(s[0] for s in samples)),
+            "compiled": harness.Timing(tuple(s[1] for s in samples))}
 
 
 def main() -> None:
@@ -143,12 +148,12 @@ def main() -> None:
     parser.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct, not the small model")
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared machine)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the decode step")
+    harness.add_arguments(parser, repeats=3)
     args = parser.parse_args()
-    print_cpu()
     torch.set_num_threads(args.threads)
+    record = harness.start("generate_speed", args)
     ours, hf = smollm2_models() if args.smollm2 else small_models()
     lengths = args.prompt_lengths or ([16, 128, 512] if args.smollm2 else [16, 128, 512])
     n = args.new_tokens or (16 if args.smollm2 else 32)
@@ -161,9 +166,18 @@ def main() -> None:
     for length in lengths:
         prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
         runs = [(ours_once, ours), (hf_once, hf)]
-        (pre, dec, ids), (hf_pre, hf_dec, hf_ids) = best_of(args.repeats, runs, prompt, n, True)
-        (_, slow, slow_ids), (_, hf_slow, _) = best_of(1, runs, prompt, n, False)
+        (pre_t, dec_t, ids), (hf_pre_t, hf_dec_t, hf_ids) = rounds(args.repeats, runs, prompt, n, True)
+        (_, slow_t, slow_ids), (_, hf_slow_t, _) = rounds(1, runs, prompt, n, False)
         same = ids == hf_ids == slow_ids
+        pre, dec, hf_pre, hf_dec = pre_t.median, dec_t.median, hf_pre_t.median, hf_dec_t.median
+        slow, hf_slow = slow_t.median, hf_slow_t.median
+        for label, timing in (("prefill", pre_t), ("prefill, transformers", hf_pre_t), ("decode", dec_t),
+                              ("decode, transformers", hf_dec_t), ("decode without cache", slow_t),
+                              ("decode without cache, transformers", hf_slow_t)):
+            record.figure(f"prompt {length}: {label}", timing, "tokens/s")
+        record.ratio(f"prompt {length}: prefill, glassformer / transformers", pre / hf_pre)
+        record.ratio(f"prompt {length}: decode, glassformer / transformers", dec / hf_dec)
+        record.notes[f"prompt {length}: same ids"] = same
         print(f"{length:>6} {pre:>13.0f} {hf_pre:>6.0f} {pre / hf_pre:>5.2f} | {dec:>12.1f} {hf_dec:>6.1f} "
               f"{dec / hf_dec:>5.2f} | {slow:>8.1f} {hf_slow:>6.1f} {dec / slow:>7.1f} | {str(same):>8}")
     prompt = list(range(1, lengths[len(lengths) // 2] + 1))
@@ -171,10 +185,17 @@ def main() -> None:
     print(f"decode at prompt {len(prompt)}: {step * 1e3:.2f} ms/step under the profiler, "
           f"{share:.0%} in matrix ops ({', '.join(op.removeprefix('aten::') for op in MATRIX_OPS[:3])}, "
           f"attention), {1 - share:.0%} outside (Python, small ops, dispatch)")
+    record.figure(f"decode at prompt {len(prompt)}: share in matrix ops", share, "fraction")
     if args.compile:
-        eager, compiled = compiled_decode_rate(ours, prompt, n, args.repeats)
+        rates = compiled_decode_rate(ours, prompt, n, args.repeats)
+        eager, compiled = rates["eager"].median, rates["compiled"].median
         print(f"decode step at prompt {len(prompt)}: eager {eager:.1f} tok/s, "
               f"torch.compile {compiled:.1f} tok/s, x{compiled / eager:.2f}")
+        for name, timing in rates.items():
+            record.figure(f"decode at prompt {len(prompt)}, {name}", timing, "tokens/s")
+        record.ratio("torch.compile / eager decode rate", compiled / eager)
+    record.figure("peak memory", harness.peak_mb(), "MB")
+    record.write()
 
 
 if __name__ == "__main__":

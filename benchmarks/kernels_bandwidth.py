@@ -10,12 +10,10 @@ Run: .venv/bin/python benchmarks/kernels_bandwidth.py [--rows M] [--threads T]
 from __future__ import annotations
 
 import argparse
-import os
-import time
 
+import harness
 import torch
 import torch.nn.functional as F
-from cpu_report import print_cpu
 
 from glassformer.accel import QuantizedLinear
 
@@ -31,28 +29,23 @@ def weight_bytes(layer: QuantizedLinear) -> int:
     return sum(b.numel() * b.element_size() for n, b in layer.named_buffers() if n != "bias")
 
 
-def step_seconds(variants: dict, xs, repeats: int) -> dict[str, float]:
-    """Best-of-repeats seconds per variant for one pass over all products, taken round-robin
-    so that load from other processes falls on every variant alike."""
-    best = dict.fromkeys(variants, float("inf"))
-    for _ in range(repeats):
-        for name, fns in variants.items():
-            start = time.perf_counter()
-            for fn, x in zip(fns, xs, strict=True):
-                fn(x)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+def step_run(fns, xs):
+    """One pass over all products."""
+    def run():
+        for fn, x in zip(fns, xs, strict=True):
+            fn(x)
+    return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1, help="activation rows M (batch)")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    harness.add_arguments(parser, repeats=20)
     args = parser.parse_args()
-    print_cpu()
     torch.set_num_threads(args.threads)
+    record = harness.start("kernels_bandwidth", args)
     g = torch.Generator().manual_seed(0)
     shapes = step_shapes(args.layers)
     weights = [torch.randn(n, k, generator=g) * 0.02 for n, k in shapes]
@@ -68,12 +61,12 @@ def main() -> None:
         layers[0](xs[0])  # builds the extension if needed
         variants[f"kernel {mode}"] = layers
         n_bytes[f"kernel {mode}"] = sum(weight_bytes(layer) for layer in layers)
-    with torch.no_grad():
-        seconds = step_seconds(variants, xs, args.repeats)
+    with torch.no_grad():  # rounds interleaved, so load from other processes falls on every variant alike
+        timings = harness.alternating({name: step_run(fns, xs) for name, fns in variants.items()},
+                                      args.repeats, warmup=0)
+    seconds = {name: timing.median for name, timing in timings.items()}
     base = seconds["torch F.linear"]
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    print(f"{args.layers} layers + head, M={args.rows}, {torch.get_num_threads()} threads, "
-          f"load average {load}")
+    print(f"{args.layers} layers + head, M={args.rows}; median of {args.repeats} rounds")
     ceiling = fp32_bytes / seconds["read ceiling"]
     print(f"{'format':<16}{'MB read':>9}{'ms/step':>10}{'GB/s':>8}{'vs F.linear':>13}"
           f"{'of ceiling':>12}")
@@ -81,6 +74,10 @@ def main() -> None:
         rate = n_bytes[name] / t
         print(f"{name:<16}{n_bytes[name] / 1e6:>9.1f}{t * 1e3:>10.2f}{rate / 1e9:>8.1f}"
               f"{base / t:>12.2f}x{rate / ceiling:>11.0%}")
+        record.figure(f"{name}, one step", timings[name].scaled(1e3), "ms", gb_per_s=rate / 1e9)
+        if name.startswith("kernel"):
+            record.ratio(f"torch F.linear / {name} time", base / t)
+    record.write()
 
 
 if __name__ == "__main__":

@@ -12,37 +12,28 @@ bfloat16 arithmetic:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
+import harness
 import torch
-from cpu_report import print_cpu
 
 from glassformer import Transformer
 from glassformer.training.config import get_recipe
 from glassformer.training.optim import make_optimizer, newton_schulz_dtype, orthogonalize
 
 
-def step_ms(stacks: list[torch.Tensor], dtype: torch.dtype, group: dict, repeats: int) -> float:
-    """Median ms of one step's iterations over every stack."""
+def step_run(stacks: list[torch.Tensor], dtype: torch.dtype, group: dict):
+    """One optimizer step's iterations over every stack."""
     def run():
         for stack in stacks:
             orthogonalize(stack, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
-
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return run
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
+    harness.add_arguments(parser, repeats=20)
     args = parser.parse_args()
-    print_cpu()
+    record = harness.start("newton_schulz", args)
     recipe = get_recipe("shakespeare-char-fast")
     model = Transformer(recipe.model.replace(vocab_size=65))
     muon = make_optimizer(model, recipe.train).optimizers[0]
@@ -52,11 +43,17 @@ def main() -> None:
         shapes[p.shape] = shapes.get(p.shape, 0) + 1
     stacks = [torch.randn(n, *shape) for shape, n in shapes.items()]  # (n, rows, cols) each
     print("stacks: " + ", ".join(f"{n} × {tuple(s)}" for s, n in shapes.items()))
-    bf16 = step_ms(stacks, torch.bfloat16, group, args.repeats)
-    fp32 = step_ms(stacks, torch.float32, group, args.repeats)
-    print(f"Newton–Schulz per step: bfloat16 {bf16:.2f} ms, float32 {fp32:.2f} ms, "
-          f"bfloat16 / float32 time {bf16 / fp32:.2f}; "
-          f"Glassformer uses {newton_schulz_dtype(torch.device('cpu'))} here")
+    times = harness.alternating({"bfloat16": step_run(stacks, torch.bfloat16, group),
+                                 "float32": step_run(stacks, torch.float32, group)}, args.repeats)
+    for name, timing in times.items():
+        print(f"Newton–Schulz per step, {name}: {timing.scaled(1e3).text('ms')}")
+        record.figure(f"Newton–Schulz per step, {name}", timing.scaled(1e3), "ms")
+    ratio = times["bfloat16"].median / times["float32"].median
+    chosen = str(newton_schulz_dtype(torch.device("cpu")))
+    print(f"bfloat16 / float32 time {ratio:.2f}; Glassformer uses {chosen} here")
+    record.ratio("bfloat16 / float32 time", ratio)
+    record.notes["chosen dtype"] = chosen
+    record.write()
 
 
 if __name__ == "__main__":

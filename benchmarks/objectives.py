@@ -1,7 +1,7 @@
 """Training objectives side by side on tinyshakespeare: causal LM (clm), masked LM (mlm) and
 T5's span corruption (span).
 
-    python benchmarks/objectives.py [--data PATH] [--budget 40] [--steps 10] [--rounds 3]
+    python benchmarks/objectives.py [--data PATH] [--budget 40] [--steps 10] [--repeats 3]
                                     [--threads N] [--out objectives.png]
 
 1. Each objective trains a model of the same width for the same wall time (--budget seconds):
@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 
 from glassformer import Transformer, get_preset
@@ -184,13 +185,18 @@ def span_step_rates(vocab: int, steps: int, rounds: int) -> tuple[list[float], l
     return a, b
 
 
-def print_rates(title: str, ours: list[float], theirs: list[float], their_name: str, args) -> None:
+def report_rates(title: str, ours: list[float], theirs: list[float], their_name: str, args,
+                 record: harness.Record) -> None:
     ratio = statistics.median(o / t for o, t in zip(ours, theirs, strict=True))
+    mine, other = harness.Timing(tuple(ours)), harness.Timing(tuple(theirs))
     print(f"{title}, batch {TRAIN.batch_size} x {MODEL.context_length} tokens, "
-          f"{args.rounds} alternating rounds of {args.steps} steps:")
-    print(f"  glassformer  {statistics.median(ours):>9,.0f} tokens/s")
-    print(f"  transformers {statistics.median(theirs):>9,.0f} tokens/s ({their_name})")
+          f"{args.repeats} alternating rounds of {args.steps} steps:")
+    print(f"  glassformer  {mine.median:>9,.0f} tokens/s")
+    print(f"  transformers {other.median:>9,.0f} tokens/s ({their_name})")
     print(f"  ratio glassformer / transformers: {ratio:.2f} (median of rounds; > 1: faster)")
+    record.figure(f"{title}, glassformer", mine, "tokens/s")
+    record.figure(f"{title}, transformers ({their_name})", other, "tokens/s")
+    record.ratio(f"{title}, glassformer / transformers tokens/s (median of rounds)", ratio)
 
 
 def main() -> None:
@@ -198,30 +204,36 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--budget", type=float, default=40.0, help="training seconds per objective")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (step speed)")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("objectives.png"))
+    harness.add_arguments(parser, repeats=3)
     args = parser.parse_args()
     if not args.data.is_file():
         sys.exit(f"no corpus at {args.data} (give --data)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    record = harness.start("objectives", args)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: run_objective(name, args.data, args.budget, Path(tmp)) for name in RUNS}
     plot(results, args.out)
     vocab = results["mlm"]["vocab"]  # the character vocabulary + end-of-text + [MASK]
-    print(f"CPU threads {torch.get_num_threads()}; loaded machine; budget {args.budget:g} s each")
+    print(f"{torch.get_num_threads()} threads; budget {args.budget:g} s each")
     print(f"{'objective':<10} {'params':>9} {'iters':>6} {'tokens/s':>9} {'final val loss':>15}")
     for name, result in results.items():
         s = result["summary"]
         print(f"{name:<10} {result['params']:>9,} {s['iters']:>6} {s['tokens_per_second']:>9,.0f} "
               f"{s['val_loss']:>15.4f}")
+        record.figure(f"{name}, training", s["tokens_per_second"], "tokens/s", iters=s["iters"],
+                      params=result["params"])
+        record.figure(f"{name}, final validation loss", s["val_loss"], "loss")
     print(f"loss curves: {args.out}")
-    print_rates("masked-LM training step", *step_rates(vocab, args.steps, args.rounds),
-                "BertForMaskedLM", args)
-    print_rates("span-corruption training step", *span_step_rates(results["span"]["vocab"], args.steps,
-                args.rounds), "T5ForConditionalGeneration", args)
+    report_rates("masked-LM training step", *step_rates(vocab, args.steps, args.repeats),
+                 "BertForMaskedLM", args, record)
+    report_rates("span-corruption training step", *span_step_rates(results["span"]["vocab"], args.steps,
+                 args.repeats), "T5ForConditionalGeneration", args, record)
+    record.figure("peak memory", harness.peak_mb(), "MB")
+    record.write()
 
 
 if __name__ == "__main__":

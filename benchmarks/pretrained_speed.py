@@ -2,40 +2,37 @@
 
 Glassformer runs once per weight mode of `glassformer.load(path, quantize=...)`: `reference`
 (plain nn.Linear modules, the readable path), `fp32` (the same float32 weights through the
-decode kernels and the fused C++ step), `bf16`, `int8`, `int4` (converted once) and `gguf`
-(the file's Q4_1 / Q8_0 blocks as they are). Each run is its own subprocess, so load time and
-peak memory (ru_maxrss) are its own: load the GGUF; greedy 128 tokens after "The meaning of
-life is"; one 512-token prefill. Decode speed excludes the prompt: (128 - 1) / (time for
-128 tokens - time for 1). Prefill is what generation does with a prompt: every position
-through the model, the head on the last one only (transformers: logits_to_keep=1). Load is
-reported as wall time and as CPU time (user + system), which a busy machine inflates less.
-llama.cpp's figures (81 tokens/s decode, 148-191 tokens/s prefill with Q4_1 on this kind of
-machine, measured separately with llama-cpp-python) are quoted for comparison.
+decode kernels and the fused C++ step), `bf16`, `int8`, `int4` (converted once) and `gguf` (the
+file's Q4_1 / Q8_0 blocks as they are). Each run is its own subprocess, so load time and peak
+memory (ru_maxrss) are its own: load the GGUF; greedy 128 tokens after "The meaning of life
+is"; one 512-token prefill. Decode speed excludes the prompt: (128 - 1) / (time for 128 tokens
+- time for 1), over --repeats rounds (median, min and max). Prefill is what generation does
+with a prompt: every position through the model, the head on the last one only (transformers:
+logits_to_keep=1). Load is reported as wall time and as CPU time (user + system), which a busy
+machine inflates less. llama.cpp's figures (81 tokens/s decode, 148-191 tokens/s prefill with
+Q4_1 on this kind of machine, measured separately with llama-cpp-python) are quoted for
+comparison.
 
-    .venv/bin/python benchmarks/pretrained_speed.py [--threads N] [--json] [--only NAME ...]
+    .venv/bin/python benchmarks/pretrained_speed.py [--threads N] [--repeats 2] [--json] [--only NAME ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 
-from cpu_report import print_cpu
+import harness
+from harness import peak_mb
 
 PROMPT = "The meaning of life is"
 NEW_TOKENS = 128
 PREFILL = 512
 
 
-def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def glassformer_worker(path: str, mode: str) -> dict:
+def glassformer_worker(path: str, mode: str, repeats: int) -> dict:
     from glassformer import load
     from glassformer.generation.core import prefill
     from glassformer.generation.generate import GenerationConfig, generate
@@ -53,10 +50,10 @@ def glassformer_worker(path: str, mode: str) -> dict:
         return time.perf_counter() - start, result.generated_ids
 
     return _measure(load_s, load_cpu, load_peak, run, lambda ids: prefill(model, ids),
-                    tokenizer.encode)
+                    tokenizer.encode, repeats)
 
 
-def transformers_worker(path: str, weights: str) -> dict:
+def transformers_worker(path: str, weights: str, repeats: int) -> dict:
     from pathlib import Path
 
     import torch
@@ -78,26 +75,30 @@ def transformers_worker(path: str, weights: str) -> dict:
         return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
 
     return _measure(load_s, load_cpu, load_peak, run, lambda x: model(x, logits_to_keep=1).logits,
-                    lambda text: tokenizer.encode(text, add_special_tokens=False))
+                    lambda text: tokenizer.encode(text, add_special_tokens=False), repeats)
 
 
-def _measure(load_s, load_cpu, load_peak, run, forward, encode) -> dict:
+def _measure(load_s, load_cpu, load_peak, run, forward, encode, repeats: int) -> dict:
+    """Decode and prefill rates, `repeats` samples each."""
     import torch
 
     with torch.inference_mode():
         run(4)  # warm-up
-        one, _ = min(run(1) for _ in range(2))
-        full, tokens = run(NEW_TOKENS)
+        decode = []
+        for _ in range(repeats):
+            one, _ = run(1)
+            full, tokens = run(NEW_TOKENS)
+            decode.append((NEW_TOKENS - 1) / (full - one))
         ids = torch.tensor([(encode(PROMPT + " ") * PREFILL)[:PREFILL]])
         forward(ids[:, :64])  # warm-up
         prefill = []
-        for _ in range(2):
+        for _ in range(repeats):
             start = time.perf_counter()
             forward(ids)
-            prefill.append(time.perf_counter() - start)
+            prefill.append(PREFILL / (time.perf_counter() - start))
     return {"load_s": load_s, "load_cpu_s": load_cpu, "load_peak_mb": load_peak, "peak_mb": peak_mb(),
-            "decode_tok_s": (NEW_TOKENS - 1) / (full - one), "prefill_tok_s": PREFILL / min(prefill),
-            "tokens": tokens, "threads": torch.get_num_threads()}
+            "decode_tok_s": decode, "prefill_tok_s": prefill, "tokens": tokens,
+            "threads": torch.get_num_threads()}
 
 
 RUNS = {**{f"glassformer {mode}": (glassformer_worker, mode)
@@ -113,16 +114,17 @@ def main() -> None:
                         help="glassformer modes to run (transformers always runs)")
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
+    harness.add_arguments(parser, repeats=2)
     args = parser.parse_args()
-    print_cpu(args.json)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     if args.worker:
         worker, weights = RUNS[args.worker]
-        print(json.dumps(worker(args.path, weights)))
+        print(json.dumps(worker(args.path, weights, args.repeats)))
         return
+    record = harness.start("pretrained_speed", args, json_mode=args.json)
     from glassformer.formats import hub
 
     path = str(hub.model_path("smollm2-135m-instruct"))
@@ -130,7 +132,7 @@ def main() -> None:
     for name in RUNS:
         if args.only and name != "transformers" and name.split()[-1] not in args.only:
             continue
-        command = [sys.executable, __file__, "--worker", name, "--path", path]
+        command = [sys.executable, __file__, "--worker", name, "--path", path, "--repeats", str(args.repeats)]
         if args.threads:
             command += ["--threads", str(args.threads)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -142,6 +144,20 @@ def main() -> None:
     for name, r in results.items():  # greedy tokens shared with transformers, from the start
         r["same_prefix"] = next((i for i, (a, b) in enumerate(zip(tokens[name], reference, strict=True))
                                  if a != b), len(reference))
+    rates = {name: (harness.Timing(tuple(r.pop("decode_tok_s"))),
+                    harness.Timing(tuple(r.pop("prefill_tok_s")))) for name, r in results.items()}
+    for name, r in results.items():
+        decode, prefill = rates[name]
+        r["decode_tok_s"], r["prefill_tok_s"] = decode.median, prefill.median
+        record.figure(f"{name}, decode (greedy {NEW_TOKENS})", decode, "tokens/s")
+        record.figure(f"{name}, prefill ({PREFILL})", prefill, "tokens/s")
+        record.figure(f"{name}, load", r["load_s"], "s", cpu_seconds=r["load_cpu_s"])
+        record.figure(f"{name}, peak memory", r["peak_mb"], "MB")
+        record.notes[f"{name}: greedy tokens equal to transformers'"] = r["same_prefix"]
+        if name != "transformers":
+            theirs = rates["transformers"][0].median
+            record.ratio(f"{name} / transformers decode rate", decode.median / theirs)
+    record.write()
     if args.json:
         print(json.dumps(results))
         return

@@ -16,9 +16,9 @@ import math
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
-from cpu_report import print_cpu
 
 from glassformer import load
 
@@ -44,8 +44,9 @@ def main() -> None:
     parser.add_argument("--chars", type=int, default=20_000)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--data", default=str(CORPUS))
+    harness.add_arguments(parser, repeats=None)
     args = parser.parse_args()
-    print_cpu()
+    record = harness.start("quantize_quality", args)
     text = Path(args.data).read_text(encoding="utf-8")[: args.chars]
     results = {}
     for mode in MODES:
@@ -57,6 +58,9 @@ def main() -> None:
         print(f"{mode:>10}  perplexity {results[mode]:8.3f}  "
               f"({100 * (results[mode] / results['reference'] - 1):+6.2f}% vs fp32)  "
               f"{len(ids)} tokens, {time.perf_counter() - start:.0f} s", flush=True)
+        record.figure(f"{mode}, perplexity", results[mode], "perplexity", tokens=len(ids))
+        record.ratio(f"{mode} / reference perplexity", results[mode] / results["reference"])
+    record.write()
 
 
 if __name__ == "__main__":

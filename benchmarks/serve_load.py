@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+import harness
 import httpx
-from cpu_report import print_cpu
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 ANCHOR = "The meaning of life is"
@@ -142,10 +142,10 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["anchor", "mixed"], choices=["anchor", "mixed"])
     parser.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
                         help="the engine's threads, in the server and alone")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per row (the median is shown)")
     parser.add_argument("--json", action="store_true")
+    harness.add_arguments(parser, repeats=3)
     args = parser.parse_args()
-    print_cpu(args.json)
+    record = harness.start("serve_load", args, json_mode=args.json)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())", "serve",
@@ -192,6 +192,15 @@ def main() -> None:
                     row["http_cost"] = statistics.median(
                         1 - r["tokens_per_second"] / a for r, a in zip(rounds, alone_rounds, strict=True))
                 rows.append(row)
+                label = f"{workload}, {clients} clients"
+                record.figure(f"{label}, tokens/s", harness.Timing(tuple(row["rounds_tokens_per_second"])),
+                              "tokens/s")
+                record.figure(f"{label}, TTFT p95 (median round)", row["ttft_p95"], "s")
+                record.figure(f"{label}, server peak resident memory", row["peak_rss_mb"], "MB")
+                if alone_rounds:
+                    record.figure(f"{label}, engine alone", harness.Timing(tuple(alone_rounds)), "tokens/s")
+                    record.ratio(f"{label}: HTTP cost (1 - server / engine alone, median of rounds)",
+                                 row["http_cost"])
                 if not args.json:
                     print(f"{workload:6} {clients:2} clients: {row['tokens_per_second']:6.1f} tok/s  "
                           f"TTFT p50 {row['ttft_p50']:.3f} p95 {row['ttft_p95']:.3f} s  "
@@ -208,6 +217,7 @@ def main() -> None:
         alone.terminate()
         server.wait(60)
         alone.wait(60)
+    record.write()
     if args.json:
         print(json.dumps(rows, indent=1))
 

@@ -1,6 +1,6 @@
 """What each of the training conversions is worth inside a whole training step, on this CPU.
 
-    python benchmarks/step_variants.py [--preset shakespeare-char] [--rounds 15] [--steps 10]
+    python benchmarks/step_variants.py [--preset shakespeare-char] [--repeats 15] [--steps 10]
 
 `accel.use_fast_training` swaps several pieces of a model at once (fused norms, activations
 and attention, the products' route). Timed alone, a pass can gain where a step does not: in a
@@ -8,19 +8,17 @@ step its operands have left the caches. This builds the preset's model several t
 same weights: with no conversion ("plain"), with all of it ("fast"), and with all of it but one
 kind of the pieces it swapped here ("fast - attention", ...), and alternates them in bursts
 of `--steps` training steps (batch and optimizer as the preset's) within one process, so that
-a machine whose speed drifts slows every variant alike. Prints the median ms per step of each
-and its ratio to "plain".
+a machine whose speed drifts slows every variant alike. Prints ms per step of each (median,
+min and max of the bursts) and its ratio to "plain".
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from contextlib import nullcontext
 
+import harness
 import torch
-from cpu_report import print_cpu
 from torch import nn
 
 from glassformer.accel import fast_training, fused
@@ -65,10 +63,10 @@ def converted(model: nn.Module, without: str | None) -> nn.Module:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="shakespeare-char")
-    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=10, help="training steps per burst")
+    harness.add_arguments(parser, repeats=15)
     args = parser.parse_args()
-    print_cpu()
+    record = harness.start("step_variants", args)
     keep_freed_memory()
     recipe = get_recipe(args.preset)
     batch = torch.randint(0, recipe.model.vocab_size, (2, recipe.train.batch_size,
@@ -87,26 +85,24 @@ def main() -> None:
             converted(model, name.removeprefix("fast - ") if "-" in name else None)
         variants[name] = (model, make_optimizer(model, recipe.train))
 
-    def burst(model, optimizer) -> float:
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            train_step(model, optimizer, batch[0], batch[1], 1, recipe.train.grad_clip,
-                       nullcontext()).item()
-        return 1e3 * (time.perf_counter() - start) / args.steps
+    def burst(model, optimizer):
+        def run():
+            for _ in range(args.steps):
+                train_step(model, optimizer, batch[0], batch[1], 1, recipe.train.grad_clip,
+                           nullcontext()).item()
+        return run
 
-    for model, optimizer in variants.values():
-        burst(model, optimizer)  # warm-up
-    times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, (model, optimizer) in variants.items():
-            times[name].append(burst(model, optimizer))
-    plain = statistics.median(times["plain"])
+    times = harness.alternating({name: burst(*pair) for name, pair in variants.items()}, args.repeats)
+    per_step = {name: timing.scaled(1e3 / args.steps) for name, timing in times.items()}
+    plain = per_step["plain"].median
     print(f"{args.preset}, {torch.get_num_threads()} threads; ms per training step, median of "
-          f"{args.rounds} bursts of {args.steps}")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"{name:22s} {median:7.1f} ms  (best {min(values):6.1f})  plain / this "
-              f"{plain / median:5.2f}x")
+          f"{args.repeats} bursts of {args.steps}")
+    for name, timing in per_step.items():
+        print(f"{name:22s} {timing.median:7.1f} ms  (min {timing.min:6.1f}, max {timing.max:6.1f})  "
+              f"plain / this {plain / timing.median:5.2f}x")
+        record.figure(f"{name}, per step", timing, "ms")
+        record.ratio(f"plain / {name} time", plain / timing.median)
+    record.write()
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 weights, 60M parameters) from one source, glassformer (encoder once, KV cache with the
 cross-attention keys and values kept) against Hugging Face `generate` on the same weights.
 
-End-to-end seconds per generation (encoder + N new tokens), best of --repeats rounds, the two
-alternating; ratio > 1: glassformer is faster. End-of-text is switched off in both so every
+End-to-end seconds per generation (encoder + N new tokens), the median of --repeats rounds, the
+two alternating; ratio > 1: glassformer is faster. End-of-text is switched off in both so every
 round makes N tokens, and the tokens are checked equal. Run:
     .venv/bin/python benchmarks/t5_generate.py [--source 64] [--new 32] [--repeats 3]
 """
@@ -11,9 +11,8 @@ round makes N tokens, and the tokens are checked equal. Run:
 from __future__ import annotations
 
 import argparse
-import platform
-import time
 
+import harness
 import torch
 import transformers
 
@@ -38,28 +37,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=int, default=64, help="source tokens")
     parser.add_argument("--new", type=int, default=32, help="new tokens")
-    parser.add_argument("--repeats", type=int, default=3)
+    harness.add_arguments(parser, repeats=3)
     args = parser.parse_args()
+    record = harness.start("t5_generate", args)
     ours, hf = models()
     source = torch.randint(2, ours.config.vocab_size, (1, args.source),
                            generator=torch.Generator().manual_seed(1))
     config = GenerationConfig(max_new_tokens=args.new, eos_ids=())
-    best_ours = best_hf = float("inf")
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        mine = generate(ours, source[0].tolist(), config).generated_ids
-        best_ours = min(best_ours, time.perf_counter() - start)
-        start = time.perf_counter()
+    out = {}
+
+    def run_ours():
+        out["ours"] = generate(ours, source[0].tolist(), config).generated_ids
+
+    def run_hf():
         with torch.no_grad():
-            theirs = hf.generate(source, attention_mask=torch.ones_like(source), do_sample=False,
-                                 num_beams=1, max_new_tokens=args.new, decoder_start_token_id=0)
-        best_hf = min(best_hf, time.perf_counter() - start)
-    same = mine == theirs[0, 1:].tolist()
-    print(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+            out["hf"] = hf.generate(source, attention_mask=torch.ones_like(source), do_sample=False,
+                                    num_beams=1, max_new_tokens=args.new, decoder_start_token_id=0)
+
+    times = harness.alternating({"glassformer": run_ours, "transformers": run_hf}, args.repeats, warmup=0)
+    same = out["ours"] == out["hf"][0, 1:].tolist()
     print(f"t5-small shape, source {args.source} tokens, {args.new} new tokens, greedy")
-    print(f"glassformer  {best_ours:.3f} s   ({args.new / best_ours:.1f} tok/s)")
-    print(f"transformers {best_hf:.3f} s   ({args.new / best_hf:.1f} tok/s)")
-    print(f"ratio (transformers / glassformer): {best_hf / best_ours:.2f}   tokens equal: {same}")
+    for name, timing in times.items():
+        print(f"{name:<12} {timing.text('s', 3)}   ({args.new / timing.median:.1f} tok/s)")
+        record.figure(f"{name} generation", timing, "s")
+    ratio = times["transformers"].median / times["glassformer"].median
+    print(f"ratio (transformers / glassformer): {ratio:.2f}   tokens equal: {same}")
+    record.ratio("transformers / glassformer time", ratio)
+    record.figure("peak memory", harness.peak_mb(), "MB")
+    record.notes["tokens equal"] = same
+    record.write()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Wall time to a validation loss: the nanoGPT recipe vs Glassformer's two shakespeare presets.
 
-    python benchmarks/time_to_loss.py [--data PATH] [--target 1.886] [--presets ...] [--rounds 1]
+    python benchmarks/time_to_loss.py [--data PATH] [--target 1.886] [--presets ...] [--repeats 1]
 
 Each contender runs as its own process, timed from launch to exit (imports, data preparation,
 evaluations and checkpoints included). Also printed: the time of the first evaluation at or
 below the target (launch overhead added), the final validation loss and the iterations.
 The baseline is nanoGPT's published CPU recipe re-expressed in plain PyTorch
 (benchmarks/nanogpt_recipe.py), not nanoGPT's own code; its data preparation (prepare.py) is
-done beforehand and not timed, as in nanoGPT. With --rounds N all of them run N times in turn
+done beforehand and not timed, as in nanoGPT. With --repeats N all of them run N times in turn
 (each preset's ratio to the recipe taken within a round, so that a machine whose speed drifts
 slows both alike), and the median of the rounds' ratios is printed.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from cpu_report import print_cpu  # noqa: E402
+import harness  # noqa: E402
 from train_throughput import DEFAULT_DATA, prepare  # noqa: E402
 
 
@@ -68,12 +68,12 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=1.886)
     parser.add_argument("--presets", nargs="+", default=["shakespeare-char-fast", "shakespeare-char"])
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--rounds", type=int, default=1)
+    harness.add_arguments(parser, repeats=1)
     args = parser.parse_args()
-    print_cpu()
+    record = harness.start("time_to_loss", args)
     tmp = Path(tempfile.mkdtemp(prefix="glassformer-ttl-"))
     rounds = []
-    for r in range(args.rounds):
+    for r in range(args.repeats):
         rows = [] if args.no_baseline else [baseline(args.data, tmp / f"recipe{r}", args.target)]
         rows += [glassformer(p, args.data, tmp / f"round{r}", args.target) for p in args.presets]
         rounds.append(rows)
@@ -88,6 +88,15 @@ def main() -> None:
             ratios = [rows[i]["wall_seconds"] / rows[0]["wall_seconds"] for rows in rounds]
             print(f"{preset} / nanoGPT recipe whole-process time: {statistics.median(ratios):.2f}x"
                   f" (rounds: {', '.join(f'{v:.2f}' for v in ratios)})")
+            record.ratio(f"{preset} / nanoGPT recipe whole-process time", statistics.median(ratios))
+    for i, row in enumerate(rounds[0]):
+        wall = harness.Timing(tuple(rows[i]["wall_seconds"] for rows in rounds))
+        loss = harness.Timing(tuple(rows[i]["val_loss"] for rows in rounds))
+        record.figure(f"{row['name']}, whole process", wall, "s", iters=row["iters"])
+        record.figure(f"{row['name']}, final validation loss", loss, "loss")
+    record.figure("peak memory of a contender", harness.peak_mb(children=True), "MB")
+    record.notes["target"] = args.target
+    record.write()
     print(json.dumps(rounds))
 
 

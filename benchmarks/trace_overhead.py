@@ -4,7 +4,7 @@ The competitor is the model without the feature: a copy whose forward methods (T
 Block, Attention, FeedForward, Embedding) are recompiled from their own source with every
 `hooks(site, x)` call replaced by `x`, so nothing else differs; its logits are checked to be
 identical first. Both are timed interleaved, many times, and the ratio hooked / hook-free of
-the medians (and of the best runs) is printed: the target is within 3%. On a busy machine the
+the medians (and of the fastest rounds) is printed: the target is within 3%. On a busy machine the
 timed ratio is noisy, so the script also measures what one idle site costs (the registry call
 plus the string concatenation naming it) and multiplies by the number of sites (an upper
 bound: the three attention-weight sites are skipped entirely by the fused kernels).
@@ -18,14 +18,13 @@ import argparse
 import ast
 import copy
 import inspect
-import statistics
 import sys
 import textwrap
 import time
 import types
 
+import harness
 import torch
-from cpu_report import print_cpu
 
 from glassformer import Transformer, get_preset
 from glassformer.interpret.trace import site_names
@@ -70,25 +69,20 @@ def hook_free_copy(model: Transformer) -> Transformer:
     return plain
 
 
-def median_ratio(
-    model: Transformer, plain_model: Transformer, ids: torch.Tensor, repeats: int
-) -> tuple[float, float, float, float]:
-    """Median seconds of each, the ratio of the medians and the ratio of the best runs."""
-    hooked, plain = [], []
+def synchronized(model: Transformer, ids: torch.Tensor):
+    """One forward pass, finished on the device before the clock is read."""
+    def run():
+        model(ids)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
+    return run
+
+
+def timings(model: Transformer, plain_model: Transformer, ids: torch.Tensor, repeats: int) -> dict:
+    """Seconds per forward pass of each, their rounds interleaved so drifting load hits both alike."""
     with torch.inference_mode():
-        for _ in range(3):  # warm-up
-            model(ids), plain_model(ids)
-        for _ in range(repeats):  # interleaved, so drifting machine load hits both alike
-            for fn, times in ((model, hooked), (plain_model, plain)):
-                if ids.device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                fn(ids)
-                if ids.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-    hooked_ms, plain_ms = statistics.median(hooked), statistics.median(plain)
-    return hooked_ms, plain_ms, hooked_ms / plain_ms, min(hooked) / min(plain)
+        return harness.alternating({"hooked": synchronized(model, ids),
+                                    "hook-free": synchronized(plain_model, ids)}, repeats, warmup=3)
 
 
 def idle_site_seconds(model: Transformer, calls: int = 200_000) -> float:
@@ -103,12 +97,12 @@ def idle_site_seconds(model: Transformer, calls: int = 200_000) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    harness.add_arguments(parser, repeats=30)
     args = parser.parse_args()
-    print_cpu()
     if args.threads:
         torch.set_num_threads(args.threads)
+    record = harness.start("trace_overhead", args)
     cases = [("smollm2-135m", 1), ("smollm2-135m", 32), ("smollm2-135m", 256), ("tiny-llama", 8)]
     print(f"{'model':>14} {'T':>5} {'sites':>6} {'hooked ms':>10} {'hook-free ms':>13} {'ratio':>7}"
           f" {'best ratio':>11} {'idle sites ms':>14} {'share':>7}")
@@ -122,11 +116,18 @@ def main() -> None:
             torch.testing.assert_close(plain_model(ids), reference, rtol=0, atol=0)
             with plain_model.hooks.installed({"logits": lambda t, site: t + 1}):  # never called
                 torch.testing.assert_close(plain_model(ids), reference, rtol=0, atol=0)
-        hooked, plain, ratio, best = median_ratio(model, plain_model, ids, args.repeats)
+        times = timings(model, plain_model, ids, args.repeats)
+        hooked, plain = times["hooked"].median, times["hook-free"].median
+        ratio, best = hooked / plain, times["hooked"].min / times["hook-free"].min
         sites = len(site_names(model.config))
         idle = sites * idle_site_seconds(model)
         print(f"{preset:>14} {T:>5} {sites:>6} {1e3 * hooked:>10.2f} {1e3 * plain:>13.2f} {ratio:>7.3f}"
               f" {best:>11.3f} {1e3 * idle:>14.3f} {idle / plain:>7.2%}")
+        for name, timing in times.items():
+            record.figure(f"{preset}, T={T}, {name}", timing.scaled(1e3), "ms")
+        record.figure(f"{preset}, T={T}, {sites} idle sites", 1e3 * idle, "ms")
+        record.ratio(f"{preset}, T={T}, hooked / hook-free time", ratio)
+    record.write()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Training throughput on the shakespeare-char recipe: Glassformer vs the nanoGPT recipe.
 
-    python benchmarks/train_throughput.py [--data PATH] [--iters 100] [--rounds 3]
+    python benchmarks/train_throughput.py [--data PATH] [--iters 100] [--repeats 3]
                                           [--full [--seeds N]]
 
 They run in alternating rounds (so a busy machine slows both alike), with the same model
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 import nanogpt_recipe  # noqa: E402
-from cpu_report import cpu_line, print_cpu  # noqa: E402
 
 from glassformer import Transformer  # noqa: E402
 from glassformer.formats.checkpoint import load_model  # noqa: E402
@@ -131,11 +131,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--iters", type=int, default=100, help="timed iterations per round")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--full", action="store_true", help="also train both for 2000 iters")
     parser.add_argument("--seeds", type=int, default=1, help="--full runs, each its own seed")
+    harness.add_arguments(parser, repeats=3)
     args = parser.parse_args()
-    print_cpu()
+    record = harness.start("train_throughput", args)
 
     recipe = get_recipe("shakespeare-char")
     rates = matmul_ceiling()
@@ -149,7 +149,7 @@ def main() -> None:
     ms = {"nanoGPT recipe": [], "nanoGPT + allocator": [], "glassformer": []}
     products = []  # the products alone, each round
     shape = Transformer(recipe.model.replace(vocab_size=vocab))
-    for r in range(args.rounds):
+    for r in range(args.repeats):
         ms["nanoGPT recipe"].append(baseline_ms(tmp, vocab, args.iters, {}))
         ms["nanoGPT + allocator"].append(baseline_ms(tmp, vocab, args.iters, kept))
         ours = train(args.data, tmp / f"run{r}", recipe.model,
@@ -162,7 +162,7 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, fp32 matmul ceiling {ceiling:.1f} GFLOP/s "
           f"({', '.join(f'{k} {v:.0f}' for k, v in rates.items())}), "
           f"{flops / 1e9:.2f} GFLOP per iteration, {tokens_per_iter} tokens per iteration")
-    result = {"cpu": cpu_line(), "ceiling_gflops": ceiling, "product_gflops": rates,
+    result = {"cpu": record.cpu, "ceiling_gflops": ceiling, "product_gflops": rates,
               "gflop_per_iter": flops / 1e9}
     for name, values in ms.items():
         m = statistics.median(values)
@@ -172,6 +172,7 @@ def main() -> None:
         print(f"{name:19s} {m:7.1f} ms/iter  {tokens_per_iter / (m / 1e3):8.0f} tokens/s  "
               f"{achieved:6.1f} GFLOP/s  {achieved / ceiling:5.1%} of ceiling  "
               f"(rounds: {', '.join(f'{v:.1f}' for v in values)})")
+        record.figure(f"{name}, per iteration", harness.Timing(tuple(values)), "ms")
     # Each round runs both back to back, so a round's ratio sees the same machine load; the
     # best round of each is what a quiet machine gives.
     for base in ("nanoGPT recipe", "nanoGPT + allocator"):
@@ -181,6 +182,7 @@ def main() -> None:
         print(f"glassformer / {base} tokens/s: {speedup:.2f}x (median of rounds: "
               f"{', '.join(f'{v:.2f}' for v in per_round)}; best round of each: {best:.2f}x)")
         result[f"speedup vs {base}"], result[f"speedup_best vs {base}"] = speedup, best
+        record.ratio(f"glassformer / {base} tokens/s (median of rounds)", speedup)
     # The recipe's step over the products alone, round by round: the most any step doing the
     # same products here could gain on the recipe (the rest of the step at no cost).
     bound = statistics.median(b / p for b, p in zip(ms["nanoGPT recipe"], products, strict=True))
@@ -190,6 +192,8 @@ def main() -> None:
           f"most a step with the same products can gain here; Glassformer's step spends "
           f"{statistics.median(rest):.1f} ms beyond them")
     result["products_alone_ms"], result["products_bound"] = statistics.median(products), bound
+    record.figure("matrix products alone, per iteration", harness.Timing(tuple(products)), "ms")
+    record.ratio("nanoGPT recipe / products alone time (the bound)", bound)
     if args.full:
         result["full"] = []
         for seed in range(1337, 1337 + args.seeds):
@@ -208,6 +212,9 @@ def main() -> None:
                   f"{row['glassformer val_loss']:.4f}; over the whole validation split "
                   f"nanoGPT recipe {row['nanoGPT recipe whole-split val_loss']:.4f}, "
                   f"glassformer {row['glassformer whole-split val_loss']:.4f}")
+    record.figure("peak memory, this process", harness.peak_mb(), "MB")
+    record.notes.update({k: result[k] for k in ("ceiling_gflops", "gflop_per_iter")}, full=result.get("full"))
+    record.write()
     print(json.dumps(result))
 
 

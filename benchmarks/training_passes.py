@@ -5,9 +5,10 @@ preset's sizes (batch 12, context 64, d_model 128, 4 heads of 32, d_ff 512): att
 and, for the fast preset's Muon matrices in float32, the Newton–Schulz iterations (the direct
 iteration vs the one on the Gram matrix) and the whole Muon step (StackedMuon's PyTorch ops
 vs its one C++ call).
-Interleaved rounds; prints the median µs of each and the ratio.
+Interleaved rounds of --calls calls each; prints µs per call (median, min, max of the rounds)
+and the ratio of the medians.
 
-    python benchmarks/training_passes.py [--rounds 7]
+    python benchmarks/training_passes.py [--repeats 7] [--calls 50]
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
         python benchmarks/training_passes.py      # as on a CPU with AVX2 only
 """
@@ -15,13 +16,11 @@ Interleaved rounds; prints the median µs of each and the ratio.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from unittest import mock
 
+import harness
 import torch
 import torch.nn.functional as F
-from cpu_report import print_cpu
 
 from glassformer.accel import attention, fused
 from glassformer.accel.build import extension
@@ -115,30 +114,36 @@ def contenders() -> dict[str, tuple]:
     }
 
 
-def timed(run, repeats: int = 50) -> float:
-    for _ in range(3):
-        run()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        run()
-    return (time.perf_counter() - start) / repeats * 1e6
+def calls(run, n: int):
+    """One round: `n` calls of `run`."""
+    def burst():
+        for _ in range(n):
+            run()
+    return burst
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=50, help="calls per timed round")
+    harness.add_arguments(parser, repeats=7)
     args = parser.parse_args()
-    print_cpu()
+    record = harness.start("training_passes", args)
     if extension() is None:
         raise SystemExit("the C++ kernels are not available here")
     keep_freed_memory()  # as the training loop runs
-    print(f"{torch.get_num_threads()} threads; forward + backward, µs (median of {args.rounds} rounds)")
+    print(f"{torch.get_num_threads()} threads; forward + backward, µs per call "
+          f"(median of {args.repeats} rounds of {args.calls} calls)")
+    per_call = 1e6 / args.calls
     for name, (theirs, ours) in contenders().items():
-        rounds = [(timed(theirs), timed(ours)) for _ in range(args.rounds)]
-        base = statistics.median(r[0] for r in rounds)
-        mine = statistics.median(r[1] for r in rounds)
-        ratio = statistics.median(r[0] / r[1] for r in rounds)
-        print(f"{name:24s} PyTorch {base:8.0f}  Glassformer {mine:8.0f}  {ratio:5.2f}x")
+        runs = {"PyTorch": calls(theirs, args.calls), "Glassformer": calls(ours, args.calls)}
+        times = harness.alternating(runs, args.repeats)
+        base, mine = times["PyTorch"].scaled(per_call), times["Glassformer"].scaled(per_call)
+        ratio = base.median / mine.median
+        print(f"{name:24s} PyTorch {base.median:8.0f}  Glassformer {mine.median:8.0f}  {ratio:5.2f}x")
+        record.figure(f"{name}, PyTorch", base, "µs")
+        record.figure(f"{name}, Glassformer", mine, "µs")
+        record.ratio(f"{name}, PyTorch / Glassformer time", ratio)
+    record.write()
 
 
 if __name__ == "__main__":
