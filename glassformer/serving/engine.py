@@ -22,7 +22,7 @@ import torch
 
 from ..accel import threads
 from ..accel.greedy import argmax_rows
-from ..generation.generate import GenerationResult
+from ..generation.config import GenerationResult, RequestParams
 from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
@@ -33,7 +33,7 @@ from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import RequestParams, Sequence
+from .sequence import Sequence
 from .stats import EngineStats, StepTrace
 
 

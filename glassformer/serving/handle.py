@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from .sequence import StopReason
+from ..generation.config import StopReason
 
 
 @dataclass(frozen=True)
