@@ -32,6 +32,7 @@ class Event:
     finished: bool = False
     stop_reason: StopReason | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them (RequestParams.logprobs)
+    error: str | None = None  # why the request failed (stop_reason "error"); others go on
 
 
 class RequestHandle:

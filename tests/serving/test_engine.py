@@ -8,6 +8,7 @@ from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving.engine import CapacityError
 
 GREEDY = RequestParams(max_new_tokens=12, eos_ids=())
 SAMPLED = RequestParams(max_new_tokens=12, eos_ids=(), seed=5,
@@ -143,7 +144,7 @@ def test_invalid_requests_raise_one_clear_error(tiny):
     engine = Engine(tiny(), None, EngineConfig(n_blocks=4, block_size=4))
     with pytest.raises(ValueError, match="context_length"):
         engine.submit([1] * 65)
-    with pytest.raises(ValueError, match="kv_memory_mb"):
+    with pytest.raises(CapacityError, match="needs 32 tokens of cache .*; the engine holds 16"):
         engine.submit([1] * 10, RequestParams(max_new_tokens=20))
     with pytest.raises(ValueError, match="stop"):
         engine.submit([1], RequestParams(stop=("x",)))
@@ -151,6 +152,64 @@ def test_invalid_requests_raise_one_clear_error(tiny):
         engine.submit([96])
     with pytest.raises(ValueError, match="empty"):
         engine.submit([])
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.submit([1], RequestParams(logprobs=97))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_new_tokens", 2.5), ("max_new_tokens", float("nan")), ("max_new_tokens", float("inf")),
+    ("max_new_tokens", "5"), ("max_new_tokens", True), ("max_new_tokens", 0), ("beams", 2.0),
+    ("beams", 0), ("logprobs", 1.5), ("logprobs", -1), ("seed", 2**64), ("seed", 1.0),
+    ("length_penalty", float("nan")), ("stop", "x"), ("stop", ("",)), ("eos_ids", (1.5,)),
+    ("eos_ids", [1]), ("sampling", {"temperature": 1.0}),
+])
+def test_every_request_field_is_checked_at_construction(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        RequestParams(**{field: value})
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        GenerationConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_k", 2.5), ("top_k", "3"), ("temperature", float("inf")),
+                                              ("top_p", float("nan")), ("min_p", "0.1")])
+def test_sampling_fields_are_checked_from_flat_settings(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        RequestParams.from_fields(**{field: value})
+
+
+def test_a_request_that_fails_inside_a_step_fails_alone(tiny, prompts, monkeypatch):
+    """A failure injected into one request's sampling in the middle of a batch: that request
+    gets an error event, every other one the tokens it gets without it, and the engine goes on."""
+    model = tiny()
+    todo = [(p, SAMPLED) for p in prompts([5, 9, 7])] + [(prompts([6], seed=3)[0], GREEDY)]
+    want, _ = _run(model, todo, EngineConfig(n_blocks=64))
+    engine = Engine(model, None, EngineConfig(n_blocks=64))
+    handles = [engine.submit(prompt, params) for prompt, params in todo]
+    victim = handles[1].request_id
+    sample = Engine._sample
+
+    def failing(self, seq, logits):
+        if seq.id == victim and len(seq.generated) == 3:
+            raise RuntimeError("injected")
+        return sample(self, seq, logits)
+
+    monkeypatch.setattr(Engine, "_sample", failing)
+    engine.run_until_done()
+    events = list(handles[1])
+    assert [e.stop_reason for e in events[-1:]] == ["error"] and "injected" in events[-1].error
+    assert handles[1].result.stop_reason == "error" and len(handles[1].result.generated_ids) == 3
+    assert [handles[i].result.generated_ids for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    later = engine.submit(todo[0][0], SAMPLED)  # the engine still serves
+    engine.run_until_done()
+    assert later.result.generated_ids == want[0]
+    _assert_whole(engine)
+
+
+def test_submit_after_close_raises(tiny):
+    engine = Engine(tiny(), None, EngineConfig(n_blocks=8)).start()
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit([1, 2])
 
 
 def test_a_chat_turn_reuses_the_blocks_of_its_history(tiny, prompts):
