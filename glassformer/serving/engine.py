@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..accel import threads
 from ..accel.greedy import argmax_rows
+from ..accel.threads import ThreadPolicy
 from ..generation.config import GenerationResult, RequestParams
 from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
@@ -66,14 +66,16 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Decoder | None = None,
-                 config: EngineConfig = EngineConfig()) -> None:
+                 config: EngineConfig = EngineConfig(), threads: ThreadPolicy | None = None) -> None:
+        """`threads`: the process's thread policy, revisited before each step of the
+        background thread (None: torch's thread count is left as it is)."""
         if model.config.n_encoder_layers:
             raise ValueError("the serving engine runs decoder-only models; an encoder-decoder "
                              "generates one source at a time (glassformer generate)")
         if not model.config.causal:
             raise ValueError("the serving engine runs causal models; an encoder (bidirectional "
                              "attention) does not continue text (glassformer fill-mask)")
-        self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
+        self.model, self.tokenizer, self.config, self.threads = model.eval(), tokenizer, config, threads
         mc = model.config
         n_blocks = config.n_blocks
         if n_blocks is None:
@@ -189,7 +191,8 @@ class Engine:
                                         or self.scheduler.has_work())
                     if self._stopping:
                         return
-                threads.revisit()  # other work on this CPU comes and goes
+                if self.threads is not None:
+                    self.threads.revisit()  # other work on this CPU comes and goes (and per thread)
                 self.step()
         except BaseException as error:  # a failed step ends every request, never hangs one
             self._error = error
