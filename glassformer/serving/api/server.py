@@ -192,8 +192,11 @@ class Server:
         if admission.timed_out:
             return APIError(504, f"the request ran past this server's limit of "
                                  f"{self.config.request_timeout_s:g} s", code="timeout")
-        return APIError(503, "the request was stopped before it finished (the server is shutting "
-                             "down or its engine failed)", code="cancelled")
+        if self.shutting_down:
+            return APIError(503, "the server shut down before the request finished; send it again "
+                                 "once the server is back", code="server_shutdown")
+        return APIError(503, "the request was stopped before it finished (its engine failed)",
+                        code="cancelled")
 
     def prompt(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tokenizer = self.language_model.tokenizer
