@@ -5,6 +5,8 @@
            for each request that caught up:   pick its next token with its own generator,
                stream it, stop it or go on
 
+A request whose own work fails inside a step (its pick, its text, its beams) ends alone with
+an error event; only a failed forward pass, which every request shares, stops the engine.
 `step()` can be driven by hand (tests, offline batches); `start()` runs it on a background
 thread that sleeps while nothing waits. `submit` and `cancel` are safe from any thread: they
 only queue work that the stepping thread picks up at the start of its next step.
