@@ -53,7 +53,7 @@ def decode_worker(quantize: str, tokens: int) -> float:
     return (tokens - 1) / (seconds(tokens) - seconds(1))
 
 
-def train_worker(iters: int) -> float:
+def train_worker(iters: int, threads=None) -> float:
     from glassformer.training.config import get_recipe
     from glassformer.training.loop import train
 
@@ -62,19 +62,20 @@ def train_worker(iters: int) -> float:
                                   sample_tokens=0, log_interval=iters, device="cpu")
     with tempfile.TemporaryDirectory() as out:
         result = train(DATA, Path(out) / "run", recipe.model, config, progress=False,
-                       echo=lambda text: None)
+                       echo=lambda text: None, threads=threads)
     return result["tokens_per_second"]
 
 
 def worker(workload: str, setting: str, tokens: int, iters: int) -> dict:
     import torch
 
+    policy = None
     if setting != "default":
-        from glassformer.accel import threads
+        from glassformer.accel.threads import ThreadPolicy
 
-        threads.configure()
+        policy = ThreadPolicy()
 
-    rate = train_worker(iters) if workload == "train" else decode_worker(WORKLOADS[workload], tokens)
+    rate = train_worker(iters, policy) if workload == "train" else decode_worker(WORKLOADS[workload], tokens)
     return {"tokens_per_second": rate, "threads": torch.get_num_threads(),
             "wait": "spin" if "GOMP_SPINCOUNT" in os.environ else os.environ["OMP_WAIT_POLICY"]}
 

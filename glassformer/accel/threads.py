@@ -10,8 +10,9 @@ long loops (training steps, the serving engine), counts again over the time sinc
 look, at most every `interval` seconds, and applies the count to the calling thread too
 (OpenMP keeps it per thread: the engine's stepping thread would otherwise use every core). A
 number asked for (`--threads`, GLASSFORMER_THREADS, OMP_NUM_THREADS) is kept as it is.
-Torch's thread count belongs to the process, so the policy does too: `configure` (the
-command line's start) sets it, `revisit()` is a no-op in a process that never configured one.
+Torch's thread count belongs to the process, so no library code chooses it on its own: the
+process's owner (the command line) makes one ThreadPolicy and passes it to `train`, `Engine`
+and the server, whose loops call its `revisit()`; without one they leave the count alone.
 
 OpenMP's wait policy is left as it is: with OMP_WAIT_POLICY=PASSIVE (idle threads sleep at
 once) a quiet machine decoded int4 2.4x slower, as every small parallel region then waits for
@@ -110,18 +111,3 @@ class ThreadPolicy:
         cores = len(self.cores)
         return choose_threads(free_cores(before, after, cores), cores, self.reserved)
 
-
-_policy: ThreadPolicy | None = None
-
-
-def configure(asked: int | None = None, reserved: int = 0) -> ThreadPolicy:
-    """Choose this process's thread count now (see ThreadPolicy), and keep revisiting it."""
-    global _policy
-    _policy = ThreadPolicy(asked, reserved)
-    return _policy
-
-
-def revisit() -> None:
-    """The configured policy's revisit(), on the calling thread; nothing if none is."""
-    if _policy is not None:
-        _policy.revisit()

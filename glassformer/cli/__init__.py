@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _warn
         try:
-            if hasattr(args, "threads"):  # a command that computes
-                threads.configure(args.threads, args.threads_reserved)
+            if hasattr(args, "threads"):  # a command that computes: its loops revisit the count
+                args.thread_policy = threads.ThreadPolicy(args.threads, args.threads_reserved)
             return args.run(args)
         except (UserError, ValueError, FileNotFoundError, NotADirectoryError, OSError) as error:
             print(f"glassformer: error: {error}", file=sys.stderr)

@@ -22,7 +22,7 @@ def add_quantize(parser: argparse.ArgumentParser, default: str | None = "none") 
 
 def add_threads(parser: argparse.ArgumentParser, reserved: int = 0) -> None:
     """--threads; `reserved`: cores the command keeps for other work of its own."""
-    parser.set_defaults(threads_reserved=reserved)
+    parser.set_defaults(threads_reserved=reserved, thread_policy=None)  # the policy: main() makes it
     parser.add_argument(
         "--threads", type=positive_int, default=None,
         help="compute threads (default: GLASSFORMER_THREADS or OMP_NUM_THREADS if set, else "

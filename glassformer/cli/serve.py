@@ -19,17 +19,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("GLASSFORMER_API_KEY"),
-                        help="require `Authorization: Bearer KEY` on /v1 (default: $GLASSFORMER_API_KEY)")
+                        help="require `Authorization: Bearer KEY` on /v1, /ui and /ui/state (the page "
+                             "also takes ?key=KEY); /health never, /metrics only with --metrics-key "
+                             "(default: $GLASSFORMER_API_KEY)")
+    parser.add_argument("--metrics-key", action="store_true",
+                        help="/metrics needs the API key too (by default it answers without: request "
+                             "ids, counts and timings, never prompt text)")
+    parser.add_argument("--allowed-hosts", nargs="+", default=(), metavar="HOST",
+                        help="Host header names answered besides --host, localhost, 127.0.0.1 and ::1 "
+                             "(others get 403; '*': any)")
+    parser.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                        help="browser origins (scheme://host:port) that may call the server besides "
+                             "the allowed hosts' pages (others get 403; '*': any)")
     parser.add_argument("--kv-memory-mb", type=float, default=256.0, help="KV cache size")
     parser.add_argument("--max-batch", type=int, default=16, help="most requests per engine step")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests waiting beyond the batch (then 429)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens one request may ask for")
     parser.add_argument("--max-body-kb", type=int, default=1024, help="larger request bodies get 413")
+    parser.add_argument("--body-timeout", type=float, default=10.0,
+                        help="seconds to send a request's body (then 408 and the connection closes)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a request may run (then 504, or an error event in a stream)")
     parser.add_argument("--grace", type=float, default=30.0,
-                        help="on SIGTERM, seconds running requests get to finish")
+                        help="on SIGTERM, seconds running requests get to finish (then 503, or an "
+                             "error event in a stream)")
     parser.add_argument("--ray", action="store_true",
                         help="run on Ray Serve (pip install glassformer[ray]): a local Ray, or the "
                              "cluster RAY_ADDRESS names")
@@ -45,28 +59,46 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from ..serving.api.app import ServerConfig, create_app
+        from ..serving.api.app import create_app
+        from ..serving.api.server import LOOPBACK, ServerConfig
     except ImportError as error:  # one line naming the fix, not a traceback
         if (error.name or "").split(".")[0] not in SERVE_EXTRA:
             raise
         raise ValueError(f"serve: the module {error.name} is missing; install the serve extra: "
                          "pip install 'glassformer[serve]'") from None
 
+    hosts = tuple(dict.fromkeys((args.host, *LOOPBACK, *args.allowed_hosts)))
     config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
-                          args.max_body_kb * 1024, args.timeout)
+                          args.max_body_kb * 1024, args.timeout, args.body_timeout, hosts,
+                          tuple(args.allowed_origins), args.metrics_key)
     engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, max_batch=args.max_batch)
     # The engine's threads share the cores with the event loop: one thread waiting for a core
     # that serves HTTP stalls every matrix product of a step (main() configured the threads
     # with one core reserved).
     if args.ray:
         return _run_on_ray(args, config, engine)
-    app = create_app(load(args.model, quantize=args.quantize), config, engine)
+    app = create_app(load(args.model, quantize=args.quantize), config, engine, args.thread_policy)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler it found:
     # with this one, that ends here and the command exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
-                log_level="info")
+    settings = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
+                              log_level="info")
+    _draining(settings, app.state.server, args.grace).run()
     return 0
+
+
+def _draining(settings, server, grace: float):
+    """uvicorn's server, telling the app when a shutdown begins: requests still running near
+    the end of the grace are answered with 503 before uvicorn would cut them off."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                server.drain(grace)
+            super().handle_exit(sig, frame)
+
+    return Draining(settings)
 
 
 def _run_on_ray(args: argparse.Namespace, config, engine) -> int:

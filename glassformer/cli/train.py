@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.config}: {error}" if args.config else str(error)) from None
     echo = (lambda s: tqdm.write(s, file=sys.stderr)) if args.json else tqdm.write
     summary = train(args.data, args.out, model_config, train_config, resume=args.resume,
-                    progress=not args.no_progress, echo=echo)
+                    progress=not args.no_progress, echo=echo, threads=args.thread_policy)
     if summary["rank"] != 0:  # under torchrun, rank 0 speaks for all
         return 0
     if args.json:

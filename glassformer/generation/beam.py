@@ -12,7 +12,7 @@ every other loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,14 +34,60 @@ class Hypothesis:
         return self.log_prob / max(len(self.ids), 1) ** length_penalty
 
 
+class BeamRanking:
+    """The ranking both beam searches run (this one, and the engine's over forked sequences):
+    `step` keeps the best continuations, sets aside those that ended, and says when the
+    search is over; `winner` is then the best finished (or running) hypothesis.
+    `room`: how many tokens the window has a position for after the prompt."""
+
+    def __init__(self, width: int, length_penalty: float, max_new_tokens: int, room: int) -> None:
+        self.width, self.length_penalty = width, length_penalty
+        self.max_new_tokens, self.room = max_new_tokens, room
+        self.finished: list[Hypothesis] = []
+        self.survivors: list[Hypothesis] = []
+        self.window_full = False
+
+    def step(self, logits: torch.Tensor, running: Sequence[Hypothesis],
+             ends: Callable[[int, int], bool]) -> list[int] | None:
+        """Rank every running hypothesis (n) extended by every token, from their next-token
+        logits (n, V); `ends(source, token)` says whether that candidate ended. Returns the
+        source of each survivor in `self.survivors` (best first), or None once search is over."""
+        W = self.width
+        log_probs = logits.float().log_softmax(dim=-1)  # (n, V)
+        totals = torch.tensor([h.log_prob for h in running], device=logits.device)[:, None] + log_probs
+        best = torch.topk(totals.flatten(), min(2 * W, totals.numel()))  # sorted, best first
+        V = log_probs.shape[-1]
+        survivors, sources = [], []
+        for rank, (total, flat) in enumerate(zip(best.values.tolist(), best.indices.tolist(), strict=True)):
+            source, token = divmod(flat, V)
+            candidate = Hypothesis(running[source].ids + (token,), total)
+            if ends(source, token):
+                if rank < W:  # as in Hugging Face: only a top-W candidate may finish
+                    self.finished.append(candidate)
+            elif len(survivors) < W:
+                survivors.append(candidate)
+                sources.append(source)
+        self.survivors = survivors
+        length = len(survivors[0].ids) if survivors else 0
+        done = length >= self.max_new_tokens
+        self.window_full = not done and length > self.room  # no position left for the next token
+        if len(self.finished) >= W or not survivors or done or self.window_full:
+            return None
+        return sources
+
+    def winner(self) -> Hypothesis:
+        pool = self.finished
+        if len(self.finished) < self.width and self.survivors:
+            pool = self.finished + self.survivors
+        return max(pool, key=lambda h: h.score(self.length_penalty))
+
+
 def beam_search(
     model: Transformer,
     prompt_ids: Sequence[int],
     config: GenerationConfig,
     tokenizer: Decoder | None = None,
 ) -> GenerationResult:
-    if not config.sampling.greedy or config.sampling.uses_counts:
-        raise ValueError("beams: beam search ranks raw log-probabilities; drop sampling and penalties")
     if config.overflow != "stop":
         raise ValueError("overflow: beam search stops at the end of the window; it cannot slide")
     mc, W = model.config, config.beams
@@ -58,10 +104,11 @@ def beam_search(
             row.accept(token)
         return row
 
-    def ends(ids: tuple[int, ...]) -> bool:
-        if ids[-1] in eos:
+    def ends(source: int, token: int) -> bool:
+        """Whether running[source] followed by `token` ended the text."""
+        if token in eos:
             return True
-        return bool(config.stop) and replay(ids).reason == "stop_string"
+        return bool(config.stop) and replay(running[source].ids + (token,)).reason == "stop_string"
 
     was_training = model.training
     model.eval()
@@ -75,32 +122,12 @@ def beam_search(
             logits = prefill(model, torch.tensor([prompt], device=device), cache)  # (1, V)
             prefill_seconds = (decode_start := clock(device)) - start
             running = [Hypothesis((), 0.0)]
-            finished: list[Hypothesis] = []
-            steps, window_full = 0, False
-            while True:
-                log_probs = logits.float().log_softmax(dim=-1)  # (n_running, V)
-                totals = torch.tensor([h.log_prob for h in running], device=device)[:, None] + log_probs
-                n_candidates = min(2 * W, totals.numel())
-                best = torch.topk(totals.flatten(), n_candidates)  # sorted, best first
-                V = log_probs.shape[-1]
-                survivors, sources = [], []
-                ranked = zip(best.values.tolist(), best.indices.tolist(), strict=True)
-                for rank, (total, flat) in enumerate(ranked):
-                    source, token = divmod(flat, V)
-                    candidate = Hypothesis(running[source].ids + (token,), total)
-                    if ends(candidate.ids):
-                        if rank < W:  # as in Hugging Face: only a top-W candidate may finish
-                            finished.append(candidate)
-                    elif len(survivors) < W:
-                        survivors.append(candidate)
-                        sources.append(source)
-                length = len(survivors[0].ids) if survivors else 0
-                done = length >= config.max_new_tokens
-                window_full = not done and len(prompt) + length > mc.context_length  # no position left
-                if len(finished) >= W or not survivors or done or window_full:
-                    break
+            room = mc.context_length - len(prompt)
+            ranking = BeamRanking(W, config.length_penalty, config.max_new_tokens, room)
+            steps = 0
+            while (sources := ranking.step(logits, running, ends)) is not None:
                 steps += 1
-                running = survivors
+                running = ranking.survivors
                 tokens = torch.tensor([h.ids[-1] for h in running], device=device)  # (W,)
                 if cache is not None:
                     select_rows(cache, torch.tensor(sources, device=device))
@@ -112,8 +139,7 @@ def beam_search(
     finally:
         model.train(was_training)
 
-    pool = finished if len(finished) >= W or not survivors else finished + survivors
-    winner = max(pool, key=lambda h: h.score(config.length_penalty))
+    winner = ranking.winner()
     result = replay(winner.ids).result(prefill_seconds, decode_seconds, steps)
     result.log_prob = winner.log_prob
     return result

@@ -1,40 +1,109 @@
-"""What a generation is asked for and what it gives back: GenerationConfig, GenerationResult and
-the Piece a stream yields per token. Plain values shared by every decode loop."""
+"""What a generation is asked for and what it gives back: the request (RequestParams, shared
+by every decode loop and the serving engine; GenerationConfig adds what only `generate` reads),
+GenerationResult and the Piece a stream yields per token. Plain values, validated whole at
+construction: every field's type, range and finiteness, the error naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from .sampling import SamplingConfig
 
-StopReason = Literal["eos", "stop_string", "max_new_tokens", "context_full"]
+# "cancelled" and "error" end engine requests only: cancelled by its caller or a shutdown, or
+# failed alone inside a step (the engine and the other requests go on).
+StopReason = Literal["eos", "stop_string", "max_new_tokens", "context_full", "cancelled", "error"]
+
+SEEDS = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
+
+
+def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    if value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name}: must be {bound}, got {value!r}")
 
 
 @dataclass(frozen=True)
-class GenerationConfig:
-    """How to continue a prompt. The default is greedy decoding with the KV cache."""
+class RequestParams:
+    """How one prompt is continued, in `generate` and in the serving engine alike. The default
+    is greedy decoding of up to 64 tokens."""
 
     max_new_tokens: int = 64
     sampling: SamplingConfig = SamplingConfig(temperature=0.0)
     seed: int | None = None  # None: a fresh random seed; every row of a batch draws with its own
     stop: tuple[str, ...] = ()  # stop strings, checked on the decoded text (needs a tokenizer)
     eos_ids: tuple[int, ...] | None = None  # None: the tokenizer's eos_id
-    use_cache: bool = True
     beams: int = 1  # > 1: beam search (beam.py)
     length_penalty: float = 1.0  # beam score = sum log p / length^length_penalty
+    logprobs: int | None = None  # the engine: each token's log-probability and the n likeliest
+
+    def __post_init__(self) -> None:
+        _integer("max_new_tokens", self.max_new_tokens, 1)
+        if not isinstance(self.sampling, SamplingConfig):
+            raise ValueError(f"sampling: must be a SamplingConfig, got {type(self.sampling).__name__}")
+        if self.seed is not None:
+            _integer("seed", self.seed, *SEEDS)
+        if isinstance(self.stop, str) or not isinstance(self.stop, tuple):
+            raise ValueError(f"stop: a tuple of strings, got {self.stop!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop: stop strings must be non-empty strings, got {self.stop!r}")
+        if self.eos_ids is not None:
+            if not isinstance(self.eos_ids, tuple):
+                raise ValueError(f"eos_ids: a tuple of token ids or None, got {self.eos_ids!r}")
+            for token in self.eos_ids:
+                _integer("eos_ids", token, 0)
+        _integer("beams", self.beams, 1)
+        penalty = self.length_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, int | float) or not math.isfinite(penalty):
+            raise ValueError(f"length_penalty: must be a finite number, got {penalty!r}")
+        if self.beams > 1 and (not self.sampling.greedy or self.sampling.uses_counts):
+            raise ValueError("beams: beam search ranks raw log-probabilities; drop sampling and penalties")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0)
+            if self.beams > 1:
+                raise ValueError("logprobs: not with beams (only the winner is reported)")
+
+    @classmethod
+    def from_fields(cls, **fields: Any) -> RequestParams:
+        """From flat settings (a JSON line, keyword arguments): this type's fields and
+        SamplingConfig's side by side; `stop` may be one string."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"sampling"}
+        sampling = {f.name for f in dataclasses.fields(SamplingConfig)}
+        unknown = sorted(set(fields) - own - sampling)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown setting; use {sorted(own | sampling)}")
+        if isinstance(fields.get("stop"), str):
+            fields["stop"] = (fields["stop"],)
+        for name in ("stop", "eos_ids"):
+            if isinstance(fields.get(name), list):
+                fields[name] = tuple(fields[name])
+        fields.setdefault("temperature", 0.0)
+        return cls(sampling=SamplingConfig(**{k: v for k, v in fields.items() if k in sampling}),
+                   **{k: v for k, v in fields.items() if k in own})
+
+
+@dataclass(frozen=True)
+class GenerationConfig(RequestParams):
+    """A request as `generate` runs it on one model: with or without the KV cache, and what to
+    do with a prompt or a text longer than the window."""
+
+    use_cache: bool = True
     truncate: bool = False  # a prompt longer than the window is cut from the left
     overflow: Literal["stop", "slide"] = "stop"  # at the window's end: stop, or drop old tokens
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
-        if self.beams < 1:
-            raise ValueError(f"beams: must be >= 1, got {self.beams}")
+        super().__post_init__()
+        for name in ("use_cache", "truncate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.overflow not in ("stop", "slide"):
             raise ValueError(f"overflow: choose 'stop' or 'slide', got {self.overflow!r}")
-        if isinstance(self.stop, str):
-            raise ValueError("stop: a tuple of strings, not a single string")
+        if self.logprobs is not None:
+            raise ValueError("logprobs: only the serving engine reports log-probabilities")
 
 
 @dataclass

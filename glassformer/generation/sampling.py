@@ -35,7 +35,8 @@ class SamplingConfig:
                 raise ValueError(f"{name}: must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):
+        top_k = self.top_k
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k: must be a positive integer or None, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")

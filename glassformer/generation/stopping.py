@@ -9,6 +9,7 @@ Two problems make streaming text harder than streaming ids:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -66,6 +67,14 @@ class TextStream:
         self.text = ""  # decoded so far, including held-back text
         self.emitted = 0  # characters of `text` already returned
         self.stop_string: str | None = None
+
+    def fork(self) -> TextStream:
+        """An independent stream in this one's state (a beam's candidates each go on alone);
+        no text is decoded again."""
+        twin = copy.copy(self)
+        twin.decoder = copy.copy(self.decoder)
+        twin.decoder.ids = list(self.decoder.ids)
+        return twin
 
     def push(self, token_id: int) -> str:
         if self.stop_string is not None:

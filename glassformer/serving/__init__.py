@@ -1,7 +1,7 @@
 """Serving many requests at once: continuous batching over a paged KV cache (engine.py)."""
 
+from ..generation.config import RequestParams
 from .engine import Engine, EngineConfig
 from .handle import Event, RequestHandle, TokenLogprobs
-from .sequence import RequestParams
 
 __all__ = ["Engine", "EngineConfig", "Event", "RequestHandle", "RequestParams", "TokenLogprobs"]

@@ -5,6 +5,8 @@
            for each request that caught up:   pick its next token with its own generator,
                stream it, stop it or go on
 
+A request whose own work fails inside a step (its pick, its text, its beams) ends alone with
+an error event; only a failed forward pass, which every request shares, stops the engine.
 `step()` can be driven by hand (tests, offline batches); `start()` runs it on a background
 thread that sleeps while nothing waits. `submit` and `cancel` are safe from any thread: they
 only queue work that the stepping thread picks up at the start of its next step.
@@ -12,6 +14,7 @@ only queue work that the stepping thread picks up at the start of its next step.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -20,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..accel import threads
 from ..accel.greedy import argmax_rows
-from ..generation.generate import GenerationResult
+from ..accel.threads import ThreadPolicy
+from ..generation.config import GenerationResult, RequestParams
 from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
@@ -33,8 +36,14 @@ from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import RequestParams, Sequence
+from .sequence import Sequence
 from .stats import EngineStats, StepTrace
+
+log = logging.getLogger("glassformer.serving.engine")
+
+
+class CapacityError(ValueError):
+    """A request larger than the whole KV pool: it could never run, so it is refused at once."""
 
 
 @dataclass(frozen=True)
@@ -59,14 +68,16 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Decoder | None = None,
-                 config: EngineConfig = EngineConfig()) -> None:
+                 config: EngineConfig = EngineConfig(), threads: ThreadPolicy | None = None) -> None:
+        """`threads`: the process's thread policy, revisited before each step of the
+        background thread (None: torch's thread count is left as it is)."""
         if model.config.n_encoder_layers:
             raise ValueError("the serving engine runs decoder-only models; an encoder-decoder "
                              "generates one source at a time (glassformer generate)")
         if not model.config.causal:
             raise ValueError("the serving engine runs causal models; an encoder (bidirectional "
                              "attention) does not continue text (glassformer fill-mask)")
-        self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
+        self.model, self.tokenizer, self.config, self.threads = model.eval(), tokenizer, config, threads
         mc = model.config
         n_blocks = config.n_blocks
         if n_blocks is None:
@@ -85,6 +96,7 @@ class Engine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._closed = False  # close() was called: no more requests
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------ any thread
@@ -95,6 +107,8 @@ class Engine:
         mc, params = self.model.config, params or RequestParams()
         if self._error is not None:
             raise RuntimeError(f"engine: stopped after an error ({self._error!r})")
+        if not isinstance(params, RequestParams):
+            raise ValueError(f"params: a RequestParams, got {type(params).__name__}")
         prompt = list(prompt)
         if not prompt:
             raise ValueError("prompt: empty; give at least one token")
@@ -102,19 +116,25 @@ class Engine:
             raise ValueError(f"prompt: {len(prompt)} tokens exceed context_length={mc.context_length}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer to decode the text")
-        if any(not 0 <= t < mc.vocab_size for t in prompt):
-            raise ValueError(f"prompt: token ids must be in 0..{mc.vocab_size - 1}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in prompt):
+            raise ValueError(f"prompt: token ids must be integers in 0..{mc.vocab_size - 1}")
+        if params.logprobs is not None and params.logprobs > mc.vocab_size:
+            raise ValueError(f"logprobs: at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")
         longest = min(len(prompt) + params.max_new_tokens, mc.context_length)
         needed = self.blocks.blocks_for(longest) * params.beams  # every beam may need its own
         if needed > self.blocks.n_blocks:
-            raise ValueError(f"kv_memory_mb: {params.beams} x {longest} tokens need {needed} "
-                             f"blocks, the pool has {self.blocks.n_blocks}")
+            size, beams = self.blocks.block_size, f"{params.beams} beams x " if params.beams > 1 else ""
+            raise CapacityError(f"prompt: the request needs {needed * size} tokens of cache "
+                                f"({beams}{len(prompt)} prompt + {longest - len(prompt)} new, in blocks "
+                                f"of {size}); the engine holds {self.blocks.n_blocks * size}")
         eos = set(params.eos_ids) if params.eos_ids is not None else (
             {self.tokenizer.eos_id} if getattr(self.tokenizer, "eos_id", None) is not None else set())
         seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id)
         unit = BeamGroup(seq, self.tokenizer, mc.context_length) if params.beams > 1 else seq
         handle = RequestHandle(seq.id, self.cancel)
         with self._wake:
+            if self._closed:
+                raise RuntimeError("engine: closed; submit to a new Engine")
             if seq.id in self._handles:
                 raise ValueError(f"request_id: {seq.id!r} is already in use")
             self._handles[seq.id] = (unit, handle)
@@ -129,6 +149,8 @@ class Engine:
 
     def start(self) -> Engine:
         """Run steps on a background thread until `close()`."""
+        if self._closed:
+            raise RuntimeError("engine: closed; start a new Engine")
         if self._thread is None:
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="glassformer-engine", daemon=True)
@@ -138,7 +160,7 @@ class Engine:
     def close(self) -> None:
         """Stop the thread after its current step; requests still running are cancelled."""
         with self._wake:
-            self._stopping = True
+            self._stopping = self._closed = True
             self._cancels.update(self._handles)
             self._wake.notify_all()
         if self._thread is not None:
@@ -171,7 +193,8 @@ class Engine:
                                         or self.scheduler.has_work())
                     if self._stopping:
                         return
-                threads.revisit()  # other work on this CPU comes and goes
+                if self.threads is not None:
+                    self.threads.revisit()  # other work on this CPU comes and goes (and per thread)
                 self.step()
         except BaseException as error:  # a failed step ends every request, never hangs one
             self._error = error
@@ -198,9 +221,10 @@ class Engine:
         for seq in unit.members if isinstance(unit, BeamGroup) else [unit]:
             self.scheduler.remove(seq)
         with self._wake:
-            _, handle = self._handles.pop(unit.id)
-        self.stats.finished += 1
-        handle.push(event, result)
+            entry = self._handles.pop(unit.id, None)
+        if entry is not None:  # (a request that failed while finishing was answered already)
+            self.stats.finished += 1
+            entry[1].push(event, result)
 
     def step(self) -> StepTrace | None:
         """One scheduling round and forward pass; None when there was nothing to run. Call it
@@ -216,19 +240,24 @@ class Engine:
         ready = self.scheduler.advance(plan)
         plain = [i for i, seq in enumerate(ready) if seq.group is None]
         plain_logits = logits if len(plain) == len(ready) else logits[plain]  # no copy when all
-        tokens = self._pick([ready[i] for i in plain], plain_logits)
-        for i, token in zip(plain, tokens, strict=True):
+        greedy = [_plain_greedy(ready[i]) for i in plain]
+        argmax = argmax_rows(plain_logits).tolist() if any(greedy) else []  # (R,): each row's own
+        for j, i in enumerate(plain):
             seq = ready[i]
-            piece = seq.accept(token, self.model.config.context_length)
-            event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason,
-                          _logprobs(logits[i], token, seq.params.logprobs))
-            if event.finished:
-                self._finish(seq, event, self._result(seq))
-            else:
-                self._handles[seq.id][1].push(event)
+            try:  # a request that fails here fails alone
+                token = argmax[j] if greedy[j] else self._sample(seq, plain_logits[j : j + 1])
+                self._emit(seq, token, logits[i])
+            except Exception as error:
+                self._fail(seq, error)
         for i, seq in enumerate(ready):
-            if seq.group is not None and seq.group.offer(seq, logits[i]):
-                self._advance_beams(seq.group)
+            group = seq.group
+            if group is None or group.id not in self._handles:
+                continue
+            try:
+                if group.offer(seq, logits[i]):
+                    self._advance_beams(group)
+            except Exception as error:
+                self._fail(group, error)
         trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
                           [(seq.id, n) for seq, n in plan.scheduled], [s.id for s in plan.preempted])
         self.trace.append(trace)
@@ -250,19 +279,27 @@ class Engine:
             event = Event(group.id, None, result.text or "", True, result.stop_reason)
             self._finish(group, event, result)
 
-    def _pick(self, ready: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Each request's next token, with its own settings and generator; the plain greedy
-        rows in one argmax (each row's maximum is its own)."""
-        plain = [seq.params.sampling.greedy and not seq.params.sampling.uses_counts for seq in ready]
-        argmax = argmax_rows(logits).tolist() if any(plain) else []  # (R,)
-        tokens = []
-        for i, seq in enumerate(ready):
-            if plain[i]:
-                tokens.append(argmax[i])
-            else:
-                row = logits[i : i + 1]  # (1, V)
-                tokens.append(int(next_token(row, seq.params.sampling, seq.generator, seq.counts)))
-        return tokens
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """A draw from one row (1, V) with the request's settings and its own generator."""
+        return int(next_token(logits, seq.params.sampling, seq.generator, seq.counts))
+
+    def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
+        """Accept a request's next token and stream it (the last event once it stopped)."""
+        piece = seq.accept(token, self.model.config.context_length)
+        event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason,
+                      _logprobs(logits, token, seq.params.logprobs))
+        if event.finished:
+            self._finish(seq, event, self._result(seq))
+        else:
+            self._handles[seq.id][1].push(event)
+
+    def _fail(self, unit: Sequence | BeamGroup, error: Exception) -> None:
+        """End one request that failed inside a step with an error event; the rest go on."""
+        log.error("engine: request %s failed: %r", unit.id, error, exc_info=error)
+        seq = unit.root if isinstance(unit, BeamGroup) else unit
+        seq.stop_reason, seq.finish_time = "error", time.perf_counter()
+        message = f"{type(error).__name__}: {error}"
+        self._finish(unit, Event(seq.id, None, "", True, "error", error=message), self._result(seq))
 
     def run_until_done(self) -> None:
         """Step on this thread until every submitted request has finished."""
@@ -281,6 +318,11 @@ class Engine:
             decode_steps=max(len(seq.generated) - 1, 0),
             stop_string=None if seq.text is None else seq.text.stop_string,
         )
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    sampling = seq.params.sampling
+    return sampling.greedy and not sampling.uses_counts
 
 
 def _logprobs(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs | None:

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-from .sequence import StopReason
+from ..generation.config import StopReason
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Event:
     finished: bool = False
     stop_reason: StopReason | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them (RequestParams.logprobs)
+    error: str | None = None  # why the request failed (stop_reason "error"); others go on
 
 
 class RequestHandle:

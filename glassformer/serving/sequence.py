@@ -3,65 +3,17 @@ and the state that picks and checks its next token (its own generator, counts, t
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as Ids
-from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal
 
 import torch
 
+from ..generation.config import RequestParams, StopReason
 from ..generation.core import stop_after
-from ..generation.sampling import SamplingConfig, token_counts
+from ..generation.sampling import token_counts
 from ..generation.stopping import Decoder, TextStream
-
-StopReason = Literal["eos", "stop_string", "max_new_tokens", "context_full", "cancelled"]
-
-
-@dataclass(frozen=True)
-class RequestParams:
-    """How one request is continued. The default is greedy decoding of up to 64 tokens."""
-
-    max_new_tokens: int = 64
-    sampling: SamplingConfig = SamplingConfig(temperature=0.0)
-    seed: int | None = None  # None: a fresh random seed
-    stop: tuple[str, ...] = ()  # stop strings (need a tokenizer)
-    eos_ids: tuple[int, ...] | None = None  # None: the tokenizer's eos_id
-    beams: int = 1  # > 1: beam search over forked sequences (beam.py)
-    length_penalty: float = 1.0  # beam score = sum log p / length^length_penalty
-    logprobs: int | None = None  # None: none; n: each token's log-probability and the n likeliest
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
-        if self.beams < 1:
-            raise ValueError(f"beams: must be >= 1, got {self.beams}")
-        if self.beams > 1 and (not self.sampling.greedy or self.sampling.uses_counts):
-            raise ValueError("beams: beam search ranks raw log-probabilities; drop sampling and penalties")
-        if self.logprobs is not None and (self.logprobs < 0 or self.beams > 1):
-            raise ValueError(f"logprobs: a count >= 0 without beams, got {self.logprobs!r}")
-        if isinstance(self.stop, str):
-            raise ValueError("stop: a tuple of strings, not a single string")
-
-    @classmethod
-    def from_fields(cls, **fields: Any) -> RequestParams:
-        """From flat settings (a JSON line, keyword arguments): RequestParams fields and
-        SamplingConfig fields side by side; `stop` may be one string."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"sampling"}
-        sampling = {f.name for f in dataclasses.fields(SamplingConfig)}
-        unknown = sorted(set(fields) - own - sampling)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: unknown setting; use {sorted(own | sampling)}")
-        if isinstance(fields.get("stop"), str):
-            fields["stop"] = (fields["stop"],)
-        for name in ("stop", "eos_ids"):
-            if fields.get(name) is not None:
-                fields[name] = tuple(fields[name])
-        fields.setdefault("temperature", 0.0)
-        return cls(sampling=SamplingConfig(**{k: v for k, v in fields.items() if k in sampling}),
-                   **{k: v for k, v in fields.items() if k in own})
 
 
 class Status(Enum):

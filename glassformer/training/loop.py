@@ -19,9 +19,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from ..accel import threads
 from ..accel.cpu import bf16_products_pay
 from ..accel.fast_training import clip_grad_norm_, use_fast_training
+from ..accel.threads import ThreadPolicy
 from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
 from ..formats.tokenizers import train_tokenizer
 from ..generation.config import GenerationConfig
@@ -150,21 +150,21 @@ def _for_tokenizer(model_config: ModelConfig, tokenizer) -> ModelConfig:
 
 
 def train(data, out_dir, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
-          progress: bool = True, echo=tqdm.write) -> dict:
+          progress: bool = True, echo=tqdm.write, threads: ThreadPolicy | None = None) -> dict:
     """Train on the text at `data` (file(s) or folder) into the run folder `out_dir`.
-    `echo` prints the evaluations and samples. Returns a summary (iters, losses, tokens/s,
-    checkpoint path ...)."""
+    `echo` prints the evaluations and samples; `threads` (the process's policy, if any) is
+    revisited every step. Returns a summary (iters, losses, tokens/s, checkpoint path ...)."""
     started = time.perf_counter()
     keep_freed_memory()
     process = distributed.setup(config.device)
     try:
         return _train(data, Path(out_dir), model_config, config, resume, progress, echo,
-                      process, started)
+                      process, started, threads)
     finally:
         distributed.teardown(process)
 
 
-def _train(data, out, model_config, config, resume, progress, echo, process, started):
+def _train(data, out, model_config, config, resume, progress, echo, process, started, threads):
     sources, tokenizer, model_config, checkpoint = _prepare(
         data, out, model_config, config, resume, process
     )
@@ -247,7 +247,8 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         while state["step"] < config.max_iters and not interrupted:
             if config.max_time and time.perf_counter() - loop_start >= config.max_time:
                 break
-            threads.revisit()  # other work on this CPU comes and goes
+            if threads is not None:
+                threads.revisit()  # other work on this CPU comes and goes
             t0 = time.perf_counter()
             lr = learning_rate(state["step"], config.lr, config.min_lr, config.warmup_iters,
                                config.decay_iters)

@@ -15,7 +15,6 @@ def _restore_threads(monkeypatch):
     before = torch.get_num_threads()
     for name in threads.ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(threads, "_policy", None)
     yield
     torch.set_num_threads(before)
 
@@ -61,11 +60,11 @@ def test_the_choice_follows_other_work_as_it_comes_and_goes(monkeypatch):
     monkeypatch.setattr(threads.time, "sleep", lambda s: None)
     clock = iter([5.0, 10.1, 20.1])
     monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
-    policy = threads.configure()
+    policy = threads.ThreadPolicy()
     assert policy.threads == torch.get_num_threads() == cores
     assert policy.revisit() == cores  # 5 s after: not looked at again yet
     assert policy.revisit() == 1 == torch.get_num_threads()
-    threads.revisit()
+    policy.revisit()
     assert policy.threads == torch.get_num_threads() == cores
 
 
@@ -96,7 +95,7 @@ def test_every_computing_command_takes_threads(command):
 
 def test_main_configures_the_threads_before_the_command(monkeypatch, tmp_path, capsys):
     seen = []
-    monkeypatch.setattr(threads, "configure", lambda asked, reserved: seen.append((asked, reserved)))
+    monkeypatch.setattr(threads, "ThreadPolicy", lambda asked, reserved: seen.append((asked, reserved)))
     assert main(["eval", "--model", str(tmp_path / "missing"), "--data", str(tmp_path / "none.txt"),
                  "--threads", "1"]) != 0
     assert seen == [(1, 0)]

@@ -8,6 +8,7 @@ from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving.engine import CapacityError
 
 GREEDY = RequestParams(max_new_tokens=12, eos_ids=())
 SAMPLED = RequestParams(max_new_tokens=12, eos_ids=(), seed=5,
@@ -143,7 +144,7 @@ def test_invalid_requests_raise_one_clear_error(tiny):
     engine = Engine(tiny(), None, EngineConfig(n_blocks=4, block_size=4))
     with pytest.raises(ValueError, match="context_length"):
         engine.submit([1] * 65)
-    with pytest.raises(ValueError, match="kv_memory_mb"):
+    with pytest.raises(CapacityError, match="needs 32 tokens of cache .*; the engine holds 16"):
         engine.submit([1] * 10, RequestParams(max_new_tokens=20))
     with pytest.raises(ValueError, match="stop"):
         engine.submit([1], RequestParams(stop=("x",)))
@@ -151,6 +152,36 @@ def test_invalid_requests_raise_one_clear_error(tiny):
         engine.submit([96])
     with pytest.raises(ValueError, match="empty"):
         engine.submit([])
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.submit([1], RequestParams(logprobs=97))
+
+
+def test_a_request_that_fails_inside_a_step_fails_alone(tiny, prompts, monkeypatch):
+    """A failure injected into one request's sampling in the middle of a batch: that request
+    gets an error event, every other one the tokens it gets without it, and the engine goes on."""
+    model = tiny()
+    todo = [(p, SAMPLED) for p in prompts([5, 9, 7])] + [(prompts([6], seed=3)[0], GREEDY)]
+    want, _ = _run(model, todo, EngineConfig(n_blocks=64))
+    engine = Engine(model, None, EngineConfig(n_blocks=64))
+    handles = [engine.submit(prompt, params) for prompt, params in todo]
+    victim = handles[1].request_id
+    sample = Engine._sample
+
+    def failing(self, seq, logits):
+        if seq.id == victim and len(seq.generated) == 3:
+            raise RuntimeError("injected")
+        return sample(self, seq, logits)
+
+    monkeypatch.setattr(Engine, "_sample", failing)
+    engine.run_until_done()
+    events = list(handles[1])
+    assert [e.stop_reason for e in events[-1:]] == ["error"] and "injected" in events[-1].error
+    assert handles[1].result.stop_reason == "error" and len(handles[1].result.generated_ids) == 3
+    assert [handles[i].result.generated_ids for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    later = engine.submit(todo[0][0], SAMPLED)  # the engine still serves
+    engine.run_until_done()
+    assert later.result.generated_ids == want[0]
+    _assert_whole(engine)
 
 
 def test_a_chat_turn_reuses_the_blocks_of_its_history(tiny, prompts):

@@ -62,3 +62,31 @@ def test_beam_text_and_cancel(tiny):
     assert cancelled.wait(0).stop_reason == "cancelled" and engine.blocks.stats().used == 0
     with pytest.raises(ValueError, match="beams"):
         RequestParams(beams=2, sampling=SamplingConfig(temperature=1.0))
+
+
+class CountingTokenizer(CharTokenizer):
+    """Remembers the longest run of ids it was asked to decode."""
+
+    longest = 0
+
+    def decode(self, ids):
+        self.longest = max(self.longest, len(ids))
+        return super().decode(ids)
+
+
+def test_beam_stop_strings_follow_the_text_token_by_token(tiny):
+    tokenizer = CountingTokenizer("abcdefghij klmnopqrstuvwxyz.")
+    model = tiny(vocab_size=tokenizer.vocab_size)
+    prompt = tokenizer.encode("the cat")
+    free = generate(model, prompt, GenerationConfig(max_new_tokens=14, beams=3, eos_ids=()), tokenizer)
+    stop = (free.text[5:7],)  # appears in the unconstrained winner: some beam meets it
+    config = GenerationConfig(max_new_tokens=14, beams=3, eos_ids=(), stop=stop)
+    want = generate(model, prompt, config, tokenizer)
+    engine = Engine(model, tokenizer, EngineConfig(n_blocks=60))
+    tokenizer.longest = 0
+    handle = engine.submit(prompt, RequestParams(max_new_tokens=14, beams=3, eos_ids=(), stop=stop))
+    engine.run_until_done()
+    got = handle.wait(0)
+    assert want.stop_reason == "stop_string"
+    assert (got.generated_ids, got.text, got.stop_reason) == (want.generated_ids, want.text, want.stop_reason)
+    assert tokenizer.longest <= 6  # windows of a few ids, never a candidate's whole text

@@ -1,201 +1,76 @@
-"""The HTTP layer: a thin FastAPI app over one Engine, speaking the OpenAI API.
+"""The HTTP layer: a thin FastAPI app over one Server (server.py), speaking the OpenAI API.
 
-    body ──(size limit, pydantic schema)──> prompt ids + RequestParams ──(admission)──> engine
-    engine events ──> one JSON answer, or server-sent events in OpenAI's chunk format
-
-The engine steps on its own thread (started and closed with the app); each request reads its
-handle's events from asyncio. A guard task per request cancels it in the engine the moment the
-client disconnects or its time is up, so its KV blocks are free on the next step."""
+The engine steps on its own thread, started and closed with the app. Before any route, the
+Host header must name an allowed host and a browser's Origin an allowed origin (a page on
+another site could otherwise make the user's browser drive a loopback server, and read the
+answers through DNS rebinding); with an API key, the /v1 routes and the live page need it."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import sys
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
 
+from ...accel.threads import ThreadPolicy
 from ...language_model import LanguageModel
-from .. import Engine, EngineConfig, Event, RequestHandle
+from .. import EngineConfig
 from . import errors, ui
 from .errors import APIError
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .responses import answer
-from .tracing import Tracer
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .server import Server, ServerConfig
+
+__all__ = ["ServerConfig", "create_app"]
+
+# The engine's thread takes the GIL back after every step's products; while the event loop runs
+# Python, a waiting thread gets it after the switch interval (5 ms by default, a sixth of a
+# decode step): 0.5 ms makes each step wait less (3-4% more tokens/s). Restored at shutdown.
+SWITCH_INTERVAL_S = 5e-4
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    model_name: str
-    api_key: str | None = None  # every /v1 route then needs `Authorization: Bearer <key>`
-    max_queue: int = 64  # requests waiting beyond the engine's batch; more get 429
-    max_tokens: int = 1024  # most tokens one request may ask for
-    max_body_bytes: int = 1 << 20  # larger bodies get 413
-    request_timeout_s: float = 600.0  # a request still running then is stopped: 504 / an error event
-
-    def __post_init__(self) -> None:
-        for name in ("max_queue", "max_tokens", "max_body_bytes"):
-            if getattr(self, name) < (0 if name == "max_queue" else 1):
-                raise ValueError(f"{name}: too small, got {getattr(self, name)}")
-
-
-@dataclass
-class Admission:
-    """What a request's reader shares with its guard: the reader sets `done` when it has read
-    the last event; the guard sets `timed_out` before it cancels a request past its time."""
-
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    timed_out: bool = False
-
-
-class Server:
-    """The app's state: the engine, the limits and the count of requests admitted."""
-
-    def __init__(self, language_model: LanguageModel, engine: EngineConfig, config: ServerConfig) -> None:
-        self.language_model, self.config = language_model, config
-        self.engine = Engine(language_model.model, language_model.tokenizer, engine)
-        self.metrics = ServerMetrics(self.engine)
-        self.tracer = Tracer(language_model.model)
-        self.active = 0  # admitted and not yet answered; only touched on the event loop
-        self._guards: set[asyncio.Task] = set()
-
-    async def parse(self, request: Request, schema: type[BaseModel]) -> BaseModel:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.config.max_body_bytes:
-            raise APIError(413, f"the body is over {self.config.max_body_bytes} bytes", code="body_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.config.max_body_bytes:
-                raise APIError(413, f"the body is over {self.config.max_body_bytes} bytes",
-                               code="body_too_large")
-        try:
-            parsed = schema.model_validate_json(bytes(body))
-        except ValidationError as error:
-            raise errors.from_validation(error) from None
-        if parsed.model != self.config.model_name:
-            raise APIError(404, f"model: {parsed.model!r} is not served here; use {self.config.model_name!r}",
-                           "model", "model_not_found")
-        return parsed
-
-    def submit(self, ids: list[int], fields: SamplingFields, asked: int | None,
-               request: Request) -> tuple[RequestHandle, Admission]:
-        """Admit a request; returns its handle and what its reader shares with its guard."""
-        context, cap = self.language_model.config.context_length, self.config.max_tokens
-        if len(ids) > context:
-            raise APIError(400, f"prompt: {len(ids)} tokens; this model's context holds {context}",
-                           "prompt", "context_length_exceeded")
-        if asked is not None and asked > cap:
-            raise APIError(400, f"max_tokens: at most {cap} on this server, got {asked}", "max_tokens",
-                           "invalid_value")
-        if self.active >= self.engine.config.max_batch + self.config.max_queue:
-            raise APIError(429, "the server is busy; retry shortly", code="queue_full",
-                           headers={"Retry-After": "1"})
-        limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
-        try:
-            handle = self.engine.submit(ids, fields.params(limit, self.language_model.tokenizer.eos_id))
-        except ValueError as error:
-            raise APIError(400, str(error), str(error).split(":")[0], "invalid_value") from None
-        admission = Admission()
-        self.active += 1
-        guard = asyncio.create_task(self._guard(handle, request, admission))
-        self._guards.add(guard)
-        guard.add_done_callback(self._guards.discard)
-        return handle, admission
-
-    async def _guard(self, handle: RequestHandle, request: Request, admission: Admission) -> None:
-        """Holds the request's admission until its reader is done; cancels it in the engine as
-        soon as the client disconnects or its time is up."""
-
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        waits = [asyncio.create_task(admission.done.wait()), asyncio.create_task(disconnected())]
-        try:
-            finished, _ = await asyncio.wait(waits, timeout=self.config.request_timeout_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
-            admission.timed_out = not finished and not handle.finished
-        finally:
-            for wait in waits:
-                wait.cancel()
-            if not handle.finished:
-                handle.cancel()
-            self.active -= 1
-            if handle.result is not None and handle.result.stop_reason != "cancelled":
-                self.metrics.observe(handle.result)
-
-    @staticmethod
-    async def events(handle: RequestHandle, admission: Admission) -> AsyncIterator[Event]:
-        try:
-            async for event in handle:
-                yield event
-        finally:
-            admission.done.set()
-
-    def stopped(self, event: Event, admission: Admission) -> APIError | None:
-        """The error to answer for a request the server stopped before it finished: past its
-        time (504), or cancelled by a shutdown or a failed engine (503); else None."""
-        if event.stop_reason != "cancelled":
-            return None
-        if admission.timed_out:
-            return APIError(504, f"the request ran past this server's limit of "
-                                 f"{self.config.request_timeout_s:g} s", code="timeout")
-        return APIError(503, "the request was stopped before it finished (the server is shutting "
-                             "down or its engine failed)", code="cancelled")
-
-    def prompt(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        tokenizer = self.language_model.tokenizer
-        if isinstance(body, CompletionRequest):
-            return tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "messages: this model has no chat template; use /v1/completions",
-                           "messages", "no_chat_template")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-        try:
-            return tokenizer.apply_chat_template(messages)
-        except (jinja2.TemplateError, ValueError) as error:
-            raise APIError(400, f"messages: {error}", "messages", "invalid_value") from None
-
-
-def create_app(language_model: LanguageModel, config: ServerConfig,
-               engine: EngineConfig | None = None) -> FastAPI:
-    server = Server(language_model, engine or EngineConfig(), config)
+def create_app(language_model: LanguageModel, config: ServerConfig, engine: EngineConfig | None = None,
+               threads: ThreadPolicy | None = None) -> FastAPI:
+    """`threads`: the process's thread policy, revisited by the engine's loop (none: torch's
+    thread count is left alone)."""
+    server = Server(language_model, engine or EngineConfig(), config, threads)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # The engine's thread takes the GIL back after every step's products; while the event
-        # loop runs Python, a waiting thread gets it after the switch interval (5 ms by default,
-        # a sixth of a decode step): 0.5 ms makes each step wait less (3-4% more tokens/s).
-        sys.setswitchinterval(5e-4)
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        server.loop = asyncio.get_running_loop()
         server.engine.start()
         try:
             yield
         finally:
             server.engine.close()
+            sys.setswitchinterval(switch)
 
     app = FastAPI(title="glassformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     errors.install(app)
-    ui.install(app, server.engine)
-    app.add_middleware(_CountResponses, metrics=server.metrics)
 
     def authorize(request: Request) -> None:
+        """The API key, as `Authorization: Bearer <key>` (or `?key=` on the live page's routes,
+        which a browser opens by address)."""
         if config.api_key is None:
             return
         given = request.headers.get("authorization", "")
+        if request.url.path.startswith("/ui") and "key" in request.query_params:
+            given = f"Bearer {request.query_params['key']}"
         if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
             raise APIError(401, "a valid API key is needed: Authorization: Bearer <key>",
                            code="invalid_api_key")
+
+    ui.install(app, server.engine, authorize)
+    app.add_middleware(_CountResponses, metrics=server.metrics)
+    app.add_middleware(_AllowedOrigins, config=config)
 
     @app.get("/health")
     async def health() -> dict:
@@ -206,7 +81,9 @@ def create_app(language_model: LanguageModel, config: ServerConfig,
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if config.metrics_need_key:
+            authorize(request)
         return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -218,17 +95,53 @@ def create_app(language_model: LanguageModel, config: ServerConfig,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         authorize(request)
-        return await answer(server, request, await server.parse(request, CompletionRequest), chat=False)
+        return await server.answer(request, await server.parse(request, CompletionRequest), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
-        return await answer(server, request, await server.parse(request, ChatCompletionRequest), chat=True)
+        return await server.answer(request, await server.parse(request, ChatCompletionRequest), chat=True)
 
     return app
 
 
 ROUTES = ("/health", "/metrics", "/ui", "/ui/state", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+def host_name(value: str) -> str:
+    """The host of a Host header (`name`, `name:port`, `[v6]:port`), lower case."""
+    return (urlsplit(f"//{value}").hostname or "").lower()
+
+
+class _AllowedOrigins:
+    """ASGI middleware: 403 unless the Host header names an allowed host and an Origin (sent
+    by browsers) is an allowed origin or one of an allowed host's."""
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app = app
+        self.hosts = {h.lower() for h in config.allowed_hosts}
+        self.origins = {o.lower().rstrip("/") for o in config.allowed_origins}
+
+    def refused(self, headers: dict[bytes, bytes]) -> APIError | None:
+        host = host_name(headers.get(b"host", b"").decode("latin-1"))
+        if "*" not in self.hosts and host not in self.hosts:
+            return APIError(403, f"Host: {host or 'none'!r} is not served here (--allowed-hosts)",
+                            code="host_not_allowed")
+        origin = headers.get(b"origin")
+        if origin is None or "*" in self.origins:
+            return None
+        origin = origin.decode("latin-1").lower().rstrip("/")
+        if origin in self.origins or host_name(urlsplit(origin).netloc) in self.hosts - {"*"}:
+            return None
+        return APIError(403, f"Origin: {origin!r} may not use this server (--allowed-origins)",
+                        code="origin_not_allowed")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            error = self.refused(dict(scope["headers"]))
+            if error is not None:
+                return await error.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class _CountResponses:

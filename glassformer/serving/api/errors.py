@@ -15,9 +15,10 @@ from .protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger("glassformer.serving.api")
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-         503: "server_error", 504: "server_error"}
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+         413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+         500: "server_error", 503: "server_error", 504: "server_error"}
 
 
 class APIError(Exception):

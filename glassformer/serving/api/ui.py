@@ -11,9 +11,10 @@ engine without stopping it (a snapshot that may be one step stale):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
 from .. import Engine
@@ -52,11 +53,15 @@ def state(engine: Engine, n_steps: int = 120) -> dict:
             "finished": stats.finished}
 
 
-def install(app: FastAPI, engine: Engine) -> None:
+def install(app: FastAPI, engine: Engine, authorize: Callable[[Request], None]) -> None:
+    """The page and its state, each behind `authorize` (the server's API key, if any)."""
+
     @app.get("/ui", response_class=HTMLResponse)
-    async def page() -> str:
+    async def page(request: Request) -> str:
+        authorize(request)
         return PAGE.read_text(encoding="utf-8")
 
     @app.get("/ui/state")
-    async def ui_state() -> dict:
+    async def ui_state(request: Request) -> dict:
+        authorize(request)
         return state(engine)

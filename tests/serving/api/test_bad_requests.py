@@ -61,6 +61,8 @@ CASES = [  # (id, path, body, status, param, a fragment of the message)
      "greater than 0"),
     ("seed-string", C, completion(seed="x"), 400, "seed", "integer"),
     ("seed-float", C, completion(seed=1.5), 400, "seed", "integer"),
+    ("seed-too-large", C, completion(seed=2**64), 400, "seed", "must be in [-9223372036854775808, "),
+    ("seed-too-small", C, completion(seed=-(2**63) - 1), 400, "seed", "must be in"),
     ("stop-number", C, completion(stop=5), 400, "stop", ""),
     ("stop-five-strings", C, completion(stop=list("abcde")), 400, "stop", "at most 4"),
     ("stop-empty-string", C, completion(stop=[""]), 400, "stop", "must not be empty"),
@@ -154,3 +156,30 @@ def test_the_server_answers_correctly_after_them(client, language_model):
                       language_model.tokenizer)
     assert reply.json()["choices"][0]["text"] == oracle.text
     assert client.get("/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                  None])
+def test_a_body_not_sent_as_json_is_415(client, kind):
+    """A page's form or text/plain POST needs no CORS preflight: only application/json is read."""
+    raw = json.dumps(completion()).encode()
+    headers = {} if kind is None else {"content-type": kind}
+    reply = client.post(C, content=raw, headers=headers)
+    assert reply.status_code == 415 and reply.json()["error"]["code"] == "unsupported_media_type"
+    with_charset = {"content-type": "application/json; charset=utf-8"}
+    assert _post(client, C, completion(), with_charset).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/ui/state", "/health"])
+def test_a_foreign_host_or_origin_is_403(client, path):
+    for headers, code in (({"host": "evil.example"}, "host_not_allowed"),
+                          ({"host": "evil.example:80"}, "host_not_allowed"),
+                          ({"origin": "http://evil.example"}, "origin_not_allowed"),
+                          ({"origin": "null"}, "origin_not_allowed")):
+        reply = client.get(path, headers=headers)
+        assert reply.status_code == 403, headers
+        error = reply.json()["error"]
+        assert error["type"] == "permission_error" and error["code"] == code
+    for headers in ({"host": "localhost:1234"}, {"origin": "http://localhost:8000"},
+                    {"origin": "http://127.0.0.1"}):
+        assert client.get(path, headers=headers).status_code == 200, headers

@@ -1,5 +1,6 @@
 """`glassformer serve` as a process: it serves a checkpoint folder on loopback, and on SIGTERM
-stops accepting, lets the running request finish, then exits 0."""
+stops accepting, lets the running requests finish within the grace (then answers them with
+OpenAI's error shape), then exits 0."""
 
 import json
 import os
@@ -7,7 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import torch
@@ -22,31 +25,45 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path, language_model):
-    torch.manual_seed(0)  # a model a little larger than the others so the request is still running
+@contextmanager
+def served_process(tmp_path, language_model, *flags):
+    """`glassformer serve` of a model a little larger than the others (so a long request is still
+    running when the test acts), in a process; yields (url, process)."""
+    torch.manual_seed(0)
     config = get_preset("tiny-llama").replace(context_length=1024, d_model=128, n_layers=4, d_ff=256,
                                               vocab_size=language_model.tokenizer.vocab_size)
     folder = write_checkpoint(tmp_path / "model", Transformer(config).eval(), language_model.tokenizer, {})
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())", "serve",
-         "--model", str(folder), "--name", "m",
-         "--port", str(port), "--max-tokens", "1000", "--grace", "60"],
+         "--model", str(folder), "--name", "m", "--port", str(port), "--max-tokens", "1000", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env={k: v for k, v in os.environ.items() if k != "GLASSFORMER_API_KEY"})
     url = f"http://127.0.0.1:{port}"
     try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        yield url, server
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+        server.wait(60)
+
+
+LONG = {"model": "m", "prompt": "hello", "max_tokens": 1000, "temperature": 0,
+        "glassformer": {"ignore_eos": True}}
+
+
+def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path, language_model):
+    with served_process(tmp_path, language_model, "--grace", "60") as (url, server):
         with httpx.Client(base_url=url, timeout=60) as http:
-            deadline = time.monotonic() + 120
-            while True:
-                assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
-                try:
-                    if http.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.1)
-            body = {"model": "m", "prompt": "hello", "max_tokens": 1000, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}, "glassformer": {"ignore_eos": True}}
+            body = LONG | {"stream": True, "stream_options": {"include_usage": True}}
             with http.stream("POST", "/v1/completions", json=body) as reply:
                 lines = reply.iter_lines()
                 assert next(lines).startswith("data: ")
@@ -59,12 +76,32 @@ def test_sigterm_lets_the_running_request_finish_then_exits_0(tmp_path, language
             usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
             assert usage["completion_tokens"] == 1000  # it ran to the end, not cancelled
             assert json.loads(rest[-3].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
         code = server.wait(60)
-    assert code == 0, server.stdout.read().decode()[-2000:]
-    assert _refused(f"{url}/health")
+        assert code == 0, server.stdout.read().decode()[-2000:]
+        assert _refused(f"{url}/health")
+
+
+def test_past_the_grace_requests_end_in_openai_error_shape(tmp_path, language_model):
+    """SIGTERM with --grace 1 while a whole answer and a stream run: the first gets a 503 JSON
+    error, the second an error event then [DONE]; no traceback, exit 0."""
+    with served_process(tmp_path, language_model, "--grace", "1") as (url, server):
+        whole = {}
+        waiting = threading.Thread(target=lambda: whole.update(
+            reply=httpx.post(f"{url}/v1/completions", json=LONG, timeout=60)))
+        waiting.start()
+        with httpx.stream("POST", f"{url}/v1/completions", json=LONG | {"stream": True}, timeout=60) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        waiting.join(60)
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "server_shutdown"
+        assert whole["reply"].status_code == 503
+        assert whole["reply"].json()["error"]["code"] == "server_shutdown"
+        code = server.wait(60)
+        log = server.stdout.read().decode()
+        assert code == 0 and "Traceback" not in log and "CancelledError" not in log, log[-2000:]
 
 
 def _refused(url: str) -> bool:

@@ -1,0 +1,278 @@
+"""The server's state and its answer to one request:
+
+    body ──(type, size, time limit, pydantic schema)──> prompt ids + RequestParams ──> engine
+    engine events ──> one JSON answer, or server-sent events in OpenAI's chunk format
+
+Each request reads its handle's events from asyncio. A guard task per request cancels it in
+the engine the moment the client disconnects or its time is up, so its KV blocks are free on
+the next step. A shutdown past its grace ends every running request in OpenAI's error shape
+(503, or an error event then `[DONE]`) before the HTTP server would cut it off."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+from ...accel.threads import ThreadPolicy
+from ...language_model import LanguageModel
+from .. import Engine, EngineConfig, Event, RequestHandle
+from ..engine import CapacityError
+from . import errors, responses
+from .errors import APIError
+from .metrics import ServerMetrics
+from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, SamplingFields, Usage, new_id, now
+from .tracing import Tracer
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None  # /v1 routes, /ui and /ui/state then need `Authorization: Bearer <key>`
+    max_queue: int = 64  # requests waiting beyond the engine's batch; more get 429
+    max_tokens: int = 1024  # most tokens one request may ask for
+    max_body_bytes: int = 1 << 20  # larger bodies get 413
+    request_timeout_s: float = 600.0  # a request still running then is stopped: 504 / an error event
+    body_timeout_s: float = 10.0  # a body not read whole by then gets 408 and the connection closes
+    allowed_hosts: tuple[str, ...] = LOOPBACK  # Host header names answered ("*": any); else 403
+    allowed_origins: tuple[str, ...] = ()  # browser origins beyond the allowed hosts' ("*": any)
+    metrics_need_key: bool = False  # whether /metrics also needs the API key
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_tokens", "max_body_bytes"):
+            value, low = getattr(self, name), 0 if name == "max_queue" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+        for name in ("request_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
+        for name in ("allowed_hosts", "allowed_origins"):
+            values = getattr(self, name)
+            if not isinstance(values, tuple) or any(not isinstance(v, str) or not v for v in values):
+                raise ValueError(f"{name}: a tuple of non-empty strings, got {values!r}")
+
+
+@dataclass
+class Admission:
+    """What a request's reader shares with its guard: the reader sets `done` when it has read
+    the last event; the guard sets `timed_out` before it cancels a request past its time."""
+
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    timed_out: bool = False
+
+
+class Server:
+    """The app's state: the engine, the limits and the requests admitted."""
+
+    def __init__(self, language_model: LanguageModel, engine: EngineConfig, config: ServerConfig,
+                 threads: ThreadPolicy | None = None) -> None:
+        self.language_model, self.config = language_model, config
+        self.engine = Engine(language_model.model, language_model.tokenizer, engine, threads)
+        self.metrics = ServerMetrics(self.engine)
+        self.tracer = Tracer(language_model.model)
+        self.active: set[RequestHandle] = set()  # admitted and not yet answered (the event loop's)
+        self.shutting_down = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
+        self._guards: set[asyncio.Task] = set()
+
+    def drain(self, grace: float) -> None:
+        """A shutdown began (from any thread, a signal handler included): requests still running
+        shortly before `grace` seconds have passed are stopped and answered with 503."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, max(0.0, grace - min(1.0, grace / 2)),
+                                           self.stop_all)
+
+    def stop_all(self) -> None:
+        self.shutting_down = True
+        for handle in list(self.active):
+            handle.cancel()
+
+    async def parse(self, request: Request, schema: type[BaseModel]) -> BaseModel:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise APIError(415, f"Content-Type: send application/json, got {kind or 'none'!r}",
+                           code="unsupported_media_type")
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the body is over {limit} bytes", code="body_too_large")
+        try:
+            body = await asyncio.wait_for(_read(request, limit), self.config.body_timeout_s)
+        except TimeoutError:
+            raise APIError(408, f"the body did not arrive within {self.config.body_timeout_s:g} s",
+                           code="timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:  # nobody is left to answer
+            raise APIError(400, "the client left before its body ended", code="client_disconnected") from None
+        try:
+            parsed = schema.model_validate_json(body)
+        except ValidationError as error:
+            raise errors.from_validation(error) from None
+        if parsed.model != self.config.model_name:
+            raise APIError(404, f"model: {parsed.model!r} is not served here; use {self.config.model_name!r}",
+                           "model", "model_not_found")
+        return parsed
+
+    def submit(self, ids: list[int], fields: SamplingFields, asked: int | None,
+               request: Request) -> tuple[RequestHandle, Admission]:
+        """Admit a request; returns its handle and what its reader shares with its guard."""
+        context, cap = self.language_model.config.context_length, self.config.max_tokens
+        if len(ids) > context:
+            raise APIError(400, f"prompt: {len(ids)} tokens; this model's context holds {context}",
+                           "prompt", "context_length_exceeded")
+        if asked is not None and asked > cap:
+            raise APIError(400, f"max_tokens: at most {cap} on this server, got {asked}", "max_tokens",
+                           "invalid_value")
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if len(self.active) >= self.engine.config.max_batch + self.config.max_queue:
+            raise APIError(429, "the server is busy; retry shortly", code="queue_full",
+                           headers={"Retry-After": "1"})
+        limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
+        try:
+            handle = self.engine.submit(ids, fields.params(limit, self.language_model.tokenizer.eos_id))
+        except CapacityError as error:
+            message = str(error).replace("the engine holds", "the server holds")
+            raise APIError(400, message, "prompt", "context_length_exceeded") from None
+        except ValueError as error:
+            raise APIError(400, str(error), str(error).split(":")[0], "invalid_value") from None
+        admission = Admission()
+        self.active.add(handle)
+        guard = asyncio.create_task(self._guard(handle, request, admission))
+        self._guards.add(guard)
+        guard.add_done_callback(self._guards.discard)
+        return handle, admission
+
+    async def _guard(self, handle: RequestHandle, request: Request, admission: Admission) -> None:
+        """Holds the request's admission until its reader is done; cancels it in the engine as
+        soon as the client disconnects or its time is up."""
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        waits = [asyncio.create_task(admission.done.wait()), asyncio.create_task(disconnected())]
+        try:
+            finished, _ = await asyncio.wait(waits, timeout=self.config.request_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            admission.timed_out = not finished and not handle.finished
+        finally:
+            for wait in waits:
+                wait.cancel()
+            if not handle.finished:
+                handle.cancel()
+            self.active.discard(handle)
+            if handle.result is not None and handle.result.stop_reason not in ("cancelled", "error"):
+                self.metrics.observe(handle.result)
+
+    @staticmethod
+    async def events(handle: RequestHandle, admission: Admission) -> AsyncIterator[Event]:
+        try:
+            async for event in handle:
+                yield event
+        finally:
+            admission.done.set()
+
+    def stopped(self, event: Event, admission: Admission) -> APIError | None:
+        """The error to answer for a request that did not finish on its own: past its time
+        (504), stopped by a shutdown (503), or failed in the engine (500); else None."""
+        if event.stop_reason == "error":
+            return APIError(500, f"the engine failed on this request ({event.error}); other requests "
+                                 "are unaffected", code="engine_error")
+        if event.stop_reason != "cancelled":
+            return None
+        if admission.timed_out:
+            return APIError(504, f"the request ran past this server's limit of "
+                                 f"{self.config.request_timeout_s:g} s", code="timeout")
+        if self.shutting_down:
+            return APIError(503, "the server shut down before the request finished; send it again "
+                                 "once the server is back", code="server_shutdown")
+        return APIError(503, "the request was stopped before it finished (its engine failed)",
+                        code="cancelled")
+
+    def prompt(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        tokenizer = self.language_model.tokenizer
+        if isinstance(body, CompletionRequest):
+            return tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "messages: this model has no chat template; use /v1/completions",
+                           "messages", "no_chat_template")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages]
+        try:
+            return tokenizer.apply_chat_template(messages)
+        except (jinja2.TemplateError, ValueError) as error:
+            raise APIError(400, f"messages: {error}", "messages", "invalid_value") from None
+
+    async def answer(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                     chat: bool) -> Response:
+        """Run one request: its whole answer, or its stream (see responses.py for the shapes)."""
+        ids = self.prompt(body)
+        sites = body.glassformer.trace
+        if sites:
+            try:
+                self.tracer.check(sites)
+            except ValueError as error:
+                raise APIError(400, f"glassformer.trace: {error}", "glassformer.trace",
+                               "invalid_value") from None
+        handle, admission = self.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
+        head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
+
+        async def extra() -> dict:
+            """The trace sites' tensors for this request's tokens, once it has finished."""
+            if not sites or handle.result is None:
+                return {}
+            read = handle.result.prompt_ids + handle.result.generated_ids[:-1]
+            return {"glassformer": {"trace": await asyncio.to_thread(self.tracer.run, read, sites)}}
+
+        def usage() -> dict:
+            generated = len(handle.result.generated_ids) if handle.result is not None else 0
+            return Usage.of(len(ids), generated).model_dump()
+
+        decode = self.language_model.tokenizer.decode
+        if not body.stream:
+            events = [event async for event in self.events(handle, admission)]
+            error = self.stopped(events[-1], admission)
+            if error is not None:
+                raise error
+            whole = responses.whole(head, chat, events, body.logprob_count, decode)
+            return JSONResponse(whole | {"usage": usage(), **(await extra())})
+
+        shape = responses.Chunks(head, chat, decode)
+
+        async def stream() -> AsyncIterator[str]:
+            error = None
+            if chat:
+                yield shape.chunk("", None, role=True)
+            async for event in self.events(handle, admission):
+                if event.logprobs is not None or event.text:
+                    yield shape.token(event)
+                if event.finished:
+                    error = self.stopped(event, admission)
+                    if error is None:
+                        yield shape.chunk(None, FINISH[event.stop_reason], more=await extra())
+                    else:
+                        yield responses.sse(error.payload())
+            if error is None and body.stream_options is not None and body.stream_options.include_usage:
+                yield shape.usage(usage())
+            yield responses.sse("[DONE]")
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+async def _read(request: Request, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the body is over {limit} bytes", code="body_too_large")
+    return bytes(body)
