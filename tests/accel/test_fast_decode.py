@@ -99,9 +99,9 @@ def test_rows_refuse_a_slot_outside_the_pool():
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_avx2_build_steps_like_the_module_path(avx2_kernels, monkeypatch, mode):
-    from glassformer.accel import fast_decode
+    from glassformer.accel import kernels as accel_kernels
 
-    monkeypatch.setattr(fast_decode, "extension", lambda: avx2_kernels)
+    monkeypatch.setattr(accel_kernels, "extension", lambda: avx2_kernels)
     model = _converted("tiny-mqa", mode)
     ids = torch.randint(0, 96, (1, 8))
     with torch.no_grad():
