@@ -67,7 +67,7 @@ def test_a_refused_config_keeps_the_module_path(changes):
 
 def random_decoder(rng: random.Random) -> ModelConfig:
     """A decoder-only config of the values the fused decode step takes, drawn at random."""
-    position = rng.choice(["learned", "sinusoidal", "rope", "alibi", "none"])
+    position = rng.choice(["learned", "sinusoidal", "rope", "rope", "alibi", "none"])
     n_heads = rng.choice([2, 4])
     rope = {}
     if position == "rope" and rng.random() < 0.5:

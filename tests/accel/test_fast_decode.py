@@ -78,7 +78,7 @@ def test_rows_over_a_paged_pool_equal_each_sequence_stepped_alone(name, mode):
         h = step.rows(x, positions, slots, cos, sin, keys, values)  # (B, d)
         for b, n in enumerate(lengths):
             row = h[b : b + 1]
-            logits = step.lm_head(row if step.final_norm is None else step.final_norm(row))
+            logits = step.head(row)  # (1, V)
             assert torch.equal(logits, expected[b])
             new = slots[b, n]
             assert torch.equal(keys[-1][new], caches[b].keys[-1][0, :, n])
