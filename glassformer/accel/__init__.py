@@ -25,8 +25,8 @@ Use in a model::
     layer = QuantizedLinear.from_linear(linear, WeightFormat.INT8)  # or "fp32", "bf16", "int4"
     y = layer(x)                                           # x (..., in_features) -> (..., out)
 
-- Up to `kernels.ROW_TILE` (8) float32 rows (x.reshape(-1, in_features)) on the CPU go straight to the C++
-  kernels in one call (about 2 µs of Python); more rows (prefill) run `torch.matmul` on the
+- Up to `kernels.ROW_TILE` (8) float32 rows (x.reshape(-1, in_features)) on the CPU go
+  straight to the C++ kernels in one call (about 2 µs of Python); more rows (prefill) run `torch.matmul` on the
   weight dequantized in C++ per call, in bfloat16 where the CPU multiplies it in hardware
   (`ops.bf16_products_pay`), else in float32. int8/int4 kernels quantize the
   activations per block of 32 to int8 (like llama.cpp), so their outputs differ from
