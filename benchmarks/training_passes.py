@@ -22,13 +22,11 @@ import harness
 import torch
 import torch.nn.functional as F
 
-from glassformer.accel import attention, fused
-from glassformer.accel.build import extension
+from glassformer.accel import attention, fused, kernels
 from glassformer.accel.fast_training import clip_grad_norm_
 from glassformer.model.encoder_decoder import build_model
 from glassformer.model.layers.attention_backends import sdpa_attention
 from glassformer.model.layers.masking import AttentionMask
-from glassformer.training import optim
 from glassformer.training.allocator import keep_freed_memory
 from glassformer.training.config import get_recipe
 from glassformer.training.optim import StackedMuon, orthogonalize
@@ -65,7 +63,7 @@ class PyTorchMuon(StackedMuon):
     """StackedMuon through PyTorch's ops only, its iterations included."""
 
     def step(self, closure=None):
-        with mock.patch.object(optim, "extension", lambda: None):
+        with mock.patch.object(kernels, "available", lambda: False):
             return super().step(closure)
 
 
@@ -128,7 +126,7 @@ def main() -> None:
     harness.add_arguments(parser, repeats=7)
     args = parser.parse_args()
     record = harness.start("training_passes", args)
-    if extension() is None:
+    if not kernels.available():
         raise SystemExit("the C++ kernels are not available here")
     keep_freed_memory()  # as the training loop runs
     print(f"{torch.get_num_threads()} threads; forward + backward, µs per call "

@@ -25,8 +25,8 @@ Use in a model::
     layer = QuantizedLinear.from_linear(linear, WeightFormat.INT8)  # or "fp32", "bf16", "int4"
     y = layer(x)                                           # x (..., in_features) -> (..., out)
 
-- Up to 8 float32 rows (x.reshape(-1, in_features)) on the CPU go straight to the C++
-  kernels in one call (about 2 µs of Python); more rows (prefill) run `torch.matmul` on the
+- Up to `kernels.ROW_TILE` (8) float32 rows (x.reshape(-1, in_features)) on the CPU go
+  straight to the C++ kernels in one call (about 2 µs of Python); more rows (prefill) run `torch.matmul` on the
   weight dequantized in C++ per call, in bfloat16 where the CPU multiplies it in hardware
   (`ops.bf16_products_pay`), else in float32. int8/int4 kernels quantize the
   activations per block of 32 to int8 (like llama.cpp), so their outputs differ from
@@ -38,6 +38,8 @@ Use in a model::
   buffers' dtypes are the format.
 - `QuantizedLinear.from_gguf(...)` builds int8/int4 layers from GGUF Q8_0/Q4_0/Q4_1 blocks
   without requantizing (see gguf_blocks.py); `from_weight(w, mode, bias)` from a tensor.
+- `kernels.py` is the one caller of the compiled extension (a typed function per C++ entry
+  point); `capabilities.py` the table type each fast path declares what it computes with.
 - `fused.py` holds training's fused RMSNorm, RoPE and SwiGLU passes (`train_ops.cpp`);
   `onednn.py` routes training's float32 products through oneDNN on CPUs whose AVX-512 MKL
   leaves unused (AMD Zen 4/5), about twice MKL's speed there.

@@ -17,7 +17,7 @@ import torch
 
 from ..model.layers.attention_backends import sdpa_attention
 from ..model.layers.masking import AttentionMask
-from .build import extension
+from . import kernels
 
 MAX_POSITIONS = 512  # a (T, T) score panel per head stays in cache
 
@@ -38,7 +38,7 @@ def _applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionM
         and D % 8 == 0
         and D <= 128
         and H % k.shape[1] == 0
-        and extension() is not None
+        and kernels.available()
     )
 
 
@@ -49,4 +49,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attention
     if not _applies(q, k, v, mask, dropout):
         return sdpa_attention(q, k, v, mask, dropout, scale=scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return extension().attention(q, k, v, mask.causal, scale)  # a C++ autograd node
+    return kernels.attention(q, k, v, mask.causal, scale)  # a C++ autograd node

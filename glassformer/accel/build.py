@@ -37,12 +37,17 @@ SOURCES = tuple(sorted(CSRC.glob("*.cpp")))  # every translation unit of the ext
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
 TARGETS = {"native": "-march=native", "avx2": "-march=x86-64-v3"}
 LDFLAGS = ["-fopenmp"]
+# The row tile: the most rows one call of the small-batch kernels (the try_* entry points,
+# ops.py's routing) takes, and the rows a batched step is cut into. Compiled into the
+# kernels as GLASSFORMER_ROW_TILE; kernels.ROW_TILE is this name for the rest of the library.
+ROW_TILE = 8
 
 _loaded: dict[str, ModuleType | str] = {}  # target -> the module, or why there is none
 
 
 def cflags(target: str) -> list[str]:
-    return ["-O3", TARGETS[target], "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+    return ["-O3", TARGETS[target], "-mavx2", "-mfma", "-mf16c", "-fopenmp",
+            f"-DGLASSFORMER_ROW_TILE={ROW_TILE}"]
 
 
 def cache_dir() -> Path:

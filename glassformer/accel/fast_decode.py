@@ -3,9 +3,11 @@
 Once `quantize_model` has given a model its decode kernels, a step for one sequence is the
 same arithmetic as `model(token, cache=cache)`; only the dispatch differs. Python embeds the
 token, C++ (csrc/decode_step.cpp) runs norm, QKV, RoPE, the cache write, attention, W_O,
-norm and feed-forward for every layer, and Python applies the final norm and head.
-The model owns its step (`Transformer.fused_step`), built by `FastDecoder.build` and dropped
-whenever its tensors change; `why_not` says why a model cannot take it. `rows` is the same
+norm and feed-forward for every layer, and Python applies the final norm and the head's math
+(`head`). `CAPABILITIES` lists, field by field of the config, what the C++ layers compute;
+a model whose config it refuses keeps the module path. The model owns its step
+(`Transformer.fused_step`), built by `FastDecoder.build` and dropped whenever its tensors
+change; `why_not` says why a model cannot take it. `rows` is the same
 step for one new token of each of several sequences whose keys and values sit in a paged
 pool (the serving engine's decode steps); each row's numbers are those `__call__` gives it.
 """
@@ -17,11 +19,45 @@ import torch
 from ..model.kv_cache import KVCache
 from ..model.layers.positions import rope_cos_sin
 from ..model.transformer import Transformer
-from .build import extension
+from . import kernels
+from .capabilities import CapabilityTable, any_value, only
 from .quantized_linear import QuantizedLinear
-from .weight_formats import WeightFormat
 
-_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+_SIZES = "sizes and layouts are the C++ step's own parameters"
+_PYTHON = "Python computes it around the C++ layers"
+
+# What csrc/decode_step.cpp computes, field by field; Python embeds the token before the
+# layers and applies the final norm and the head after them (__call__).
+CAPABILITIES = CapabilityTable("fused decode step", {
+    "vocab_size": any_value(_PYTHON), "context_length": any_value(),
+    "d_model": any_value(_SIZES), "n_layers": any_value(_SIZES), "n_heads": any_value(_SIZES),
+    "n_kv_heads": any_value(_SIZES), "d_head": any_value(_SIZES), "d_ff": any_value(_SIZES),
+    "position": only("learned", "sinusoidal", "rope", "alibi", "none",
+                     reason="T5's relative bias is not added to the scores"),
+    "rope_theta": any_value("the angles come from Python"),
+    "rope_scaling": any_value("the angles come from Python"),
+    "rope_factor": any_value("the angles come from Python"),
+    "rope_original_context": any_value("the angles come from Python"),
+    "norm": any_value("rmsnorm and layernorm rows"),
+    "norm_placement": only("pre", reason="the layers are written pre-norm"),
+    "norm_eps": any_value(), "norm_bias": any_value("a bias where the norm has one"),
+    "activation": any_value("relu, gelu, gelu_tanh and silu rows"), "gated": any_value(),
+    "attn_bias": any_value("a bias where the product has one"), "attn_out_bias": any_value(),
+    "mlp_bias": any_value(), "lm_head_bias": any_value(_PYTHON), "final_norm": any_value(_PYTHON),
+    "tie_embeddings": any_value(_PYTHON),
+    "causal": only(True, reason="one new token attends to the cache before it"),
+    "sliding_window": any_value("the first position attended moves with the window"),
+    "dropout": any_value("inference only: no dropout"),
+    "attention_kernel": any_value("every kernel computes the same function"),
+    "init_std": any_value(), "n_token_types": any_value(_PYTHON), "embed_norm": any_value(_PYTHON),
+    "head": any_value(_PYTHON), "pooler": any_value("not part of decoding"),
+    "n_encoder_layers": only(0, reason="no cross-attention to an encoder"),
+    "decoder_start_id": any_value("an encoder-decoder's field"),
+    "relative_buckets": any_value("read with position='relative' only"),
+    "relative_max_distance": any_value("read with position='relative' only"),
+    "scale_scores": any_value("scores times 1/sqrt(d_head), or 1"),
+    "scale_head_input": any_value(_PYTHON),
+})
 
 
 def why_not(model: Transformer) -> str | None:
@@ -34,14 +70,15 @@ def why_not(model: Transformer) -> str | None:
 
 
 def _static_reason(model: Transformer) -> str | None:
-    config, embedding = model.config, model.embed.tokens.weight
-    if config.norm_placement != "pre" or not config.causal:
-        return "only pre-norm causal models"
+    embedding = model.embed.tokens.weight
+    reason = CAPABILITIES.why_not(model.config)
+    if reason is not None:
+        return reason
     if not all(isinstance(layer, QuantizedLinear) for layer in model.linear_layers().values()):
         return "the model has no decode kernels (see glassformer.quantize)"
     if embedding.device.type != "cpu" or embedding.dtype != torch.float32:
         return "float32 on the CPU only"
-    if extension() is None:
+    if not kernels.available():
         return "the C++ kernels are not available"
     return None
 
@@ -57,30 +94,19 @@ class FastDecoder:
     def __init__(self, model: Transformer) -> None:
         config = model.config
         # the model's parts, not the model: a step kept alive keeps no model alive
-        self.config, self.embed, self.final_norm, self.lm_head = (
-            config, model.embed, model.final_norm, model.lm_head)
+        self.config, self.embed, self.final_norm = config, model.embed, model.final_norm
+        self.head_transform, self.lm_head = model.head_transform, model.lm_head
         self.rope = None
         if config.position == "rope":
             self.rope = (model.rope_inv_freq, model.rope_attention_factor)
-        tensors: list[torch.Tensor] = []
-        layout: list[int] = []
-        for block in model.blocks:
-            norm_bias = getattr(block.norm1, "bias", None) is not None
-            layout.append(int(norm_bias))
-            for norm in (block.norm1, block.norm2):
-                tensors += [norm.weight.detach()] + ([norm.bias.detach()] if norm_bias else [])
-            # the C++ step reads each block's four products in this order
-            for linear in (block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down):
-                layout += [linear.mode.code, int(linear.bias is not None)]
-                tensors += _linear_tensors(linear)
-        sizes = [config.d_model, config.n_heads, config.kv_heads, config.head_dim,
-                 config.ff_dim, config.sliding_window or 0]
+        layers = [kernels.LayerWeights(_norm(block.norm1), block.attn.qkv.kernel_weights(),
+                                       block.attn.out.kernel_weights(), _norm(block.norm2),
+                                       block.mlp.up.kernel_weights(),
+                                       block.mlp.down.kernel_weights())
+                  for block in model.blocks]
         slopes = getattr(model, "alibi_slopes", None)
-        self.step_fn = extension().DecodeStep(
-            sizes, config.norm == "rmsnorm", config.gated, config.position == "rope",
-            _ACTIVATIONS[config.activation], config.norm_eps, tensors, layout,
-            None if slopes is None else slopes.float().contiguous(),
-        )
+        self.step_fn = kernels.decode_step(
+            config, layers, None if slopes is None else slopes.float().contiguous())
         self.empty = torch.empty(0)
 
     def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -98,10 +124,18 @@ class FastDecoder:
             cos, sin = cos.reshape(-1), sin.reshape(-1)  # (d_head,)
         x = self.step_fn.step(x, pos, cos, sin, cache.keys, cache.values)  # (1, d)
         cache.advance(1)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return self.lm_head(x)  # (1, V): model.head without its hook site (no hooks here)
+        return self.head(x)
 
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (R, V) from the residual streams h (R, d) after the last layer: the final
+        norm and `Transformer.head`'s math without its hook sites (no hooks here)."""
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        if self.config.scale_head_input:
+            h = h * self.config.d_model**-0.5
+        if self.head_transform is not None:
+            h = self.head_transform(h)  # (R, d)
+        return self.lm_head(h)  # (R, V)
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              cos: torch.Tensor | None, sin: torch.Tensor | None,
@@ -115,9 +149,6 @@ class FastDecoder:
         return self.step_fn.step_paged(x, positions, slots, cos, sin, keys, values)
 
 
-def _linear_tensors(linear: QuantizedLinear) -> list[torch.Tensor]:
-    names = {WeightFormat.FP32: ["weight"], WeightFormat.BF16: ["weight"],
-             WeightFormat.INT8: ["qweight", "scales"],
-             WeightFormat.INT4: ["qweight", "scales", "mins"]}[linear.mode]
-    tensors = [getattr(linear, name) for name in names]
-    return tensors + ([linear.bias] if linear.bias is not None else [])
+def _norm(norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    bias = getattr(norm, "bias", None)
+    return norm.weight.detach(), None if bias is None else bias.detach()

@@ -19,7 +19,7 @@ import torch
 from ..model.layers.feedforward import Activation
 from ..model.layers.norm import LayerNorm, RMSNorm
 from ..model.layers.positions import Rotary
-from .build import extension
+from . import kernels
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
@@ -28,7 +28,7 @@ def _applies(*tensors: torch.Tensor) -> bool:
         and torch.is_grad_enabled()
         and any(t.requires_grad for t in tensors)
         and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and extension() is not None
+        and kernels.available()
     )
 
 
@@ -37,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     kernel does not apply (the caller then computes the plain expression)."""
     if not _applies(x, weight):
         return None
-    return extension().rms_norm(x, weight, eps)
+    return kernels.rms_norm(x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -46,7 +46,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     where the fused kernel does not apply."""
     if not _applies(x, weight, *([] if bias is None else [bias])):
         return None
-    return extension().layer_norm(x, weight, bias, eps)
+    return kernels.layer_norm(x, weight, bias, eps)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -57,7 +57,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     if cos.dtype != torch.float32 or cos.shape[0] not in (1, x.shape[0]) or cos.shape[1] != 1:
         return None
     angles = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # (B or 1, T, D) each
-    return extension().rotary(x, *angles)
+    return kernels.rotary(x, *angles)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor | None:
@@ -65,7 +65,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor | None:
     one gradient tensor for both halves; or None where the fused kernel does not apply."""
     if not _applies(h) or h.shape[-1] % 2:
         return None
-    return extension().swiglu(h)
+    return kernels.swiglu(h)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor | None:
@@ -73,7 +73,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor | None:
     apply. ATen's erf is several times slower on AVX2 than this one pass."""
     if not _applies(x):
         return None
-    return extension().gelu(x)
+    return kernels.gelu(x)
 
 
 class FusedRMSNorm(RMSNorm):

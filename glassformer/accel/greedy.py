@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from .build import extension
+from . import kernels
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for logits (R, V): (R,) int64."""
     fits = (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.shape[1] > 0)
-    kernels = extension() if fits else None
-    if kernels is None:
+    if not (fits and kernels.available()):
         return logits.argmax(dim=-1)
     return kernels.argmax_rows(logits.contiguous())

@@ -19,17 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .build import extension
+from . import kernels
 from .cpu import cpuinfo_text
 
 
 def _transposed(t: torch.Tensor) -> torch.Tensor:
     """t (M, K) as a contiguous (K, M) tensor: in 8 × 8 register tiles where the C++ kernels
     are built (about 5× PyTorch's strided copy at these sizes)."""
-    ext = extension()
-    if ext is None or not t.is_contiguous():
+    if not t.is_contiguous() or not kernels.available():
         return t.t().contiguous()
-    return ext.transpose(t)
+    return kernels.transpose(t)
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

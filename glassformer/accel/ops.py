@@ -1,7 +1,7 @@
 """y = x @ W^T (+ bias) for each weight format: the C++ kernels and their PyTorch twins.
 
 Every function takes x as a (M, K) float32 tensor and returns (M, N) float32. Up to
-`SMALL_BATCH` rows on the CPU go to the C++ kernels (decode); the PyTorch path computes the
+`ROW_TILE` rows on the CPU go to the C++ kernels (decode); the PyTorch path computes the
 same thing: for int8/int4 it quantizes the activations per block exactly as the kernels do
 and sums the integer block products, so both give the same result up to float summation
 order. Larger batches (prefill), and inputs that require a gradient, use `torch.matmul` on
@@ -15,27 +15,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
 from . import weight_formats as quant
-from .build import extension
 from .cpu import bf16_products_pay
+from .kernels import ROW_TILE
 
-SMALL_BATCH = 8
 BACKENDS = ("auto", "cpp", "torch")
 
 
-def _kernels(x: torch.Tensor, backend: str):
-    """The compiled module to use for this call, or None for the PyTorch path."""
+def _kernels(x: torch.Tensor, backend: str) -> bool:
+    """Whether this call goes to the C++ kernels (else the PyTorch path)."""
     if backend == "torch":
-        return None
+        return False
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if x.shape[0] > SMALL_BATCH:
-        return None
-    usable = x.device.type == "cpu" and not x.requires_grad
-    ext = extension() if usable else None
-    if ext is None and backend == "cpp":
+    if x.shape[0] > ROW_TILE:
+        return False
+    usable = x.device.type == "cpu" and not x.requires_grad and kernels.available()
+    if not usable and backend == "cpp":
         raise RuntimeError("the C++ kernels are not available for this call")
-    return ext
+    return usable
 
 
 def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: torch.Tensor):
@@ -56,14 +55,13 @@ def _dense_linear(x, weight, bias, backend):
 def _dense(x: torch.Tensor) -> bool:
     """Large batches, and inputs that need a gradient (rounding has none), use the dense
     product with unquantized activations."""
-    return x.shape[0] > SMALL_BATCH or (x.requires_grad and torch.is_grad_enabled())
+    return x.shape[0] > ROW_TILE or (x.requires_grad and torch.is_grad_enabled())
 
 
 def dequantize(qweight, scales, mins, in_features, backend="auto"):
     """The (N, K) float32 weight of int8 (mins None) or int4 blocks, in C++ where it runs."""
-    ext = None if backend == "torch" or qweight.device.type != "cpu" else extension()
-    if ext is not None:
-        return ext.dequantize(qweight, scales, mins, in_features)
+    if backend != "torch" and qweight.device.type == "cpu" and kernels.available():
+        return kernels.dequantize(qweight, scales, mins, in_features)
     if mins is None:
         return quant.dequantize_int8(qweight, scales, in_features)
     return quant.dequantize_int4(qweight, scales, mins, in_features)
@@ -71,28 +69,25 @@ def dequantize(qweight, scales, mins, in_features, backend="auto"):
 
 def linear_fp32(x, weight, bias=None, backend="auto"):
     """weight (N, K) float32."""
-    ext = _kernels(x, backend)
-    if ext is not None:
-        return ext.linear_f32(x, weight, bias)
+    if _kernels(x, backend):
+        return kernels.linear_f32(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def linear_bf16(x, weight, bias=None, backend="auto"):
     """weight (N, K) bfloat16, products in float32. Many rows (prefill) multiply in bfloat16
     (activations rounded too) where that pays (see bf16_products_pay)."""
-    ext = _kernels(x, backend)
-    if ext is not None:
-        return ext.linear_bf16(x, weight, bias)
-    if x.shape[0] > SMALL_BATCH:
+    if _kernels(x, backend):
+        return kernels.linear_bf16(x, weight, bias)
+    if x.shape[0] > ROW_TILE:
         return _dense_linear(x, weight, bias, backend)
     return F.linear(x, weight.float(), bias)
 
 
 def linear_int8(x, qweight, scales, bias=None, backend="auto"):
     """qweight (N, nb·32) int8, scales (N, nb) fp16 (see quant.quantize_int8)."""
-    ext = _kernels(x, backend)
-    if ext is not None:
-        return ext.linear_q8(x, qweight, scales, bias)
+    if _kernels(x, backend):
+        return kernels.linear_q8(x, qweight, scales, bias)
     if _dense(x):
         return _dense_linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias, backend)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
@@ -103,9 +98,8 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto"):
 
 def linear_int4(x, qweight, scales, mins, bias=None, backend="auto"):
     """qweight (N, nb·16) uint8 nibbles, scales and mins (N, nb) fp16 (quant.quantize_int4)."""
-    ext = _kernels(x, backend)
-    if ext is not None:
-        return ext.linear_q4(x, qweight, scales, mins, bias)
+    if _kernels(x, backend):
+        return kernels.linear_q4(x, qweight, scales, mins, bias)
     if _dense(x):
         return _dense_linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias, backend)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)

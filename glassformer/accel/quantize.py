@@ -4,7 +4,9 @@
 the decode kernels; `bf16`, `int8` (per-block scales) and `int4` (per-block scale and
 minimum) store the weights smaller, so a decode step, which reads every weight once, reads
 fewer bytes. Embeddings stay in float32: a step reads only one of their rows. The converted
-model also gets the fused decode step (fast_decode.py), which it owns and rebuilds itself.
+model also gets the fused decode step (fast_decode.py), which it owns and rebuilds itself,
+where that step's table (fast_decode.CAPABILITIES) takes the config. `CAPABILITIES` is the
+quantized products' own table: they multiply whatever matrices a config gives a model.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..model.transformer import Transformer
+from .capabilities import CapabilityTable, any_value
 from .fast_decode import FastDecoder
 from .quantized_linear import QuantizedLinear
 from .weight_formats import WeightFormat
@@ -19,6 +22,24 @@ from .weight_formats import WeightFormat
 # What `load(quantize=...)` and `--quantize` take: a WeightFormat ("none" for fp32), or "gguf":
 # a GGUF file's Q8_0 / Q4_x blocks kept as they are (int8 / int4), float32 for the rest.
 QUANTIZE_CHOICES = ("none", *(f for f in WeightFormat if f != WeightFormat.FP32), "gguf")
+
+
+_PRODUCTS = "every linear layer is a product x Wᵀ + b, whatever its size or place"
+_AROUND = "computed around the products by the model's own modules"
+
+CAPABILITIES = CapabilityTable("quantized linear kernels", {
+    **{name: any_value(_PRODUCTS) for name in (
+        "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff",
+        "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "gated", "head", "pooler",
+        "n_encoder_layers")},
+    "tie_embeddings": any_value("a tied head is quantized, the embedding stays float32"),
+    **{name: any_value(_AROUND) for name in (
+        "context_length", "position", "rope_theta", "rope_scaling", "rope_factor",
+        "rope_original_context", "norm", "norm_placement", "norm_eps", "norm_bias",
+        "activation", "final_norm", "causal", "sliding_window", "dropout", "attention_kernel",
+        "init_std", "n_token_types", "embed_norm", "decoder_start_id", "relative_buckets",
+        "relative_max_distance", "scale_scores", "scale_head_input")},
+})
 
 
 def quantize_format(choice: WeightFormat | str) -> WeightFormat:
@@ -34,6 +55,9 @@ def quantize_model(model: Transformer, mode: WeightFormat | str) -> Transformer:
     """Convert `model`'s nn.Linear layers in place for inference (no training afterwards) and
     return it; layers converted before (e.g. kept in GGUF blocks) stay as they are."""
     mode = WeightFormat.parse(mode, field="quantize")
+    reason = CAPABILITIES.why_not(model.config)
+    if reason is not None:
+        raise ValueError(f"quantize: {reason}")
     model.eval().requires_grad_(False)
     for name, layer in model.linear_layers().items():
         if isinstance(layer, nn.Linear):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import ops
+from . import kernels, ops
 from . import weight_formats as quant
-from .build import extension
 from .gguf_blocks import from_gguf_blocks
 from .weight_formats import WeightFormat
 
@@ -54,7 +53,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._fast: tuple | None = None  # (C++ entry point, its arguments), found on first use
         if backend != "torch":
-            extension()  # the build, if one is due, happens here rather than in a forward
+            kernels.available()  # the build, if one is due, happens here rather than in a forward
 
     @classmethod
     def from_linear(
@@ -104,17 +103,23 @@ class QuantizedLinear(nn.Module):
             return quant.dequantize_int8(self.qweight, self.scales, self.in_features)
         return quant.dequantize_int4(self.qweight, self.scales, self.mins, self.in_features)
 
+    def kernel_weights(self) -> kernels.LinearWeights:
+        """This layer's format, tensors and bias as the fused decode step reads them."""
+        names = {WeightFormat.FP32: ["weight"], WeightFormat.BF16: ["weight"],
+                 WeightFormat.INT8: ["qweight", "scales"],
+                 WeightFormat.INT4: ["qweight", "scales", "mins"]}[self.mode]
+        return kernels.LinearWeights(self.mode, [getattr(self, name) for name in names], self.bias)
+
     def _fast_path(self) -> tuple:
-        """The C++ try_* entry point and its arguments, or () where there is none."""
-        ext = None if self.backend == "torch" else extension()
-        if ext is None:
+        """The kernels' try_* entry point and its arguments, or () where there is none."""
+        if self.backend == "torch" or not kernels.available():
             return ()
         if self.mode in (WeightFormat.FP32, WeightFormat.BF16):
-            kernel = ext.try_f32 if self.mode == WeightFormat.FP32 else ext.try_bf16
+            kernel = kernels.try_f32 if self.mode == WeightFormat.FP32 else kernels.try_bf16
             return kernel, (self.weight, self.bias)
         if self.mode == WeightFormat.INT8:
-            return ext.try_q8, (self.qweight, self.scales, self.bias, self.in_features)
-        return ext.try_q4, (self.qweight, self.scales, self.mins, self.bias, self.in_features)
+            return kernels.try_q8, (self.qweight, self.scales, self.bias, self.in_features)
+        return kernels.try_q4, (self.qweight, self.scales, self.mins, self.bias, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast = self._fast

@@ -2,7 +2,7 @@
 and activations behind int8 / int4, written as plain PyTorch (the oracle).
 
 `WeightFormat` is the one name for a format from the command line (`--quantize`) through
-`quantize_model` and `QuantizedLinear` to the C++ entry points, which take its `code`.
+`quantize_model` and `QuantizedLinear` to the C++ kernels, whose enum has the same names.
 Weights are quantized along the input dimension in blocks of 32, each block with its own
 fp16 scale (and, for int4, an fp16 minimum), and padded with zeros to a multiple of 32:
   int8: w ≈ d · q,      q ∈ [-127, 127]                      (like GGUF Q8_0)
@@ -30,11 +30,6 @@ class WeightFormat(StrEnum):
     INT8 = "int8"
     INT4 = "int4"
 
-    @property
-    def code(self) -> int:
-        """The number the C++ kernels know this format by (their `WeightFormat`)."""
-        return _CODES[self]
-
     @classmethod
     def parse(cls, value: str, field: str = "mode") -> WeightFormat:
         """A format from its name; "none" is float32 (no quantization), as `--quantize` says."""
@@ -45,9 +40,6 @@ class WeightFormat(StrEnum):
         except ValueError:
             raise ValueError(f"{field}: unknown weight format {value!r}; choose one of "
                              f"{', '.join(['none', *cls])}") from None
-
-
-_CODES = {WeightFormat.FP32: 0, WeightFormat.BF16: 1, WeightFormat.INT8: 2, WeightFormat.INT4: 3}
 
 
 def n_blocks(in_features: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..accel.ops import SMALL_BATCH as ROW_TILE
+from ..accel.kernels import ROW_TILE
 from ..accel.quantized_linear import QuantizedLinear
 
 

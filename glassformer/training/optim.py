@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr
 
-from ..accel.build import extension
+from ..accel import kernels
 from ..accel.cpu import bf16_products_pay
 from ..model.transformer import Transformer
 from .config import TrainConfig
@@ -91,8 +91,8 @@ def orthogonalize(updates: torch.Tensor, coefficients, steps: int, eps: float,
     if tall:  # iterate on the wide orientation: the smaller Gram matrix
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    kernels = extension() if dtype == torch.float32 and x.device.type == "cpu" else None
-    if kernels is not None:  # the same iterations, each matrix's chain on one thread
+    if dtype == torch.float32 and x.device.type == "cpu" and kernels.available():
+        # the same iterations, each matrix's chain on one thread
         x = kernels.newton_schulz(x, *coefficients, steps)
     elif dtype == torch.float32 and x.shape[-1] >= 2 * x.shape[-2]:
         x = _iterate_on_gram(x, coefficients, steps)
@@ -153,7 +153,7 @@ class StackedMuon(torch.optim.Muon):
     def _in_kernels(self, params: list[nn.Parameter]) -> bool:
         """Whether the C++ step applies: float32 iterations of float32 CPU matrices."""
         dtype = self.ns_dtype or newton_schulz_dtype(params[0].device)
-        return (dtype == torch.float32 and extension() is not None
+        return (dtype == torch.float32 and kernels.available()
                 and all(p.device.type == "cpu" and p.dtype == torch.float32
                         and p.grad.dtype == torch.float32 and not p.grad.is_sparse for p in params))
 
@@ -163,9 +163,9 @@ class StackedMuon(torch.optim.Muon):
         lr = group["lr"]
         buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
         rates = [_adjust_lr(lr, group["adjust_lr_fn"], p.shape) for p in params]
-        extension().muon_update(params, [p.grad for p in params], buffers, rates, group["momentum"],
-                                group["nesterov"], *group["ns_coefficients"], group["ns_steps"],
-                                group["eps"], 1 - lr * group["weight_decay"])
+        kernels.muon_update(params, [p.grad for p in params], buffers, rates, group["momentum"],
+                            group["nesterov"], *group["ns_coefficients"], group["ns_steps"],
+                            group["eps"], 1 - lr * group["weight_decay"])
 
     def _update(self, group: dict, shape: torch.Size, params: list[nn.Parameter]) -> None:
         lr, momentum = group["lr"], group["momentum"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from glassformer.accel import attention as fast
+from glassformer.accel import kernels as accel_kernels
 from glassformer.accel.fast_training import use_fast_training
 from glassformer.model.config import ModelConfig
 from glassformer.model.layers.attention_backends import reference_attention, sdpa_attention
@@ -45,7 +46,7 @@ def values_and_grads(kernel, q, k, v, mask, scale, grad_out):
 @pytest.mark.parametrize("build", ["kernels", "avx2_kernels"])
 def test_values_and_gradients_equal_the_reference(build, causal, B, H, KV, T, D, request,
                                                   monkeypatch):
-    monkeypatch.setattr(fast, "extension", lambda: request.getfixturevalue(build))
+    monkeypatch.setattr(accel_kernels, "extension", lambda: request.getfixturevalue(build))
     q, k, v = qkv(B, H, KV, T, D, seed=T + D)
     mask = plain_mask(B, T, causal)
     scale = 1 / math.sqrt(D) if causal else 0.5
@@ -91,7 +92,7 @@ def test_a_converted_model_trains_like_the_plain_one():
     model = Transformer(config)
     model.load_state_dict(plain.state_dict())
     use_fast_training(model)
-    if fast.extension() is None:
+    if not accel_kernels.available():
         pytest.skip("no C++ kernels here")
     assert model.blocks[0].attn.kernel is fast.attention
     ids = torch.randint(0, 50, (3, 17))

@@ -78,7 +78,7 @@ def test_rows_over_a_paged_pool_equal_each_sequence_stepped_alone(name, mode):
         h = step.rows(x, positions, slots, cos, sin, keys, values)  # (B, d)
         for b, n in enumerate(lengths):
             row = h[b : b + 1]
-            logits = step.lm_head(row if step.final_norm is None else step.final_norm(row))
+            logits = step.head(row)  # (1, V)
             assert torch.equal(logits, expected[b])
             new = slots[b, n]
             assert torch.equal(keys[-1][new], caches[b].keys[-1][0, :, n])
@@ -99,9 +99,9 @@ def test_rows_refuse_a_slot_outside_the_pool():
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_avx2_build_steps_like_the_module_path(avx2_kernels, monkeypatch, mode):
-    from glassformer.accel import fast_decode
+    from glassformer.accel import kernels as accel_kernels
 
-    monkeypatch.setattr(fast_decode, "extension", lambda: avx2_kernels)
+    monkeypatch.setattr(accel_kernels, "extension", lambda: avx2_kernels)
     model = _converted("tiny-mqa", mode)
     ids = torch.randint(0, 96, (1, 8))
     with torch.no_grad():

@@ -115,13 +115,15 @@ def test_layer_norm_kernels_of_each_build(build, request):
     leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
     y_ref = plain_layer_norm(*leaves, 1e-5)
     y_ref.backward(grad)
-    y, mean, inv_std = ext.layer_norm_forward(x.float(), w.float(), b.float(), 1e-5)
-    dx, dw, db = ext.layer_norm_backward(grad.float(), x.float(), w.float(), mean, inv_std, True)
-    torch.testing.assert_close(y.double(), y_ref.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mean.double(), x.mean(-1), rtol=1e-6, atol=1e-6)
-    for got, leaf in zip((dx, dw, db), leaves, strict=True):
-        torch.testing.assert_close(got.double(), leaf.grad, rtol=1e-4, atol=1e-4)
-    assert ext.layer_norm_backward(grad.float(), x.float(), w.float(), mean, inv_std, False)[2] is None
+    ours = [t.float().requires_grad_(True) for t in (x, w, b)]
+    y = ext.layer_norm(*ours, 1e-5)  # the autograd node: layer_norm_forward and _backward
+    y.backward(grad.float())
+    torch.testing.assert_close(y.detach().double(), y_ref.detach(), rtol=1e-5, atol=1e-5)
+    for got, leaf in zip(ours, leaves, strict=True):
+        torch.testing.assert_close(got.grad.double(), leaf.grad, rtol=1e-4, atol=1e-4)
+    unbiased = ours[0].detach().requires_grad_(True)
+    ext.layer_norm(unbiased, ours[1].detach(), None, 1e-5).backward(grad.float())
+    torch.testing.assert_close(unbiased.grad, ours[0].grad)
 
 
 @pytest.mark.parametrize("batch_angles", [1, 2])
@@ -168,12 +170,14 @@ def test_gelu_kernels_of_each_build_equal_the_exact_gelu(build, request):
     y = torch.nn.functional.gelu(leaf)
     y.sum().backward()
     slope = leaf.grad  # Φ(x) + x φ(x)
-    y_kernel = ext.gelu_forward(x.float()).double()
-    slope_kernel = ext.gelu_backward(torch.ones_like(x).float(), x.float()).double()
-    assert (y_kernel - y.detach()).abs().max() < 1e-6
-    assert (slope_kernel - slope).abs().max() < 1e-6
-    torch.testing.assert_close(ext.gelu_backward(dy.float(), x.float()).double(), dy * slope,
-                               rtol=1e-5, atol=1e-6)
+    ours = x.float().requires_grad_(True)
+    y_kernel = ext.gelu(ours)  # the autograd node: gelu_forward and gelu_backward
+    y_kernel.sum().backward()
+    assert (y_kernel.detach().double() - y.detach()).abs().max() < 1e-6
+    assert (ours.grad.double() - slope).abs().max() < 1e-6
+    ours.grad = None
+    ext.gelu(ours).backward(dy.float())
+    torch.testing.assert_close(ours.grad.double(), dy * slope, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(768, 128), (13, 21), (8, 16), (9, 7), (1, 5), (65, 768)])

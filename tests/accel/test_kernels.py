@@ -291,8 +291,11 @@ def test_cpp_dequantize_equals_the_torch_one(kernels, k):
     assert torch.equal(ops.dequantize(q, d, m, k, "cpp"), quant.dequantize_int4(q, d, m, k))
 
 
-def test_cpp_small_batch_matches_the_python_side(kernels):
-    assert kernels.SMALL_BATCH == ops.SMALL_BATCH
+def test_the_compiled_row_tile_is_the_python_one(kernels):
+    w = torch.randn(5, 16)
+    x = torch.randn(ops.ROW_TILE + 1, 16)
+    torch.testing.assert_close(kernels.try_f32(x[: ops.ROW_TILE], w, None), x[: ops.ROW_TILE] @ w.T)
+    assert kernels.try_f32(x, w, None) is None  # one row more than a tile: the caller's path
 
 
 def test_loading_a_state_dict_updates_a_used_layer():

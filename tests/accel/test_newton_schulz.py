@@ -4,6 +4,7 @@ written out in float64, and the optimizer's use of them."""
 import pytest
 import torch
 
+from glassformer.accel import kernels as accel_kernels
 from glassformer.training import optim
 
 MUON = (3.4445, -4.7750, 2.0315)
@@ -46,12 +47,11 @@ def test_orthogonalize_runs_the_kernel_in_float32_and_agrees_with_pytorch(
         kernels, monkeypatch, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
     calls = []
-    monkeypatch.setattr(optim, "extension",
-                        lambda: type("Spy", (), {"newton_schulz": lambda self, *a: calls.append(1)
-                                                 or kernels.newton_schulz(*a)})())
+    monkeypatch.setattr(accel_kernels, "newton_schulz",
+                        lambda *a: calls.append(1) or kernels.newton_schulz(*a))
     with_kernel = optim.orthogonalize(x, MUON, 5, 1e-7, torch.float32)
     assert calls == [1]
-    monkeypatch.setattr(optim, "extension", lambda: None)
+    monkeypatch.setattr(accel_kernels, "available", lambda: False)
     without = optim.orthogonalize(x, MUON, 5, 1e-7, torch.float32)
     assert with_kernel.shape == x.shape
     torch.testing.assert_close(with_kernel, without, rtol=0, atol=1e-6)
@@ -86,9 +86,8 @@ def test_muon_update_is_the_pytorch_step(kernels, monkeypatch, options):
 
 def test_muon_step_takes_the_kernel_for_float32_only(kernels, monkeypatch):
     calls = []
-    spy = type("Spy", (), {"muon_update": lambda self, *a: calls.append(1) or kernels.muon_update(*a),
-                           "newton_schulz": lambda self, *a: kernels.newton_schulz(*a)})()
-    monkeypatch.setattr(optim, "extension", lambda: spy)
+    monkeypatch.setattr(accel_kernels, "muon_update",
+                        lambda *a: calls.append(1) or kernels.muon_update(*a))
     for dtype, expected in ((torch.float32, [1]), (torch.bfloat16, [])):
         calls.clear()
         p = torch.nn.Parameter(torch.randn(8, 24))

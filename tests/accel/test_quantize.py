@@ -51,12 +51,12 @@ def test_unknown_mode_and_converted_layers_stay():
     assert {b.attn.qkv.mode for b in model.blocks} == {WeightFormat.INT8}
 
 
-def test_one_weight_format_from_the_command_line_to_the_kernels():
+def test_one_weight_format_from_the_command_line_to_the_kernels(kernels):
     assert QUANTIZE_CHOICES == ("none", "bf16", "int8", "int4", "gguf")  # what users type
     assert [quantize_format(c) for c in QUANTIZE_CHOICES] == [
         WeightFormat.FP32, WeightFormat.BF16, WeightFormat.INT8, WeightFormat.INT4,
         WeightFormat.FP32]  # gguf: float32 for the layers not kept in GGUF blocks
-    assert [f.code for f in WeightFormat] == [0, 1, 2, 3]  # the C++ enum's values
+    assert [f.value for f in WeightFormat] == list(kernels.WeightFormat.__members__)  # by name
     with pytest.raises(ValueError, match="^quantize: choose one of none, bf16, int8, int4, gguf"):
         quantize_format("q4")
     layer = QuantizedLinear.from_weight(torch.randn(4, 32), "int4")

@@ -15,10 +15,43 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear_bf16", &gf::linear_bf16, NoGil(), "y = x @ W^T (+ bias), W bfloat16 (N, K)");
   module.def("linear_q8", &gf::linear_q8, NoGil(), "y = x @ W^T (+ bias), W int8 blocks of 32");
   module.def("linear_q4", &gf::linear_q4, NoGil(), "y = x @ W^T (+ bias), W 4-bit blocks of 32 with min");
-  // module_local: the native and the AVX2 builds may be loaded side by side (tests)
+  // module_local: the native and the AVX2 builds may be loaded side by side (tests). The
+  // enumerators are bound by their names, the names Python knows them by.
+  pybind11::enum_<gf::WeightFormat>(module, "WeightFormat", pybind11::module_local())
+      .value("fp32", gf::WeightFormat::fp32).value("bf16", gf::WeightFormat::bf16)
+      .value("int8", gf::WeightFormat::int8).value("int4", gf::WeightFormat::int4);
+  pybind11::enum_<gf::Norm>(module, "Norm", pybind11::module_local())
+      .value("layernorm", gf::Norm::layernorm).value("rmsnorm", gf::Norm::rmsnorm);
+  pybind11::enum_<gf::Activation>(module, "Activation", pybind11::module_local())
+      .value("relu", gf::Activation::relu).value("gelu", gf::Activation::gelu)
+      .value("gelu_tanh", gf::Activation::gelu_tanh).value("silu", gf::Activation::silu);
+  pybind11::class_<gf::DecodeConfig>(module, "DecodeConfig", pybind11::module_local())
+      .def(pybind11::init<>())
+      .def_readwrite("d_model", &gf::DecodeConfig::d_model)
+      .def_readwrite("n_heads", &gf::DecodeConfig::n_heads)
+      .def_readwrite("n_kv_heads", &gf::DecodeConfig::n_kv_heads)
+      .def_readwrite("d_head", &gf::DecodeConfig::d_head)
+      .def_readwrite("d_ff", &gf::DecodeConfig::d_ff)
+      .def_readwrite("window", &gf::DecodeConfig::window)
+      .def_readwrite("norm", &gf::DecodeConfig::norm)
+      .def_readwrite("activation", &gf::DecodeConfig::activation)
+      .def_readwrite("gated", &gf::DecodeConfig::gated)
+      .def_readwrite("rope", &gf::DecodeConfig::rope)
+      .def_readwrite("norm_eps", &gf::DecodeConfig::norm_eps)
+      .def_readwrite("score_scale", &gf::DecodeConfig::score_scale);
+  pybind11::class_<gf::NormWeights>(module, "NormWeights", pybind11::module_local())
+      .def(pybind11::init<torch::Tensor, gf::Bias>(), pybind11::arg("weight"), pybind11::arg("bias"));
+  pybind11::class_<gf::LinearWeights>(module, "LinearWeights", pybind11::module_local())
+      .def(pybind11::init<gf::WeightFormat, std::vector<torch::Tensor>, gf::Bias>(),
+           pybind11::arg("format"), pybind11::arg("tensors"), pybind11::arg("bias"));
+  pybind11::class_<gf::LayerWeights>(module, "LayerWeights", pybind11::module_local())
+      .def(pybind11::init<gf::NormWeights, gf::LinearWeights, gf::LinearWeights, gf::NormWeights,
+                          gf::LinearWeights, gf::LinearWeights>(),
+           pybind11::arg("norm1"), pybind11::arg("qkv"), pybind11::arg("out"),
+           pybind11::arg("norm2"), pybind11::arg("up"), pybind11::arg("down"));
   pybind11::class_<gf::DecodeStep>(module, "DecodeStep", pybind11::module_local())
-      .def(pybind11::init<std::vector<int64_t>, bool, bool, bool, int64_t, double,
-                          std::vector<torch::Tensor>, std::vector<int64_t>, gf::Bias>())
+      .def(pybind11::init<gf::DecodeConfig, std::vector<gf::LayerWeights>, gf::Bias>(),
+           pybind11::arg("config"), pybind11::arg("layers"), pybind11::arg("alibi_slopes"))
       .def("step", &gf::DecodeStep::step, NoGil(), "one token through every layer (decode_step.cpp)")
       .def("step_paged", &gf::DecodeStep::step_paged, NoGil(),
            "one token of each of B sequences through every layer, caches in a paged pool");
@@ -27,10 +60,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("try_bf16", &gf::try_bf16, NoGil(), "linear_bf16 for a small batch, else None");
   module.def("try_q8", &gf::try_q8, NoGil(), "linear_q8 for a small batch of K features, else None");
   module.def("try_q4", &gf::try_q4, NoGil(), "linear_q4 for a small batch of K features, else None");
-  module.def("rms_norm_forward", &gf::rms_norm_forward, "RMSNorm rows: (y, 1/rms) (train_ops.cpp)");
-  module.def("rms_norm_backward", &gf::rms_norm_backward, "RMSNorm gradients (dx, dw)");
-  module.def("layer_norm_forward", &gf::layer_norm_forward, "LayerNorm rows: (y, mean, 1/std)");
-  module.def("layer_norm_backward", &gf::layer_norm_backward, "LayerNorm gradients (dx, dw, db)");
   module.def("rms_norm", &gf::rms_norm, "RMSNorm on the last dimension, a C++ autograd node");
   module.def("layer_norm", &gf::layer_norm, "LayerNorm on the last dimension, a C++ autograd node");
   module.def("rotary", &gf::rotary, "rope(x, cos, sin) as a C++ autograd node");
@@ -39,15 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("clip_grad_norm", &gf::clip_grad_norm, "clip_grad_norm_ in place: the total norm");
   module.def("newton_schulz", &gf::newton_schulz, "Muon's iterations, float32, a matrix per task");
   module.def("muon_update", &gf::muon_update, NoGil(), "Muon's step in place, float32, a matrix per task");
-  module.def("rope", &gf::rope, "rotary embedding of (B, H, T, D), inverse: the backward pass");
-  module.def("swiglu_forward", &gf::swiglu_forward, "silu(g) u for h = [g | u] (R, 2F)");
-  module.def("swiglu_backward", &gf::swiglu_backward, "SwiGLU gradient [dg | du] (R, 2F)");
-  module.def("gelu_forward", &gf::gelu_forward, "x Φ(x), exact GELU, contiguous float32");
-  module.def("gelu_backward", &gf::gelu_backward, "GELU gradient dy (Φ(x) + x φ(x))");
-  module.def("attention_forward", &gf::attention_forward, "softmax(scale q k^T) v: (out, lse)");
-  module.def("attention_backward", &gf::attention_backward, "its gradients (dq, dk, dv)");
   module.def("attention", &gf::attention, "attention_forward as a C++ autograd node");
   module.def("transpose", &gf::transpose, "(M, K) -> contiguous (K, M), float32");
   module.def("argmax_rows", &gf::argmax_rows, NoGil(), "torch.argmax(logits, -1) of (R, V) float32");
-  module.attr("SMALL_BATCH") = gf::kSmallBatch;
 }

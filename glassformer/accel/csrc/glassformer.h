@@ -2,6 +2,8 @@
 // checks on tensors from Python, and the entry points that one file calls in another.
 //
 //   matvec.cpp       float weights (f32, bf16) and the checks on tensors from Python
+//   (this header)    the row kernels training and decode share: RMSNorm, LayerNorm, RoPE and
+//                    the activations, one row at a time
 //   quantized.cpp    the block formats (q8, q4): products and dequantization
 //   decode_step.cpp  one decode step through every layer (calls the linear_* entry points)
 //   greedy.cpp       each row's argmax, the greedy pick of a decode step
@@ -23,16 +25,28 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
+// The row tile is defined once, in Python (glassformer/accel/build.py ROW_TILE), and compiled
+// in with -DGLASSFORMER_ROW_TILE.
+#ifndef GLASSFORMER_ROW_TILE
+#error "GLASSFORMER_ROW_TILE is not defined: build through glassformer/accel/build.py"
+#endif
+
 namespace glassformer {
 
-// A weight's storage format; the codes are the ones Python passes (fast_decode.py).
-enum class WeightFormat : int { fp32 = 0, bf16 = 1, int8 = 2, int4 = 3 };
+// The names Python passes these by are the enumerators' own (bindings.cpp binds them by
+// name): a weight's storage format (accel/weight_formats.py), a norm and an activation
+// (ModelConfig's `norm` and `activation`).
+enum class WeightFormat : int { fp32, bf16, int8, int4 };
+enum class Norm : int { layernorm, rmsnorm };
+enum class Activation : int { relu, gelu, gelu_tanh, silu };
 
-constexpr int kRows = 4;            // weight rows per iteration
-constexpr int64_t kSmallBatch = 8;  // most rows the try_* entry points take (ops.SMALL_BATCH)
+constexpr int kRows = 4;  // weight rows per iteration
+// Most rows the try_* entry points take in one call: the row tile.
+constexpr int64_t kRowTile = GLASSFORMER_ROW_TILE;
 // Software prefetch distance in bytes along the weights. The hardware prefetcher alone keeps
 // too few reads in flight, most of all for the quantized kernels (more work per byte).
 constexpr int kPrefetch = 8192;
@@ -101,6 +115,151 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// ------------------------------------------------ row kernels (training and decode share them)
+
+// σ(x) = 1 / (1 + e^-x) for 8 floats.
+inline __m256 sigmoid8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+// e^w for 8 floats w in [-81, 0], the Gaussian's range in normal_cdf8: w = n ln2 + r with
+// |r| <= ln2 / 2, e^r by a degree-5 polynomial fitted here for relative error (1.1e-7; exp8's
+// degree 7 buys accuracy that erf's 1.5e-7 does not keep), n rounded by adding 1.5 2^23,
+// whose low mantissa bits then hold n: shifted into the exponent, they make 2^n.
+inline __m256 exp_gauss8(__m256 w) {
+  const __m256 magic = _mm256_set1_ps(12582912.f);
+  const __m256 shifted = _mm256_fmadd_ps(w, _mm256_set1_ps(1.44269504f), magic);
+  const __m256 n = _mm256_sub_ps(shifted, magic);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), w);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(8.31253e-3f);
+  for (const float c : {4.189011e-2f, 1.6667114e-1f, 4.999923e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// Φ(x) = (1 + erf(x / √2)) / 2 for 8 floats, and e^(-x² / 2) for the caller's φ(x): erf by
+// Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7) on z = |x| / √2, its sign restored.
+// Its t = 1 / (1 + p z) is a reciprocal estimate and one Newton step (relative error ~2e-7)
+// where a division would hold up the pipeline; z stops at 9, where erfc(z) is below 1e-36.
+inline __m256 normal_cdf8(__m256 x, __m256* gauss) {
+  const __m256 z = _mm256_min_ps(_mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), x),
+                                               _mm256_set1_ps(0.70710678f)),
+                                 _mm256_set1_ps(9.f));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 den = _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), z, one);
+  const __m256 guess = _mm256_rcp_ps(den);
+  const __m256 t = _mm256_fmadd_ps(guess, _mm256_fnmadd_ps(den, guess, one), guess);
+  __m256 p = _mm256_set1_ps(1.061405429f);
+  for (const float c : {-1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f})
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(c));
+  p = _mm256_mul_ps(p, t);
+  *gauss = exp_gauss8(_mm256_fnmadd_ps(z, z, _mm256_setzero_ps()));
+  const __m256 erf_abs = _mm256_fnmadd_ps(p, *gauss, one);
+  const __m256 erf = _mm256_or_ps(erf_abs, _mm256_and_ps(x, _mm256_set1_ps(-0.f)));
+  return _mm256_fmadd_ps(erf, _mm256_set1_ps(0.5f), _mm256_set1_ps(0.5f));
+}
+
+// RMSNorm of one row x (d): y = x r w with r = 1 / sqrt(mean(x²) + eps); returns r.
+inline float rms_norm_row(const float* x, const float* w, int64_t d, float eps, float* y) {
+  const float inv = 1.f / std::sqrt(dot(x, x, d) / d + eps);
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  int64_t j = 0;
+  for (; j + 8 <= d; j += 8)
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), inv8),
+                                          _mm256_loadu_ps(w + j)));
+  for (; j < d; ++j) y[j] = x[j] * inv * w[j];
+  return inv;
+}
+
+struct RowMoments {
+  float mean, inv;  // the row's mean and 1 / sqrt(variance + eps)
+};
+
+// LayerNorm of one row x (d): y = (x - mean) r w (+ b, where b is not null), the variance
+// summed over the centred row (a second pass: no cancellation).
+inline RowMoments layer_norm_row(const float* x, const float* w, const float* b, int64_t d,
+                                 float eps, float* y) {
+  const int64_t d8 = d / 8 * 8;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d8; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + j));
+  float sum = hsum(acc);
+  for (int64_t j = d8; j < d; ++j) sum += x[j];
+  const float mean = sum / d;
+  const __m256 mean8 = _mm256_set1_ps(mean);
+  acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d8; j += 8) {
+    const __m256 c = _mm256_sub_ps(_mm256_loadu_ps(x + j), mean8);
+    acc = _mm256_fmadd_ps(c, c, acc);
+  }
+  float squares = hsum(acc);
+  for (int64_t j = d8; j < d; ++j) squares += (x[j] - mean) * (x[j] - mean);
+  const float inv = 1.f / std::sqrt(squares / d + eps);
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (int64_t j = 0; j < d8; j += 8) {
+    const __m256 n8 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), mean8), inv8);
+    const __m256 b8 = b ? _mm256_loadu_ps(b + j) : _mm256_setzero_ps();
+    _mm256_storeu_ps(y + j, _mm256_fmadd_ps(n8, _mm256_loadu_ps(w + j), b8));
+  }
+  for (int64_t j = d8; j < d; ++j) y[j] = (x[j] - mean) * inv * w[j] + (b ? b[j] : 0.f);
+  return {mean, inv};
+}
+
+// Rotary embedding of one head x (D, even): y = x cos + rotate_half(x) sin, rotate_half(x) =
+// (-x2, x1) on the halves; sign -1 rotates by minus the angles (the backward pass). y may be x.
+inline void rope_row(const float* x, const float* cos, const float* sin, int64_t D, float sign,
+                     float* y) {
+  const int64_t half = D / 2;
+  const __m256 signs = _mm256_set1_ps(sign);
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {
+    const __m256 first = _mm256_loadu_ps(x + i), second = _mm256_loadu_ps(x + i + half);
+    const __m256 s1 = _mm256_mul_ps(signs, _mm256_loadu_ps(sin + i));
+    const __m256 s2 = _mm256_mul_ps(signs, _mm256_loadu_ps(sin + i + half));
+    _mm256_storeu_ps(y + i, _mm256_fnmadd_ps(second, s1, _mm256_mul_ps(first, _mm256_loadu_ps(cos + i))));
+    _mm256_storeu_ps(y + i + half,
+                     _mm256_fmadd_ps(first, s2, _mm256_mul_ps(second, _mm256_loadu_ps(cos + i + half))));
+  }
+  for (; i < half; ++i) {
+    const float first = x[i], second = x[i + half];
+    y[i] = first * cos[i] - sign * second * sin[i];
+    y[i + half] = second * cos[i + half] + sign * first * sin[i + half];
+  }
+}
+
+// y = act(g) for a row of n, or gated (up not null): act(g) * up. silu and the exact GELU
+// 8 lanes at a time (GELU's erf within 1.5e-7, normal_cdf8), the rest one by one.
+inline void activate_row(Activation act, const float* g, const float* up, int64_t n, float* y) {
+  int64_t j = 0;
+  if (act == Activation::silu || act == Activation::gelu) {
+    for (; j + 8 <= n; j += 8) {
+      const __m256 g8 = _mm256_loadu_ps(g + j);
+      __m256 gauss;
+      __m256 f = act == Activation::silu ? _mm256_mul_ps(g8, sigmoid8(g8))
+                                         : _mm256_mul_ps(g8, normal_cdf8(g8, &gauss));
+      if (up) f = _mm256_mul_ps(f, _mm256_loadu_ps(up + j));
+      _mm256_storeu_ps(y + j, f);
+    }
+  }
+  for (; j < n; ++j) {
+    const float a = g[j];
+    float f = 0.f;
+    switch (act) {
+      case Activation::relu: f = a > 0.f ? a : 0.f; break;
+      case Activation::gelu: f = 0.5f * a * (1.f + std::erf(a * 0.70710678f)); break;
+      case Activation::gelu_tanh:
+        f = 0.5f * a * (1.f + std::tanh(0.7978845608f * (a + 0.044715f * a * a * a)));
+        break;
+      case Activation::silu: f = a / (1.f + std::exp(-a)); break;
+    }
+    y[j] = up ? f * up[j] : f;
+  }
+}
+
 // Runs body(n0, rows, stride) over tiles of rows n0 + j * stride, j < rows (kRows or 1). The
 // N rows are cut into a few chunks per thread, taken dynamically (a thread slowed down by
 // another process leaves its chunks to the others). A tile takes one row from each quarter
@@ -165,7 +324,7 @@ torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d, const 
 // The first index of each row's maximum, as torch.argmax (greedy.cpp).
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 
-// Training passes (train_ops.cpp).
+// Training passes (train_ops.cpp), each with its gradient; the autograd nodes below call them.
 std::vector<torch::Tensor> rms_norm_forward(const torch::Tensor& x, const torch::Tensor& w,
                                             double eps);
 std::vector<torch::Tensor> rms_norm_backward(const torch::Tensor& g, const torch::Tensor& x,
@@ -181,6 +340,7 @@ torch::Tensor swiglu_forward(const torch::Tensor& h);
 torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h);
 torch::Tensor gelu_forward(const torch::Tensor& x);
 torch::Tensor gelu_backward(const torch::Tensor& dy, const torch::Tensor& x);
+// A contiguous (M, K) float32 matrix as a contiguous (K, M) one.
 torch::Tensor transpose(const torch::Tensor& x);
 
 // RMSNorm, LayerNorm, rotary embeddings, SwiGLU, GELU and attention with their gradients as
@@ -236,8 +396,22 @@ struct NormWeights {
 };
 
 struct LayerWeights {
-  NormWeights norm1, norm2;
-  LinearWeights qkv, out, up, down;
+  NormWeights norm1;
+  LinearWeights qkv, out;
+  NormWeights norm2;
+  LinearWeights up, down;
+};
+
+// What the decode step computes, by name (fast_decode.py fills it from a ModelConfig).
+struct DecodeConfig {
+  int64_t d_model = 0, n_heads = 0, n_kv_heads = 0, d_head = 0, d_ff = 0;
+  int64_t window = 0;  // attend to at most this many most recent positions; 0: all
+  Norm norm = Norm::layernorm;
+  Activation activation = Activation::gelu;
+  bool gated = false;  // act(gate) * up for up's output [gate | up]
+  bool rope = false;   // rotate q and k by the angles the caller passes
+  double norm_eps = 1e-5;
+  double score_scale = 1.0;  // scores are q · k times this
 };
 
 // Where one sequence's keys and values sit in one layer's storage: token t of KV head g at
@@ -259,11 +433,8 @@ struct KVView {
 // pool (step_paged). Each row is computed on its own, with the same arithmetic either way.
 class DecodeStep {
  public:
-  // sizes: d_model, n_heads, n_kv_heads, d_head, d_ff, window (0: none)
-  // flags: rmsnorm, gated, rope; activation: 0 relu, 1 gelu, 2 gelu_tanh, 3 silu
-  DecodeStep(std::vector<int64_t> sizes, bool rmsnorm, bool gated, bool rope, int64_t activation,
-             double eps, std::vector<torch::Tensor> tensors, std::vector<int64_t> layout,
-             Bias alibi_slopes);
+  // alibi_slopes (n_heads) float32: scores minus slope_h (pos - t), where given.
+  DecodeStep(DecodeConfig config, std::vector<LayerWeights> layers, Bias alibi_slopes);
 
   // x (1, d) the embedded token; cos, sin (d_head) for its position (ignored without rope);
   // keys, values per layer (1, KV, S, d_head) float32. Returns the residual stream (1, d).
@@ -284,15 +455,11 @@ class DecodeStep {
   torch::Tensor layers(torch::Tensor x, const int64_t* pos, const float* cos, const float* sin,
                        ViewOf view_of);
   void normalize(const torch::Tensor& x, const NormWeights& norm, torch::Tensor& out) const;
-  void rotate(float* x, int64_t n_heads, const float* cos, const float* sin) const;
   void store(const KVView& kv, const float* k, const float* v, int64_t pos) const;
   void attend(const float* q, const KVView& kv, int64_t head, int64_t pos, float* out) const;
   torch::Tensor activate(const torch::Tensor& up) const;
 
-  int64_t d_, heads_, kv_heads_, d_head_, d_ff_, window_;
-  bool rmsnorm_, gated_, rope_;
-  int64_t activation_;
-  float eps_;
+  DecodeConfig config_;
   Bias alibi_;
   std::vector<LayerWeights> layers_;
 };

@@ -101,7 +101,7 @@ torch::Tensor output_like(const torch::Tensor& x, int64_t N) {
 
 bool small_batch(const torch::Tensor& x, int64_t K) {
   return x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() >= 1 &&
-         x.size(-1) == K && x.numel() > 0 && x.numel() <= kSmallBatch * K &&
+         x.size(-1) == K && x.numel() > 0 && x.numel() <= kRowTile * K &&
          x.is_contiguous() && !(x.requires_grad() && at::GradMode::is_enabled());
 }
 

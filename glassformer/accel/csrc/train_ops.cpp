@@ -3,8 +3,9 @@
 //
 // Each function is one pass over its tensors where the plain PyTorch expressions
 // (glassformer/model/layers/norm.py, positions.py, feedforward.py) take several elementwise
-// ops, each with its own autograd record, on every step. glassformer/accel/fused.py wraps
-// them as autograd functions; the plain expressions remain the reference the tests use.
+// ops, each with its own autograd record, on every step. The forward passes run the row
+// kernels of glassformer.h, which the decode step runs too; train_autograd.cpp makes them
+// autograd nodes. The plain expressions remain the reference the tests use.
 
 #include <omp.h>
 
@@ -28,18 +29,8 @@ std::vector<torch::Tensor> rms_norm_forward(const torch::Tensor& x, const torch:
   float* __restrict yp = y.data_ptr<float>();
   float* __restrict rp = r.data_ptr<float>();
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t i = 0; i < R; ++i) {
-    const float* __restrict a = xp + i * d;
-    const float inv = 1.f / std::sqrt(dot(a, a, d) / d + static_cast<float>(eps));
-    rp[i] = inv;
-    float* __restrict y_row = yp + i * d;
-    const __m256 inv8 = _mm256_set1_ps(inv);
-    int64_t j = 0;
-    for (; j + 8 <= d; j += 8)
-      _mm256_storeu_ps(y_row + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(a + j), inv8),
-                                                _mm256_loadu_ps(wp + j)));
-    for (; j < d; ++j) y_row[j] = a[j] * inv * wp[j];
-  }
+  for (int64_t i = 0; i < R; ++i)
+    rp[i] = rms_norm_row(xp + i * d, wp, d, static_cast<float>(eps), yp + i * d);
   return {y, r};
 }
 
@@ -99,7 +90,7 @@ std::vector<torch::Tensor> layer_norm_forward(const torch::Tensor& x, const torc
                                               const torch::Tensor& b, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "x must be a contiguous (R, d) float32 tensor");
-  const int64_t R = x.size(0), d = x.size(1), d8 = d / 8 * 8;
+  const int64_t R = x.size(0), d = x.size(1);
   check_weight(w.view({1, -1}), torch::kFloat32, 1, d, "weight");
   if (b.defined()) check_weight(b.view({1, -1}), torch::kFloat32, 1, d, "bias");
   auto y = torch::empty_like(x);             // (R, d)
@@ -113,31 +104,9 @@ std::vector<torch::Tensor> layer_norm_forward(const torch::Tensor& x, const torc
   float* __restrict rp = r.data_ptr<float>();
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
   for (int64_t i = 0; i < R; ++i) {
-    const float* __restrict a = xp + i * d;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < d8; j += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(a + j));
-    float sum = hsum(acc);
-    for (int64_t j = d8; j < d; ++j) sum += a[j];
-    const float mean = sum / d;
-    const __m256 mean8 = _mm256_set1_ps(mean);
-    acc = _mm256_setzero_ps();  // a second pass over the centred row: no cancellation
-    for (int64_t j = 0; j < d8; j += 8) {
-      const __m256 c = _mm256_sub_ps(_mm256_loadu_ps(a + j), mean8);
-      acc = _mm256_fmadd_ps(c, c, acc);
-    }
-    float squares = hsum(acc);
-    for (int64_t j = d8; j < d; ++j) squares += (a[j] - mean) * (a[j] - mean);
-    const float inv = 1.f / std::sqrt(squares / d + static_cast<float>(eps));
-    mp[i] = mean;
-    rp[i] = inv;
-    float* __restrict y_row = yp + i * d;
-    const __m256 inv8 = _mm256_set1_ps(inv);
-    for (int64_t j = 0; j < d8; j += 8) {
-      const __m256 n8 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(a + j), mean8), inv8);
-      const __m256 b8 = bp ? _mm256_loadu_ps(bp + j) : _mm256_setzero_ps();
-      _mm256_storeu_ps(y_row + j, _mm256_fmadd_ps(n8, _mm256_loadu_ps(wp + j), b8));
-    }
-    for (int64_t j = d8; j < d; ++j) y_row[j] = (a[j] - mean) * inv * wp[j] + (bp ? bp[j] : 0.f);
+    const RowMoments row = layer_norm_row(xp + i * d, wp, bp, d, static_cast<float>(eps), yp + i * d);
+    mp[i] = row.mean;
+    rp[i] = row.inv;
   }
   return {y, mu, r};
 }
@@ -219,7 +188,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
                    bool inverse) {
   TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.scalar_type() == torch::kFloat32,
               "x must be a (B, H, T, D) float32 tensor with a contiguous last dimension");
-  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
   TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
                   sin.is_contiguous() && (cos.size(0) == 1 || cos.size(0) == B) &&
                   cos.size(1) == T && cos.size(2) == D && D % 2 == 0,
@@ -232,38 +201,13 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   const int64_t sb = x.stride(0), sh = x.stride(1), st = x.stride(2);
   const int64_t angle_batch = cos.size(0) == 1 ? 0 : T * D;
   const float sign = inverse ? -1.f : 1.f;
-  const __m256 signs = _mm256_set1_ps(sign);
 #pragma omp parallel for collapse(2) schedule(static) num_threads(at::get_num_threads())
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t t = 0; t < T; ++t) {
-        const float* __restrict a = xp + b * sb + h * sh + t * st;
-        const float* __restrict c = cp + b * angle_batch + t * D;
-        const float* __restrict s = sp + b * angle_batch + t * D;
-        float* __restrict out = yp + ((b * H + h) * T + t) * D;
-        int64_t i = 0;
-        for (; i + 8 <= half; i += 8) {
-          const __m256 first = _mm256_loadu_ps(a + i), second = _mm256_loadu_ps(a + i + half);
-          const __m256 s1 = _mm256_mul_ps(signs, _mm256_loadu_ps(s + i));
-          const __m256 s2 = _mm256_mul_ps(signs, _mm256_loadu_ps(s + i + half));
-          _mm256_storeu_ps(out + i, _mm256_fnmadd_ps(second, s1,
-                                                     _mm256_mul_ps(first, _mm256_loadu_ps(c + i))));
-          _mm256_storeu_ps(out + i + half,
-                           _mm256_fmadd_ps(first, s2,
-                                           _mm256_mul_ps(second, _mm256_loadu_ps(c + i + half))));
-        }
-        for (; i < half; ++i) {
-          out[i] = a[i] * c[i] - sign * a[i + half] * s[i];
-          out[i + half] = a[i + half] * c[i + half] + sign * a[i] * s[i + half];
-        }
-      }
+      for (int64_t t = 0; t < T; ++t)
+        rope_row(xp + b * sb + h * sh + t * st, cp + b * angle_batch + t * D,
+                 sp + b * angle_batch + t * D, D, sign, yp + ((b * H + h) * T + t) * D);
   return y;
-}
-
-// σ(x) = 1 / (1 + e^-x) for 8 floats.
-static inline __m256 sigmoid8(__m256 x) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
 }
 
 static void check_gated(const torch::Tensor& h) {
@@ -280,18 +224,8 @@ torch::Tensor swiglu_forward(const torch::Tensor& h) {
   const float* __restrict hp = h.data_ptr<float>();
   float* __restrict yp = y.data_ptr<float>();
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t i = 0; i < R; ++i) {
-    const float* __restrict g = hp + i * 2 * F;
-    const float* __restrict u = g + F;
-    float* __restrict y_row = yp + i * F;
-    int64_t j = 0;
-    for (; j + 8 <= F; j += 8) {
-      const __m256 g8 = _mm256_loadu_ps(g + j);
-      _mm256_storeu_ps(y_row + j, _mm256_mul_ps(_mm256_mul_ps(g8, sigmoid8(g8)),
-                                                _mm256_loadu_ps(u + j)));
-    }
-    for (; j < F; ++j) y_row[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
-  }
+  for (int64_t i = 0; i < R; ++i)
+    activate_row(Activation::silu, hp + i * 2 * F, hp + i * 2 * F + F, F, yp + i * F);
   return y;
 }
 
@@ -333,47 +267,6 @@ torch::Tensor swiglu_backward(const torch::Tensor& dy, const torch::Tensor& h) {
   return dh;
 }
 
-// e^w for 8 floats w in [-81, 0], the Gaussian's range in normal_cdf8: w = n ln2 + r with
-// |r| <= ln2 / 2, e^r by a degree-5 polynomial fitted here for relative error (1.1e-7; exp8's
-// degree 7 buys accuracy that erf's 1.5e-7 does not keep), n rounded by adding 1.5 2^23,
-// whose low mantissa bits then hold n: shifted into the exponent, they make 2^n.
-static inline __m256 exp_gauss8(__m256 w) {
-  const __m256 magic = _mm256_set1_ps(12582912.f);
-  const __m256 shifted = _mm256_fmadd_ps(w, _mm256_set1_ps(1.44269504f), magic);
-  const __m256 n = _mm256_sub_ps(shifted, magic);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), w);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(8.31253e-3f);
-  for (const float c : {4.189011e-2f, 1.6667114e-1f, 4.999923e-1f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i scale = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
-// Φ(x) = (1 + erf(x / √2)) / 2 for 8 floats, and e^(-x² / 2) for the caller's φ(x): erf by
-// Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7) on z = |x| / √2, its sign restored.
-// Its t = 1 / (1 + p z) is a reciprocal estimate and one Newton step (relative error ~2e-7)
-// where a division would hold up the pipeline; z stops at 9, where erfc(z) is below 1e-36.
-static inline __m256 normal_cdf8(__m256 x, __m256* gauss) {
-  const __m256 z = _mm256_min_ps(_mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), x),
-                                               _mm256_set1_ps(0.70710678f)),
-                                 _mm256_set1_ps(9.f));
-  const __m256 one = _mm256_set1_ps(1.f);
-  const __m256 den = _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), z, one);
-  const __m256 guess = _mm256_rcp_ps(den);
-  const __m256 t = _mm256_fmadd_ps(guess, _mm256_fnmadd_ps(den, guess, one), guess);
-  __m256 p = _mm256_set1_ps(1.061405429f);
-  for (const float c : {-1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f})
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(c));
-  p = _mm256_mul_ps(p, t);
-  *gauss = exp_gauss8(_mm256_fnmadd_ps(z, z, _mm256_setzero_ps()));
-  const __m256 erf_abs = _mm256_fnmadd_ps(p, *gauss, one);
-  const __m256 erf = _mm256_or_ps(erf_abs, _mm256_and_ps(x, _mm256_set1_ps(-0.f)));
-  return _mm256_fmadd_ps(erf, _mm256_set1_ps(0.5f), _mm256_set1_ps(0.5f));
-}
-
 static void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat32, what,
               " must be a contiguous float32 tensor");
@@ -385,15 +278,10 @@ torch::Tensor gelu_forward(const torch::Tensor& x) {
   auto y = torch::empty_like(x);
   const float* __restrict xp = x.data_ptr<float>();
   float* __restrict yp = y.data_ptr<float>();
-  const int64_t n = x.numel(), vectors = n / 8;
+  const int64_t n = x.numel(), chunk = 1024;  // a multiple of 8: only the last is partial
 #pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-  for (int64_t v = 0; v < vectors; ++v) {
-    __m256 gauss;
-    const __m256 x8 = _mm256_loadu_ps(xp + 8 * v);
-    _mm256_storeu_ps(yp + 8 * v, _mm256_mul_ps(x8, normal_cdf8(x8, &gauss)));
-  }
-  for (int64_t j = 8 * vectors; j < n; ++j)
-    yp[j] = 0.5f * xp[j] * (1.f + std::erf(xp[j] * 0.70710678f));
+  for (int64_t start = 0; start < n; start += chunk)
+    activate_row(Activation::gelu, xp + start, nullptr, std::min(chunk, n - start), yp + start);
   return y;
 }
 

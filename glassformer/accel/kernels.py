@@ -1,0 +1,198 @@
+"""Every entry point of the C++ kernels as a typed function: the one module that calls the
+compiled extension (`build.extension()`), so each kernel has one owner on the Python side.
+
+The functions are grouped by the file under csrc/ that computes them, and named as there.
+Each calls the extension as it is now; a caller checks `available()` first (they raise
+where there is no build). `ROW_TILE` is the most rows one call of the small-batch kernels
+takes (compiled into them from build.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..model.config import ModelConfig
+from .build import ROW_TILE as ROW_TILE  # re-exported: the row tile's one name outside accel/
+from .build import extension
+from .weight_formats import WeightFormat
+
+Tensor = torch.Tensor
+
+
+def available() -> bool:
+    """Whether the C++ kernels are built for this process (`build.why_unavailable` says why
+    not)."""
+    return extension() is not None
+
+
+# ------------------------------------------------------------------ matvec.cpp (float weights)
+
+def linear_f32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (M, K) float32 @ weight (N, K) float32ᵀ (+ bias) -> (M, N)."""
+    return extension().linear_f32(x, weight, bias)
+
+
+def linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (M, K) float32 @ weight (N, K) bfloat16ᵀ (+ bias) -> (M, N), float32 products."""
+    return extension().linear_bf16(x, weight, bias)
+
+
+def try_f32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """linear_f32 for x (..., K) of at most ROW_TILE contiguous float32 rows that need no
+    gradient, else None."""
+    return extension().try_f32(x, weight, bias)
+
+
+def try_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """linear_bf16 as try_f32 takes it, else None."""
+    return extension().try_bf16(x, weight, bias)
+
+
+# --------------------------------------------------------- quantized.cpp (blocks of 32 weights)
+
+def linear_q8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor:
+    """x (M, K) float32 @ the int8 blocks' weightᵀ (+ bias) -> (M, N)."""
+    return extension().linear_q8(x, qweight, scales, bias)
+
+
+def linear_q4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor,
+              bias: Tensor | None) -> Tensor:
+    """x (M, K) float32 @ the int4 blocks' weightᵀ (+ bias) -> (M, N)."""
+    return extension().linear_q4(x, qweight, scales, mins, bias)
+
+
+def try_q8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None,
+           in_features: int) -> Tensor | None:
+    """linear_q8 for x (..., in_features) as try_f32 takes it, else None."""
+    return extension().try_q8(x, qweight, scales, bias, in_features)
+
+
+def try_q4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: Tensor | None,
+           in_features: int) -> Tensor | None:
+    """linear_q4 for x (..., in_features) as try_f32 takes it, else None."""
+    return extension().try_q4(x, qweight, scales, mins, bias, in_features)
+
+
+def dequantize(qweight: Tensor, scales: Tensor, mins: Tensor | None, in_features: int) -> Tensor:
+    """The (N, in_features) float32 weight of int8 (mins None) or int4 blocks."""
+    return extension().dequantize(qweight, scales, mins, in_features)
+
+
+# ------------------------------------------------------- decode_step.cpp (every layer at once)
+
+class LinearWeights(NamedTuple):
+    """One product of a block as the decode step reads it: fp32 / bf16 (weight,), int8
+    (qweight, scales), int4 (qweight, scales, mins)."""
+
+    format: WeightFormat
+    tensors: list[Tensor]
+    bias: Tensor | None
+
+
+class LayerWeights(NamedTuple):
+    """One pre-norm block: norms as (weight, bias or None), then its four products."""
+
+    norm1: tuple[Tensor, Tensor | None]
+    qkv: LinearWeights
+    out: LinearWeights
+    norm2: tuple[Tensor, Tensor | None]
+    up: LinearWeights
+    down: LinearWeights
+
+
+def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: Tensor | None):
+    """The C++ DecodeStep of a pre-norm causal decoder of `config` with these layers: its
+    `step` (one sequence, a dense cache) and `step_paged` (one token of each of several
+    sequences, a paged pool). fast_decode.py refuses the configurations it does not compute
+    (its capability table); this passes each field by name."""
+    ext = extension()
+    spec = ext.DecodeConfig()
+    spec.d_model, spec.n_heads, spec.n_kv_heads = config.d_model, config.n_heads, config.kv_heads
+    spec.d_head, spec.d_ff, spec.window = config.head_dim, config.ff_dim, config.sliding_window or 0
+    spec.norm = ext.Norm.__members__[config.norm]
+    spec.activation = ext.Activation.__members__[config.activation]
+    spec.gated, spec.rope, spec.norm_eps = config.gated, config.position == "rope", config.norm_eps
+    spec.score_scale = config.head_dim**-0.5 if config.scale_scores else 1.0
+
+    def linear(weights: LinearWeights):
+        return ext.LinearWeights(ext.WeightFormat.__members__[weights.format.value],
+                                 weights.tensors, weights.bias)
+
+    built = [ext.LayerWeights(ext.NormWeights(*layer.norm1), linear(layer.qkv), linear(layer.out),
+                              ext.NormWeights(*layer.norm2), linear(layer.up), linear(layer.down))
+             for layer in layers]
+    return ext.DecodeStep(spec, built, alibi_slopes)
+
+
+# ---------------------------------------------------------------- greedy.cpp
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """torch.argmax(logits, -1) for contiguous (R, V) float32 logits: (R,) int64."""
+    return extension().argmax_rows(logits)
+
+
+# ------------------------------------- train_autograd.cpp (training's passes as autograd nodes)
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x²) + eps) * weight over the last dimension."""
+    return extension().rms_norm(x, weight, eps)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """(x - mean) / sqrt(var + eps) * weight (+ bias) over the last dimension."""
+    return extension().layer_norm(x, weight, bias, eps)
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x cos + rotate_half(x) sin for x (B, H, T, D), cos and sin (B or 1, T, D) contiguous."""
+    return extension().rotary(x, cos, sin)
+
+
+def swiglu(h: Tensor) -> Tensor:
+    """silu(gate) * up for h = [gate | up] (..., 2F) -> (..., F)."""
+    return extension().swiglu(h)
+
+
+def gelu(x: Tensor) -> Tensor:
+    """x Φ(x), the exact GELU (its erf within 1.5e-7)."""
+    return extension().gelu(x)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
+    """softmax(scale Q Kᵀ (+ causal mask)) V for q (B, H, T, D), k, v (B, KV, T, D)
+    (attention_train.cpp computes it)."""
+    return extension().attention(q, k, v, causal, scale)
+
+
+# ---------------------------------------------------------------- train_ops.cpp
+
+def transpose(x: Tensor) -> Tensor:
+    """A contiguous (M, K) float32 matrix as a contiguous (K, M) one."""
+    return extension().transpose(x)
+
+
+# ---------------------------------------------------------------- grad_clip.cpp
+
+def clip_grad_norm(grads: list[Tensor], max_norm: float) -> Tensor:
+    """Scales contiguous float32 gradients in place by min(1, max_norm / (norm + 1e-6));
+    returns the total norm."""
+    return extension().clip_grad_norm(grads, max_norm)
+
+
+# ---------------------------------------------------------------- newton_schulz.cpp
+
+def newton_schulz(stack: Tensor, a: float, b: float, c: float, steps: int) -> Tensor:
+    """Muon's Newton–Schulz iterations on a float32 stack (n, short, long) of matrices of
+    Frobenius norm 1."""
+    return extension().newton_schulz(stack, a, b, c, steps)
+
+
+def muon_update(params: list[Tensor], grads: list[Tensor], buffers: list[Tensor],
+                rates: list[float], momentum: float, nesterov: bool, a: float, b: float,
+                c: float, steps: int, eps: float, decay: float) -> None:
+    """torch.optim.Muon's step on float32 matrices in place, a matrix per task; `decay` is
+    1 - lr · weight_decay."""
+    extension().muon_update(params, grads, buffers, rates, momentum, nesterov, a, b, c, steps,
+                            eps, decay)
