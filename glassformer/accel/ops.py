@@ -8,6 +8,13 @@ order. Larger batches (prefill), and inputs that require a gradient, use `torch.
 the dequantized weight, with unquantized activations: in bfloat16 where the CPU multiplies
 it several times faster than float32 (AMX or AVX-512 BF16) and no gradient is needed,
 else in float32. `backend` is "auto" (C++ when built, else PyTorch), "cpp" or "torch".
+
+Row invariance: the C++ kernels compute each row on its own, with the same arithmetic
+whatever the number of rows and whatever the other rows hold, so a row's result is the
+same bits in any batch up to `SMALL_BATCH` rows. With `invariant=True`, larger batches go
+to the C++ kernels too where they run (all rows in one call, which gives the bits of tiles of
+`SMALL_BATCH` rows), so a row's result never depends on what shares its call; the dense
+product is faster for large float32/bfloat16 batches, so that is not the default.
 """
 
 from __future__ import annotations
@@ -23,13 +30,13 @@ SMALL_BATCH = 8
 BACKENDS = ("auto", "cpp", "torch")
 
 
-def _kernels(x: torch.Tensor, backend: str):
+def _kernels(x: torch.Tensor, backend: str, invariant: bool = False):
     """The compiled module to use for this call, or None for the PyTorch path."""
     if backend == "torch":
         return None
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if x.shape[0] > SMALL_BATCH:
+    if x.shape[0] > SMALL_BATCH and not invariant:
         return None
     usable = x.device.type == "cpu" and not x.requires_grad
     ext = extension() if usable else None
@@ -69,18 +76,18 @@ def dequantize(qweight, scales, mins, in_features, backend="auto"):
     return quant.dequantize_int4(qweight, scales, mins, in_features)
 
 
-def linear_fp32(x, weight, bias=None, backend="auto"):
+def linear_fp32(x, weight, bias=None, backend="auto", invariant=False):
     """weight (N, K) float32."""
-    ext = _kernels(x, backend)
+    ext = _kernels(x, backend, invariant)
     if ext is not None:
         return ext.linear_f32(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def linear_bf16(x, weight, bias=None, backend="auto"):
+def linear_bf16(x, weight, bias=None, backend="auto", invariant=False):
     """weight (N, K) bfloat16, products in float32. Many rows (prefill) multiply in bfloat16
     (activations rounded too) where that pays (see bf16_products_pay)."""
-    ext = _kernels(x, backend)
+    ext = _kernels(x, backend, invariant)
     if ext is not None:
         return ext.linear_bf16(x, weight, bias)
     if x.shape[0] > SMALL_BATCH:
@@ -88,9 +95,9 @@ def linear_bf16(x, weight, bias=None, backend="auto"):
     return F.linear(x, weight.float(), bias)
 
 
-def linear_int8(x, qweight, scales, bias=None, backend="auto"):
+def linear_int8(x, qweight, scales, bias=None, backend="auto", invariant=False):
     """qweight (N, nb·32) int8, scales (N, nb) fp16 (see quant.quantize_int8)."""
-    ext = _kernels(x, backend)
+    ext = _kernels(x, backend, invariant)
     if ext is not None:
         return ext.linear_q8(x, qweight, scales, bias)
     if _dense(x):
@@ -101,9 +108,9 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto"):
     return y if bias is None else y + bias
 
 
-def linear_int4(x, qweight, scales, mins, bias=None, backend="auto"):
+def linear_int4(x, qweight, scales, mins, bias=None, backend="auto", invariant=False):
     """qweight (N, nb·16) uint8 nibbles, scales and mins (N, nb) fp16 (quant.quantize_int4)."""
-    ext = _kernels(x, backend)
+    ext = _kernels(x, backend, invariant)
     if ext is not None:
         return ext.linear_q4(x, qweight, scales, mins, bias)
     if _dense(x):

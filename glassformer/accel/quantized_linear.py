@@ -20,7 +20,9 @@ class QuantizedLinear(nn.Module):
     Buffers by mode (all saved in the state dict): fp32 `weight` (N, K) float32; bf16
     `weight` (N, K) bfloat16; int8 `qweight` (N, nb·32) int8 + `scales` (N, nb) fp16;
     int4 `qweight` (N, nb·16) uint8 + `scales`, `mins` (N, nb) fp16; and `bias` (N,) float32
-    or None. No gradients flow to the weight.
+    or None. No gradients flow to the weight. Setting `invariant` sends batches of any size
+    to the C++ kernels, so that each row's result is the same bits whatever shares its call
+    (ops.py).
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class QuantizedLinear(nn.Module):
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.invariant = False
         self._fast: tuple | None = None  # (C++ entry point, its arguments), found on first use
         if backend != "torch":
             extension()  # the build, if one is due, happens here rather than in a forward
@@ -127,15 +130,16 @@ class QuantizedLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
-        mode, backend = self.mode, self.backend
+        mode, backend, invariant = self.mode, self.backend, self.invariant
         if mode == WeightFormat.FP32:
-            y = ops.linear_fp32(x2, self.weight, self.bias, backend)
+            y = ops.linear_fp32(x2, self.weight, self.bias, backend, invariant)
         elif mode == WeightFormat.BF16:
-            y = ops.linear_bf16(x2, self.weight, self.bias, backend)
+            y = ops.linear_bf16(x2, self.weight, self.bias, backend, invariant)
         elif mode == WeightFormat.INT8:
-            y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend)
+            y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend, invariant)
         else:
-            y = ops.linear_int4(x2, self.qweight, self.scales, self.mins, self.bias, backend)
+            y = ops.linear_int4(x2, self.qweight, self.scales, self.mins, self.bias, backend,
+                                invariant)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
 
     def _apply(self, fn, recurse=True):
