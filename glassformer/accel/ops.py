@@ -1,13 +1,20 @@
 """y = x @ W^T (+ bias) for each weight format: the C++ kernels and their PyTorch twins.
 
-Every function takes x as a (M, K) float32 tensor and returns (M, N) float32. Up to
-`ROW_TILE` rows on the CPU go to the C++ kernels (decode); the PyTorch path computes the
-same thing: for int8/int4 it quantizes the activations per block exactly as the kernels do
-and sums the integer block products, so both give the same result up to float summation
-order. Larger batches (prefill), and inputs that require a gradient, use `torch.matmul` on
-the dequantized weight, with unquantized activations: in bfloat16 where the CPU multiplies
-it several times faster than float32 (AMX or AVX-512 BF16) and no gradient is needed,
-else in float32. `backend` is "auto" (C++ when built, else PyTorch), "cpp" or "torch".
+Every function takes x as a (M, K) float32 tensor and returns (M, N) float32, and computes
+the layer's own function whatever M is:
+- int8 / int4: activations quantized per block of 32 as the kernels do, integer block
+  products, scales applied per block (weight_formats.py is the reference). The C++ kernels
+  take any number of rows on the CPU; the PyTorch path computes the same thing. Only an
+  input that needs a gradient (rounding has none) multiplies the dequantized weight with
+  unquantized activations.
+- fp32 / bf16: the float32 product with the stored weight (bf16 widened, activations never
+  rounded). Up to `ROW_TILE` rows go to the C++ kernels (decode), more to `torch.matmul`
+  (prefill), which sums in another order.
+Row invariance: the C++ kernels compute each row on its own, with the same arithmetic
+whatever the number of rows and whatever the other rows hold. So an int8 / int4 row's
+result never depends on what shares its call; a float row's does not up to `ROW_TILE` rows
+(the serving engine calls float layers in tiles of that many: serving/row_tiles.py).
+`backend` is "auto" (C++ when built, else PyTorch), "cpp" or "torch".
 """
 
 from __future__ import annotations
@@ -17,19 +24,18 @@ import torch.nn.functional as F
 
 from . import kernels
 from . import weight_formats as quant
-from .cpu import bf16_products_pay
 from .kernels import ROW_TILE
 
 BACKENDS = ("auto", "cpp", "torch")
 
 
-def _kernels(x: torch.Tensor, backend: str) -> bool:
+def _kernels(x: torch.Tensor, backend: str, any_rows: bool = False) -> bool:
     """Whether this call goes to the C++ kernels (else the PyTorch path)."""
     if backend == "torch":
         return False
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if x.shape[0] > ROW_TILE:
+    if x.shape[0] > ROW_TILE and not any_rows:
         return False
     usable = x.device.type == "cpu" and not x.requires_grad and kernels.available()
     if not usable and backend == "cpp":
@@ -43,19 +49,10 @@ def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: to
     return (dots * (dx.unsqueeze(1) * dw.unsqueeze(0))).sum(-1)  # (M, N)
 
 
-def _dense_linear(x, weight, bias, backend):
-    """x @ weight^T + bias for many rows, weight float32 or bfloat16: bfloat16 operands
-    (float32 accumulation) where that pays and no gradient is needed."""
-    if backend != "torch" and not x.requires_grad and bf16_products_pay():
-        y = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()  # (M, N)
-        return y if bias is None else y + bias
-    return F.linear(x, weight.float(), bias)
-
-
-def _dense(x: torch.Tensor) -> bool:
-    """Large batches, and inputs that need a gradient (rounding has none), use the dense
-    product with unquantized activations."""
-    return x.shape[0] > ROW_TILE or (x.requires_grad and torch.is_grad_enabled())
+def _straight_through(x: torch.Tensor) -> bool:
+    """Inputs that need a gradient (rounding has none) multiply the dequantized weight with
+    unquantized activations."""
+    return x.requires_grad and torch.is_grad_enabled()
 
 
 def dequantize(qweight, scales, mins, in_features, backend="auto"):
@@ -75,21 +72,18 @@ def linear_fp32(x, weight, bias=None, backend="auto"):
 
 
 def linear_bf16(x, weight, bias=None, backend="auto"):
-    """weight (N, K) bfloat16, products in float32. Many rows (prefill) multiply in bfloat16
-    (activations rounded too) where that pays (see bf16_products_pay)."""
+    """weight (N, K) bfloat16, products in float32 (activations are never rounded)."""
     if _kernels(x, backend):
         return kernels.linear_bf16(x, weight, bias)
-    if x.shape[0] > ROW_TILE:
-        return _dense_linear(x, weight, bias, backend)
     return F.linear(x, weight.float(), bias)
 
 
 def linear_int8(x, qweight, scales, bias=None, backend="auto"):
     """qweight (N, nb·32) int8, scales (N, nb) fp16 (see quant.quantize_int8)."""
-    if _kernels(x, backend):
+    if _kernels(x, backend, any_rows=True):
         return kernels.linear_q8(x, qweight, scales, bias)
-    if _dense(x):
-        return _dense_linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias, backend)
+    if _straight_through(x):
+        return F.linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
     qw = qweight.reshape(qweight.shape[0], -1, quant.BLOCK).float()  # (N, nb, 32)
     y = _block_products(qx, dx, qw, scales.float())
@@ -98,10 +92,10 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto"):
 
 def linear_int4(x, qweight, scales, mins, bias=None, backend="auto"):
     """qweight (N, nb·16) uint8 nibbles, scales and mins (N, nb) fp16 (quant.quantize_int4)."""
-    if _kernels(x, backend):
+    if _kernels(x, backend, any_rows=True):
         return kernels.linear_q4(x, qweight, scales, mins, bias)
-    if _dense(x):
-        return _dense_linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias, backend)
+    if _straight_through(x):
+        return F.linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
     qw = quant.unpack_nibbles(qweight).float()  # (N, nb, 32)
     y = _block_products(qx, dx, qw, scales.float())

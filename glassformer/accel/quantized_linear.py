@@ -19,7 +19,8 @@ class QuantizedLinear(nn.Module):
     Buffers by mode (all saved in the state dict): fp32 `weight` (N, K) float32; bf16
     `weight` (N, K) bfloat16; int8 `qweight` (N, nb·32) int8 + `scales` (N, nb) fp16;
     int4 `qweight` (N, nb·16) uint8 + `scales`, `mins` (N, nb) fp16; and `bias` (N,) float32
-    or None. No gradients flow to the weight.
+    or None. No gradients flow to the weight. An int8 / int4 layer gives each row the same
+    bits whatever shares its call; a float layer does up to ROW_TILE rows (ops.py).
     """
 
     def __init__(

@@ -1,11 +1,12 @@
-"""A product run on fixed tiles of rows, so that each row's result never depends on how many
-rows share the call (the serving engine's batch invariance, runner.py).
+"""Products whose rows never depend on how many rows share the call (the serving engine's
+batch invariance, runner.py).
 
-The fast weight kernels (accel/quantized_linear.py) compute each row on its own for up to
-ROW_TILE rows; beyond that they hand the rows to one large product, whose summation order
-may change with the number of rows. Products without such kernels (plain nn.Linear) may
-change it with any number of rows, so their tiles are padded to exactly ROW_TILE rows: one
-fixed shape, one code path.
+An int8 / int4 layer (accel/quantized_linear.py) already computes each row on its own
+whatever the number of rows, so it is used as it is. The float layers' C++ kernels do so
+for up to ROW_TILE rows and hand more to one large product, whose summation order may
+change with the number of rows; products without such kernels (plain nn.Linear) may change
+it with any number of rows, so their tiles are padded to exactly ROW_TILE rows: one fixed
+shape, one code path.
 """
 
 from __future__ import annotations
@@ -15,6 +16,15 @@ from torch import nn
 
 from ..accel.kernels import ROW_TILE
 from ..accel.quantized_linear import QuantizedLinear
+from ..accel.weight_formats import WeightFormat
+
+
+def row_invariant(product: nn.Module) -> nn.Module:
+    """`product` itself where its rows are already independent of the call's size, else
+    the product in row tiles."""
+    if isinstance(product, QuantizedLinear) and product.mode in (WeightFormat.INT8, WeightFormat.INT4):
+        return product
+    return RowTiles(product)
 
 
 class RowTiles(nn.Module):

@@ -6,12 +6,12 @@ sequence; attention alone looks across rows, per request, over its block table, 
 paged view of the pool that the runner hands each block as its cache (paged_attention.py).
 Each weight is read once per row tile for all requests together.
 
-Batch invariance: every product runs on tiles of at most ROW_TILE rows (row_tiles.py), the
-size the fast weight kernels take in one call; those kernels compute each row on its own,
-and the norms and activations treat every row alike. Products without such kernels (plain
-nn.Linear) get tiles padded to exactly ROW_TILE rows: one fixed shape, one code path. So a
-token's numbers do not depend on which tokens share its step. The price is prefill speed;
-`invariant=False` sends all rows to each product at once instead.
+Batch invariance: every product computes each row on its own (row_tiles.py): the int8 and
+int4 kernels at any number of rows, the float layers in tiles of ROW_TILE rows (padded to
+exactly that many for plain nn.Linear: one fixed shape, one code path); the norms and
+activations treat every row alike. So a token's numbers do not depend on which tokens share
+its step. The price is prefill speed for float weights; `invariant=False` sends all rows to
+each product at once instead.
 
 A converted model (glassformer.quantize) with fast attention and a float32 pool runs its
 decoding rows through its fused C++ step (accel/fast_decode.py `FastDecoder.rows`), in every
@@ -29,7 +29,7 @@ from ..model.layers.positions import rope_cos_sin
 from ..model.transformer import Transformer
 from .kv_pool import KVPool
 from .paged_attention import PagedView, Part, slots_of
-from .row_tiles import RowTiles
+from .row_tiles import row_invariant
 from .scheduler import StepPlan
 from .sequence import Sequence
 
@@ -44,7 +44,7 @@ class ModelRunner:
             raise ValueError("model: the engine decodes causal models only")
         self.model, self.pool, self.fast = model, pool, attention == "fast"
         # the model's own modules; with invariance, a view whose products run in row tiles
-        self.layers = model.with_products(RowTiles) if invariant else model
+        self.layers = model.with_products(row_invariant) if invariant else model
         self.device = model.embed.tokens.weight.device
         self.rope = None
         if config.position == "rope":  # computed once: (context, d_head) each

@@ -26,13 +26,13 @@ inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float: shift into t
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-inline float load1(const float* p) { return *p; }
-
-inline float load1(const uint16_t* p) {
-  uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+// The first len < 8 values from p, zeros after, through a zeroed buffer: the tail of a row
+// goes through the same vector arithmetic as its body, whatever tile the row is in.
+template <typename T>
+inline __m256 load_tail(const T* p, int64_t len) {
+  T v[8] = {};
+  std::memcpy(v, p, len * sizeof(T));
+  return load8(v);
 }
 
 // ---------------------------------------------------------------- float weights (f32, bf16)
@@ -54,12 +54,16 @@ inline void tile_float(const T* w, int64_t K, int64_t ld, const float* x, int64_
       for (int m = 0; m < MB; ++m) acc[m][r] = _mm256_fmadd_ps(wv, xv[m], acc[m][r]);
     }
   }
-  for (int m = 0; m < MB; ++m)
+  if (k < K) {
+    __m256 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = load_tail(x + m * ldx + k, K - k);
     for (int r = 0; r < R; ++r) {
-      float s = hsum(acc[m][r]);
-      for (int64_t t = k; t < K; ++t) s += load1(w + r * ld * K + t) * x[m * ldx + t];
-      y[m * ldy + r * ld] = s + (bias ? bias[r * ld] : 0.0f);
+      const __m256 wv = load_tail(w + r * ld * K + k, K - k);
+      for (int m = 0; m < MB; ++m) acc[m][r] = _mm256_fmadd_ps(wv, xv[m], acc[m][r]);
     }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) y[m * ldy + r * ld] = hsum(acc[m][r]) + (bias ? bias[r * ld] : 0.0f);
 }
 
 template <int R, typename T>
