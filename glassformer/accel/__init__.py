@@ -25,14 +25,13 @@ Use in a model::
     layer = QuantizedLinear.from_linear(linear, WeightFormat.INT8)  # or "fp32", "bf16", "int4"
     y = layer(x)                                           # x (..., in_features) -> (..., out)
 
-- Up to `kernels.ROW_TILE` (8) float32 rows (x.reshape(-1, in_features)) on the CPU go
-  straight to the C++ kernels in one call (about 2 µs of Python); more rows (prefill) run `torch.matmul` on the
-  weight dequantized in C++ per call, in bfloat16 where the CPU multiplies it in hardware
-  (`ops.bf16_products_pay`), else in float32. int8/int4 kernels quantize the
-  activations per block of 32 to int8 (like llama.cpp), so their outputs differ from
-  `x @ layer.dequantized_weight().T` by that rounding (bounded in tests/accel/test_kernels.py).
-  The fp32 kernel sums in a different order than `F.linear`: equal up to float rounding,
-  not bit for bit.
+- int8/int4 layers quantize the activations per block of 32 to int8 (like llama.cpp) and
+  run the C++ kernels on any number of rows, so their outputs differ from
+  `x @ layer.dequantized_weight().T` by that rounding (bounded in tests/accel/test_kernels.py)
+  and each row's result is the same whatever shares the call. fp32/bf16 layers send up to
+  `kernels.ROW_TILE` (8) rows to the C++ kernels in one call (about 2 µs of Python) and more
+  rows (prefill) to `torch.matmul` on the float32 weight. The fp32 kernel sums in a
+  different order than `F.linear`: equal up to float rounding, not bit for bit.
 - Inputs that require a gradient take the dense PyTorch product (rounding has no gradient);
   the weights never get one. Move a layer with `.to(device)`, never `.to(dtype)`: its
   buffers' dtypes are the format.
