@@ -7,8 +7,8 @@ For a drawn `ModelConfig` with random weights and a weight format, the paths are
   - the serving `Engine` with reference and with fast attention, the request alone and
     batched with other random requests arriving at other steps.
 The oracle is the module path of the model each path runs: a full forward (no cache) over
-the path's own tokens, with every QuantizedLinear computing rows independently of the
-batch (`invariant`), so it computes exactly the function the fast kernels compute.
+the path's own tokens. Its int8 / int4 layers run the same kernels at any number of rows,
+and its float layers the same function summed in another order.
 
 Checks, per path:
   - greedy: each token is the oracle's argmax at that step. A different token is accepted
@@ -35,18 +35,20 @@ from hypothesis import strategies as st
 from glassformer import ModelConfig, Transformer
 from glassformer.accel.build import extension
 from glassformer.accel.quantize import quantize_model
-from glassformer.accel.quantized_linear import QuantizedLinear
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
 
 FORMATS = ("plain", "none", "bf16", "int8", "int4")
 # Logits on the same weights by two paths: float rounding only (summation order, fused ops).
-TIGHT = 2e-3
+# int8 / int4 layers round their activations to 8 bits per block, so a float difference of
+# one ulp upstream may move an activation by a whole step: a few hundredths in the logits.
+TIGHT = {"plain": 2e-3, "none": 2e-3, "bf16": 2e-3, "int8": 3e-2, "int4": 3e-2}
 # Logits of the quantized model against the plain model's, in units of the plain logits'
-# standard deviation: the weight format's own rounding, measured on these random models at
-# about half of each bound (4-bit blocks of Gaussian weights move the logits by over one std).
-FORMAT_TOLERANCE = {"plain": 1e-4, "none": 1e-4, "bf16": 0.1, "int8": 0.3, "int4": 2.5}
+# standard deviation: the weight format's own rounding (int8 / int4 round the activations
+# too), measured on these random models at about half of each bound (4-bit blocks of
+# Gaussian weights move the logits by over one std).
+FORMAT_TOLERANCE = {"plain": 1e-4, "none": 1e-4, "bf16": 0.1, "int8": 0.6, "int4": 2.5}
 PROMPT, NEW, SEED = 8, 10, 7
 SAMPLING = SamplingConfig(temperature=1.0)
 FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -107,15 +109,6 @@ class Case:
     prompt: list[int]
     others: list[tuple[list[int], RequestParams]]  # requests sharing the engine's steps
     arrivals: list[int]  # the step before which each batched request is submitted
-
-
-def _oracle(model: Transformer) -> Transformer:
-    """The module path of `model` with row-independent products."""
-    oracle = copy.deepcopy(model)
-    for layer in oracle.modules():
-        if isinstance(layer, QuantizedLinear):
-            layer.invariant = True
-    return oracle
 
 
 @torch.inference_mode()
@@ -190,7 +183,7 @@ def check(case: Case) -> None:
     model = plain if fmt == "plain" else quantize_model(copy.deepcopy(plain), fmt)
     greedy = GenerationConfig(max_new_tokens=NEW, eos_ids=())
     sampled = GenerationConfig(max_new_tokens=NEW, eos_ids=(), seed=SEED, sampling=SAMPLING)
-    oracle = _oracle(model)
+    oracle = model
 
     # generate: the plain module path, the converted model (fused step or module path), uncached
     runs = {"generate(plain)": plain, f"generate({fmt})": model}
@@ -225,12 +218,12 @@ def check(case: Case) -> None:
     for where, tokens in greedy_tokens.items():
         if where == "generate(plain)" and fmt != "plain":
             continue
-        problems.append(_check_greedy(where, _logits(oracle, prompt, tokens), tokens, TIGHT))
+        problems.append(_check_greedy(where, _logits(oracle, prompt, tokens), tokens, TIGHT[fmt]))
     for where, (tokens, logprobs) in engine_logprobs.items():
         expected = torch.log_softmax(_logits(oracle, prompt, tokens), -1)
         expected = expected[torch.arange(len(tokens)), tokens]  # (NEW,)
         gap = float((torch.tensor(logprobs) - expected).abs().max())
-        if gap > TIGHT:
+        if gap > TIGHT[fmt]:
             problems.append(f"{where}: greedy tokens' logprobs off the oracle's by {gap:.3g}")
     reference = sampled_tokens[f"generate({fmt}, use_cache=False)"]
     for where, tokens in sampled_tokens.items():
@@ -241,7 +234,7 @@ def check(case: Case) -> None:
 
     # the weight format against the plain model
     tokens = greedy_tokens[f"generate({fmt}, use_cache=False)"]
-    plain_logits = _logits(_oracle(plain), prompt, tokens)
+    plain_logits = _logits(plain, prompt, tokens)
     tolerance = FORMAT_TOLERANCE[fmt] * max(float(plain_logits.std()), 1.0)
     gap = float((_logits(oracle, prompt, tokens) - plain_logits).abs().max())
     if gap > tolerance:
