@@ -128,8 +128,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_requests(args: argparse.Namespace, tokenizer, config: GenerationConfig):
-    """Prompt ids and RequestParams per line: the line's fields over the command's flags."""
+def _read_requests(args: argparse.Namespace, language_model: LanguageModel, config: GenerationConfig):
+    """Prompt ids and RequestParams per line: the line's fields over the command's flags; ids
+    outside the vocabulary are refused with the line's number."""
     defaults = dataclasses.asdict(config.sampling) | {
         "max_new_tokens": config.max_new_tokens, "seed": config.seed, "stop": config.stop,
         "eos_ids": config.eos_ids,
@@ -147,9 +148,10 @@ def _read_requests(args: argparse.Namespace, tokenizer, config: GenerationConfig
                                  ) from None
             try:
                 params.append(RequestParams.from_fields(**(defaults | fields)))
+                prompts.append(_prompt_ids(language_model.tokenizer, prompt, args.chat)
+                               if isinstance(prompt, str) else language_model.encode(prompt))
             except (ValueError, TypeError) as error:
                 raise ValueError(f"{args.prompts_file}:{number}: {error}") from None
-            prompts.append(_prompt_ids(tokenizer, prompt, args.chat) if isinstance(prompt, str) else prompt)
     if not prompts:
         raise ValueError(f"{args.prompts_file}: no prompts")
     return prompts, params
@@ -163,7 +165,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _run_many(args: argparse.Namespace, language_model: LanguageModel, config: GenerationConfig) -> int:
     if args.beams > 1 or args.no_cache or args.slide or args.truncate:
         raise ValueError("--prompts-file: --beams, --no-cache, --slide and --truncate need one prompt")
-    prompts, params = _read_requests(args, language_model.tokenizer, config)
+    prompts, params = _read_requests(args, language_model, config)
     engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, kv_dtype=args.kv_dtype,
                           max_batch=args.max_batch)
     start, done = time.perf_counter(), [0, 0]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
 from ..formats.files import check_output
 from ..formats.tokenizers import CharTokenizer
 from ..interpret.journey import collect_journey, summary, write_html
+from ..interpret.journey.collect import MAX_TOKENS
 from ..language_model import load
 from ..model.encoder_decoder import EncoderDecoder, build_model
 from ..model.presets import get_preset
@@ -41,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=positive_int, default=10, help="next tokens to list (default 10)")
     parser.add_argument("--ig-steps", type=positive_int, default=4,
                         help="integrated-gradient points per tenth of the path (default 4)")
+    parser.add_argument("--max-tokens", type=positive_int, default=MAX_TOKENS,
+                        help=f"longest prompt traced, in tokens (default {MAX_TOKENS}; the page holds "
+                             "T x T attention weights per head and layer)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed for --preset")
     parser.add_argument("--device", type=device, default="cpu")
     parser.set_defaults(run=run)
@@ -55,19 +61,27 @@ def random_model(preset: str, seed: int,
     return build_model(config).to(device), CharTokenizer(PRINTABLE)
 
 
+def _progress(stage: str) -> None:
+    print(f"journey: {stage} ...", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     text = read_prompt(args)
     output = args.output or (None if args.json else "journey.html")
     if output is not None:  # refused before the model is read, never after the work is done
         inputs = [p for p in (args.model, args.prompt_file) if p is not None]
         check_output(output, inputs, args.force)
+        if not Path(output).absolute().parent.is_dir():
+            raise ValueError(f"{output}: the folder to write it in does not exist")
     if args.model is not None:
         loaded = load(args.model, quantize=args.quantize).to(args.device)
         model, tokenizer = loaded.model, loaded.tokenizer
     else:
         model, tokenizer = random_model(args.preset, args.seed, args.device)
-    data = collect_journey(model.eval(), tokenizer, text, top_k=args.top_k, ig_steps=args.ig_steps)
+    data = collect_journey(model.eval(), tokenizer, text, top_k=args.top_k, ig_steps=args.ig_steps,
+                           max_tokens=args.max_tokens, progress=_progress)
     if output is not None:
+        _progress(f"writing {output}")
         write_html(data, output)
     if args.json:
         print(json.dumps(summary(data), ensure_ascii=False))

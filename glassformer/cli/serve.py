@@ -8,7 +8,7 @@ import signal
 
 from .options import add_quantize, add_threads
 
-SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette")  # and theirs
+SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette", "h11")  # and theirs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,6 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-body-kb", type=int, default=1024, help="larger request bodies get 413")
     parser.add_argument("--body-timeout", type=float, default=10.0,
                         help="seconds to send a request's body (then 408 and the connection closes)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds to send a request's headers (then 408 and the connection closes)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a request may run (then 504, or an error event in a stream)")
     parser.add_argument("--grace", type=float, default=30.0,
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from ..serving.api.app import create_app
+        from ..serving.api.connection import header_limited
         from ..serving.api.server import LOOPBACK, ServerConfig
     except ImportError as error:  # one line naming the fix, not a traceback
         if (error.name or "").split(".")[0] not in SERVE_EXTRA:
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     hosts = tuple(dict.fromkeys((args.host, *LOOPBACK, *args.allowed_hosts)))
     config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
                           args.max_body_kb * 1024, args.timeout, args.body_timeout, hosts,
-                          tuple(args.allowed_origins), args.metrics_key)
+                          tuple(args.allowed_origins), args.metrics_key, args.header_timeout)
     engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, max_batch=args.max_batch)
     # The engine's threads share the cores with the event loop: one thread waiting for a core
     # that serves HTTP stalls every matrix product of a step (main() configured the threads
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     # with this one, that ends here and the command exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     settings = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.grace,
-                              log_level="info")
+                              log_level="info", http=header_limited(config.header_timeout_s))
     _draining(settings, app.state.server, args.grace).run()
     return 0
 

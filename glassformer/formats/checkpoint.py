@@ -226,14 +226,27 @@ class Checkpoint:
 
 
 def load_weights(model: torch.nn.Module, path: str | Path, device: str | torch.device = "cpu") -> None:
-    """Strictly load a model.safetensors written by `write_checkpoint` (tied weights included)."""
+    """Strictly load a model.safetensors written by `write_checkpoint` (tied weights included).
+    A tensor the model holds in floating point must be stored in floating point: integers
+    would be cast without a word."""
     try:
+        _check_float_storage(model, path)
         safetensors.torch.load_model(model, str(path), strict=True, device=str(device))
     except RuntimeError as error:  # missing, unexpected or misshapen tensors
         raise ValueError(f"{path}: the weights do not fit the model: {error}") from None
     except SafetensorError as error:
         raise ValueError(f"{path}: corrupt or truncated safetensors file ({error})") from None
     check_model(model, str(path))
+
+
+def _check_float_storage(model: torch.nn.Module, path: str | Path) -> None:
+    expected = model.state_dict()
+    with safetensors.safe_open(str(path), "pt") as stored:
+        for name in stored.keys():
+            kind = stored.get_slice(name).get_dtype()  # "F32", "BF16", "I64", "BOOL", ...
+            if name in expected and expected[name].is_floating_point() and not kind.startswith(("F", "BF")):
+                raise ValueError(f"{path}: tensor {name} is stored as {kind}, not a floating-point "
+                                 f"type; the model holds it as {expected[name].dtype}")
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):

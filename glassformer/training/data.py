@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,15 +26,18 @@ _FLUSH_TOKENS = 1 << 20
 
 
 def list_sources(paths: str | Path | Sequence[str | Path]) -> list[Path]:
-    """Text files named by `paths`: files as given, folders as their *.txt files (sorted)."""
+    """Text files named by `paths`: files as given, folders as their *.txt files (sorted; the
+    other files a folder holds are named in one warning)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     sources: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*.txt") if p.is_file())
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            found = [p for p in files if p.suffix == ".txt"]
             if not found:
                 raise FileNotFoundError(f"no .txt files in folder {path}")
+            _warn_skipped(path, [p for p in files if p.suffix != ".txt"])
             sources += found
         elif path.is_file():
             sources.append(path)
@@ -45,20 +49,35 @@ def list_sources(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     return sources
 
 
+def _warn_skipped(folder: Path, skipped: list[Path], shown: int = 8) -> None:
+    if skipped:
+        names = ", ".join(str(p.relative_to(folder)) for p in skipped[:shown])
+        more = f" and {len(skipped) - shown} more" if len(skipped) > shown else ""
+        warnings.warn(f"{folder}: skipped {len(skipped)} file(s) not named *.txt: {names}{more}",
+                      stacklevel=3)
+
+
 def iter_documents(sources: Sequence[Path], documents: Documents = "file") -> Iterator[str]:
     """The documents in `sources`, lazily; empty documents are skipped."""
     if documents not in ("file", "line", "blank"):
         raise ValueError(f"documents: unknown value {documents!r}; choose file, line or blank")
     for source in sources:
-        if documents == "line":
-            with open(source, encoding="utf-8") as f:
-                for line in f:
-                    if line.strip():
-                        yield line.rstrip("\n")
-            continue
-        text = Path(source).read_text(encoding="utf-8")
-        parts = [text] if documents == "file" else re.split(r"\n(?:[ \t]*\n)+", text)
-        yield from (part for part in parts if part.strip())
+        try:
+            yield from _documents(Path(source), documents)
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{source}: not valid UTF-8 ({error.reason}); the data must be text") from None
+
+
+def _documents(source: Path, documents: Documents) -> Iterator[str]:
+    if documents == "line":
+        with open(source, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield line.rstrip("\n")
+        return
+    text = source.read_text(encoding="utf-8")
+    parts = [text] if documents == "file" else re.split(r"\n(?:[ \t]*\n)+", text)
+    yield from (part for part in parts if part.strip())
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -7,6 +7,7 @@ import math
 import os
 
 import pytest
+import safetensors.torch
 import torch
 from hostile_helpers import LLAMA, TEMPLATE, checkpoint_folder
 
@@ -15,8 +16,11 @@ from glassformer.formats.chat_tokenizer import render_template
 from glassformer.formats.checkpoint import Checkpoint, save_to_run
 from glassformer.formats.files import check_output, read_json_object
 from glassformer.formats.tokenizers import CharTokenizer
+from glassformer.home import home
 from glassformer.model.config import ModelConfig
 from glassformer.training.config import TrainConfig, resume_conflicts
+
+STORED = {torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}  # safetensors' names
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +157,33 @@ def test_checkpoint_open_names_the_broken_file(tmp_path):
     (folder / "config.json").write_text('{"model": {"d_model": "x"}}', encoding="utf-8")
     with pytest.raises(ValueError, match="config.json: .*"):
         Checkpoint.open(folder)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_a_checkpoint_weight_stored_as_integers_is_refused(dtype, tmp_path):
+    folder = checkpoint_folder(tmp_path / "c")
+    weights = safetensors.torch.load_file(folder / "model.safetensors")
+    weights["final_norm.weight"] = weights["final_norm.weight"].to(dtype)
+    safetensors.torch.save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=f"tensor final_norm.weight is stored as {STORED[dtype]}, not a "
+                                         "floating-point type; the model holds it as torch.float32"):
+        glassformer.load(folder)
+
+
+def test_a_checkpoint_in_half_precision_still_loads(tmp_path):
+    folder = checkpoint_folder(tmp_path / "c")
+    weights = safetensors.torch.load_file(folder / "model.safetensors")
+    safetensors.torch.save_file({k: v.half() for k, v in weights.items()}, folder / "model.safetensors")
+    loaded = glassformer.load(folder).model.state_dict()
+    for name, value in weights.items():
+        torch.testing.assert_close(loaded[name], value.half().float())
+
+
+@pytest.mark.parametrize("variable", ["GLASSFORMER_HOME", "XDG_CACHE_HOME"])
+def test_a_home_variable_naming_a_file_is_refused_by_name(variable, tmp_path, monkeypatch):
+    path = tmp_path / "file"
+    path.write_text("x", encoding="utf-8")
+    monkeypatch.delenv("GLASSFORMER_HOME", raising=False)
+    monkeypatch.setenv(variable, str(path))
+    with pytest.raises(NotADirectoryError, match=f"^{variable}: {path} is not a folder"):
+        home()

@@ -196,3 +196,63 @@ def test_a_subprocess_error_is_one_line_with_status_2(tmp_path):
     assert done.returncode == 2
     assert done.stderr.decode().strip().splitlines() == [
         "glassformer: error: /dev/zero: not a regular file or folder (a device or a pipe?)"]
+
+
+def test_data_that_is_not_utf8_names_the_file(tmp_path, refused):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "good.txt").write_text("abc " * 200, encoding="utf-8")
+    (data / "latin1.txt").write_bytes("café au lait ".encode("latin-1") * 50)
+    for documents in ("file", "line"):
+        refused(["train", "--data", data, "--out", tmp_path / "run", "--documents", documents,
+                 "--no-progress"], "latin1.txt: not valid UTF-8", data)
+        assert not (tmp_path / "run").exists()
+
+
+def test_data_files_skipped_in_a_folder_are_listed_in_one_line(tmp_path, capsys):
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.txt").write_text("hello there " * 300, encoding="utf-8")
+    (data / "a.bin").write_bytes(b"\x00\x01")
+    (data / "sub" / "notes.md").write_text("# notes", encoding="utf-8")
+    ckpt = checkpoint_folder(tmp_path / "ckpt")
+    assert main(["eval", "--model", str(ckpt), "--data", str(data), "--json"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    assert warnings == [f"glassformer: warning: {data}: skipped 2 file(s) not named *.txt: "
+                        f"a.bin, {Path('sub', 'notes.md')}"]
+
+
+def test_glassformer_home_that_is_a_file_names_the_variable(tmp_path, monkeypatch, refused):
+    home = tmp_path / "home"
+    home.write_text("a file, not a folder", encoding="utf-8")
+    monkeypatch.setenv("GLASSFORMER_HOME", str(home))
+    refused(["pull", "smollm2-135m-instruct"], f"GLASSFORMER_HOME: {home} is not a folder", home)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": [1, 96]}', "prompt: token id 96 is not in the vocabulary (0 to 95)"),
+    ('{"prompt": [-1]}', "prompt: token id -1"), ('{"prompt": [1.5]}', "prompt: token id 1.5"),
+    ('{"prompt": 7}', "prompt: give a str"),
+])
+def test_prompts_file_ids_outside_the_vocabulary_name_the_line(line, message, model, tmp_path, refused):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n\n' + line + "\n", encoding="utf-8")
+    refused(["generate", "--model", model, "--prompts-file", prompts, "-n", "1"],
+            f"{prompts}:3: {message}", prompts, model)
+
+
+def test_journey_refuses_a_prompt_over_its_limit(model, tmp_path, refused):
+    out = tmp_path / "j.html"
+    refused(["journey", "--model", model, "-o", out, "--max-tokens", "8", "abcdefghi"],
+            "text: 9 tokens, over the journey's limit of 8", model, seconds=10)
+    assert not out.exists()
+
+
+def test_journey_shows_its_progress(model, tmp_path, capsys):
+    out = tmp_path / "j.html"
+    assert main(["journey", "--model", str(model), "-o", str(out), "--max-tokens", "8", "abcdefgh",
+                 "--ig-steps", "1"]) == 0
+    stages = capsys.readouterr().err.splitlines()
+    assert stages == ["journey: the forward pass over 8 tokens ...", "journey: integrated gradients ...",
+                      "journey: the logit lens and the tensors' summaries ...", f"journey: writing {out} ..."]
+    assert out.read_text(encoding="utf-8").startswith("<!")

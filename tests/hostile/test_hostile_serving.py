@@ -1,14 +1,26 @@
 """The serving engine and the server's settings given hostile values from Python: each refused
-at construction in one line naming the field, and the engine serving on afterwards."""
+at construction in one line naming the field, and the engine serving on afterwards; clients that
+send their headers slowly, or nothing at all, answered with 408 and cut off."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
 import pytest
 import torch
+import uvicorn
 
+import glassformer
 from glassformer import Transformer, get_preset
 from glassformer.generation.config import GenerationConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving.api.app import create_app
+from glassformer.serving.api.connection import header_limited
 from glassformer.serving.api.server import ServerConfig
 
 NAN, INF = float("nan"), float("inf")
@@ -68,7 +80,88 @@ def test_submit_and_start_after_close_raise(model):
 
 @pytest.mark.parametrize(("field", "value"), [
     ("max_tokens", 2.5), ("max_queue", -1), ("body_timeout_s", 0), ("request_timeout_s", INF),
-    ("allowed_hosts", "localhost"), ("allowed_origins", ("",))])
+    ("header_timeout_s", -1), ("allowed_hosts", "localhost"), ("allowed_origins", ("",))])
 def test_server_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}: "):
         ServerConfig("m", **{field: value})
+
+
+@contextmanager
+def served(gguf_file, config: ServerConfig):
+    """`glassformer serve`'s uvicorn settings on a free loopback port; yields its address."""
+    app = create_app(glassformer.load(gguf_file), config, EngineConfig(n_blocks=32))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
+                                           http=header_limited(config.header_timeout_s)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield sock.getsockname()
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n")
+BODY = b'{"model": "m", "prompt": "ab", "max_tokens": 1}'
+
+
+def _trickle(sock: socket.socket, data: bytes, every: float) -> None:
+    """Sends `data` a byte at a time; stops early when the server has closed the connection."""
+    for i in range(len(data)):
+        try:
+            sock.sendall(data[i:i + 1])
+        except OSError:
+            return
+        time.sleep(every)
+
+
+def _reply(sock: socket.socket) -> bytes:
+    reply = b""
+    with contextlib.suppress(TimeoutError, ConnectionResetError):
+        while chunk := sock.recv(65536):  # until the server closes (or the client's time is up)
+            reply += chunk
+    return reply
+
+
+@pytest.mark.parametrize("earlier", [b"", REQUEST % len(BODY) + BODY], ids=["first", "kept-alive"])
+def test_headers_sent_a_byte_at_a_time_get_408_and_a_closed_connection(earlier, gguf_file):
+    with served(gguf_file, ServerConfig("m", header_timeout_s=1.0)) as address:
+        with socket.create_connection(address, timeout=6) as sock:
+            if earlier:  # a whole request first: the limit applies to the next one's headers too
+                sock.sendall(earlier)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            start = time.monotonic()
+            sender = threading.Thread(target=_trickle, args=(sock, REQUEST % len(BODY), 0.3))
+            sender.start()
+            reply = _reply(sock)
+            sender.join(10)
+        assert time.monotonic() - start < 3  # closed by the server, not by the client's 6 s
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "timeout"
+
+
+def test_a_connection_that_sends_nothing_is_closed(gguf_file):
+    with served(gguf_file, ServerConfig("m", header_timeout_s=0.5)) as address:
+        with socket.create_connection(address, timeout=5) as sock:
+            start = time.monotonic()
+            assert _reply(sock).startswith(b"HTTP/1.1 408")
+            assert time.monotonic() - start < 3
+
+
+def test_the_header_limit_does_not_cut_a_slow_body_or_a_long_answer(gguf_file):
+    with served(gguf_file, ServerConfig("m", header_timeout_s=0.5, body_timeout_s=5)) as address:
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(REQUEST % len(BODY))
+            time.sleep(1.0)  # past the header limit, within the body's
+            sock.sendall(BODY)
+            head = sock.recv(65536)
+        assert head.startswith(b"HTTP/1.1 200"), head

@@ -6,6 +6,8 @@ sent once as flat arrays, so a 30-layer × 9-head model still makes a small, fas
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -17,6 +19,9 @@ from ..trace import capture, run_with_cache, site_dims
 from .steps import DIM_SYMBOLS, input_steps, layer_steps, output_steps
 
 ROWS, COLS = 6, 8  # the corner of each tensor shown in the report
+# The page holds T × T attention weights per head and layer: at 256 tokens a 30-layer, 9-head
+# model sends 18M of them, tens of MB, and the attributions take minutes on a CPU.
+MAX_TOKENS = 256
 
 
 def _weights(t: torch.Tensor) -> list:
@@ -79,26 +84,41 @@ def _logit_lens(model: Transformer, tokenizer, residuals: list[torch.Tensor]) ->
     return rows
 
 
+def _check_length(n_tokens: int, context_length: int, max_tokens: int) -> None:
+    if n_tokens == 0:
+        raise ValueError("text: nothing to trace (it encodes to no tokens)")
+    if n_tokens > context_length:
+        raise ValueError(f"text: {n_tokens} tokens exceed context_length={context_length}")
+    if n_tokens > max_tokens:  # the page holds T × T weights per head and layer
+        raise ValueError(f"text: {n_tokens} tokens, over the journey's limit of {max_tokens} "
+                         "(max_tokens, --max-tokens): trace a shorter text or raise the limit")
+
+
+def _silent(stage: str) -> None:
+    pass
+
+
 def collect_journey(
-    model: Transformer, tokenizer, text: str, top_k: int = 10, ig_steps: int = 4
+    model: Transformer, tokenizer, text: str, top_k: int = 10, ig_steps: int = 4,
+    max_tokens: int = MAX_TOKENS, progress: Callable[[str], None] = _silent,
 ) -> dict:
     """Everything the report shows for `text`: sites with shapes, dims, stats and previews;
     attention weights; next tokens; logit lens; rollout and integrated-gradient attributions;
     and one decode step of the most likely next token against the KV cache. An encoder
     (bidirectional) reads the text with its tokenizer's special tokens and predicts at its
-    first mask token (else at the last position); it has no decode step."""
+    first mask token (else at the last position); it has no decode step. A text of more than
+    `max_tokens` tokens is refused; `progress` hears each stage as it begins."""
     if model.training:
         raise ValueError("journey: call model.eval() first (dropout is random)")
     if isinstance(model, EncoderDecoder):
-        return collect_seq2seq_journey(model, tokenizer, text, top_k)
+        return collect_seq2seq_journey(model, tokenizer, text, top_k, max_tokens=max_tokens,
+                                       progress=progress)
     config = model.config
     encode = tokenizer.encode if config.causal else getattr(tokenizer, "encode_sequence", tokenizer.encode)
     ids_list = encode(text)
-    if not ids_list:
-        raise ValueError("text: nothing to trace (it encodes to no tokens)")
     T = len(ids_list)
-    if T > config.context_length:
-        raise ValueError(f"text: {T} tokens exceed context_length={config.context_length}")
+    _check_length(T, config.context_length, max_tokens)
+    progress(f"the forward pass over {T} tokens")
     device = model.lm_head.weight.device
     ids = torch.tensor([ids_list], device=device)  # (1, T)
     decode = config.causal and T < config.context_length
@@ -122,6 +142,7 @@ def collect_journey(
             "attention": [_weights(step[n][0, :, 0]) for n in names],
         }  # per layer (H, T + 1): the new query's row against the cached keys
 
+    progress("integrated gradients")
     target = next_tokens[0]["id"]
     reference = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.bos_id
     if reference is not None:  # a real token's embedding: a smooth path, unlike zeros
@@ -134,6 +155,7 @@ def collect_journey(
         ig = integrated_gradients(model, ids, target, position, steps=ig_steps)
     rollout = attention_rollout(patterns)[0, position]  # (T,)
     residuals = [acts["embed.out"]] + [acts[f"blocks.{i}.resid_post"] for i in range(L)]
+    progress("the logit lens and the tensors' summaries")
     return {
         "text": text,
         "tokens": [token_text(tokenizer, i) for i in ids_list],
@@ -168,17 +190,16 @@ def collect_journey(
 
 
 def collect_seq2seq_journey(model: EncoderDecoder, tokenizer, text: str, top_k: int = 10,
-                            n_decoded: int = 8) -> dict:
+                            n_decoded: int = 8, max_tokens: int = MAX_TOKENS,
+                            progress: Callable[[str], None] = _silent) -> dict:
     """The journey of an encoder-decoder: `text` is the source; the decoder reads its start
     token and up to n_decoded greedy tokens after it. The layers shown are the decoder's (its
     causal self-attention and its cross-attention, decoder tokens × source tokens); the
     encoder's own weights come as `encoder_attention`. No attribution is computed."""
     config = model.config
     source = tokenizer.encode(text)
-    if not source:
-        raise ValueError("text: nothing to trace (it encodes to no tokens)")
-    if len(source) > config.context_length:
-        raise ValueError(f"text: {len(source)} tokens exceed context_length={config.context_length}")
+    _check_length(len(source), config.context_length, max_tokens)
+    progress(f"the encoder over {len(source)} tokens and up to {n_decoded} decoded")
     device = model.lm_head.weight.device
     ids = torch.tensor([source], device=device)  # (1, S)
     decoded = [config.decoder_start_id]

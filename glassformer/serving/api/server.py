@@ -45,13 +45,14 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = LOOPBACK  # Host header names answered ("*": any); else 403
     allowed_origins: tuple[str, ...] = ()  # browser origins beyond the allowed hosts' ("*": any)
     metrics_need_key: bool = False  # whether /metrics also needs the API key
+    header_timeout_s: float = 10.0  # headers not whole by then get 408 and the connection closes
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_tokens", "max_body_bytes"):
             value, low = getattr(self, name), 0 if name == "max_queue" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
-        for name in ("request_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")

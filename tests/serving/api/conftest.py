@@ -17,6 +17,7 @@ from glassformer.formats.chat_tokenizer import ChatTokenizer
 from glassformer.language_model import LanguageModel
 from glassformer.serving import EngineConfig
 from glassformer.serving.api.app import ServerConfig, create_app
+from glassformer.serving.api.connection import header_limited
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -41,11 +42,12 @@ def language_model() -> LanguageModel:
 @contextmanager
 def serving(language_model, config: ServerConfig | None = None, engine: EngineConfig | None = None):
     """A running server; yields (base_url, app)."""
-    app = create_app(language_model, config or ServerConfig(MODEL, max_tokens=64),
-                     engine or EngineConfig(n_blocks=256, max_batch=8))
+    config = config or ServerConfig(MODEL, max_tokens=64)
+    app = create_app(language_model, config, engine or EngineConfig(n_blocks=256, max_batch=8))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                           http=header_limited(config.header_timeout_s)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
