@@ -34,7 +34,7 @@ from .block_manager import BlockManager
 from .handle import Event, RequestHandle, TokenLogprobs
 from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION
-from .runner import ModelRunner
+from .runner import CAPABILITIES, ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stats import EngineStats, StepTrace
@@ -71,12 +71,9 @@ class Engine:
                  config: EngineConfig = EngineConfig(), threads: ThreadPolicy | None = None) -> None:
         """`threads`: the process's thread policy, revisited before each step of the
         background thread (None: torch's thread count is left as it is)."""
-        if model.config.n_encoder_layers:
-            raise ValueError("the serving engine runs decoder-only models; an encoder-decoder "
-                             "generates one source at a time (glassformer generate)")
-        if not model.config.causal:
-            raise ValueError("the serving engine runs causal models; an encoder (bidirectional "
-                             "attention) does not continue text (glassformer fill-mask)")
+        reason = CAPABILITIES.why_not(model.config)
+        if reason is not None:
+            raise ValueError(reason)
         self.model, self.tokenizer, self.config, self.threads = model.eval(), tokenizer, config, threads
         mc = model.config
         n_blocks = config.n_blocks

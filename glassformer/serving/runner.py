@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import FastDecoder
 from ..model.layers.positions import rope_cos_sin
 from ..model.transformer import Transformer
@@ -35,13 +36,41 @@ from .sequence import Sequence
 
 Scheduled = list[tuple[Sequence, int]]
 
+_MODULES = "the model's own modules compute it"
+_ANGLES = "angles from the model's own inverse frequencies and attention factor"
+
+# What the engine computes, field by field: it runs the model's embedding, blocks, final norm
+# and head; only the RoPE angles (a table over the context) and the flat batch's positions are
+# its own, and the masks come from `Transformer.attention_mask`.
+CAPABILITIES = CapabilityTable("serving engine", {
+    **{name: any_value(_MODULES) for name in (
+        "vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head",
+        "d_ff", "norm", "norm_placement", "norm_eps", "norm_bias", "activation", "gated",
+        "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "final_norm", "tie_embeddings",
+        "dropout", "attention_kernel", "init_std", "n_token_types", "embed_norm", "head",
+        "scale_scores", "scale_head_input")},
+    **{name: any_value(_ANGLES) for name in (
+        "rope_theta", "rope_scaling", "rope_factor", "rope_original_context")},
+    "position": any_value("RoPE from the table; ALiBi and T5's bias through the model's masks"),
+    **{name: any_value("through the model's masks") for name in (
+        "sliding_window", "relative_buckets", "relative_max_distance")},
+    "causal": only(True, reason="the serving engine runs causal models; an encoder (bidirectional "
+                                "attention) does not continue text: glassformer fill-mask"),
+    "n_encoder_layers": only(0, reason="the serving engine runs decoder-only models; an "
+                                       "encoder-decoder generates one source at a time: "
+                                       "glassformer generate"),
+    "pooler": any_value("not part of generating"),
+    "decoder_start_id": any_value("an encoder-decoder's field"),
+})
+
 
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, attention: str = "fast",
                  invariant: bool = True) -> None:
         config = model.config
-        if not config.causal:
-            raise ValueError("model: the engine decodes causal models only")
+        reason = CAPABILITIES.why_not(config)
+        if reason is not None:
+            raise ValueError(reason)
         self.model, self.pool, self.fast = model, pool, attention == "fast"
         # the model's own modules; with invariance, a view whose products run in row tiles
         self.layers = model.with_products(row_invariant) if invariant else model

@@ -13,10 +13,11 @@ from glassformer.accel.capabilities import CapabilityTable, any_value, only
 from glassformer.accel.fast_decode import FastDecoder, why_not
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
+from glassformer.serving import runner
 
-# Every fast path's table. The serving engine's paged attention declares its own table with
-# the same type (glassformer.accel.capabilities.CapabilityTable) and joins this list.
-TABLES = [fast_decode.CAPABILITIES, fast_training.CAPABILITIES, quantize.CAPABILITIES]
+# Every fast path's table, the serving engine's among them.
+TABLES = [fast_decode.CAPABILITIES, fast_training.CAPABILITIES, quantize.CAPABILITIES,
+          runner.CAPABILITIES]
 
 # For each field some table limits: a value ModelConfig accepts that lies outside the limit.
 OUTSIDE = {"position": "relative", "norm_placement": "post", "causal": False,
