@@ -1,9 +1,9 @@
 """Each row of a weight product is the same bits whatever shares its call.
 
-The oracle is the row computed alone (one row, M = 1). The C++ kernels take any number of
-rows up to ops.SMALL_BATCH in one call, and any number with `invariant` set; in both cases
-row i of a batch must equal the lone row exactly, wherever it sits and whatever the other
-rows hold.
+The oracle is the row computed alone (one row, M = 1). Row i of a batch must equal the lone
+row exactly, wherever it sits and whatever the other rows hold: for int8 / int4 layers (GGUF
+blocks included) at any number of rows, for float layers up to ROW_TILE rows (beyond, the
+serving engine calls them in tiles: tests/serving/test_row_tiles.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from glassformer.accel.build import extension
-from glassformer.accel.ops import SMALL_BATCH
+from glassformer.accel.kernels import ROW_TILE
 from glassformer.accel.quantized_linear import QuantizedLinear
 
 pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ kernels are not built")
@@ -38,8 +38,8 @@ def test_each_row_is_the_lone_row_bit_for_bit(fmt, k, n):
         pytest.skip("GGUF rows hold whole blocks of 32")
     gen = torch.Generator().manual_seed(k * 1000 + n)
     layer = _layer(fmt, torch.randn(n, k, generator=gen), torch.randn(n, generator=gen))
-    layer.invariant = True
-    x = torch.randn(SMALL_BATCH + 13, k, generator=gen) * 2  # (M_max, K)
+    m_max = ROW_TILE if fmt in ("fp32", "bf16") else ROW_TILE + 13
+    x = torch.randn(m_max, k, generator=gen) * 2  # (M_max, K)
     with torch.no_grad():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])  # (M_max, N)
         for m in range(2, x.shape[0] + 1):
@@ -49,19 +49,18 @@ def test_each_row_is_the_lone_row_bit_for_bit(fmt, k, n):
             flipped = layer(rows.flip(0)).flip(0)  # each row at another index
             torch.testing.assert_close(flipped, alone[:m], rtol=0, atol=0,
                                        msg=f"{fmt}: rows of a reversed batch of {m}")
-        others = torch.cat([x[:1], torch.randn(SMALL_BATCH - 1, k, generator=gen) * 50])
+        others = torch.cat([x[:1], torch.randn(ROW_TILE - 1, k, generator=gen) * 50])
         torch.testing.assert_close(layer(others)[:1], alone[:1], rtol=0, atol=0,
                                    msg=f"{fmt}: a row among large ones")
         torch.testing.assert_close(layer(x[None])[0], alone, rtol=0, atol=0,
                                    msg=f"{fmt}: a (1, M, K) input")
 
 
-@pytest.mark.parametrize("fmt", ("fp32", "bf16", "int8", "int4"))
-def test_invariant_batches_match_tiles_of_the_small_batch(fmt):
+@pytest.mark.parametrize("fmt", ("int8", "int4"))
+def test_int_layers_take_many_rows_in_one_call_as_in_tiles(fmt):
     gen = torch.Generator().manual_seed(3)
     layer = QuantizedLinear.from_weight(torch.randn(48, 72, generator=gen), fmt)
-    x = torch.randn(5 * SMALL_BATCH + 3, 72, generator=gen)  # (M, K)
+    x = torch.randn(5 * ROW_TILE + 3, 72, generator=gen)  # (M, K)
     with torch.no_grad():
-        tiles = torch.cat([layer(t) for t in x.split(SMALL_BATCH)])  # the C++ kernels, tile by tile
-        layer.invariant = True
+        tiles = torch.cat([layer(t) for t in x.split(ROW_TILE)])  # (M, N) tile by tile
         torch.testing.assert_close(layer(x), tiles, rtol=0, atol=0)
