@@ -215,7 +215,7 @@ def test_not_a_file(tmp_path):
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
-    from glassformer.accel import QuantizedLinear, ops
+    from glassformer.accel import QuantizedLinear
 
     path = tmp_path / "k.gguf"
     write_gguf(path, source, qtype)
@@ -228,12 +228,10 @@ def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
             expected = exact.get_submodule(name).weight
             torch.testing.assert_close(layer.dequantized_weight(), expected, atol=0, rtol=0)
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # decode kernels (<= 8 rows) round activations to int8: close only
+    with torch.no_grad():  # the kernels round activations to int8 per block: close only
         torch.testing.assert_close(compact(ids[:, :1]), exact(ids[:, :1]), atol=0.15, rtol=0.05)
-        # prefill: the dense product, with bfloat16 operands where the CPU multiplies them fast
-        bf16 = ops.bf16_products_pay()
-        torch.testing.assert_close(compact(ids), exact(ids), atol=0.15 if bf16 else 1e-4,
-                                   rtol=0.05 if bf16 else 1e-4)
+        # twelve positions: each attends over rounded rows of the others, so the error adds up
+        torch.testing.assert_close(compact(ids), exact(ids), atol=0.3, rtol=0.05)
 
 
 def test_cli_reports_a_bad_file_in_one_line(f32_file, tmp_path, capsys):
