@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from glassformer.accel import build
+from glassformer.formats import hub
 
 # The command's thread policy samples the machine for 0.2 s and may change the count for the
 # rest of the session: tests keep torch's count (tests/accel/test_thread_policy.py unsets this).
@@ -36,3 +37,12 @@ def avx2_kernels():
     if torch.backends.cpu.get_cpu_capability() == "AVX2":
         pytest.skip("this CPU has AVX2 only: the native build is the AVX2 one")
     return _kernels("avx2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct's GGUF file (fetched once); skips where it cannot be had."""
+    try:
+        return hub.model_path("smollm2-135m-instruct", progress=False)
+    except OSError as error:
+        pytest.skip(f"SmolLM2 could not be downloaded: {error}")

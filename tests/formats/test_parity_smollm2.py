@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glassformer.formats import hub
 from glassformer.formats.gguf import load_gguf
 from glassformer.generation.generate import GenerationConfig, generate
 
@@ -19,24 +18,16 @@ PROMPT = "The meaning of life is"
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return hub.model_path("smollm2-135m-instruct", progress=False)
-    except OSError as error:
-        pytest.skip(f"SmolLM2 could not be downloaded: {error}")
+def ours(smollm2_path):
+    return load_gguf(smollm2_path)
 
 
 @pytest.fixture(scope="module")
-def ours(gguf_path):
-    return load_gguf(gguf_path)
-
-
-@pytest.fixture(scope="module")
-def reference(gguf_path):
+def reference(smollm2_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
     )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
     return model.eval(), tokenizer
 
 

@@ -132,13 +132,9 @@ def test_cli_refuses_a_bad_sampling_flag_in_one_line(chat_model, tmp_path, capsy
 
 
 @pytest.mark.slow
-def test_cli_chats_with_the_pretrained_model_under_a_repetition_penalty(monkeypatch, capsys):
-    from glassformer.formats import hub
-
-    try:
-        path = str(hub.model_path("smollm2-135m-instruct", progress=False))
-    except OSError as error:
-        pytest.skip(f"SmolLM2 could not be downloaded: {error}")
+def test_cli_chats_with_the_pretrained_model_under_a_repetition_penalty(monkeypatch, capsys,
+                                                                       smollm2_path):
+    path = str(smollm2_path)
     loaded = load(path, quantize="none")  # as `glassformer chat` loads it
     question = "What is the capital of France?"
     ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": question}],

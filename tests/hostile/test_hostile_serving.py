@@ -13,14 +13,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-import uvicorn
+from servers import serving
 
 import glassformer
 from glassformer import Transformer, get_preset
 from glassformer.generation.config import GenerationConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
-from glassformer.serving.api.app import create_app
-from glassformer.serving.api.connection import header_limited
 from glassformer.serving.api.server import ServerConfig
 
 NAN, INF = float("nan"), float("inf")
@@ -89,23 +87,9 @@ def test_server_settings_name_the_field(field, value):
 @contextmanager
 def served(gguf_file, config: ServerConfig):
     """`glassformer serve`'s uvicorn settings on a free loopback port; yields its address."""
-    app = create_app(glassformer.load(gguf_file), config, EngineConfig(n_blocks=32))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
-                                           http=header_limited(config.header_timeout_s)))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield sock.getsockname()
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    with serving(glassformer.load(gguf_file), config, EngineConfig(n_blocks=32), grace=2) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        yield host, int(port)
 
 
 REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from glassformer import load
-from glassformer.formats import hub
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.serving import Engine, EngineConfig, RequestParams
 
@@ -13,12 +12,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        hub.model_path("smollm2-135m-instruct", progress=False)
-    except OSError as error:
-        pytest.skip(f"SmolLM2 could not be downloaded: {error}")
-    return load("smollm2-135m-instruct", quantize="none", progress=False)
+def smollm2(smollm2_path):
+    return load(str(smollm2_path), quantize="none", progress=False)
 
 
 def test_greedy_fp32_engine_equals_generate(smollm2):

@@ -1,23 +1,19 @@
 """A tiny random model with a real byte-level tokenizer and a chat template, served by uvicorn on
 127.0.0.1 (a free port) from a thread; the fixture always shuts the server down."""
 
-import socket
-import threading
-import time
 from contextlib import contextmanager
 
 import httpx
 import pytest
+import servers
 import torch
-import uvicorn
 from tokenizers import Tokenizer, decoders, models
 
 from glassformer import Transformer, get_preset
 from glassformer.formats.chat_tokenizer import ChatTokenizer
 from glassformer.language_model import LanguageModel
 from glassformer.serving import EngineConfig
-from glassformer.serving.api.app import ServerConfig, create_app
-from glassformer.serving.api.connection import header_limited
+from glassformer.serving.api.app import ServerConfig
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -41,26 +37,10 @@ def language_model() -> LanguageModel:
 
 @contextmanager
 def serving(language_model, config: ServerConfig | None = None, engine: EngineConfig | None = None):
-    """A running server; yields (base_url, app)."""
+    """A running server of the tiny model; yields (base_url, app)."""
     config = config or ServerConfig(MODEL, max_tokens=64)
-    app = create_app(language_model, config, engine or EngineConfig(n_blocks=256, max_batch=8))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
-                                           http=header_limited(config.header_timeout_s)))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-        assert not thread.is_alive(), "server did not stop"
+    with servers.serving(language_model, config, engine or EngineConfig(n_blocks=256, max_batch=8)) as up:
+        yield up
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,11 @@ seeded. (The GGUF mode serves the same int8/int4 kernels from GGUF blocks; it is
 here.)"""
 
 import copy
-import threading
-import time
 
 import httpx
 import pytest
 from conftest import MODEL, serving
+from servers import staggered
 
 from glassformer.accel.build import extension
 from glassformer.accel.quantize import quantize_model
@@ -41,16 +40,6 @@ def test_eight_staggered_copies_equal_the_lone_answer(language_model, mode):
                  EngineConfig(n_blocks=256, max_batch=8, block_size=4, token_budget=16)) as (url, _):
         for kind, body in bodies.items():
             lone = _complete(url, body)
-            answers: list[str | None] = [None] * COPIES
-
-            def send(i: int, body: dict = body, answers: list = answers) -> None:
-                time.sleep(0.015 * i)  # later copies join while earlier ones decode
-                answers[i] = _complete(url, body)
-
-            threads = [threading.Thread(target=send, args=(i,)) for i in range(COPIES)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(120)
+            answers = staggered(lambda body=body: _complete(url, body), COPIES, 0.015)
             differ = [i for i, answer in enumerate(answers) if answer != lone]
             assert not differ, f"{mode} {kind}: copies {differ} differ from the lone answer {lone!r}"

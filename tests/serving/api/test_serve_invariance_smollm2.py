@@ -7,14 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
+from servers import staggered
 from test_serve_command import free_port
-
-from glassformer.formats import hub
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +22,6 @@ BODIES = {
     "greedy": {"model": "m", "prompt": PROMPT, "max_tokens": 32, "temperature": 0},
     "seeded": {"model": "m", "prompt": PROMPT, "max_tokens": 32, "temperature": 1.0, "seed": 11},
 }
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return hub.model_path("smollm2-135m-instruct", progress=False)
-    except OSError as error:
-        pytest.skip(f"SmolLM2 could not be downloaded: {error}")
 
 
 def _serve(model_path, mode: str):
@@ -59,26 +49,15 @@ def _complete(url: str, body: dict) -> str:
 
 
 @pytest.mark.parametrize("mode", ["none", "bf16", "int8", "int4", "gguf"])
-def test_every_copy_is_the_lone_answer(smollm2, mode):
-    url, server = _serve(smollm2, mode)
+def test_every_copy_is_the_lone_answer(smollm2_path, mode):
+    url, server = _serve(smollm2_path, mode)
     try:
         differ = {}
         for kind, body in BODIES.items():
             lone = _complete(url, body)
-            answers: list[str | None] = []
+            answers = []
             for _ in range(ROUNDS):
-                got: list[str | None] = [None] * COPIES
-
-                def send(i: int, body: dict = body, got: list = got) -> None:
-                    time.sleep(0.05 * i)  # later copies arrive while earlier ones decode
-                    got[i] = _complete(url, body)
-
-                threads = [threading.Thread(target=send, args=(i,)) for i in range(COPIES)]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join(180)
-                answers += got
+                answers += staggered(lambda body=body: _complete(url, body), COPIES, 0.05)
             differ[kind] = sum(answer != lone for answer in answers)
         assert differ == {"greedy": 0, "seeded": 0}, f"{mode}: copies that differ of {len(answers)}"
     finally:
