@@ -6,6 +6,12 @@ Slot s = block · block_size + offset. Keys and values are stored per slot as (K
         head, i.e. 1 + 4/d_head bytes per value instead of 4 (fp32) or 2 (bf16).
 Reads always return float32; everything attends to what the pool holds, so a request sees the
 same keys whether they were written by a decode step, a prefill chunk or another request.
+
+The pool is sized by what the requests use, up to its `n_blocks`: memory is taken for the
+first blocks only, and grows (doubling) when a step needs a block beyond them (`reserve`).
+The block manager hands out never-used blocks in order before it reuses freed ones (which may
+hold a cached prefix), so memory follows the work the engine has seen, up to the pool's size:
+two short prompts never take the whole `--kv-memory-mb`.
 """
 
 from __future__ import annotations
@@ -37,15 +43,30 @@ class KVPool:
                  device: torch.device | str = "cpu") -> None:
         bytes_per_block(config, block_size, kv_dtype)  # validates kv_dtype
         self.n_blocks, self.block_size, self.kv_dtype = n_blocks, block_size, kv_dtype
-        shape = (n_blocks * block_size, config.kv_heads, config.head_dim)  # (slots, KV, d_head)
-        dtype = KV_DTYPES[kv_dtype]
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.slot_shape = (config.kv_heads, config.head_dim)  # (KV, d_head) per slot
+        self.device, self.allocated = device, 0  # blocks held in memory so far
+        empty = [torch.zeros(0, *self.slot_shape, dtype=KV_DTYPES[kv_dtype], device=device)
+                 for _ in range(2 * config.n_layers)]  # (slots, KV, d_head) each
+        self.keys, self.values = empty[: config.n_layers], empty[config.n_layers :]
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
         if kv_dtype == "int8":  # (slots, KV) one scale per slot and head
-            self.key_scales = [torch.zeros(shape[:2], device=device) for _ in range(config.n_layers)]
-            self.value_scales = [torch.zeros(shape[:2], device=device) for _ in range(config.n_layers)]
+            self.key_scales = [torch.zeros(0, config.kv_heads, device=device) for _ in range(config.n_layers)]
+            self.value_scales = [torch.zeros(0, config.kv_heads, device=device) for _ in range(config.n_layers)]
+
+    def reserve(self, n_blocks: int) -> None:
+        """Hold at least the first `n_blocks` blocks in memory (grown by doubling, up to the
+        pool's size); what they hold is kept."""
+        if n_blocks <= self.allocated:
+            return
+        if n_blocks > self.n_blocks:
+            raise ValueError(f"blocks: {n_blocks} needed, the pool has {self.n_blocks}")
+        grown = min(self.n_blocks, max(n_blocks, 2 * self.allocated))
+        extra = (grown - self.allocated) * self.block_size  # new slots
+        for store in (self.keys, self.values, self.key_scales, self.value_scales):
+            for layer, t in enumerate(store):
+                store[layer] = torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+        self.allocated = grown
 
     def nbytes(self) -> int:
         tensors = self.keys + self.values + self.key_scales + self.value_scales
@@ -74,6 +95,7 @@ class KVPool:
         """Copy whole blocks (source, destination) in every layer (copy-on-write)."""
         if not pairs:
             return
+        self.reserve(1 + max(max(pair) for pair in pairs))
         bs = self.block_size
         src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
         dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])

@@ -61,7 +61,7 @@ class PagedView:
 
     def __init__(self, pool: KVPool, parts: list[Part], fast: bool, model: Transformer) -> None:
         self.pool, self.fast = pool, fast
-        device = pool.keys[0].device
+        device = pool.device
         self.new_slots = torch.cat([p.slots[p.context - p.n :] for p in parts]).to(device)  # (N,)
         self.single = [p for p in parts if p.n == 1] if fast else []
         self.chunks = [p for p in parts if not (fast and p.n == 1)]

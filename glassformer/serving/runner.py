@@ -86,6 +86,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Runs the plan; returns next-token logits (R, V) for the requests that reach the end
         of their tokens in this step, in plan order."""
+        self.pool.reserve(1 + max((b for seq, _ in plan.scheduled for b in seq.block_table), default=-1))
         self.pool.copy_blocks(plan.copies)
         fused = self._fused()
         decoding = [(seq, n) for seq, n in plan.scheduled if fused is not None and n == 1]

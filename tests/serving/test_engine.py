@@ -203,3 +203,18 @@ def test_stepping_by_hand_is_refused_while_the_thread_runs(tiny):
     with Engine(tiny(), None, EngineConfig(n_blocks=8)) as engine:
         with pytest.raises(RuntimeError, match="own thread"):
             engine.step()
+
+
+def test_the_pool_holds_only_the_blocks_the_requests_used(tiny, prompts):
+    model = tiny()
+    params = RequestParams(max_new_tokens=6, eos_ids=())
+    grown = Engine(model, None, EngineConfig(block_size=4, n_blocks=500))
+    full = Engine(model, None, EngineConfig(block_size=4, n_blocks=500))
+    full.pool.reserve(500)
+    results = []
+    for engine in (grown, full):
+        handles = [engine.submit(p, params) for p in prompts([3, 5])]
+        engine.run_until_done()
+        results.append([h.wait(0).generated_ids for h in handles])
+    assert results[0] == results[1]
+    assert grown.pool.allocated < 10 < full.pool.allocated == 500

@@ -12,7 +12,9 @@ from glassformer.serving.paged_attention import PagedView, Part, slots_of
 def _setup(kv_dtype="fp32", block_size=4, n_blocks=32, H=4, KV=2, d=8, **changes):
     config = get_preset("tiny-llama").replace(n_heads=H, n_kv_heads=KV, d_model=H * d, n_layers=1,
                                               **changes)
-    return config, KVPool(config, n_blocks, block_size, kv_dtype)
+    pool = KVPool(config, n_blocks, block_size, kv_dtype)
+    pool.reserve(n_blocks)
+    return config, pool
 
 
 @pytest.mark.parametrize("changes", [
@@ -82,3 +84,22 @@ def test_memory_per_block():
     assert int8 < bytes_per_block(config, 4, "bf16") < bytes_per_block(config, 4, "fp32")
     with pytest.raises(ValueError, match="kv_dtype"):
         bytes_per_block(config, 4, "fp8")
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_the_pool_grows_with_the_blocks_used_and_keeps_what_it_holds(kv_dtype):
+    config = get_preset("tiny-llama").replace(n_layers=2)
+    pool = KVPool(config, 40, 4, kv_dtype)
+    assert pool.nbytes() == 0
+    x = torch.randn(4, config.kv_heads, config.head_dim)
+    pool.reserve(3)
+    pool.write(1, torch.arange(8, 12), x, -x)  # block 2
+    before = pool.read(1, torch.arange(8, 12))
+    pool.reserve(5)  # doubles: 6 blocks
+    assert pool.allocated == 6 and pool.nbytes() == 6 * bytes_per_block(config, 4, kv_dtype)
+    for got, want in zip(pool.read(1, torch.arange(8, 12)), before, strict=True):
+        assert torch.equal(got, want)
+    pool.copy_blocks([(2, 30)])  # a copy past the held blocks grows the pool first
+    assert pool.allocated == 31 and torch.equal(pool.read(1, torch.arange(120, 124))[0], before[0])
+    with pytest.raises(ValueError, match="blocks"):
+        pool.reserve(41)
