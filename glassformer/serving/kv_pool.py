@@ -51,8 +51,8 @@ class KVPool:
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
         if kv_dtype == "int8":  # (slots, KV) one scale per slot and head
-            self.key_scales = [torch.zeros(0, config.kv_heads, device=device) for _ in range(config.n_layers)]
-            self.value_scales = [torch.zeros(0, config.kv_heads, device=device) for _ in range(config.n_layers)]
+            scales = [torch.zeros(0, config.kv_heads, device=device) for _ in range(2 * config.n_layers)]
+            self.key_scales, self.value_scales = scales[: config.n_layers], scales[config.n_layers :]
 
     def reserve(self, n_blocks: int) -> None:
         """Hold at least the first `n_blocks` blocks in memory (grown by doubling, up to the
