@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    import torch
 
 # "cancelled" and "error" end engine requests only: cancelled by its caller or a shutdown, or
 # failed alone inside a step (the engine and the other requests go on).
@@ -40,6 +43,7 @@ class RequestParams:
     beams: int = 1  # > 1: beam search (beam.py)
     length_penalty: float = 1.0  # beam score = sum log p / length^length_penalty
     logprobs: int | None = None  # the engine: each token's log-probability and the n likeliest
+    capture: tuple[str, ...] = ()  # the engine: hook sites kept for this request's rows
 
     def __post_init__(self) -> None:
         _integer("max_new_tokens", self.max_new_tokens, 1)
@@ -66,6 +70,10 @@ class RequestParams:
             _integer("logprobs", self.logprobs, 0)
             if self.beams > 1:
                 raise ValueError("logprobs: not with beams (only the winner is reported)")
+        if not isinstance(self.capture, tuple) or any(not isinstance(s, str) for s in self.capture):
+            raise ValueError(f"capture: a tuple of hook site names, got {self.capture!r}")
+        if self.capture and self.beams > 1:
+            raise ValueError("capture: not with beams (each beam computes other rows)")
 
     @classmethod
     def from_fields(cls, **fields: Any) -> RequestParams:
@@ -104,6 +112,8 @@ class GenerationConfig(RequestParams):
             raise ValueError(f"overflow: choose 'stop' or 'slide', got {self.overflow!r}")
         if self.logprobs is not None:
             raise ValueError("logprobs: only the serving engine reports log-probabilities")
+        if self.capture:
+            raise ValueError("capture: the serving engine's; generate's sites are glassformer.trace's")
 
 
 @dataclass
@@ -118,6 +128,9 @@ class GenerationResult:
     truncated_tokens: int = 0  # prompt tokens dropped from the left
     log_prob: float | None = None  # sum of log-probabilities of generated_ids (beam search)
     stop_string: str | None = None  # the stop string that ended the text
+    # the engine's capture: site -> the tensor the request's rows gave it, positions 0..T-1 of
+    # prompt + generated[:-1] along the site's token axis (glassformer.trace's layout, batch 1)
+    captured: dict[str, torch.Tensor] | None = None
 
     @property
     def n_generated(self) -> int:
@@ -132,7 +145,10 @@ class GenerationResult:
         return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
 
     def to_dict(self) -> dict:
+        captured = None if self.captured is None else {
+            site: tensor.tolist() for site, tensor in self.captured.items()}
         return asdict(self) | {
+            "captured": captured,
             "n_generated": self.n_generated,
             "prefill_tokens_per_second": self.prefill_tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,

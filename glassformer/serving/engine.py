@@ -31,6 +31,7 @@ from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
 from .beam import BeamGroup
 from .block_manager import BlockManager
+from .capture import captured, check_capture
 from .handle import Event, RequestHandle, TokenLogprobs
 from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION
@@ -115,6 +116,7 @@ class Engine:
             raise ValueError("stop: stop strings need a tokenizer to decode the text")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be integers in 0..{mc.vocab_size - 1}")
+        check_capture(mc, params.capture)
         if params.logprobs is not None and params.logprobs > mc.vocab_size:
             raise ValueError(f"logprobs: at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")
         longest = min(len(prompt) + params.max_new_tokens, mc.context_length)
@@ -314,6 +316,7 @@ class Engine:
             decode_seconds=seq.finish_time - first,
             decode_steps=max(len(seq.generated) - 1, 0),
             stop_string=None if seq.text is None else seq.text.stop_string,
+            captured=captured(seq),
         )
 
 

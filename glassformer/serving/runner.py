@@ -28,6 +28,7 @@ from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import FastDecoder
 from ..model.layers.positions import rope_cos_sin
 from ..model.transformer import Transformer
+from .capture import capture_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView, Part, slots_of
 from .row_tiles import row_invariant
@@ -89,8 +90,9 @@ class ModelRunner:
         self.pool.reserve(1 + max((b for seq, _ in plan.scheduled for b in seq.block_table), default=-1))
         self.pool.copy_blocks(plan.copies)
         fused = self._fused()
-        decoding = [(seq, n) for seq, n in plan.scheduled if fused is not None and n == 1]
-        others = [(seq, n) for seq, n in plan.scheduled if fused is None or n != 1]
+        fast = [fused is not None and n == 1 and not seq.params.capture for seq, n in plan.scheduled]
+        decoding = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
+        others = [part for part, ok in zip(plan.scheduled, fast, strict=True) if not ok]
         hidden = {}  # id(request) -> its last row's final hidden state (d,)
         if decoding:
             hidden.update(self._run_fused(decoding, fused))
@@ -116,11 +118,13 @@ class ModelRunner:
     def _run_blocks(self, scheduled: Scheduled) -> dict[int, torch.Tensor]:
         """The scheduled tokens through the model's blocks; the last row of each request
         that reaches its end: id(request) -> (d,)."""
-        ids, positions, parts, ends = [], [], [], {}
+        ids, positions, parts, ends, capturing = [], [], [], {}, []
         for seq, n in scheduled:
             context = seq.num_computed + n
             slots = slots_of(seq.block_table, context, self.pool.block_size)
             parts.append(Part(len(ids), n, slots))
+            if seq.params.capture:
+                capturing.append((seq, len(ids), n, seq.num_computed))
             ids += seq.tokens[seq.num_computed : context]
             positions += range(seq.num_computed, context)
             if context == seq.num_tokens:
@@ -131,9 +135,10 @@ class ModelRunner:
         rope = None
         if self.rope is not None:  # (1, 1, N, d_head) each
             rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
-        x = self.layers.embed(ids_t, pos_t)  # (1, N, d)
-        for block in self.layers.blocks:
-            x = block(x, None, rope, view)
+        with self.layers.hooks.installed(capture_hooks(capturing)):
+            x = self.layers.embed(ids_t, pos_t)  # (1, N, d)
+            for block in self.layers.blocks:
+                x = block(x, None, rope, view)
         return {key: x[0, row] for key, row in ends.items()}
 
     def _run_fused(self, scheduled: Scheduled, fused: FastDecoder) -> dict[int, torch.Tensor]:

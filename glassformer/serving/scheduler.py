@@ -101,7 +101,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_batch and not plan.preempted:
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and not seq.params.capture:  # a capture sees every row
                 self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._reserve(seq, n, plan):

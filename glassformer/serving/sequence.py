@@ -49,6 +49,8 @@ class Sequence:
         self.finish_time: float | None = None
         self.preemptions = 0
         self.group = None  # the BeamGroup this sequence is a member of
+        # capture: site -> position -> the site's tensor for that row (its token axis removed)
+        self.captured: dict[str, dict[int, torch.Tensor]] = {site: {} for site in params.capture}
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,62 @@
+"""Hook sites kept for chosen requests, inside the engine's batched step.
+
+A request names sites (`RequestParams.capture`). The step runs the model's own blocks over
+every request's new rows as one sequence (runner.py), so each site's tensor holds all of them
+along its token axis; the hooks installed for the step keep, for each capturing request, its
+own rows, by position. Requests that asked for nothing are computed exactly as without the
+hooks (a hook that returns None changes nothing), and a step where no request asks installs
+none. The sites with a token axis are captured (glassformer.trace lists them with their
+dimensions); the attention weights, the final norm and the logits are not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..interpret.trace import EMBED_SITES, LAYER_SITES, site_names
+from ..model.config import ModelConfig
+from ..model.hooks import HookFn
+from .sequence import Sequence
+
+
+def token_axis(site: str) -> int | None:
+    """Where a site's tensor keeps its tokens (batch first), or None for a site the engine
+    does not capture."""
+    dims = EMBED_SITES.get(site) or LAYER_SITES.get(site.split(".", 2)[-1])
+    return dims.index("pos") if dims is not None and "pos" in dims else None
+
+
+def check_capture(config: ModelConfig, sites: tuple[str, ...]) -> None:
+    """Raises ValueError naming `capture` for a site this model lacks or the engine cannot keep."""
+    known = set(site_names(config))
+    for site in sites:
+        if site not in known:
+            raise ValueError(f"capture: the model has no site {site!r} (glassformer.trace lists them)")
+        if token_axis(site) is None:
+            raise ValueError(f"capture: {site!r} has no token axis; the engine keeps sites with one "
+                             "(attention weights, the final norm and the logits are not kept)")
+
+
+def capture_hooks(parts: list[tuple[Sequence, int, int, int]]) -> dict[str, HookFn]:
+    """Hooks that store, for each (request, first row, rows, first position) of the step that
+    asked for sites, those rows of every site it named."""
+    sites = {site for seq, *_ in parts for site in seq.params.capture}
+
+    def keep(tensor: torch.Tensor, site: str) -> None:
+        axis = token_axis(site)
+        for seq, start, n, position in parts:
+            if site in seq.captured:
+                for i in range(n):
+                    seq.captured[site][position + i] = tensor.select(axis, start + i)[0].clone()
+        return None
+
+    return dict.fromkeys(sites, keep)
+
+
+def captured(seq: Sequence) -> dict[str, torch.Tensor] | None:
+    """Each asked site's rows in position order, stacked on its token axis with a batch of 1:
+    the layout glassformer.trace gives the same site for the request's tokens."""
+    if not seq.params.capture:
+        return None
+    return {site: torch.stack([rows[p] for p in sorted(rows)], dim=token_axis(site) - 1)[None]
+            for site, rows in seq.captured.items()}
