@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 
 from ...generation.sampling import SamplingConfig
 from .. import RequestParams
+from ..capture import token_axis
 
 
 class Strict(BaseModel):
@@ -78,6 +79,7 @@ class SamplingFields(Strict):
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             eos_ids=() if self.glassformer.ignore_eos or eos_id is None else (eos_id,),
             logprobs=self.logprob_count,
+            capture=tuple(site for site in self.glassformer.trace if token_axis(site) is not None),
         )
 
     @property

@@ -228,11 +228,17 @@ class Server:
         head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
 
         async def extra() -> dict:
-            """The trace sites' tensors for this request's tokens, once it has finished."""
+            """The trace sites' tensors for this request's tokens, once it has finished: those
+            the engine kept in its steps, and the rest from a run of the request alone."""
             if not sites or handle.result is None:
                 return {}
-            read = handle.result.prompt_ids + handle.result.generated_ids[:-1]
-            return {"glassformer": {"trace": await asyncio.to_thread(self.tracer.run, read, sites)}}
+            kept = handle.result.captured or {}
+            trace = {site: tensor[0].float().tolist() for site, tensor in kept.items()}
+            rest = [site for site in sites if site not in kept]
+            if rest:
+                read = handle.result.prompt_ids + handle.result.generated_ids[:-1]
+                trace |= await asyncio.to_thread(self.tracer.run, read, rest)
+            return {"glassformer": {"trace": trace}}
 
         def usage() -> dict:
             generated = len(handle.result.generated_ids) if handle.result is not None else 0

@@ -1,10 +1,12 @@
 """Trace sites on the serving path: a request names hook sites (`"glassformer": {"trace":
-["blocks.3.attn.pattern"]}`) and gets those tensors for its own tokens.
+["blocks.3.resid_post", "blocks.3.attn.pattern"]}`) and gets those tensors for its own tokens.
 
-When the request has finished, its tokens (the prompt and every generated token the model
-read) run through `run_with_cache` alone, on a twin of the model that shares its weights but
-has its own hooks, so the engine's batched steps never see them. The tensors are therefore
-exactly `run_with_cache` on that request alone, whatever it was batched with."""
+Sites with a token axis are kept by the engine inside the steps that computed the request
+(serving/capture.py): the numbers the server produced, in its weight format. The others (the
+attention weights, the final norm, the logits) come from a run of the request's tokens (the
+prompt and every generated token the model read) through `run_with_cache` alone, once it has
+finished, on a twin of the model that shares its weights but has its own hooks, so the
+engine's batched steps never see them."""
 
 from __future__ import annotations
 
