@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import os
 import sys
 import time
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 
 from ..home import home
 from . import build, onednn
-from .cpu import cpu_features, cpu_identity, parse, cpuinfo_text
+from .cpu import cpu_features, cpu_identity, cpuinfo_text, parse
 from .weight_formats import quantize_int8
 
 REPEATS = 3  # timed runs per option after the warm-up; the best counts
