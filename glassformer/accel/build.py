@@ -10,8 +10,9 @@ its version). Setting `GLASSFORMER_KERNELS=torch` selects the pure-PyTorch path 
 
 Two targets: "native" (-march=native: AVX-512 VNNI where the CPU has it) and "avx2" (AVX2 +
 FMA + F16C only), so the AVX2 path is built and tested on CPUs that have more. The library
-uses "native", or "avx2" where PyTorch's dispatch is lowered below the CPU's AVX-512
-(`ATEN_CPU_CAPABILITY=avx2`): the whole process then computes as an AVX2-only CPU does.
+uses the one `decisions.kernel_target` names: "avx2" where PyTorch's dispatch is lowered below
+the CPU's AVX-512 (`ATEN_CPU_CAPABILITY=avx2`: the whole process then computes as an AVX2-only
+CPU does), the faster of the two where both are compiled, else "native".
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from types import ModuleType
 import torch
 
 from ..home import home
-from .cpu import kernel_target
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))  # every translation unit of the extension
@@ -155,14 +155,23 @@ def _compile(name: str, directory: Path, target: str) -> ModuleType:
         os.environ["PATH"] = path
 
 
+def _library(target: str) -> tuple[str, Path, Path]:
+    """The module name, build folder and library file of `target`'s build."""
+    key = cache_key(target)
+    name = f"glassformer_kernels_{key}"
+    return name, cache_dir() / key, cache_dir() / key / f"{name}.so"
+
+
+def built(target: str) -> bool:
+    """Whether `target`'s build of these sources is compiled and usable (none is started)."""
+    return _why_unavailable() is None and _library(target)[2].exists()
+
+
 def _load(target: str) -> ModuleType | str:
     """The module for `target`, or the reason there is none (also printed)."""
     reason = _why_unavailable()
     if reason is None:
-        key = cache_key(target)
-        name = f"glassformer_kernels_{key}"
-        directory = cache_dir() / key
-        library = directory / f"{name}.so"
+        name, directory, library = _library(target)
         module = _import(name, library) if library.exists() else None
         if module is not None:
             return module
@@ -177,9 +186,9 @@ def _load(target: str) -> ModuleType | str:
 
 
 def extension(target: str | None = None) -> ModuleType | None:
-    """The compiled kernels for `target` (default: `cpu.kernel_target()`; built on the first
-    call), or None for the PyTorch path."""
-    target = target or kernel_target()
+    """The compiled kernels for `target` (default: `decisions.kernel_target()`; built on the
+    first call), or None for the PyTorch path."""
+    target = target or _default_target()
     if target not in _loaded:
         _loaded[target] = _load(target)
     found = _loaded[target]
@@ -188,10 +197,16 @@ def extension(target: str | None = None) -> ModuleType | None:
 
 def why_unavailable(target: str | None = None) -> str | None:
     """Why `extension(target)` is None (deciding it first), or None when it is not."""
-    target = target or kernel_target()
+    target = target or _default_target()
     extension(target)
     found = _loaded[target]
     return found if isinstance(found, str) else None
+
+
+def _default_target() -> str:
+    from .decisions import kernel_target  # it measures builds of this module: imported late
+
+    return kernel_target().choice
 
 
 def reset() -> None:

@@ -1,17 +1,15 @@
-"""What this CPU computes fast: its vector features, and the decisions that follow from them.
+"""What this CPU has: its vector features, as PyTorch dispatches to them.
 
 Features come from the kernel's flags (/proc/cpuinfo) capped by the instruction set PyTorch
 dispatches to (`torch.backends.cpu.get_cpu_capability()`, which ATEN_CPU_CAPABILITY=avx2
-lowers): AVX-512 that PyTorch will not use counts as absent. The decisions are known, not
-assumed per vendor: a bfloat16 matrix product pays only with bfloat16 arithmetic in hardware
-(AVX-512 BF16 or AMX); without it PyTorch emulates it, 10-20× slower than float32
-(benchmarks/newton_schulz.py measures both). `GLASSFORMER_BF16=0/1` overrides the decision.
+lowers): AVX-512 that PyTorch will not use counts as absent. Flags rule a fast path out (no
+bfloat16 arithmetic: PyTorch would emulate it), never in: what pays is measured on the
+machine (decisions.py).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from dataclasses import dataclass
 
@@ -90,23 +88,9 @@ def cpuinfo_text() -> str:
         return ""
 
 
-def choose_kernel_target(has_avx512: bool, capability: str) -> str:
-    """The build of the C++ kernels to use: "native", or "avx2" where PyTorch dispatches below
-    the AVX-512 this CPU has (ATEN_CPU_CAPABILITY=avx2), so that the kernels too compute as an
-    AVX2-only CPU does."""
-    return "avx2" if has_avx512 and capability != "AVX512" else "native"
-
-
-@functools.cache
-def kernel_target() -> str:
-    """This process's kernel build (see choose_kernel_target), decided once."""
-    has_avx512 = parse(cpuinfo_text(), "AVX512").avx512
-    return choose_kernel_target(has_avx512, torch.backends.cpu.get_cpu_capability())
-
-
-def bf16_products_pay(features: CpuFeatures | None = None) -> bool:
-    """Whether bfloat16 matrix products beat float32 ones on this CPU."""
-    setting = os.environ.get("GLASSFORMER_BF16", "").strip()
-    if setting in ("0", "1"):
-        return setting == "1"
-    return (features or cpu_features()).bf16_arithmetic
+def cpu_identity() -> str:
+    """The first processor's model, family, model number and flags: what names this CPU in the
+    records of measured decisions (decisions.py)."""
+    fields = _first_processor(cpuinfo_text())
+    keys = ("model name", "cpu family", "model", "flags")
+    return "\n".join([platform.machine(), platform.processor(), *(fields.get(k, "") for k in keys)])

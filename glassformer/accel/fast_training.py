@@ -28,8 +28,9 @@ from ..model.transformer import Transformer
 from . import kernels
 from .attention import attention
 from .capabilities import CapabilityTable, any_value
+from .decisions import onednn_pays
 from .fused import FusedGELU, FusedLayerNorm, FusedRMSNorm, FusedRotary, FusedSwiGLU
-from .onednn import OneDNNLinear, onednn_pays
+from .onednn import OneDNNLinear
 
 _PER_CALL = "each fused pass takes only the calls it computes, the plain module the rest"
 _MODULES = "the model's own modules, unconverted"

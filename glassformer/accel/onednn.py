@@ -1,26 +1,23 @@
-"""Training's float32 matrix products through oneDNN, on CPUs where MKL would not use AVX-512.
+"""Training's float32 matrix products through oneDNN, for CPUs where it beats MKL.
 
 PyTorch multiplies float32 matrices on the CPU with MKL, which runs its AVX-512 kernels only
 on Intel processors: on other AVX-512 CPUs (AMD Zen 4 and 5) it takes its AVX2 path, about
 half their speed. oneDNN, also inside PyTorch, chooses its kernels from the instruction set.
 `linear` sends a training step's three products (output, input gradient, weight gradient)
-through oneDNN on such CPUs: the same float32 arithmetic, summed in another order. Elsewhere,
-and under torch.compile or `GLASSFORMER_KERNELS=torch`, it returns None and the caller keeps
+through oneDNN: the same float32 arithmetic, summed in another order. Under torch.compile,
+autocast, or for a product that needs no gradient, it returns None and the caller keeps
 `F.linear` (tests/accel/test_onednn.py compares both, values and gradients). `OneDNNLinear`
-is nn.Linear with its products taken so, installed by `fast_training.use_fast_training`.
+is nn.Linear with its products taken so, installed by `fast_training.use_fast_training`
+where oneDNN measured faster (`decisions.onednn_pays`).
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .cpu import cpuinfo_text
 
 
 def _transposed(t: torch.Tensor) -> torch.Tensor:
@@ -36,18 +33,9 @@ def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
-@functools.cache
-def onednn_pays() -> bool:
-    """Whether this CPU has AVX-512 that MKL leaves unused (a non-Intel x86 processor) and
-    this PyTorch has oneDNN's linear."""
-    if os.environ.get("GLASSFORMER_KERNELS", "").lower() == "torch":
-        return False
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return False
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return False
-    cpuinfo = cpuinfo_text()
-    return "vendor_id" in cpuinfo and "GenuineIntel" not in cpuinfo
+def available() -> bool:
+    """Whether this PyTorch has oneDNN's linear."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class _Linear(torch.autograd.Function):
@@ -78,8 +66,8 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x (..., K) @ weight (N, K)^T + bias through oneDNN where that pays for a training
-    product (float32 CPU tensors needing a gradient, no autocast), else None."""
+    """x (..., K) @ weight (N, K)^T + bias through oneDNN for a training product (float32 CPU
+    tensors needing a gradient, no autocast), else None."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if (
         torch.compiler.is_compiling()
@@ -87,7 +75,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         or not torch.is_grad_enabled()
         or not any(t.requires_grad for t in tensors)
         or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        or not onednn_pays()
+        or not available()
     ):
         return None
     return _Linear.apply(x, weight, bias)

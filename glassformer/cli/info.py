@@ -19,6 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help="a named preset, e.g. gpt2")
     source.add_argument("--config", help="a JSON file of ModelConfig fields")
+    source.add_argument("--system", action="store_true",
+                        help="this CPU and the fast paths measured on it")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -34,6 +36,8 @@ def load_config(preset: str | None, path: str | None) -> ModelConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.system:
+        return show_system(args.json)
     config = load_config(args.preset, args.config)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = build_model(config)
@@ -66,3 +70,20 @@ def stack_summary(config: ModelConfig) -> list[dict]:
              "sublayers": ["bidirectional self-attention", "feed-forward"]},
             {"name": "decoder", "layers": config.n_layers,
              "sublayers": ["causal self-attention", "cross-attention to the encoder", "feed-forward"]}]
+
+
+def show_system(as_json: bool) -> int:
+    """The CPU line and each CPU-dependent decision: choice, source, measured seconds."""
+    from ..accel.cpu import cpu_features
+    from ..accel.decisions import all_decisions
+
+    cpu, decisions = cpu_features().summary(), [d.to_dict() for d in all_decisions()]
+    if as_json:
+        print(json.dumps({"cpu": cpu, "decisions": decisions}))
+        return 0
+    print(f"{'cpu':>16}  {cpu}")
+    for d in decisions:
+        figures = ", ".join(f"{option} {seconds * 1e3:.2f} ms" for option, seconds in d["figures"].items())
+        print(f"{d['name']:>16}  {d['choice']} ({d['source']}{': ' if d['note'] else ''}{d['note']})"
+              + (f"; {figures}" if figures else ""))
+    return 0

@@ -19,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from ..accel.cpu import bf16_products_pay
+from ..accel.decisions import bf16_products_pay
 from ..accel.fast_training import clip_grad_norm_, use_fast_training
 from ..accel.threads import ThreadPolicy
 from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
@@ -42,7 +42,7 @@ from .schedule import learning_rate
 
 
 def autocast(device: torch.device, dtype: str):
-    """bf16 autocast where the hardware has bf16 arithmetic; float32 otherwise."""
+    """bf16 autocast where bf16 products pay (CUDA support; measured on a CPU); else float32."""
     if dtype == "bfloat16" and bf16_supported(device):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
@@ -51,7 +51,7 @@ def autocast(device: torch.device, dtype: str):
 def bf16_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and bf16_products_pay()  # emulated bf16 is slower than fp32
+    return device.type == "cpu" and bf16_products_pay()  # measured once per CPU
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, reduction="mean"):

@@ -8,8 +8,8 @@ iterations), so every direction of the update moves at the same rate; it applies
 matrices inside the blocks only. Embeddings, the head, gains and biases stay with AdamW.
 `StackedMuon` runs torch's update with the iterations of same-shaped matrices batched into
 one product each (at this scale, most of Muon's time is the per-product cost), in bfloat16
-as torch's where the CPU has bfloat16 arithmetic, else in float32 (the same iterations, less
-rounded: an emulated bfloat16 product is 10-20× slower than a float32 one; accel/cpu.py). In
+as torch's where bfloat16 products measured faster on this CPU, else in float32 (the same
+iterations, less rounded; accel/decisions.py). In
 float32 on a CPU with the C++ kernels, `accel/csrc/newton_schulz.cpp` runs the whole step (the
 momentum, the same iterations, the update) a matrix per thread at a time, its chain of small
 products kept in that core's cache.
@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim._muon import _adjust_lr
 
 from ..accel import kernels
-from ..accel.cpu import bf16_products_pay
+from ..accel.decisions import bf16_products_pay
 from ..model.transformer import Transformer
 from .config import TrainConfig
 
@@ -74,7 +74,8 @@ class Optimizers:
 
 
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16, as torch.optim.Muon iterates, except on a CPU without bfloat16 arithmetic."""
+    """bfloat16, as torch.optim.Muon iterates, except on a CPU where bfloat16 products do not
+    pay (measured once, at the first call)."""
     if device.type == "cpu" and not bf16_products_pay():
         return torch.float32
     return torch.bfloat16
@@ -204,9 +205,11 @@ def make_optimizer(model: Transformer, config: TrainConfig) -> torch.optim.AdamW
     hidden = {id(m.weight): m.weight for m in model.linear_layers().values()
               if m is not model.lm_head and m.weight.requires_grad}
     rest = [p for p in params if id(p) not in hidden]
+    device = next(iter(hidden.values())).device if hidden else torch.device("cpu")
     muon = StackedMuon(
         [{"params": list(hidden.values()), "initial_lr": config.muon_lr}], lr=config.muon_lr,
         weight_decay=config.weight_decay, momentum=config.muon_momentum,
+        ns_dtype=newton_schulz_dtype(device),  # decided here, not inside the first step
     )
     return Optimizers([muon, torch.optim.AdamW(_adamw_groups(rest, config), lr=config.lr, **adamw)])
 

@@ -70,8 +70,8 @@ def test_linear_takes_a_broadcast_gradient(n):
     torch.testing.assert_close(dw.double(), dw64, rtol=1e-4, atol=1e-4)
 
 
+@needs_onednn
 def test_linear_applies_only_to_float32_cpu_training_products(monkeypatch):
-    monkeypatch.setattr(onednn, "onednn_pays", lambda: True)
     x, w = torch.randn(4, 8), torch.randn(3, 8, requires_grad=True)
     with torch.no_grad():
         assert onednn.linear(x, w) is None
@@ -79,17 +79,9 @@ def test_linear_applies_only_to_float32_cpu_training_products(monkeypatch):
     assert onednn.linear(x.bfloat16(), w.bfloat16()) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's bfloat16 product instead
         assert onednn.linear(x, w) is None
-    monkeypatch.setattr(onednn, "onednn_pays", lambda: False)
+    assert onednn.linear(x, w) is not None
+    monkeypatch.setattr(onednn, "available", lambda: False)  # a PyTorch without it
     assert onednn.linear(x, w) is None
-
-
-def test_no_onednn_under_the_pure_pytorch_switch(monkeypatch):
-    onednn.onednn_pays.cache_clear()
-    monkeypatch.setenv("GLASSFORMER_KERNELS", "torch")
-    try:
-        assert onednn.onednn_pays() is False
-    finally:
-        onednn.onednn_pays.cache_clear()
 
 
 @needs_onednn
@@ -103,7 +95,6 @@ def test_training_step_gradients_equal_the_plain_path(monkeypatch):
     calls = []
     real = onednn._Linear.apply
     monkeypatch.setattr(onednn._Linear, "apply", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(onednn, "onednn_pays", lambda: True)
     monkeypatch.setattr("glassformer.accel.fast_training.onednn_pays", lambda: True)
     use_fast_training(model)
     layers = model.linear_layers().values()
