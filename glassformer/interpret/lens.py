@@ -183,8 +183,8 @@ def kl_curve(model: Transformer, ids: torch.Tensor, tuned: TunedLens | None = No
 
 @dataclass(frozen=True)
 class LensTraining:
-    """How a tuned lens is trained: `steps` Adam steps on `batch` windows of `context` tokens
-    drawn (by `seed`) from the text's tokens."""
+    """How a tuned lens is trained: `steps` Adam steps (the rate decaying linearly from `lr`
+    to zero) on `batch` windows of `context` tokens drawn (by `seed`) from the text's tokens."""
 
     steps: int = 100
     batch: int = 4
@@ -243,6 +243,8 @@ def train_tuned_lens(model: Transformer, tokens: torch.Tensor, settings: LensTra
             logits, residuals = _residuals(model, draw().to(weight.device))
             final = logits.float().log_softmax(dim=-1)  # (batch, T, vocab)
             optimizer.zero_grad(set_to_none=True)
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * (1 - (step - 1) / settings.steps)
             total = 0.0
             for linear, resid in zip(lens.maps, residuals, strict=False):
                 loss = _kl(final, read_out(model, linear(resid.float()).to(weight.dtype)))
@@ -253,3 +255,13 @@ def train_tuned_lens(model: Transformer, tokens: torch.Tensor, settings: LensTra
                 progress(step, total)
     return lens.eval()
 
+
+
+def held_out(tokens: torch.Tensor, context: int, count: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split tokens (N,) into those to train on and up to `count` windows (n, context) from the
+    last tenth (at least one window) to measure on; a text too short for both trains on all."""
+    n_held = min(max(len(tokens) // 10, context), count * context)
+    if len(tokens) < 2 * context or n_held < context:
+        return tokens, tokens[: len(tokens) // context * context].view(-1, context)[:count]
+    held = tokens[len(tokens) - n_held:]
+    return tokens[: len(tokens) - n_held], held[: n_held // context * context].view(-1, context)
