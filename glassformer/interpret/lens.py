@@ -124,24 +124,28 @@ class Lens:
     probs: torch.Tensor  # (sites, B, T, k) their probabilities
 
 
+def _read(model, residuals: list[torch.Tensor], tuned: TunedLens | None) -> Iterator[torch.Tensor]:
+    """Each residual's float32 logits (B, T, vocab) in turn: one vocab-wide tensor at a time."""
+    for resid in tuned(residuals) if tuned is not None else residuals:
+        yield read_out(model, resid).float()
+
+
 def lens_logits(model: Transformer | EncoderDecoder, residuals: list[torch.Tensor],
                 tuned: TunedLens | None = None) -> list[torch.Tensor]:
     """Float32 logits (B, T, vocab) read out of each residual (one per residual_sites site)."""
-    if tuned is not None:
-        residuals = tuned(residuals)
-    return [read_out(model, r).float() for r in residuals]  # each (B, T, vocab)
+    return list(_read(model, residuals, tuned))
 
 
 def top_tokens(model: Transformer | EncoderDecoder, residuals: list[torch.Tensor], top_k: int,
-               tuned: TunedLens | None = None, sites: list[str] | None = None) -> Lens:
-    """The lens over residuals already captured (one per site of residual_sites)."""
+               tuned: TunedLens | None = None) -> Lens:
+    """The lens over residuals already captured (one per site of residual_sites, in order)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k: must be a positive integer, got {top_k!r}")
     k = min(top_k, model.config.vocab_size)
     with torch.no_grad():
-        tops = [logits.softmax(dim=-1).topk(k) for logits in lens_logits(model, residuals, tuned)]
-    sites = sites or residual_sites(model.config)
-    return Lens(tuple(sites), torch.stack([t.indices for t in tops]), torch.stack([t.values for t in tops]))
+        tops = [logits.softmax(dim=-1).topk(k) for logits in _read(model, residuals, tuned)]
+    return Lens(tuple(residual_sites(model.config)), torch.stack([t.indices for t in tops]),
+                torch.stack([t.values for t in tops]))
 
 
 def _residuals(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -178,7 +182,7 @@ def kl_curve(model: Transformer, ids: torch.Tensor, tuned: TunedLens | None = No
     logits, residuals = _residuals(model, ids)
     final = logits.float().log_softmax(dim=-1)
     with torch.no_grad():
-        return torch.stack([_kl(final, lens) for lens in lens_logits(model, residuals, tuned)])
+        return torch.stack([_kl(final, lens) for lens in _read(model, residuals, tuned)])
 
 
 @dataclass(frozen=True)
