@@ -15,7 +15,7 @@ from ..formats.files import check_output, read_text, write_atomic
 from ..interpret.lens import LensTraining, TunedLens, held_out, kl_curve, logit_lens, train_tuned_lens
 from ..interpret.lens_page import lens_data, render_html
 from ..language_model import load
-from .options import add_prompt, device, finite, positive_int, read_prompt
+from .options import add_prompt, add_threads, device, finite, positive_int, read_prompt
 
 TRAIN = "train"  # the first word that makes this the training command
 TRAINING_FLAGS = ("data", "out", "steps", "batch", "context", "lr")
@@ -41,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing --html file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--device", type=device, default="cpu")
+    add_threads(parser)
     train = parser.add_argument_group(f"training (glassformer lens {TRAIN})")
     train.add_argument("--data", help="a UTF-8 text file to train on (its last tenth measures)")
     train.add_argument("--out", help="the folder to write tuned_lens.safetensors and .json to")
@@ -113,6 +114,7 @@ def _train(args: argparse.Namespace) -> int:
     measure = measure.to(args.device)
 
     def progress(step: int, loss: float) -> None:
+        args.thread_policy.revisit()  # a long run: follow what other processes leave free
         if step == 1 or step % 10 == 0 or step == settings.steps:
             print(f"lens train: step {step}/{settings.steps}, KL summed over layers {loss:.4f}",
                   file=sys.stderr, flush=True)
