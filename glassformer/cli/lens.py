@@ -97,6 +97,9 @@ def _print_table(data: dict) -> None:
 def _train(args: argparse.Namespace) -> int:
     if args.data is None or args.out is None:
         raise ValueError(f"--{'data' if args.data is None else 'out'}: `glassformer lens {TRAIN}` needs it")
+    for flag in ("tuned", "html"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag}: not for `glassformer lens {TRAIN}` (it reads a prompt)")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} is a file; give a folder")

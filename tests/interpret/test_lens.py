@@ -192,6 +192,7 @@ def test_cli_trains_a_tuned_lens_and_reads_with_it(checkpoint, tmp_path, capsys)
     (["--model", "CKPT", PROMPT, "--top-k", "many"], "--top-k"),
     (["--model", "CKPT", PROMPT, "--data", "x.txt"], "--data: only for"),
     (["train", "--model", "CKPT", "--out", "x"], "--data"),
+    (["train", "--model", "CKPT", "--data", "x", "--out", "y", "--html", "z"], "--html: not for"),
     (["--model", "CKPT", PROMPT, "--tuned", "no-such-folder"], "no tuned lens"),
 ])
 def test_cli_reports_bad_input_in_one_line(checkpoint, capsys, argv, message):
