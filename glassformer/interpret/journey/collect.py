@@ -15,6 +15,7 @@ from ...model.encoder_decoder import EncoderDecoder
 from ...model.kv_cache import KVCache
 from ...model.transformer import Transformer
 from ..attribution import TENTHS, attention_rollout, integrated_gradients, token_baseline
+from ..lens import residual_sites, top_tokens
 from ..trace import capture, run_with_cache, site_dims
 from .steps import DIM_SYMBOLS, input_steps, layer_steps, output_steps
 
@@ -69,19 +70,12 @@ def _top(tokenizer, probs: torch.Tensor, logits: torch.Tensor, k: int) -> list[d
     ]
 
 
-def _logit_lens(model: Transformer, tokenizer, residuals: list[torch.Tensor]) -> list[dict]:
+def _logit_lens(model: Transformer | EncoderDecoder, tokenizer, residuals: list[torch.Tensor]) -> list[dict]:
     """The top token (and its probability) read out of each residual stream at every position."""
-    rows = []
-    with torch.no_grad():
-        for resid in residuals:
-            h = model.final_norm(resid) if model.final_norm is not None else resid
-            probs = model.head(h)[0].float().softmax(dim=-1)  # (T, vocab)
-            top_p, top_id = probs.max(dim=-1)  # (T,)
-            rows.append({
-                "tokens": [token_text(tokenizer, int(i)) for i in top_id],
-                "probs": [round(float(p), 3) for p in top_p],
-            })
-    return rows
+    lens = top_tokens(model, residuals, top_k=1)
+    return [{"tokens": [token_text(tokenizer, int(i)) for i in ids[0, :, 0]],
+             "probs": [round(float(p), 3) for p in probs[0, :, 0]]}
+            for ids, probs in zip(lens.ids, lens.probs, strict=True)]
 
 
 def _check_length(n_tokens: int, context_length: int, max_tokens: int) -> None:
@@ -154,7 +148,7 @@ def collect_journey(
         baseline_text = "zeros"
         ig = integrated_gradients(model, ids, target, position, steps=ig_steps)
     rollout = attention_rollout(patterns)[0, position]  # (T,)
-    residuals = [acts["embed.out"]] + [acts[f"blocks.{i}.resid_post"] for i in range(L)]
+    residuals = [acts[site] for site in residual_sites(config)]
     progress("the logit lens and the tensors' summaries")
     return {
         "text": text,
@@ -220,14 +214,7 @@ def collect_seq2seq_journey(model: EncoderDecoder, tokenizer, text: str, top_k: 
         return [[_weights(acts[f"{stack}.blocks.{i}.{site}"][0, h].flatten()) for h in range(H)]
                 for i in range(n_layers)]  # [layer][head]: rows × columns, row-major
 
-    residuals = [acts["embed.out"]] + [acts[f"decoder.blocks.{i}.resid_post"] for i in range(L)]
-    lens = []
-    with torch.no_grad():
-        for resid in residuals:
-            h = model.decoder.final_norm(resid) if model.decoder.final_norm is not None else resid
-            top_p, top_id = model.head(h)[0].float().softmax(dim=-1).max(dim=-1)  # (U,)
-            lens.append({"tokens": [token_text(tokenizer, int(i)) for i in top_id],
-                         "probs": [round(float(p), 3) for p in top_p]})
+    residuals = [acts[site] for site in residual_sites(config)]
     return {
         "text": text,
         "tokens": [token_text(tokenizer, i) for i in decoded],
@@ -247,6 +234,6 @@ def collect_seq2seq_journey(model: EncoderDecoder, tokenizer, text: str, top_k: 
         "encoder_attention": maps("encoder", "attn.pattern", config.n_encoder_layers),  # S × S
         "decode_step": None,
         "next_tokens": _top(tokenizer, last.softmax(dim=-1), last, top_k),
-        "logit_lens": lens,
+        "logit_lens": _logit_lens(model, tokenizer, residuals),
         "attribution": None,
     }
