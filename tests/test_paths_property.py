@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from glassformer import ModelConfig, Transformer
-from glassformer.accel.build import extension
+from glassformer.accel import kernels
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
@@ -53,7 +53,7 @@ PROMPT, NEW, SEED = 8, 10, 7
 SAMPLING = SamplingConfig(temperature=1.0)
 FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
-pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ kernels are not built")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels are not built")
 
 
 @st.composite

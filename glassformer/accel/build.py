@@ -185,28 +185,21 @@ def _load(target: str) -> ModuleType | str:
     return reason
 
 
-def extension(target: str | None = None) -> ModuleType | None:
-    """The compiled kernels for `target` (default: `decisions.kernel_target()`; built on the
-    first call), or None for the PyTorch path."""
-    target = target or _default_target()
+def extension(target: str) -> ModuleType | None:
+    """The compiled kernels for `target` (built on the first call), or None for the PyTorch
+    path. Which target the library uses is a measured decision (decisions.kernel_target;
+    kernels.extension asks it)."""
     if target not in _loaded:
         _loaded[target] = _load(target)
     found = _loaded[target]
     return None if isinstance(found, str) else found
 
 
-def why_unavailable(target: str | None = None) -> str | None:
-    """Why `extension(target)` is None (deciding it first), or None when it is not."""
-    target = target or _default_target()
+def why_unavailable(target: str) -> str | None:
+    """Why `extension(target)` is None (trying it first), or None when it is not."""
     extension(target)
     found = _loaded[target]
     return found if isinstance(found, str) else None
-
-
-def _default_target() -> str:
-    from .decisions import kernel_target  # it measures builds of this module: imported late
-
-    return kernel_target().choice
 
 
 def reset() -> None:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..home import home
-from . import build, onednn
+from . import build
 from .cpu import cpu_features, cpu_identity, cpuinfo_text, parse
 from .weight_formats import quantize_int8
 
@@ -115,7 +115,7 @@ def _write(path: Path, decision: Decision) -> None:
         pass
 
 
-def _measured(name: str, default: str, alternative: str,
+def measured(name: str, default: str, alternative: str,
               options: Callable[[], dict[str, Callable[[], object]]], extra: str = "") -> Decision:
     """`name`'s decision from its record, else measured now and recorded."""
     path = record_path(name, extra)
@@ -131,7 +131,7 @@ def _measured(name: str, default: str, alternative: str,
     return decision
 
 
-def _setting(variable: str, allowed: tuple[str, ...]) -> str | None:
+def env_setting(variable: str, allowed: tuple[str, ...]) -> str | None:
     """The variable's value where set, None where unset or empty."""
     value = os.environ.get(variable, "").strip().lower()
     if value and value not in allowed:
@@ -142,7 +142,7 @@ def _setting(variable: str, allowed: tuple[str, ...]) -> str | None:
 # ------------------------------------------------------------------------ bfloat16 products
 
 def bf16_products() -> Decision:
-    setting = _setting("GLASSFORMER_BF16", ("0", "1"))
+    setting = env_setting("GLASSFORMER_BF16", ("0", "1"))
     if setting is not None:
         return Decision("bf16_products", "bfloat16" if setting == "1" else "float32",
                         "environment", note=f"GLASSFORMER_BF16={setting}")
@@ -159,7 +159,7 @@ def _bf16_products() -> Decision:
     if not cpu_features().bf16_arithmetic:
         return Decision("bf16_products", "float32", "ruled out",
                         note="no bfloat16 arithmetic (AVX-512 BF16 or AMX): emulated")
-    return _measured("bf16_products", "float32", "bfloat16", _bf16_options, repr(TRAINING_SHAPES))
+    return measured("bf16_products", "float32", "bfloat16", _bf16_options, repr(TRAINING_SHAPES))
 
 
 def _bf16_options() -> dict[str, Callable[[], object]]:
@@ -193,49 +193,13 @@ def _newton_schulz(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 # ------------------------------------------------------------------- oneDNN against MKL
 
-def onednn_products() -> Decision:
-    if os.environ.get("GLASSFORMER_KERNELS", "").lower() == "torch":
-        return Decision("onednn_products", "mkl", "environment", note="GLASSFORMER_KERNELS=torch")
-    setting = _setting("GLASSFORMER_ONEDNN", ("0", "1"))
-    if setting is not None:
-        return Decision("onednn_products", "onednn" if setting == "1" else "mkl", "environment",
-                        note=f"GLASSFORMER_ONEDNN={setting}")
-    return _onednn_products()
-
-
-def onednn_pays() -> bool:
-    """Whether training's float32 linear products go through oneDNN (onednn.py)."""
-    return onednn_products().choice == "onednn"
-
-
-@functools.cache
-def _onednn_products() -> Decision:
-    if not onednn.available():
-        return Decision("onednn_products", "mkl", "ruled out", note="this PyTorch has no oneDNN linear")
-    return _measured("onednn_products", "mkl", "onednn", _onednn_options, repr(TRAINING_SHAPES))
-
-
-def _onednn_options() -> dict[str, Callable[[], object]]:
-    generator = torch.Generator().manual_seed(0)
-    cases = [(torch.randn(rows, d, generator=generator),
-              torch.randn(d_ff, d, generator=generator, requires_grad=True))
-             for rows, d, d_ff in TRAINING_SHAPES]
-
-    def run(product: Callable) -> None:
-        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
-            for x, weight in cases:
-                product(x, weight, None).sum().backward()  # (rows, d_ff): all three products
-
-    return {"mkl": lambda: run(F.linear), "onednn": lambda: run(onednn.linear)}
-
-
 # ------------------------------------------------------------------------ the kernel build
 
 def kernel_target() -> Decision:
     if os.environ.get("GLASSFORMER_KERNELS", "").lower() == "torch":
         return Decision("kernel_target", "native", "environment",
                         note="GLASSFORMER_KERNELS=torch: no C++ kernels")
-    setting = _setting("GLASSFORMER_KERNEL_TARGET", tuple(build.TARGETS))
+    setting = env_setting("GLASSFORMER_KERNEL_TARGET", tuple(build.TARGETS))
     if setting is not None:
         return Decision("kernel_target", setting, "environment",
                         note=f"GLASSFORMER_KERNEL_TARGET={setting}")
@@ -253,7 +217,7 @@ def _kernel_target() -> Decision:
         return Decision("kernel_target", "native", "ruled out",
                         note="only one build is compiled")
     extra = " ".join(build.cache_key(target) for target in build.TARGETS)
-    return _measured("kernel_target", "native", "avx2", _kernel_options, extra)
+    return measured("kernel_target", "native", "avx2", _kernel_options, extra)
 
 
 def _kernel_options() -> dict[str, Callable[[], object]]:
@@ -269,8 +233,3 @@ def _kernel_options() -> dict[str, Callable[[], object]]:
             kernels.linear_f32(rows[:1], weight, None)
 
     return {target: functools.partial(run, target) for target in build.TARGETS}
-
-
-def all_decisions() -> list[Decision]:
-    """Every decision, measuring those not yet known (for `glassformer info --system`)."""
-    return [bf16_products(), onednn_products(), kernel_target()]

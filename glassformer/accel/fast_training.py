@@ -28,9 +28,8 @@ from ..model.transformer import Transformer
 from . import kernels
 from .attention import attention
 from .capabilities import CapabilityTable, any_value
-from .decisions import onednn_pays
 from .fused import FusedGELU, FusedLayerNorm, FusedRMSNorm, FusedRotary, FusedSwiGLU
-from .onednn import OneDNNLinear
+from .onednn import OneDNNLinear, onednn_pays
 
 _PER_CALL = "each fused pass takes only the calls it computes, the plain module the rest"
 _MODULES = "the model's own modules, unconverted"

@@ -14,11 +14,16 @@ from typing import NamedTuple
 import torch
 
 from ..model.config import ModelConfig
+from . import build, decisions
 from .build import ROW_TILE as ROW_TILE  # re-exported: the row tile's one name outside accel/
-from .build import extension
 from .weight_formats import WeightFormat
 
 Tensor = torch.Tensor
+
+
+def extension():
+    """The compiled kernels of the build this machine's decision names, or None."""
+    return build.extension(decisions.kernel_target().choice)
 
 
 def available() -> bool:

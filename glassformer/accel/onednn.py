@@ -8,16 +8,20 @@ through oneDNN: the same float32 arithmetic, summed in another order. Under torc
 autocast, or for a product that needs no gradient, it returns None and the caller keeps
 `F.linear` (tests/accel/test_onednn.py compares both, values and gradients). `OneDNNLinear`
 is nn.Linear with its products taken so, installed by `fast_training.use_fast_training`
-where oneDNN measured faster (`decisions.onednn_pays`).
+where oneDNN measured faster (`onednn_pays`).
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import decisions, kernels
 
 
 def _transposed(t: torch.Tensor) -> torch.Tensor:
@@ -95,3 +99,43 @@ class OneDNNLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) if y is None else y
+
+
+# ------------------------------------------------------------- the measured decision
+
+def onednn_products() -> decisions.Decision:
+    if os.environ.get("GLASSFORMER_KERNELS", "").lower() == "torch":
+        return decisions.Decision("onednn_products", "mkl", "environment", note="GLASSFORMER_KERNELS=torch")
+    setting = decisions.env_setting("GLASSFORMER_ONEDNN", ("0", "1"))
+    if setting is not None:
+        return decisions.Decision("onednn_products", "onednn" if setting == "1" else "mkl", "environment",
+                        note=f"GLASSFORMER_ONEDNN={setting}")
+    return _onednn_products()
+
+
+def onednn_pays() -> bool:
+    """Whether training's float32 linear products go through oneDNN (measured once per CPU)."""
+    return onednn_products().choice == "onednn"
+
+
+@functools.cache
+def _onednn_products() -> decisions.Decision:
+    if not available():
+        return decisions.Decision("onednn_products", "mkl", "ruled out",
+                                  note="this PyTorch has no oneDNN linear")
+    return decisions.measured("onednn_products", "mkl", "onednn", _onednn_options,
+                              repr(decisions.TRAINING_SHAPES))
+
+
+def _onednn_options() -> dict[str, Callable[[], object]]:
+    generator = torch.Generator().manual_seed(0)
+    cases = [(torch.randn(rows, d, generator=generator),
+              torch.randn(d_ff, d, generator=generator, requires_grad=True))
+             for rows, d, d_ff in decisions.TRAINING_SHAPES]
+
+    def run(product: Callable) -> None:
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            for x, weight in cases:
+                product(x, weight, None).sum().backward()  # (rows, d_ff): all three products
+
+    return {"mkl": lambda: run(F.linear), "onednn": lambda: run(linear)}

@@ -74,15 +74,16 @@ def stack_summary(config: ModelConfig) -> list[dict]:
 
 def show_system(as_json: bool) -> int:
     """The CPU line and each CPU-dependent decision: choice, source, measured seconds."""
+    from ..accel import decisions, onednn
     from ..accel.cpu import cpu_features
-    from ..accel.decisions import all_decisions
 
-    cpu, decisions = cpu_features().summary(), [d.to_dict() for d in all_decisions()]
+    cpu, made = cpu_features().summary(), [d.to_dict() for d in (
+        decisions.bf16_products(), onednn.onednn_products(), decisions.kernel_target())]
     if as_json:
-        print(json.dumps({"cpu": cpu, "decisions": decisions}))
+        print(json.dumps({"cpu": cpu, "decisions": made}))
         return 0
     print(f"{'cpu':>16}  {cpu}")
-    for d in decisions:
+    for d in made:
         figures = ", ".join(f"{option} {seconds * 1e3:.2f} ms" for option, seconds in d["figures"].items())
         print(f"{d['name']:>16}  {d['choice']} ({d['source']}{': ' if d['note'] else ''}{d['note']})"
               + (f"; {figures}" if figures else ""))

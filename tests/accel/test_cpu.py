@@ -66,9 +66,9 @@ def test_bf16_prefill_never_rounds_the_activations():
 def test_a_lowered_dispatch_loads_the_avx2_kernels():
     """ATEN_CPU_CAPABILITY=avx2 in a real process: on a CPU with AVX-512 the library's kernels
     are the AVX2 build; elsewhere the native one."""
-    code = ("import torch; from glassformer.accel import build, decisions\n"
+    code = ("import torch; from glassformer.accel import build, decisions, kernels\n"
             "target = decisions.kernel_target().choice\n"
-            "print(target, build.extension() is build.extension(target))")
+            "print(target, kernels.extension() is build.extension(target))")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=600, check=True)

@@ -9,16 +9,17 @@ import pytest
 import torch
 
 from glassformer.accel import build, decisions, onednn
+from glassformer.accel import kernels as accel_kernels
 from glassformer.accel.cpu import CpuFeatures, cpu_features
 from glassformer.cli import main
 
 # name -> (the decision, its default, the alternative)
 DECISIONS = {
     "bf16_products": (decisions.bf16_products, "float32", "bfloat16"),
-    "onednn_products": (decisions.onednn_products, "mkl", "onednn"),
+    "onednn_products": (onednn.onednn_products, "mkl", "onednn"),
     "kernel_target": (decisions.kernel_target, "native", "avx2"),
 }
-CACHED = (decisions._bf16_products, decisions._onednn_products, decisions._kernel_target)
+CACHED = (decisions._bf16_products, onednn._onednn_products, decisions._kernel_target)
 VARIABLES = ("GLASSFORMER_BF16", "GLASSFORMER_ONEDNN", "GLASSFORMER_KERNEL_TARGET",
              "GLASSFORMER_KERNELS")
 
@@ -173,7 +174,7 @@ def test_the_call_sites_follow_the_decisions(machine, monkeypatch):
     monkeypatch.setattr(build, "_loaded", {})
     monkeypatch.setattr(build, "_load", lambda target: loaded.append(target) or "faked")
     machine.figures.update(native=0.02, avx2=0.01)
-    build.extension()
+    accel_kernels.extension()
     assert loaded == ["avx2"]
 
 
@@ -206,7 +207,7 @@ def test_the_real_measurements_run(monkeypatch):
     monkeypatch.setattr(decisions, "TRAINING_SHAPES", ((16, 8, 24),))  # the same code, quicker
     options = decisions._bf16_options()
     if onednn.available():
-        options |= decisions._onednn_options()
+        options |= onednn._onednn_options()
     if all(build.built(target) for target in build.TARGETS):
         options |= decisions._kernel_options()
     figures = decisions.time_options(options)

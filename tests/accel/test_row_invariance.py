@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glassformer.accel.build import extension
+from glassformer.accel import kernels
 from glassformer.accel.kernels import ROW_TILE
 from glassformer.accel.quantized_linear import QuantizedLinear
 
-pytestmark = pytest.mark.skipif(extension() is None, reason="the C++ kernels are not built")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels are not built")
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "Q8_0", "Q4_0", "Q4_1")
 # K: under one SIMD width, tails of 1..7 floats, part blocks of 32, odd and >8 block counts

@@ -10,7 +10,7 @@ import pytest
 from conftest import MODEL, serving
 from servers import staggered
 
-from glassformer.accel.build import extension
+from glassformer.accel import kernels
 from glassformer.accel.quantize import quantize_model
 from glassformer.language_model import LanguageModel
 from glassformer.serving import EngineConfig
@@ -27,7 +27,7 @@ def _complete(url: str, body: dict) -> str:
     return reply.json()["choices"][0]["text"]
 
 
-@pytest.mark.skipif(extension() is None, reason="the C++ kernels are not built")
+@pytest.mark.skipif(not kernels.available(), reason="the C++ kernels are not built")
 @pytest.mark.parametrize("mode", ["none", "bf16", "int8", "int4"])
 def test_eight_staggered_copies_equal_the_lone_answer(language_model, mode):
     model = quantize_model(copy.deepcopy(language_model.model), mode)
