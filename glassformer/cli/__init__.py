@@ -36,7 +36,9 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="glassformer", description="A glass-box decoder-only transformer.")
+    parser = Parser(prog="glassformer", description="Glass-box transformers to train, generate with, "
+                    "serve and look inside: decoders (GPT, Llama), encoders (BERT) and "
+                    "encoder-decoders (T5).")
     parser.add_argument("--version", action="version", version=f"glassformer {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

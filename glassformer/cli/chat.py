@@ -5,24 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_quantize, add_sampling, add_threads, checked_text, positive_int, sampling_config
+from .options import SAMPLING, add, add_computing, checked_text, or_default, positive_int, sampling_config
 
+MODEL, MAX_NEW_TOKENS = "smollm2-135m-instruct", 512
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("chat", help="an interactive chat with a model")
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="a .gguf file, HF folder, checkpoint folder or known name "
-                             "(default: smollm2-135m-instruct)")
+    parser = subparsers.add_parser("chat", help="an interactive chat with a model",
+                                   description=f"Talk to --model (default {MODEL}); {HELP}.")
+    add(parser, "--model")
     parser.add_argument("--system", default=None, help="a system message")
-    parser.add_argument("-n", "--max-new-tokens", type=positive_int, default=512)
-    add_sampling(parser)
-    parser.add_argument("--seed", type=int, default=None)
-    add_quantize(parser)
+    add(parser, "--max-new-tokens", *SAMPLING, "--seed", "--quantize")
     parser.add_argument("--max-context", type=positive_int, default=2048,
                         help="tokens of conversation kept in the KV cache")
-    add_threads(parser)
+    add_computing(parser)
     parser.set_defaults(run=run)
 
 
@@ -30,14 +27,17 @@ def run(args: argparse.Namespace) -> int:
     from ..generation.chat import ChatSession
     from ..language_model import load
 
-    language_model = load(args.model, quantize=args.quantize)
+    model = or_default(args.model, MODEL)
+    language_model = load(model, quantize=or_default(args.quantize, "none"))
+    language_model.to(or_default(args.device, "cpu"))
     session = ChatSession(language_model.model, language_model.tokenizer, sampling_config(args),
-                          args.max_new_tokens, args.system, args.max_context, args.seed)
+                          or_default(args.max_new_tokens, MAX_NEW_TOKENS), args.system, args.max_context,
+                          args.seed)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is reported, not fatal
         sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
-        print(f"chatting with {args.model}; {HELP}", file=sys.stderr)
+        print(f"chatting with {model}; {HELP}", file=sys.stderr)
     while True:
         try:
             text = input("you> " if interactive else "")

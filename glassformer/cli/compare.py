@@ -7,21 +7,21 @@ import json
 
 import torch
 
-from .options import add_prompt, non_negative, read_prompt
+from .options import add, add_computing, add_prompt, non_negative, or_default, read_prompt
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "compare", help="diff every layer against a reference implementation on the same weights")
     add_prompt(parser, "the text both implementations read")
-    parser.add_argument("--model", required=True,
-                        help="a checkpoint folder, .gguf file, HF folder or known name")
+    add(parser, "--model", required=True)
     parser.add_argument("--reference", choices=("hf",), default="hf",
                         help="hf: Hugging Face transformers (must be installed)")
     parser.add_argument("--atol", type=non_negative, default=1e-4, help="absolute tolerance")
     parser.add_argument("--rtol", type=non_negative, default=1e-4,
                         help="tolerance relative to the largest reference value at each place")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add(parser, "--json")
+    add_computing(parser)
     parser.set_defaults(run=run)
 
 
@@ -30,9 +30,11 @@ def run(args: argparse.Namespace) -> int:
     from ..language_model import load
 
     prompt = read_prompt(args)
+    device = or_default(args.device, "cpu")
     language_model = load(args.model, progress=not args.json)
-    reference = hf_reference(args.model, language_model.model, language_model.tokenizer)
-    ids = torch.tensor([language_model.encode(prompt)])
+    reference = hf_reference(args.model, language_model.model, language_model.tokenizer).to(device)
+    ids = torch.tensor([language_model.encode(prompt)], device=device)
+    language_model.to(device)
     result = compare(language_model.model, reference, ids, args.atol, args.rtol)
     failure = result.first_failure
     if args.json:

@@ -5,20 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import add_threads, device, positive_int
+from .options import add, add_computing, or_default
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("eval", help="perplexity of a model on a text")
-    parser.add_argument("--model", required=True,
-                        help="a run or checkpoint folder, .gguf file, HF folder or known name")
-    parser.add_argument("--data", required=True, nargs="+", help="text file(s) or folder(s)")
-    parser.add_argument("--documents", choices=("file", "line", "blank"), default="file")
-    parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--max-tokens", type=positive_int, default=None, help="score at most this many")
-    parser.add_argument("--device", type=device, default="cpu")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    add_threads(parser)
+    add(parser, "--model", "--data", required=True)
+    add(parser, "--documents", "--batch-size", "--max-tokens", "--json")
+    add_computing(parser)
     parser.set_defaults(run=run)
 
 
@@ -27,9 +21,9 @@ def run(args: argparse.Namespace) -> int:
     from ..training.perplexity import corpus_ids, perplexity
 
     language_model = load(args.model)
-    model, tokenizer = language_model.model.to(args.device), language_model.tokenizer
-    ids = corpus_ids(args.data, tokenizer, args.documents)
-    result = perplexity(model, ids, args.batch_size, args.max_tokens)
+    model, tokenizer = language_model.model.to(or_default(args.device, "cpu")), language_model.tokenizer
+    ids = corpus_ids(args.data, tokenizer, or_default(args.documents, "file"))
+    result = perplexity(model, ids, or_default(args.batch_size, 8), args.max_tokens)
     result.update(model=str(args.model), data=[str(d) for d in args.data])
     if args.json:
         print(json.dumps(result))

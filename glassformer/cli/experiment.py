@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import add_threads, positive
+from .options import add, add_threads, positive
 
 NAMES = ("ablation", "length", "cache", "explain")
 
@@ -21,14 +21,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--budget", type=positive, default=600.0,
                         help="seconds of work to plan for (default 600; planned as for an "
                              "idle machine, so a busy one takes longer)")
-    parser.add_argument("--out", default=None, help="run folder (default experiment-NAME)")
-    parser.add_argument("--data", default=None,
-                        help="training text for ablation and length (default tinyshakespeare)")
+    add(parser, "--out", "--data")
     parser.add_argument("--equal", choices=("time", "steps"), default=None,
                         help="ablation: give every run equal training time (default) or, on a busy "
                              "machine, as many steps as the base run made in its time")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add(parser, "--no-progress", "--json")
     add_threads(parser)
     parser.set_defaults(run=run)
 
@@ -45,8 +42,10 @@ def run(args: argparse.Namespace) -> int:
         options["equal"] = args.equal
     if args.data is not None and args.name not in ("ablation", "length"):
         raise ValueError(f"--data: the {args.name} experiment reads no training text")
+    if args.data is not None and len(args.data) > 1:
+        raise ValueError(f"--data: the {args.name} experiment reads one file or folder")
     out = args.out or f"experiment-{args.name}"
-    record = run_experiment(args.name, out, args.budget, args.data,
+    record = run_experiment(args.name, out, args.budget, args.data and args.data[0],
                             progress=not args.no_progress, **options)
     if args.json:
         print(json.dumps({"experiment": args.name, "out": str(out),

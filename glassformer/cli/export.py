@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from .options import add
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("export", help="write a model as a Hugging Face folder")
-    parser.add_argument("--model", required=True,
-                        help="a checkpoint folder, .gguf file, HF folder or known name")
+    add(parser, "--model", required=True)
     parser.add_argument("--format", choices=("hf",), default="hf",
                         help="hf: config.json + model.safetensors + tokenizer, for transformers")
-    parser.add_argument("-o", "--output", required=True, help="the folder to create")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add(parser, "--output", required=True)
+    add(parser, "--json")
     parser.set_defaults(run=run)
 
 

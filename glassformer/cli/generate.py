@@ -13,20 +13,24 @@ from ..accel.quantize import quantize_format, quantize_model
 from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
 from ..language_model import LanguageModel, load
-from ..serving import EngineConfig, RequestParams
-from ..serving.kv_pool import KV_DTYPES
+from ..serving import RequestParams
 from .options import (
+    ENGINE,
+    SAMPLING,
+    add,
+    add_computing,
     add_prompt,
-    add_quantize,
-    add_sampling,
-    add_threads,
-    device,
+    engine_config,
     finite,
-    positive,
+    or_default,
     positive_int,
     read_prompt,
     sampling_config,
 )
+
+MAX_NEW_TOKENS, ROPE_FACTOR = 64, 2.0
+# A --prompts-file line may use OpenAI's names for the request's settings.
+OPENAI_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -34,20 +38,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_prompt(parser, "the text to continue")
     parser.add_argument("--prompts-file", metavar="F.jsonl",
                         help="many prompts at once through the serving engine: one JSON object per "
-                             'line, {"prompt": ..., and any sampling field}; prints a JSON line each')
-    parser.add_argument("--kv-memory-mb", type=positive, default=256.0,
-                        help="--prompts-file: KV cache size")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp32", help="--prompts-file: KV storage")
-    parser.add_argument("--max-batch", type=positive_int, default=16,
-                        help="--prompts-file: most requests per step")
-    parser.add_argument("--model", required=True, help="checkpoint/HF folder, .gguf file or known name")
-    add_quantize(parser)
-    parser.add_argument("-n", "--max-new-tokens", type=positive_int, default=64,
-                        help="at most this many new tokens")
-    add_sampling(parser)
+                             'line, {"prompt": ..., and any sampling field, by our name or OpenAI\'s '
+                             '(max_tokens, stop, seed, temperature, top_p, ...)}; prints a JSON line each')
+    engine = parser.add_argument_group("the serving engine (--prompts-file)")
+    add(engine, *ENGINE)
+    add(parser, "--model", required=True)
+    add(parser, "--quantize", "--max-new-tokens", *SAMPLING)
     parser.add_argument("--beams", type=positive_int, default=1, help="beam search width (1: no beam search)")
     parser.add_argument("--length-penalty", type=finite, default=1.0, help="beam score exponent")
-    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    add(parser, "--seed")
     parser.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
                         help="stop when the text contains any of these strings (\\n, \\t understood)")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text")
@@ -55,14 +54,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--truncate", action="store_true", help="cut a too-long prompt from the left")
     parser.add_argument("--slide", action="store_true",
                         help="past the context window, drop the oldest tokens instead of stopping")
-    parser.add_argument("--rope-scaling", choices=("linear", "ntk", "yarn"), default=None,
-                        help="extend a RoPE model's window by --rope-factor")
-    parser.add_argument("--rope-factor", type=finite, default=2.0)
+    add(parser, "--rope-scaling", "--rope-factor")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
-    parser.add_argument("--device", type=device, default="cpu")
-    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    add_threads(parser)
+    add(parser, "--json")
+    add_computing(parser)
     parser.set_defaults(run=run)
 
 
@@ -79,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give a prompt or --prompts-file, not both")
     prompt = None if args.prompts_file is not None else read_prompt(args)
     config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=or_default(args.max_new_tokens, MAX_NEW_TOKENS),
         sampling=sampling_config(args),
         seed=args.seed,
         stop=tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop),
@@ -90,16 +86,17 @@ def run(args: argparse.Namespace) -> int:
         truncate=args.truncate,
         overflow="slide" if args.slide else "stop",
     )
-    extend = args.rope_scaling is not None  # a new window first, then the weights converted
-    language_model = load(args.model, quantize=None if extend else args.quantize)
+    extend = args.rope_scaling not in (None, "none")  # a new window first, then the weights converted
+    quantize = or_default(args.quantize, "none")
+    language_model = load(args.model, quantize=None if extend else quantize)
     model, tokenizer = language_model.model, language_model.tokenizer
     if not model.config.causal:
         raise ValueError(f"{args.model}: an encoder (bidirectional attention) does not continue "
                          "text; try glassformer fill-mask")
     if extend:
-        model = extend_context(model, args.rope_scaling, args.rope_factor)
-        quantize_model(model, quantize_format(args.quantize))
-    model = model.to(args.device)
+        model = extend_context(model, args.rope_scaling, or_default(args.rope_factor, ROPE_FACTOR))
+        quantize_model(model, quantize_format(quantize))
+    model = model.to(or_default(args.device, "cpu"))
     if args.prompts_file is not None:
         return _run_many(args, LanguageModel(model, tokenizer), config)
     prompt_ids = _prompt_ids(tokenizer, prompt, args.chat)
@@ -147,7 +144,7 @@ def _read_requests(args: argparse.Namespace, language_model: LanguageModel, conf
                 raise ValueError(f"{args.prompts_file}:{number}: expected a JSON object with a prompt"
                                  ) from None
             try:
-                params.append(RequestParams.from_fields(**(defaults | fields)))
+                params.append(RequestParams.from_fields(**(defaults | _own_names(fields))))
                 prompts.append(_prompt_ids(language_model.tokenizer, prompt, args.chat)
                                if isinstance(prompt, str) else language_model.encode(prompt))
             except (ValueError, TypeError) as error:
@@ -155,6 +152,17 @@ def _read_requests(args: argparse.Namespace, language_model: LanguageModel, conf
     if not prompts:
         raise ValueError(f"{args.prompts_file}: no prompts")
     return prompts, params
+
+
+def _own_names(fields: dict) -> dict:
+    """A line's settings with OpenAI's names (max_tokens) replaced by ours (max_new_tokens)."""
+    own = {}
+    for name, value in fields.items():
+        ours = OPENAI_NAMES.get(name, name)
+        if ours in own:
+            raise ValueError(f"{name}: gives {ours} again; give one of them")
+        own[ours] = value
+    return own
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -166,8 +174,7 @@ def _run_many(args: argparse.Namespace, language_model: LanguageModel, config: G
     if args.beams > 1 or args.no_cache or args.slide or args.truncate:
         raise ValueError("--prompts-file: --beams, --no-cache, --slide and --truncate need one prompt")
     prompts, params = _read_requests(args, language_model, config)
-    engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, kv_dtype=args.kv_dtype,
-                          max_batch=args.max_batch)
+    engine = engine_config(args)
     start, done = time.perf_counter(), [0, 0]
 
     def progress(index, result):

@@ -1,27 +1,37 @@
-"""`glassformer info`: a configuration and where its parameters are."""
+"""`glassformer info`: a model, a preset or a configuration: its settings, where its
+parameters are and, for a model, its tokenizer and its file's format and metadata."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
+from ..formats import hub
 from ..formats.files import read_json_object
 from ..interpret.params import count_parameters
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import build_model
 from ..model.presets import get_preset
+from .options import add
+
+LONGEST_LIST, LONGEST_TEXT = 8, 80  # metadata values longer than these are summarised
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("info", help="show a configuration and its parameter counts")
+    parser = subparsers.add_parser(
+        "info", help="describe a model, a preset, a configuration, or this CPU",
+        description="Print a configuration and its parameter counts; for --model also its "
+                    "tokenizer and its file's format and metadata (a GGUF file's key/values, a "
+                    "Hugging Face config.json, a checkpoint's training settings); for --system "
+                    "this CPU and the fast paths measured on it.")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", help="a named preset, e.g. gpt2")
-    source.add_argument("--config", help="a JSON file of ModelConfig fields")
+    add(source, "--model", "--preset", "--config")
     source.add_argument("--system", action="store_true",
                         help="this CPU and the fast paths measured on it")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add(parser, "--json")
     parser.set_defaults(run=run)
 
 
@@ -38,25 +48,94 @@ def load_config(preset: str | None, path: str | None) -> ModelConfig:
 def run(args: argparse.Namespace) -> int:
     if args.system:
         return show_system(args.json)
-    config = load_config(args.preset, args.config)
-    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-        model = build_model(config)
+    if args.model is not None:
+        from ..language_model import load  # imported here: loading pulls in every loader
+
+        language_model = load(args.model, progress=not args.json)
+        config, model = language_model.config, language_model.model
+        described = {"file": describe_file(args.model),
+                     "tokenizer": describe_tokenizer(language_model.tokenizer)}
+    else:
+        config = load_config(args.preset, args.config)
+        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+            model = build_model(config)
+        described = {}
     counts = count_parameters(model)
     stacks = stack_summary(config)
     if args.json:
-        print(json.dumps({"config": config.to_dict(), "parameters": counts, "stacks": stacks}))
+        print(json.dumps({"config": config.to_dict(), "parameters": counts, "stacks": stacks,
+                          **described}))
         return 0
+    for section in ("file", "tokenizer"):
+        if section in described:
+            _print_fields({k: v for k, v in described[section].items() if k != "metadata"})
+            for key, value in described[section].get("metadata", {}).items():
+                print(f"{key:>40}  {value}")
+            print()
     if config.n_encoder_layers or not config.causal:  # the stacks first
         for stack in stacks:
             print(f"{stack['name']:>24}  {stack['layers']} blocks: {', '.join(stack['sublayers'])}")
         print()
-    for field, value in config.to_dict().items():
-        print(f"{field:>24}  {value}")
+    _print_fields(config.to_dict())
     print()
     width = max(24, *map(len, counts))
     for component, count in counts.items():
         print(f"{component:>{width}}  {count:,}")
     return 0
+
+
+def _print_fields(fields: dict) -> None:
+    for field, value in fields.items():
+        print(f"{field:>24}  {value}")
+
+
+def describe_file(source: str) -> dict:
+    """The format of a model's file or folder, its size and its metadata (long values summarised)."""
+    from ..formats.checkpoint import Checkpoint
+    from ..formats.gguf_file import GGUFFile
+
+    path = Path(source).expanduser()
+    if not path.exists() and source in hub.MODELS:
+        path = hub.model_path(source, progress=False)  # load() has just fetched it
+    if path.is_file():
+        with GGUFFile(path) as gguf:
+            types: dict[str, int] = {}
+            for info in gguf.tensors.values():
+                types[info.qtype.name] = types.get(info.qtype.name, 0) + 1
+            return {"format": "gguf", "path": str(path), "bytes": path.stat().st_size,
+                    "tensor_types": types, "metadata": _summarised(gguf.metadata)}
+    config = read_json_object(path / "config.json") if (path / "config.json").is_file() else {}
+    files = sorted(p.name for p in path.iterdir())
+    if "model_type" in config:
+        return {"format": "huggingface", "path": str(path), "files": files,
+                "metadata": _summarised(config)}
+    checkpoint = Checkpoint.open(path)
+    meta = {k: v for k, v in checkpoint.meta.items() if k != "model"}  # the model: printed as config
+    return {"format": "glassformer checkpoint", "path": str(checkpoint.folder),
+            "files": sorted(p.name for p in checkpoint.folder.iterdir()), "metadata": _summarised(meta)}
+
+
+def describe_tokenizer(tokenizer) -> dict:
+    """The tokenizer's kind, vocabulary size, special token ids and whether it has a chat template."""
+    return {"tokenizer": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id, "bos_id": getattr(tokenizer, "bos_id", None),
+            "mask_id": getattr(tokenizer, "mask_id", None),
+            "chat_template": bool(getattr(tokenizer, "chat_template", None))}
+
+
+def _summarised(values: dict) -> dict:
+    """Flattened one level (train.lr) with long lists and texts replaced by a description."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat |= {f"{key}.{k}": v for k, v in _summarised(value).items()}
+        elif isinstance(value, list | tuple) and len(value) > LONGEST_LIST:
+            flat[key] = f"[{len(value)} items]"
+        elif isinstance(value, str) and len(value) > LONGEST_TEXT:
+            flat[key] = f"{value[:LONGEST_TEXT]!r}... ({len(value)} characters)"
+        else:
+            flat[key] = value
+    return flat
 
 
 def stack_summary(config: ModelConfig) -> list[dict]:

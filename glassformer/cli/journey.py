@@ -17,8 +17,9 @@ from ..language_model import load
 from ..model.encoder_decoder import EncoderDecoder, build_model
 from ..model.presets import get_preset
 from ..model.transformer import Transformer
-from .options import add_prompt, add_quantize, device, positive_int, read_prompt
+from .options import add, add_computing, add_prompt, or_default, positive_int, read_prompt
 
+TOP_K = 10
 PRINTABLE = "".join(chr(c) for c in range(32, 127))  # 95 characters + end-of-text = 96 ids
 
 
@@ -31,24 +32,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_prompt(parser, "the prompt to trace")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--model", help="a known name (smollm2-135m-instruct), a .gguf file, or a model folder"
-    )
-    source.add_argument(
-        "--preset", help="a randomly initialised preset (e.g. tiny-llama) with a character tokenizer"
-    )
-    add_quantize(parser, default=None)
-    parser.add_argument("-o", "--output", help="HTML file to write (default journey.html)")
-    parser.add_argument("--force", action="store_true", help="replace an existing output file")
-    parser.add_argument("--json", action="store_true", help="print tokens, sites and next tokens as JSON")
-    parser.add_argument("--top-k", type=positive_int, default=10, help="next tokens to list (default 10)")
+    add(source, "--model", "--preset")  # a preset reads text with a character tokenizer
+    add(parser, "--quantize", "--output", "--force", "--json", "--top-k")
     parser.add_argument("--ig-steps", type=positive_int, default=4,
                         help="integrated-gradient points per tenth of the path (default 4)")
-    parser.add_argument("--max-tokens", type=positive_int, default=MAX_TOKENS,
-                        help=f"longest prompt traced, in tokens (default {MAX_TOKENS}; the page holds "
-                             "T x T attention weights per head and layer)")
-    parser.add_argument("--seed", type=int, default=0, help="initialisation seed for --preset")
-    parser.add_argument("--device", type=device, default="cpu")
+    add(parser, "--max-tokens", "--seed")  # the page holds T x T attention weights per head and layer
+    add_computing(parser)
     parser.set_defaults(run=run)
 
 
@@ -73,13 +62,15 @@ def run(args: argparse.Namespace) -> int:
         check_output(output, inputs, args.force)
         if not Path(output).absolute().parent.is_dir():
             raise ValueError(f"{output}: the folder to write it in does not exist")
+    device = or_default(args.device, "cpu")
     if args.model is not None:
-        loaded = load(args.model, quantize=args.quantize).to(args.device)
+        loaded = load(args.model, quantize=args.quantize).to(device)
         model, tokenizer = loaded.model, loaded.tokenizer
     else:
-        model, tokenizer = random_model(args.preset, args.seed, args.device)
-    data = collect_journey(model.eval(), tokenizer, text, top_k=args.top_k, ig_steps=args.ig_steps,
-                           max_tokens=args.max_tokens, progress=_progress)
+        model, tokenizer = random_model(args.preset, or_default(args.seed, 0), device)
+    data = collect_journey(model.eval(), tokenizer, text, top_k=or_default(args.top_k, TOP_K),
+                           ig_steps=args.ig_steps, max_tokens=or_default(args.max_tokens, MAX_TOKENS),
+                           progress=_progress)
     if output is not None:
         _progress(f"writing {output}")
         write_html(data, output)

@@ -1,57 +1,28 @@
-"""Options shared by several commands, and argument types that refuse bad values at parse time."""
+"""The command-line options shared by several commands, each defined once (FLAGS), and the
+argument types that refuse bad values at parse time.
+
+A flag means one thing, with one type and one default, in every command that takes it.
+Where commands fall back to different values, the flag's default is None ("not given") and
+its help names each command's fallback."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
+import typing
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
 
 from ..accel.quantize import QUANTIZE_CHOICES
 from ..formats.files import read_text
 from ..generation.sampling import SamplingConfig
-
-
-def add_quantize(parser: argparse.ArgumentParser, default: str | None = "none") -> None:
-    parser.add_argument(
-        "--quantize", choices=QUANTIZE_CHOICES, default=default,
-        help="inference weights: none = float32 through the fast kernels, bf16 / int8 / int4 "
-             "converted once, gguf = a GGUF file's own Q8_0/Q4_x blocks"
-             + ("" if default else " (default: the plain reference layers)"),
-    )
-
-
-def add_threads(parser: argparse.ArgumentParser, reserved: int = 0) -> None:
-    """--threads; `reserved`: cores the command keeps for other work of its own."""
-    parser.set_defaults(threads_reserved=reserved, thread_policy=None)  # the policy: main() makes it
-    parser.add_argument(
-        "--threads", type=positive_int, default=None,
-        help="compute threads (default: GLASSFORMER_THREADS or OMP_NUM_THREADS if set, else "
-             "one per core other processes leave free, looked at again during long runs)",
-    )
-
-
-def add_sampling(parser: argparse.ArgumentParser) -> None:
-    """One flag per field of SamplingConfig."""
-    parser.add_argument("--temperature", type=non_negative, default=0.0, help="0 (default): greedy")
-    parser.add_argument("--top-k", type=positive_int, default=None)
-    parser.add_argument("--top-p", type=finite, default=1.0)
-    parser.add_argument("--min-p", type=finite, default=0.0)
-    parser.add_argument("--repetition-penalty", type=finite, default=1.0)
-    parser.add_argument("--presence-penalty", type=finite, default=0.0)
-    parser.add_argument("--frequency-penalty", type=finite, default=0.0)
-
-
-def sampling_config(args: argparse.Namespace) -> SamplingConfig:
-    """The SamplingConfig that the flags of `add_sampling` describe."""
-    return SamplingConfig(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-    )
+from ..interpret.journey.collect import MAX_TOKENS
+from ..model.config import RopeScaling
+from ..serving.engine import EngineConfig
+from ..serving.kv_pool import KV_DTYPES
 
 
 def finite(text: str) -> float:
@@ -89,8 +60,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 def device(text: str) -> str:
-    """A device this machine has: cpu, cuda[:N] with CUDA present, mps where available."""
+    """A device this machine has: cpu, cuda[:N] with CUDA present, mps where available, auto."""
     from ..training.distributed import pick_device
 
     try:
@@ -100,11 +81,174 @@ def device(text: str) -> str:
     return text
 
 
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One option: its spellings and its argparse settings (type or choices or action,
+    default, help), the same in every command that takes it."""
+
+    names: tuple[str, ...]
+    settings: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.names[-1]
+
+
+# The engine's settings a user may change, each a field of EngineConfig (the flag's type and
+# default come from the field).
+ENGINE_HELP = MappingProxyType({
+    "kv_memory_mb": "KV cache size in MiB",
+    "kv_dtype": "how the KV cache stores keys and values",
+    "max_batch": "most requests in one engine step",
+    "token_budget": "most tokens in one engine step (a long prompt is prefilled in chunks)",
+    "block_size": "tokens per KV cache block",
+    "prefix_caching": "reuse the cached keys and values of a prompt prefix seen before",
+})
+ENGINE_CHOICES = MappingProxyType({"kv_dtype": tuple(KV_DTYPES)})
+
+
+def _engine_flag(field: dataclasses.Field, kind: type) -> Flag:
+    help = f"{ENGINE_HELP[field.name]} (default: {field.default})"
+    settings: dict[str, Any] = {"default": field.default, "help": help}
+    if field.name in ENGINE_CHOICES:
+        settings["choices"] = ENGINE_CHOICES[field.name]
+    elif kind is bool:
+        settings["action"] = argparse.BooleanOptionalAction
+    else:
+        settings["type"] = {int: positive_int, float: positive}[kind]
+    return Flag(("--" + field.name.replace("_", "-"),), MappingProxyType(settings))
+
+
+def _engine_flags() -> tuple[Flag, ...]:
+    hints = typing.get_type_hints(EngineConfig)
+    return tuple(_engine_flag(f, hints[f.name]) for f in dataclasses.fields(EngineConfig)
+                 if f.name in ENGINE_HELP)
+
+
+def _flag(*names: str, **settings: Any) -> Flag:
+    return Flag(names, MappingProxyType(settings))
+
+
+FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
+    _flag("--model", default=None,
+          help="a known name (see glassformer pull), a .gguf file, or a checkpoint or Hugging Face "
+               "folder"),
+    _flag("--preset", default=None,
+          help="a named configuration with random weights, e.g. gpt2, tiny-llama (train also "
+               "takes a recipe)"),
+    _flag("--config", default=None,
+          help='a JSON file: ModelConfig fields, or {"model": {...}, "train": {...}}'),
+    _flag("--data", nargs="+", default=None,
+          help="text file(s) or folder(s) (experiment: one, for ablation and length; default "
+               "tinyshakespeare)"),
+    _flag("--documents", choices=("file", "line", "blank"), default=None,
+          help="where one document ends and the next begins (default: file; train: the run's)"),
+    _flag("--batch-size", type=positive_int, default=None,
+          help="sequences per batch (default: eval 8; train: the run's)"),
+    _flag("--out", default=None,
+          help="the run folder: a training run's checkpoints and metrics, an experiment's results "
+               "(experiment default: experiment-NAME)"),
+    _flag("-o", "--output", default=None,
+          help="what to write: export a Hugging Face folder, journey an HTML page (default "
+               "journey.html)"),
+    _flag("--force", action="store_true",
+          help="replace what is there: pull downloads again, journey writes over its output file"),
+    _flag("--json", action="store_true", help="print the result as JSON"),
+    _flag("--no-progress", action="store_true", help="no progress bar"),
+    _flag("--device", type=device, default=None,
+          help="cpu, cuda, cuda:N, mps or auto (default: cpu; train: the run's, auto)"),
+    _flag("--threads", type=positive_int, default=None,
+          help="compute threads (default: GLASSFORMER_THREADS or OMP_NUM_THREADS if set, else "
+               "one per core other processes leave free, looked at again during long runs)"),
+    _flag("--quantize", choices=QUANTIZE_CHOICES, default=None,
+          help="inference weights: none = float32 through the fast kernels, bf16 / int8 / int4 "
+               "converted once, gguf = a GGUF file's own Q8_0/Q4_x blocks (default: none; "
+               "journey: the plain reference layers)"),
+    _flag("--seed", type=int, default=None,
+          help="seed of the random numbers: sampling (default: unseeded), a journey --preset's "
+               "weights (default 0), training (default: the run's)"),
+    _flag("-n", "--max-new-tokens", type=positive_int, default=None,
+          help="at most this many new tokens (default: generate 64, chat 512)"),
+    _flag("--max-tokens", type=positive_int, default=None,
+          help="read at most this many tokens of the text: eval scores that many (default: all), "
+               f"journey refuses a longer prompt (default {MAX_TOKENS})"),
+    _flag("--top-k", type=positive_int, default=None,
+          help="the K most likely next tokens: sampling draws among them only (default: all), "
+               "fill-mask and journey list them (default 5 and 10)"),
+    _flag("--temperature", type=non_negative, default=0.0, help="0 (default): greedy"),
+    _flag("--top-p", type=finite, default=1.0, help="sample from the smallest set of tokens this "
+          "likely together (default 1: all)"),
+    _flag("--min-p", type=finite, default=0.0,
+          help="drop tokens less likely than this fraction of the likeliest (default 0)"),
+    _flag("--repetition-penalty", type=finite, default=1.0,
+          help="divide the logits of tokens already seen by this (default 1: none)"),
+    _flag("--presence-penalty", type=finite, default=0.0,
+          help="subtract this from the logits of tokens already seen (default 0)"),
+    _flag("--frequency-penalty", type=finite, default=0.0,
+          help="subtract this times their count from the logits of tokens seen (default 0)"),
+    _flag("--rope-scaling", choices=typing.get_args(RopeScaling), default=None,
+          help="extend a RoPE model's context window --rope-factor times (default: none; train: "
+               "the run's)"),
+    _flag("--rope-factor", type=positive, default=None,
+          help="new context / original context (default: generate 2; train: the run's)"),
+    _flag("--prompt-file", default=None, help="read the prompt from this UTF-8 file"),
+    *_engine_flags(),
+)})
+
+SAMPLING = ("--temperature", "--top-k", "--top-p", "--min-p", "--repetition-penalty",
+            "--presence-penalty", "--frequency-penalty")
+ENGINE = tuple("--" + name.replace("_", "-") for name in ENGINE_HELP)
+
+
+def add(parser, *names: str, required: bool = False, dest: str | None = None) -> None:
+    """Add the table's flags `names` to a parser (or an argument group); `required` and
+    `dest` are the only things a command chooses."""
+    for name in names:
+        flag = FLAGS[name]
+        extra = ({"required": True} if required else {}) | ({"dest": dest} if dest else {})
+        parser.add_argument(*flag.names, **flag.settings, **extra)
+
+
+def add_threads(parser: argparse.ArgumentParser, reserved: int = 0) -> None:
+    """--threads; `reserved`: cores the command keeps for other work of its own."""
+    parser.set_defaults(threads_reserved=reserved, thread_policy=None)  # the policy: main() makes it
+    add(parser, "--threads")
+
+
+def add_computing(parser: argparse.ArgumentParser, reserved: int = 0) -> None:
+    """--device and --threads: the flags of every command that computes."""
+    add(parser, "--device")
+    add_threads(parser, reserved)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig that the ENGINE flags describe."""
+    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_HELP})
+
+
+def sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    """The SamplingConfig that the SAMPLING flags describe."""
+    return SamplingConfig(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
+
+
+def or_default(value, fallback):
+    """A flag's value, or the command's own fallback where it was not given."""
+    return fallback if value is None else value
+
+
 def add_prompt(parser: argparse.ArgumentParser, what: str) -> None:
     """PROMPT as an argument, `-` for standard input, or --prompt-file F (an argument is
     capped by the OS near 128 KiB)."""
     parser.add_argument("prompt", nargs="?", help=f"{what} ('-' reads standard input)")
-    parser.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    add(parser, "--prompt-file")
 
 
 def read_prompt(args: argparse.Namespace) -> str:

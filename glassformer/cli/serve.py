@@ -6,16 +6,26 @@ import argparse
 import os
 import signal
 
-from .options import add_quantize, add_threads
+from .options import (
+    ENGINE,
+    add,
+    add_computing,
+    engine_config,
+    non_negative,
+    non_negative_int,
+    or_default,
+    positive,
+    positive_int,
+)
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette", "h11")  # and theirs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
-    parser.add_argument("--model", required=True, help="checkpoint/HF folder, .gguf file or known name")
+    add(parser, "--model", required=True)
     parser.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
-    add_quantize(parser)
+    add(parser, "--quantize")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("GLASSFORMER_API_KEY"),
@@ -31,32 +41,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
                         help="browser origins (scheme://host:port) that may call the server besides "
                              "the allowed hosts' pages (others get 403; '*': any)")
-    parser.add_argument("--kv-memory-mb", type=float, default=256.0, help="KV cache size")
-    parser.add_argument("--max-batch", type=int, default=16, help="most requests per engine step")
-    parser.add_argument("--max-queue", type=int, default=64,
+    add(parser.add_argument_group("the serving engine"), *ENGINE)
+    parser.add_argument("--max-queue", type=non_negative_int, default=64,
                         help="requests waiting beyond the batch (then 429)")
-    parser.add_argument("--max-tokens", type=int, default=1024, help="most tokens one request may ask for")
-    parser.add_argument("--max-body-kb", type=int, default=1024, help="larger request bodies get 413")
-    parser.add_argument("--body-timeout", type=float, default=10.0,
+    parser.add_argument("--max-request-tokens", type=positive_int, default=1024,
+                        help="the largest max_tokens a request may ask for (more: 400)")
+    parser.add_argument("--max-body-kb", type=positive_int, default=1024,
+                        help="larger request bodies get 413")
+    parser.add_argument("--body-timeout", type=positive, default=10.0,
                         help="seconds to send a request's body (then 408 and the connection closes)")
-    parser.add_argument("--header-timeout", type=float, default=10.0,
+    parser.add_argument("--header-timeout", type=positive, default=10.0,
                         help="seconds to send a request's headers (then 408 and the connection closes)")
-    parser.add_argument("--timeout", type=float, default=600.0,
+    parser.add_argument("--timeout", type=positive, default=600.0,
                         help="seconds a request may run (then 504, or an error event in a stream)")
-    parser.add_argument("--grace", type=float, default=30.0,
+    parser.add_argument("--grace", type=non_negative, default=30.0,
                         help="on SIGTERM, seconds running requests get to finish (then 503, or an "
                              "error event in a stream)")
     parser.add_argument("--ray", action="store_true",
                         help="run on Ray Serve (pip install glassformer[ray]): a local Ray, or the "
                              "cluster RAY_ADDRESS names")
-    parser.add_argument("--replicas", type=int, default=1, help="--ray: copies of the server")
-    add_threads(parser, reserved=1)  # a core for the event loop: see run()
+    parser.add_argument("--replicas", type=positive_int, default=1, help="--ray: copies of the server")
+    add_computing(parser, reserved=1)  # a core for the event loop: see run()
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..language_model import load
-    from ..serving import EngineConfig
 
     try:
         import uvicorn
@@ -71,16 +81,20 @@ def run(args: argparse.Namespace) -> int:
                          "pip install 'glassformer[serve]'") from None
 
     hosts = tuple(dict.fromkeys((args.host, *LOOPBACK, *args.allowed_hosts)))
-    config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue, args.max_tokens,
+    config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue,
+                          args.max_request_tokens,
                           args.max_body_kb * 1024, args.timeout, args.body_timeout, hosts,
                           tuple(args.allowed_origins), args.metrics_key, args.header_timeout)
-    engine = EngineConfig(kv_memory_mb=args.kv_memory_mb, max_batch=args.max_batch)
+    engine = engine_config(args)
     # The engine's threads share the cores with the event loop: one thread waiting for a core
     # that serves HTTP stalls every matrix product of a step (main() configured the threads
     # with one core reserved).
     if args.ray:
+        if or_default(args.device, "cpu") != "cpu":
+            raise ValueError("--device: the --ray replicas run on the cpu")
         return _run_on_ray(args, config, engine)
-    app = create_app(load(args.model, quantize=args.quantize), config, engine, args.thread_policy)
+    language_model = load(args.model, quantize=or_default(args.quantize, "none"))
+    app = create_app(language_model.to(or_default(args.device, "cpu")), config, engine, args.thread_policy)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler it found:
     # with this one, that ends here and the command exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -112,5 +126,6 @@ def _run_on_ray(args: argparse.Namespace, config, engine) -> int:
 
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(application(args.model, args.quantize, config, engine, args.replicas), blocking=True)
+    quantize = or_default(args.quantize, "none")
+    serve.run(application(args.model, quantize, config, engine, args.replicas), blocking=True)
     return 0

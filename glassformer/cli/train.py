@@ -17,23 +17,20 @@ from ..formats.files import read_json_object
 from ..model.config import ModelConfig
 from ..model.presets import PRESETS
 from ..training.config import RECIPES, TrainConfig
-from .options import add_threads
+from .options import FLAGS, add, add_threads
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train", help="train a model on text files",
         description="Train a model on text. Every ModelConfig and TrainConfig field can be "
-                    "overridden (--n-layers 4 --d-model 128 --batch-size 12 --lr 1e-3 ...).",
+                    "overridden (--n-layers 4 --d-model 128 --batch-size 12 --lr 1e-3 ...). "
+                    f"--preset takes a recipe ({', '.join(RECIPES)}) or a model preset.",
     )
-    parser.add_argument("--data", required=True, nargs="+", help="text file(s) or folder(s)")
-    parser.add_argument("--out", required=True, help="run folder (checkpoints, metrics, loss.png)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", help=f"a recipe ({', '.join(RECIPES)}) or a model preset")
-    source.add_argument("--config", help='a JSON file {"model": {...}, "train": {...}}')
+    add(parser, "--data", "--out", required=True)
+    add(parser.add_mutually_exclusive_group(), "--preset", "--config")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print one JSON summary at the end")
+    add(parser, "--no-progress", "--json")
     model_args = parser.add_argument_group("model (ModelConfig fields)")
     _add_fields(model_args, ModelConfig, skip={"vocab_size"}, prefix="model.")
     train_args = parser.add_argument_group("training (TrainConfig fields)")
@@ -50,7 +47,9 @@ def _add_fields(group, cls, skip: set[str], prefix: str) -> None:
         flag, dest = "--" + field.name.replace("_", "-"), prefix + field.name
         kind = hints[field.name]
         args = typing.get_args(kind)
-        if kind is bool:
+        if flag in FLAGS:  # one the other commands share (--seed, --device, ...): defined there
+            add(group, flag, dest=dest)
+        elif kind is bool:
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
         elif typing.get_origin(kind) is typing.Literal:
             group.add_argument(flag, dest=dest, choices=args, default=None)

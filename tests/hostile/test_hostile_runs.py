@@ -193,7 +193,7 @@ def test_resume_keeps_an_explicit_decay(corpus, tmp_path):
 
 BAD_TRAIN = [
     (["--lr", "inf"], "lr"), (["--lr", "nan"], "lr"), (["--lr", "-1"], "lr"),
-    (["--lr", "abc"], "--lr"), (["--batch-size", "0"], "batch_size"),
+    (["--lr", "abc"], "--lr"), (["--batch-size", "0"], "--batch-size"),
     (["--max-iters", "-5"], "max_iters"), (["--device", "bogus"], "bogus"),
     (["--device", "cuda:99"], "cuda"), (["--n-heads", "0"], "n_heads"),
     (["--d-model", "15"], "d_model"), (["--dropout", "2"], "dropout"),

@@ -36,7 +36,7 @@ def served_process(tmp_path, language_model, *flags):
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())", "serve",
-         "--model", str(folder), "--name", "m", "--port", str(port), "--max-tokens", "1000", *flags],
+         "--model", str(folder), "--name", "m", "--port", str(port), "--max-request-tokens", "1000", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env={k: v for k, v in os.environ.items() if k != "GLASSFORMER_API_KEY"})
     url = f"http://127.0.0.1:{port}"
