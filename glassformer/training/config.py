@@ -45,6 +45,8 @@ class TrainConfig(ConfigFields):
     device: str = "auto"  # auto: cuda when present, else cpu
     objective: Literal["clm", "span", "mlm"] = "clm"  # span: T5's span corruption (encoder-decoders);
     # mlm: BERT's masked LM (encoders)
+    init: str | None = None  # start from this pretrained model (what glassformer.load reads):
+    # its config, weights and tokenizer (training/pretrained.py)
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -77,6 +79,8 @@ class TrainConfig(ConfigFields):
             raise ValueError("vocab_size: a bpe tokenizer needs --vocab-size")
         if self.objective not in ("clm", "span", "mlm"):
             raise ValueError(f"objective: choose clm, span or mlm, got {self.objective!r}")
+        if self.init is not None and (not isinstance(self.init, str) or not self.init):
+            raise ValueError(f"init: expected a model name or path, got {self.init!r}")
         if self.documents not in ("file", "line", "blank"):
             raise ValueError(f"documents: choose file, line or blank, got {self.documents!r}")
 
