@@ -9,6 +9,7 @@ must agree with the pretrained ones, except those that do not touch the weights 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,3 +55,9 @@ def run_config(pretrained: ModelConfig, asked: dict[str, Any] | ModelConfig | No
             raise ValueError(f"context_length: {config.context_length} is longer than "
                              f"{source}'s {pretrained.context_length}")
     return config
+
+
+def base_name(source: str) -> str:
+    """How an adapter names its base: a path made absolute, a known name as it is."""
+    path = Path(source).expanduser()
+    return str(path.resolve()) if path.exists() else source

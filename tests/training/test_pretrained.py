@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from llama_folder import TEXT, llama_folder
 
 from glassformer.cli import main
 from glassformer.formats.checkpoint import load_model
@@ -21,26 +22,9 @@ from glassformer.training.loop import train
 from glassformer.training.metrics import read_metrics
 from glassformer.training.pretrained import run_config
 
-transformers = pytest.importorskip("transformers")
-VOCAB = 300
-TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen jugs. " * 30
+pytest.importorskip("transformers")
 TRAIN = TrainConfig(batch_size=4, max_iters=2, warmup_iters=0, eval_interval=2, eval_iters=2,
                     log_interval=1, sample_tokens=4, device="cpu", lr=1e-3)
-
-
-def llama_folder(folder):
-    """A tiny random Llama saved by transformers, with a byte-level BPE tokenizer.json."""
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None)
-    config._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(folder)
-    HFTokenizer.train_bpe([TEXT] * 4, VOCAB).save(folder / "tokenizer.json")
-    return model
 
 
 @pytest.fixture(scope="module")
