@@ -220,3 +220,17 @@ def test_bad_lora_flags_are_one_line(plain_checkpoint, corpus, tmp_path, capsys,
 def test_lora_without_init_is_refused():
     with pytest.raises(ValueError, match="^lora_rank: LoRA adapts a pretrained model"):
         TrainConfig(lora_rank=4)
+
+
+@pytest.mark.slow
+def test_smollm2_adapter_in_peft(smollm2_path, corpus, tmp_path):
+    config = _config(smollm2_path, batch_size=1, max_iters=1, eval_interval=1, lr=1e-3,
+                     lora_targets="q,k,v,o,gate,up,down")
+    train(corpus, tmp_path / "run", {"context_length": 32}, config, progress=False)
+    base = load(smollm2_path)
+    export_hf(base.model, base.tokenizer, tmp_path / "exported")
+    reference = _peft_model(tmp_path / "exported", tmp_path / "run" / "latest")
+    apply_adapter(base.model, tmp_path / "run", base=str(smollm2_path))
+    ids = torch.tensor([base.tokenizer.encode("The king spoke to his people")])
+    with torch.no_grad():
+        torch.testing.assert_close(base.model(ids), reference(ids).logits, atol=1e-4, rtol=1e-4)
