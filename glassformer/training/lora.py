@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..formats.hub import MODELS
 from ..formats.peft import ADAPTER_CONFIG, read_adapter, write_adapter
 from ..model.config import ModelConfig
 
@@ -54,7 +55,7 @@ class LoRALinear(nn.Module):
     """A frozen linear layer plus one low-rank update per target slice of its output rows:
 
         y = x Wᵀ + b
-        y[..., s_t:e_t] += (α / r) · dropout(x) A_tᵀ B_tᵀ      for each target t
+        y[..., s_t:e_t] += (α / r) · dropout_t(x) A_tᵀ B_tᵀ    for each target t
 
     with A_t (r, d_in) drawn like nn.Linear's weight and B_t (e_t - s_t, r) zero, so training
     starts from the base model. Only A_t and B_t learn; merged, W[s_t:e_t] += (α / r) B_t A_t.
@@ -77,8 +78,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (..., d_out)
-        h = self.dropout(x)
         for t, (start, stop) in self.slices.items():
+            h = self.dropout(x)  # a mask of its own per target, as in PEFT
             update = F.linear(F.linear(h, self.lora_A[t]), self.lora_B[t])  # (..., stop - start)
             y[..., start:stop] += self.scale * update
         return y
@@ -182,12 +183,19 @@ def apply_adapter(model: nn.Module, folder: str | Path, base: str | None = None)
     if not (folder / ADAPTER_CONFIG).is_file() and (folder / "latest" / ADAPTER_CONFIG).is_file():
         folder = (folder / "latest").resolve()
     settings, tensors = read_adapter(folder)
-    if base is not None and settings["base"] and not same_model(settings["base"], base):
+    named = settings["base"]
+    if base is not None and named and known_here(named) and not same_model(named, base):
         raise ValueError(f"{folder}: the adapter was trained on {settings['base']}, not {base}")
     config = LoRAConfig(settings["rank"], settings["alpha"], settings["dropout"], settings["targets"])
     add_lora(model, config)
     load_adapter_tensors(model, tensors, str(folder))
     return config
+
+
+def known_here(source: str) -> bool:
+    """Whether `source` names a model this machine can find (a hub id elsewhere cannot be
+    compared: the shapes are checked instead)."""
+    return Path(source).expanduser().exists() or source in MODELS
 
 
 def same_model(a: str, b: str) -> bool:
