@@ -172,8 +172,15 @@ def test_adapter_for_another_shape_is_refused(base, tmp_path):
                          gated=True, d_ff=64)
     with pytest.raises(ValueError, match="an adapter for another base$"):
         apply_adapter(Transformer(config), tmp_path / "adapter")
-    with pytest.raises(ValueError, match="the adapter's layers do not match"):
-        apply_adapter(Transformer(config.replace(n_layers=3, d_model=32)), tmp_path / "adapter")
+    # the base it names, when it can be found here, must be the one given
+    adapter_config = tmp_path / "adapter" / "adapter_config.json"
+    assert json.loads(adapter_config.read_text())["base_model_name_or_path"] == str(base)
+    with pytest.raises(ValueError, match="the adapter was trained on"):
+        apply_adapter(load_hf(base)[0], tmp_path / "adapter", base=str(tmp_path))
+    # a base named by a hub id cannot be found here: the shapes decide
+    adapter_config.write_text(json.dumps(json.loads(adapter_config.read_text())
+                                         | {"base_model_name_or_path": "elsewhere/llama"}))
+    apply_adapter(load_hf(base)[0], tmp_path / "adapter", base=str(base))
 
 
 def test_frozen_base_and_zero_start():
