@@ -14,6 +14,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--format", choices=("hf",), default="hf",
                         help="hf: config.json + model.safetensors + tokenizer, for transformers")
     add(parser, "--output", required=True)
+    parser.add_argument("--merge-lora", metavar="ADAPTER",
+                        help="a LoRA adapter folder (PEFT layout, or a LoRA run) for --model, "
+                             "folded into its weights")
     add(parser, "--json")
     parser.set_defaults(run=run)
 
@@ -23,6 +26,11 @@ def run(args: argparse.Namespace) -> int:
     from ..language_model import load
 
     language_model = load(args.model)
+    if args.merge_lora:
+        from ..training.lora import apply_adapter, merge_lora
+
+        apply_adapter(language_model.model, args.merge_lora, base=args.model)
+        merge_lora(language_model.model)
     folder = export_hf(language_model.model, language_model.tokenizer, args.output)
     files = sorted(p.name for p in folder.iterdir())
     if args.json:

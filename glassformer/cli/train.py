@@ -84,6 +84,8 @@ def _base_configs(args: argparse.Namespace) -> tuple[dict, dict]:
     if args.preset is None and args.resume and Path(args.out).exists():
         checkpoint = Checkpoint.open(resume_source(Path(args.out)))  # the saved settings by default
         return checkpoint.config.to_dict(), dict(checkpoint.meta["train"])
+    if args.preset is None and getattr(args, "train.init") is not None:
+        return {}, {}  # the pretrained model's config
     name = args.preset or "shakespeare-char"
     if name in RECIPES:
         return RECIPES[name].model.to_dict(), RECIPES[name].train.to_dict()
@@ -97,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
     from ..training.loop import train  # the loop pulls in torch.distributed; only load it when training
 
     model, train_values = _base_configs(args)
-    model.setdefault("vocab_size", 1)  # replaced by the tokenizer's
     try:
-        model_config = ModelConfig.from_dict({**model, **_overrides(args, "model.")})
         train_config = TrainConfig.from_dict({**train_values, **_overrides(args, "train.")})
+        model_config = {**model, **_overrides(args, "model.")}  # checked against --init's model
+        if train_config.init is None:
+            model_config = ModelConfig.from_dict({"vocab_size": 1, **model_config})  # the tokenizer's
     except ValueError as error:
         raise ValueError(f"{args.config}: {error}" if args.config else str(error)) from None
     echo = (lambda s: tqdm.write(s, file=sys.stderr)) if args.json else tqdm.write

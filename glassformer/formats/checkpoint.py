@@ -2,7 +2,9 @@
 
 A checkpoint folder holds
 
-    model.safetensors           the weights (a tied head is stored once)
+    model.safetensors           the weights (a tied head is stored once); a LoRA run's
+                                checkpoint holds its adapter instead (formats/peft.py's
+                                adapter_config.json + adapter_model.safetensors)
     config.json                 {"model": ModelConfig.to_dict(), "train": {...}, "state": {...},
                                  "optimizer": {"param_groups": [...]}}
     tokenizer.json              see glassformer.tokenizers
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,14 +37,19 @@ from .tokenizers import load_tokenizer
 from .validate import check_model
 
 LINKS = ("latest", "best")
+WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")  # a model, or a LoRA adapter
+
+
+def has_weights(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in WEIGHT_FILES)
 
 
 def resolve(path: str | Path) -> Path:
     """The checkpoint folder `path` names: itself, or a run folder's `latest`."""
     path = Path(path)
-    if (path / "model.safetensors").is_file():
+    if has_weights(path):
         return path
-    if (path / "latest" / "model.safetensors").is_file():
+    if has_weights(path / "latest"):
         return (path / "latest").resolve()
     raise FileNotFoundError(f"no glassformer checkpoint in {path} (expected model.safetensors)")
 
@@ -94,11 +102,16 @@ def write_checkpoint(
     meta: dict,
     optimizer: torch.optim.Optimizer | None = None,
     extra_tensors: dict[str, torch.Tensor] | None = None,
+    write_weights: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write one complete checkpoint folder (created fresh; it must not exist yet)."""
+    """Write one complete checkpoint folder (created fresh; it must not exist yet).
+    `write_weights(folder)` writes the weight files in place of model.safetensors (an adapter)."""
     folder = Path(folder)
     folder.mkdir(parents=True)
-    safetensors.torch.save_model(model, str(folder / "model.safetensors"))
+    if write_weights is None:
+        safetensors.torch.save_model(model, str(folder / "model.safetensors"))
+    else:
+        write_weights(folder)
     meta = {**meta, "model": model.config.to_dict()}
     tensors = dict(extra_tensors or {})
     if optimizer is not None:
@@ -123,6 +136,7 @@ def save_to_run(
     meta: dict,
     optimizer: torch.optim.Optimizer | None = None,
     extra_tensors: dict[str, torch.Tensor] | None = None,
+    write_weights: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save the state at `step` as run_dir/step-NNNNNNN and point `links` (e.g. latest) at it.
     A checkpoint that one of `links` pointed to, and no link points to any more, is removed;
@@ -135,7 +149,7 @@ def save_to_run(
         tmp = run_dir / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            write_checkpoint(tmp, model, tokenizer, meta, optimizer, extra_tensors)
+            write_checkpoint(tmp, model, tokenizer, meta, optimizer, extra_tensors, write_weights)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -174,14 +188,13 @@ def run_contents(out: Path) -> list[str]:
 def resume_source(out: Path) -> Path:
     """The checkpoint `latest` points to, or an error that says what is left instead."""
     latest = out / "latest"
-    if (latest / "model.safetensors").is_file():
+    if has_weights(latest):
         return latest
     problem = "is a broken link" if latest.is_symlink() else "is missing"
     if not run_contents(out):
         raise FileNotFoundError(f"--resume: no checkpoint in {out}")
     best = out / "best"
-    kept = (f"; best still points to {os.readlink(best)}" if (best / "model.safetensors").is_file()
-            else "")
+    kept = f"; best still points to {os.readlink(best)}" if has_weights(best) else ""
     steps = sorted(p.name for p in out.glob("step-*"))
     raise FileNotFoundError(
         f"--resume: {latest} {problem}{kept} (step folders: {', '.join(steps) or 'none'}); "
@@ -252,6 +265,9 @@ def _check_float_storage(model: torch.nn.Module, path: str | Path) -> None:
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """(Transformer or EncoderDecoder, tokenizer, meta) from a checkpoint folder or a run folder."""
     checkpoint = Checkpoint.open(path)
+    if not (checkpoint.folder / "model.safetensors").is_file():
+        raise ValueError(f"{checkpoint.folder} holds a LoRA adapter, not a whole model: fold it "
+                         "into its base with glassformer export --merge-lora")
     tokenizer = checkpoint.tokenizer()
     if tokenizer.vocab_size > checkpoint.config.vocab_size:
         raise ValueError(f"{checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but "

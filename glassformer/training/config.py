@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..model.config import ConfigFields, ModelConfig, check_finite
+from .lora import LoRAConfig
 
 # Fields a resumed run may change: budgets and observation, never the math of a step.
 RESUMABLE_CHANGES = frozenset(
@@ -45,6 +46,13 @@ class TrainConfig(ConfigFields):
     device: str = "auto"  # auto: cuda when present, else cpu
     objective: Literal["clm", "span", "mlm"] = "clm"  # span: T5's span corruption (encoder-decoders);
     # mlm: BERT's masked LM (encoders)
+    init: str | None = None  # start from this pretrained model (what glassformer.load reads):
+    # its config, weights and tokenizer (training/pretrained.py)
+    lora_rank: int | None = None  # LoRA (training/lora.py): rank-r adapters on the frozen --init
+    # model; None: every weight trains
+    lora_alpha: float = 16.0  # the updates are scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated projections of each block
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -77,8 +85,20 @@ class TrainConfig(ConfigFields):
             raise ValueError("vocab_size: a bpe tokenizer needs --vocab-size")
         if self.objective not in ("clm", "span", "mlm"):
             raise ValueError(f"objective: choose clm, span or mlm, got {self.objective!r}")
+        if self.init is not None and (not isinstance(self.init, str) or not self.init):
+            raise ValueError(f"init: expected a model name or path, got {self.init!r}")
+        if self.lora is not None and self.init is None:
+            raise ValueError("lora_rank: LoRA adapts a pretrained model; give --init")
         if self.documents not in ("file", "line", "blank"):
             raise ValueError(f"documents: choose file, line or blank, got {self.documents!r}")
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The LoRA settings (validated), or None for full training."""
+        if self.lora_rank is None:
+            return None
+        targets = tuple(t.strip() for t in self.lora_targets.split(","))
+        return LoRAConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, targets)
 
     @property
     def decay_iters(self) -> int:

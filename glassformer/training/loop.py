@@ -23,6 +23,7 @@ from ..accel.decisions import bf16_products_pay
 from ..accel.fast_training import clip_grad_norm_, use_fast_training
 from ..accel.threads import ThreadPolicy
 from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
+from ..formats.peft import read_adapter
 from ..formats.tokenizers import train_tokenizer
 from ..generation.config import GenerationConfig
 from ..generation.generate import generate
@@ -34,10 +35,12 @@ from . import distributed
 from .allocator import keep_freed_memory
 from .config import TrainConfig, resume_conflicts
 from .data import TokenData, draw_starts, iter_documents, list_sources, windows, write_token_file
+from .lora import add_lora, check_targets, load_adapter_tensors, save_adapter
 from .masking import IGNORE
 from .metrics import MetricsLog, plot_losses
 from .objectives import OBJECTIVES, Batch, get_objective
 from .optim import make_optimizer, set_learning_rate
+from .pretrained import base_name, load_pretrained, run_config
 from .schedule import learning_rate
 
 
@@ -112,11 +115,10 @@ def sample_text(model: Transformer | EncoderDecoder, tokenizer, n_tokens: int, s
     return generate(model, [tokenizer.eos_id], config, tokenizer).text
 
 
-def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, resume: bool,
-             process):
-    """Checks everything that could refuse the run before anything is written."""
+def _prepare(data, out: Path, model_config, config: TrainConfig, resume: bool, process):
+    """Checks everything that could refuse the run before anything is written. Returns
+    (sources, tokenizer, model config, checkpoint to resume or None, pretrained model or None)."""
     objective = get_objective(config.objective)
-    objective.check(model_config)
     sources = list_sources(data)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out}: not a folder (--out names the run folder)")
@@ -126,19 +128,34 @@ def _prepare(data, out: Path, model_config: ModelConfig, config: TrainConfig, re
             raise ValueError(f"{out} already holds a training run ({', '.join(left[:4])}"
                              f"{' ...' if len(left) > 4 else ''}): pass --resume to continue it, "
                              "or give a fresh --out")
+        if config.init is not None:  # the pretrained model's config, weights and tokenizer
+            pretrained, tokenizer = load_pretrained(config.init)
+            if tokenizer.eos_id is None:  # documents are joined with it
+                raise ValueError(f"init: {config.init}'s tokenizer has no end-of-text token")
+            model_config = run_config(pretrained.config, model_config, config.init)
+            objective.check(model_config)
+            if config.lora is not None:
+                check_targets(model_config, config.lora)
+            return sources, tokenizer, model_config, None, pretrained
+        objective.check(model_config)
         docs = iter_documents(sources, config.documents)
         tokenizer = train_tokenizer(config.tokenizer, docs, config.vocab_size)
         tokenizer = objective.prepare_tokenizer(tokenizer, model_config.context_length)
-        return sources, tokenizer, _for_tokenizer(model_config, tokenizer), None
+        return sources, tokenizer, _for_tokenizer(model_config, tokenizer), None, None
     checkpoint = Checkpoint.open(resume_source(out))
     tokenizer = checkpoint.tokenizer()
-    model_config = _for_tokenizer(model_config, tokenizer)
+    if config.init is not None:  # the saved model is the run's; asked fields must agree with it
+        asked = model_config.to_dict() if isinstance(model_config, ModelConfig) else model_config
+        model_config = checkpoint.config.replace(**(asked or {}))
+    else:
+        model_config = _for_tokenizer(model_config, tokenizer)
     saved, asked = checkpoint.config.to_dict(), model_config.to_dict()
     conflicts = [f"{k}={asked[k]!r} (saved {saved[k]!r})" for k in saved if saved[k] != asked[k]]
     conflicts += resume_conflicts(TrainConfig.from_dict(checkpoint.meta["train"]), config)
     if conflicts:
         raise ValueError(f"cannot resume {out}: this run asks for {', '.join(conflicts)}")
-    return sources, tokenizer, model_config, checkpoint
+    pretrained = load_pretrained(config.init)[0] if config.lora is not None else None  # the base
+    return sources, tokenizer, model_config, checkpoint, pretrained
 
 
 def _for_tokenizer(model_config: ModelConfig, tokenizer) -> ModelConfig:
@@ -149,9 +166,12 @@ def _for_tokenizer(model_config: ModelConfig, tokenizer) -> ModelConfig:
     return model_config.replace(vocab_size=tokenizer.vocab_size)
 
 
-def train(data, out_dir, model_config: ModelConfig, config: TrainConfig, resume: bool = False,
-          progress: bool = True, echo=tqdm.write, threads: ThreadPolicy | None = None) -> dict:
+def train(data, out_dir, model_config: ModelConfig | dict | None, config: TrainConfig,
+          resume: bool = False, progress: bool = True, echo=tqdm.write,
+          threads: ThreadPolicy | None = None) -> dict:
     """Train on the text at `data` (file(s) or folder) into the run folder `out_dir`.
+    With `config.init` the model is the pretrained one: `model_config` may then be None or
+    give fields (a dict) that must agree with it (see training/pretrained.py).
     `echo` prints the evaluations and samples; `threads` (the process's policy, if any) is
     revisited every step. Returns a summary (iters, losses, tokens/s, checkpoint path ...)."""
     started = time.perf_counter()
@@ -165,7 +185,7 @@ def train(data, out_dir, model_config: ModelConfig, config: TrainConfig, resume:
 
 
 def _train(data, out, model_config, config, resume, progress, echo, process, started, threads):
-    sources, tokenizer, model_config, checkpoint = _prepare(
+    sources, tokenizer, model_config, checkpoint, pretrained = _prepare(
         data, out, model_config, config, resume, process
     )
     T, main, device = model_config.context_length, process.is_main, process.device
@@ -178,8 +198,15 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         distributed.barrier(process)
         tokens = TokenData.open(out / "tokens.bin", T, config.val_fraction)
         torch.manual_seed(config.seed)
-        model = use_fast_training(build_model(model_config).to(device))  # fused C++ passes on a CPU
-        optimizer = make_optimizer(model, config)
+        model = build_model(model_config)
+        if pretrained is not None:
+            model.load_state_dict(pretrained.state_dict(), strict=True)
+            del pretrained
+        model = use_fast_training(model.to(device))  # fused C++ passes on a CPU
+        lora = config.lora
+        if lora is not None:  # the base frozen, adapters on its targets
+            add_lora(model, lora)
+        optimizer = make_optimizer(model, config)  # for the parameters that train
     except BaseException:
         if main and checkpoint is None:  # a refused fresh run leaves nothing behind
             _remove_new_run(out, created)
@@ -187,7 +214,10 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
     data_gen = torch.Generator().manual_seed(config.seed)
     state = {"step": 0, "tokens_seen": 0, "best_val_loss": math.inf, "train_seconds": 0.0}
     if checkpoint is not None:
-        checkpoint.load_weights(model, device)
+        if lora is not None:  # the base came from config.init
+            load_adapter_tensors(model, read_adapter(checkpoint.folder)[1], str(checkpoint.folder))
+        else:
+            checkpoint.load_weights(model, device)
         checkpoint.load_optimizer(optimizer)
         saved = checkpoint.training_state()
         data_gen.set_state(saved["rng.data"])
@@ -210,11 +240,15 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
     objective = get_objective(config.objective)
     tokens_per_step = process.world_size * n_local * T
 
+    def write_adapter(folder: Path) -> None:
+        save_adapter(folder, model, lora, base_name(config.init))
+
     def save(links):
         meta = {"train": config.to_dict(), "state": dict(state)}
         rng = {"rng.data": data_gen.get_state(), "rng.torch": torch.get_rng_state()}
         if main:
-            save_to_run(out, state["step"], links, model, tokenizer, meta, optimizer, rng)
+            save_to_run(out, state["step"], links, model, tokenizer, meta, optimizer, rng,
+                        None if lora is None else write_adapter)
 
     def run_eval(train_loss):
         val_loss = evaluate(step_model, tokens.val, val_starts, T, config.batch_size, process, amp,
@@ -297,6 +331,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         "best_checkpoint": str(out / "best"), "metrics": str(out / "metrics.jsonl"),
         "loss_curve": str(out / "loss.png"), "world_size": process.world_size,
         "rank": process.rank,
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "dtype": "bfloat16" if config.dtype == "bfloat16" and bf16_supported(device) else "float32",
     }
 
