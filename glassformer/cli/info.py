@@ -25,11 +25,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "info", help="describe a model, a preset, a configuration, or this CPU",
         description="Print a configuration and its parameter counts; for --model also its "
                     "tokenizer and its file's format and metadata (a GGUF file's key/values, a "
-                    "Hugging Face config.json, a checkpoint's training settings); for --system "
+                    "Hugging Face config.json, a checkpoint's training settings); for --cpu "
                     "this CPU and the fast paths measured on it.")
     source = parser.add_mutually_exclusive_group(required=True)
     add(source, "--model", "--preset", "--config")
-    source.add_argument("--system", action="store_true",
+    source.add_argument("--cpu", action="store_true",
                         help="this CPU and the fast paths measured on it")
     add(parser, "--json")
     parser.set_defaults(run=run)
@@ -46,7 +46,7 @@ def load_config(preset: str | None, path: str | None) -> ModelConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.system:
+    if args.cpu:
         return show_system(args.json)
     if args.model is not None:
         from ..language_model import load  # imported here: loading pulls in every loader

@@ -15,7 +15,7 @@ from ..formats.files import check_output, read_text, write_atomic
 from ..interpret.lens import LensTraining, TunedLens, held_out, kl_curve, logit_lens, train_tuned_lens
 from ..interpret.lens_page import lens_data, render_html
 from ..language_model import load
-from .options import add_prompt, add_threads, device, finite, positive_int, read_prompt
+from .options import add, add_computing, add_prompt, finite, positive_int, read_prompt
 
 TRAIN = "train"  # the first word that makes this the training command
 TRAINING_FLAGS = ("data", "out", "steps", "batch", "context", "lr")
@@ -32,29 +32,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "(one affine map per layer) on FILE against the model's final distribution.",
     )
     add_prompt(parser, f"the prompt to read (or the word {TRAIN!r} to train a tuned lens)")
-    parser.add_argument("--model", required=True,
-                        help="a known name (smollm2-135m-instruct), a .gguf file, or a model folder")
-    parser.add_argument("--top-k", type=positive_int, default=5,
-                        help="tokens kept per layer and position (default 5; the table shows the first)")
+    add(parser, "--model", required=True)
+    add(parser, "--top-k", "--force", "--json")  # lens: 5 tokens by default; --force: over --html
     parser.add_argument("--tuned", help="a tuned lens folder written by `glassformer lens train`")
     parser.add_argument("--html", help="also write a heat map of layers x tokens to this HTML file")
-    parser.add_argument("--force", action="store_true", help="replace an existing --html file")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--device", type=device, default="cpu")
-    add_threads(parser)
+    add_computing(parser)
     train = parser.add_argument_group(f"training (glassformer lens {TRAIN})")
-    train.add_argument("--data", help="a UTF-8 text file to train on (its last tenth measures)")
-    train.add_argument("--out", help="the folder to write tuned_lens.safetensors and .json to")
+    add(train, "--data", "--out")  # one text file (its last tenth measures); the lens's folder
     train.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {defaults.steps})")
     train.add_argument("--batch", type=positive_int, help=f"windows per step (default {defaults.batch})")
     train.add_argument("--context", type=positive_int,
                        help=f"tokens per window (default {defaults.context})")
-    train.add_argument("--lr", type=finite, help=f"Adam's learning rate (default {defaults.lr})")
-    train.add_argument("--seed", type=int, default=defaults.seed, help="the windows' seed")
+    train.add_argument("--lens-lr", type=finite, dest="lr",
+                       help=f"Adam's learning rate for the lens (default {defaults.lr})")
+    add(train, "--seed")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    args.device, args.top_k = args.device or "cpu", args.top_k or 5
     if args.prompt == TRAIN and args.prompt_file is None:
         return _train(args)
     given = [f"--{flag}" for flag in TRAINING_FLAGS if getattr(args, flag) is not None]
@@ -100,18 +96,21 @@ def _train(args: argparse.Namespace) -> int:
     for flag in ("tuned", "html"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag}: not for `glassformer lens {TRAIN}` (it reads a prompt)")
+    if len(args.data) != 1:
+        raise ValueError(f"--data: `glassformer lens {TRAIN}` reads one text file, got {len(args.data)}")
+    data = args.data[0]
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} is a file; give a folder")
     settings = LensTraining(**{k: v for k, v in (("steps", args.steps), ("batch", args.batch),
                                ("context", args.context), ("lr", args.lr)) if v is not None},
-                            seed=args.seed)
-    text = read_text(args.data)
+                            **({} if args.seed is None else {"seed": args.seed}))
+    text = read_text(data)
     loaded = load(args.model).to(args.device)
     model = loaded.model.eval()
     tokens = torch.tensor(loaded.encode(text), dtype=torch.long)
     if len(tokens) < 2:
-        raise ValueError(f"--data: {args.data} holds {len(tokens)} tokens; a tuned lens needs more")
+        raise ValueError(f"--data: {data} holds {len(tokens)} tokens; a tuned lens needs more")
     context = min(settings.context, model.config.context_length, len(tokens))
     train, measure = held_out(tokens, context)
     measure = measure.to(args.device)
@@ -125,7 +124,7 @@ def _train(args: argparse.Namespace) -> int:
     tuned = train_tuned_lens(model, train, settings, progress)
     curves = {"logit_lens": kl_curve(model, measure).tolist(),
               "tuned_lens": kl_curve(model, measure, tuned).tolist()}
-    about = {"model": args.model, "data": str(args.data), "train_tokens": len(train),
+    about = {"model": args.model, "data": str(data), "train_tokens": len(train),
              "measured_tokens": measure.numel(), "training": asdict(settings), "kl": curves}
     tuned.save(out, about)
     if args.json:

@@ -181,14 +181,14 @@ def test_the_call_sites_follow_the_decisions(machine, monkeypatch):
 def test_info_system_shows_each_decision(machine, capsys):
     machine.figures = {"float32": 0.002, "bfloat16": 0.001, "mkl": 0.001, "onednn": 0.002,
                        "native": 0.001, "avx2": 0.002}
-    assert main(["info", "--system", "--json"]) == 0
+    assert main(["info", "--cpu", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["cpu"] == cpu_features().summary()  # the CPU line
     assert [(d["name"], d["choice"], d["source"]) for d in shown["decisions"]] == [
         ("bf16_products", "bfloat16", "measured"), ("onednn_products", "mkl", "measured"),
         ("kernel_target", "native", "measured")]
     forget()  # a later process: from the records
-    assert main(["info", "--system"]) == 0
+    assert main(["info", "--cpu"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "bfloat16 (cached); float32 2.00 ms, bfloat16 1.00 ms" in lines[1]
 
