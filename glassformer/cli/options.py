@@ -50,24 +50,22 @@ def positive(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str, low: int, words: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
+    return _integer(text, 0, "an integer >= 0")
 
 
 def device(text: str) -> str:
