@@ -76,12 +76,13 @@ class PagedView:
             k_pos = torch.arange(s_max, device=device).expand(B, s_max)  # (B, S_max)
             q_pos = torch.tensor([[p.context - 1] for p in self.single], device=device)  # (B, 1)
             self.single_mask = model.attention_mask(q_pos, k_pos, valid)
-        # fast: one mask per chunk; reference: one per query, over its own prefix
+        # fast: one call per chunk; reference: one per query, over its own prefix
+        self.chunk_calls = [self._calls(p) for p in self.chunks]
         self.chunk_masks = [
             [model.attention_mask(torch.arange(end - m, end, device=device)[None],
                                   torch.arange(end, device=device)[None], contiguous=True)
-             for end, m in self._calls(p)]
-            for p in self.chunks
+             for end, m in calls]
+            for calls in self.chunk_calls
         ]
 
     def _calls(self, part: Part) -> list[tuple[int, int]]:
@@ -101,10 +102,10 @@ class PagedView:
             queries = q[0, :, self.rows].transpose(0, 1)[:, :, None]  # (B, H, 1, d_head)
             context = attention(queries, keys, values, self.single_mask)  # (B, H, 1, d_head)
             out[0, :, self.rows] = context[:, :, 0].transpose(0, 1)
-        for part, masks in zip(self.chunks, self.chunk_masks, strict=True):
+        for part, calls, masks in zip(self.chunks, self.chunk_calls, self.chunk_masks, strict=True):
             keys, values = self._read(layer, part.slots, q.dtype)  # (1, KV, S, d_head)
             row = part.start
-            for (end, m), call_mask in zip(self._calls(part), masks, strict=True):
+            for (end, m), call_mask in zip(calls, masks, strict=True):
                 out[:, :, row : row + m] = attention(q[:, :, row : row + m], keys[:, :, :end],
                                                      values[:, :, :end], call_mask)
                 row += m

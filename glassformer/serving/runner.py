@@ -68,10 +68,8 @@ CAPABILITIES = CapabilityTable("serving engine", {
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, attention: str = "fast",
                  invariant: bool = True) -> None:
+        """`model` is one the engine accepts (CAPABILITIES, checked by Engine)."""
         config = model.config
-        reason = CAPABILITIES.why_not(config)
-        if reason is not None:
-            raise ValueError(reason)
         self.model, self.pool, self.fast = model, pool, attention == "fast"
         # the model's own modules; with invariance, a view whose products run in row tiles
         self.layers = model.with_products(row_invariant) if invariant else model
