@@ -18,7 +18,7 @@ import torch
 
 from ..model.kv_cache import KVCache
 from ..model.layers.positions import rope_cos_sin
-from ..model.transformer import Transformer
+from ..model.transformer import Transformer, head_logits
 from . import kernels
 from .capabilities import CapabilityTable, any_value, only
 from .quantized_linear import QuantizedLinear
@@ -128,14 +128,10 @@ class FastDecoder:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (R, V) from the residual streams h (R, d) after the last layer: the final
-        norm and `Transformer.head`'s math without its hook sites (no hooks here)."""
+        norm and the model's head math, without its hook sites (no hooks here)."""
         if self.final_norm is not None:
             h = self.final_norm(h)
-        if self.config.scale_head_input:
-            h = h * self.config.d_model**-0.5
-        if self.head_transform is not None:
-            h = self.head_transform(h)  # (R, d)
-        return self.lm_head(h)  # (R, V)
+        return head_logits(self.config, self.head_transform, self.lm_head, h)  # (R, V)
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              cos: torch.Tensor | None, sin: torch.Tensor | None,

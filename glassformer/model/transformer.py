@@ -188,17 +188,30 @@ class Transformer(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (…, vocab) from hidden states (…, d)."""
-        if self.config.scale_head_input:
-            h = h * self.config.d_model**-0.5
-        if self.head_transform is not None:
-            h = self.hooks("head_transform", self.head_transform(h))  # (…, d)
-        return self.hooks("logits", self.lm_head(h))
+        return head_logits(self.config, self.head_transform, self.lm_head, h, self.hooks)
 
     def pool(self, h: torch.Tensor) -> torch.Tensor:
         """The pooled vector (B, d) of each sequence's final hidden states h (B, T, d)."""
         if self.pooler is None:
             raise ValueError("pooler: this model has no pooler (pooler=False)")
         return self.pooler(h)
+
+
+def _unhooked(site: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def head_logits(config: ModelConfig, head_transform: nn.Module | None, lm_head: nn.Module,
+                h: torch.Tensor, hooks: Callable[[str, torch.Tensor], torch.Tensor] = _unhooked,
+                ) -> torch.Tensor:
+    """The head's math, logits (…, vocab) from hidden states (…, d): h · d_model^-½ where the
+    config says so (T5 v1.0's tied head), the head transform (head="mlm"), the product;
+    `hooks` sees the head_transform and logits sites. A fused decode step calls it unhooked."""
+    if config.scale_head_input:
+        h = h * config.d_model**-0.5
+    if head_transform is not None:
+        h = hooks("head_transform", head_transform(h))  # (…, d)
+    return hooks("logits", lm_head(h))
 
 
 def init_weights(model: nn.Module, std: float, blocks: list[nn.Module]) -> None:
