@@ -9,9 +9,9 @@ is"; one 512-token prefill. Decode speed excludes the prompt: (128 - 1) / (time 
 - time for 1), over --repeats rounds (median, min and max). Prefill is what generation does
 with a prompt: every position through the model, the head on the last one only (transformers:
 logits_to_keep=1). Load is reported as wall time and as CPU time (user + system), which a busy
-machine inflates less. llama.cpp's figures (81 tokens/s decode, 148-191 tokens/s prefill with
-Q4_1 on this kind of machine, measured separately with llama-cpp-python) are quoted for
-comparison.
+machine inflates less. llama.cpp runs the same file through llama-cpp-python when that package
+is installed (`pip install llama-cpp-python`, which builds llama.cpp for this CPU); it is not a
+dependency of Glassformer, and without it the llama.cpp row is left out.
 
     .venv/bin/python benchmarks/pretrained_speed.py [--threads N] [--repeats 2] [--json] [--only NAME ...]
 """
@@ -19,6 +19,7 @@ comparison.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -78,6 +79,38 @@ def transformers_worker(path: str, weights: str, repeats: int) -> dict:
                     lambda text: tokenizer.encode(text, add_special_tokens=False), repeats)
 
 
+def llama_cpp_worker(path: str, weights: str, repeats: int) -> dict:
+    import os
+
+    import torch
+    from llama_cpp import Llama
+
+    start, cpu = time.perf_counter(), time.process_time()
+    llm = Llama(model_path=path, n_ctx=2 * PREFILL, n_batch=PREFILL, verbose=False,
+                n_threads=torch.get_num_threads() or os.cpu_count())
+    load_s, load_peak = time.perf_counter() - start, peak_mb()
+    load_cpu = time.process_time() - cpu
+
+    def encode(text: str) -> list[int]:
+        return llm.tokenize(text.encode(), add_bos=False, special=False)
+
+    prompt = encode(PROMPT)
+
+    def run(n: int) -> tuple[float, list[int]]:
+        start, tokens = time.perf_counter(), []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy
+            tokens.append(token)
+            if len(tokens) == n:
+                break
+        return time.perf_counter() - start, tokens
+
+    def forward(ids) -> None:
+        llm.reset()
+        llm.eval(ids[0].tolist())
+
+    return _measure(load_s, load_cpu, load_peak, run, forward, encode, repeats)
+
+
 def _measure(load_s, load_cpu, load_peak, run, forward, encode, repeats: int) -> dict:
     """Decode and prefill rates, `repeats` samples each."""
     import torch
@@ -103,15 +136,18 @@ def _measure(load_s, load_cpu, load_peak, run, forward, encode, repeats: int) ->
 
 RUNS = {**{f"glassformer {mode}": (glassformer_worker, mode)
            for mode in ("reference", "none", "bf16", "int8", "int4", "gguf")},
-        "transformers": (transformers_worker, "fp32")}
+        "transformers": (transformers_worker, "fp32"),
+        "llama.cpp": (llama_cpp_worker, "gguf")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--only", nargs="+", choices=[n.split()[-1] for n in RUNS],
-                        help="glassformer modes to run (transformers always runs)")
+    modes = [n.split()[-1] for n in RUNS if n.startswith("glassformer")]
+    parser.add_argument("--only", nargs="+", choices=modes,
+                        help="glassformer modes to run (transformers always runs, and llama.cpp "
+                             "where llama-cpp-python is installed)")
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     harness.add_arguments(parser, repeats=2)
@@ -130,7 +166,10 @@ def main() -> None:
     path = str(hub.model_path("smollm2-135m-instruct"))
     results = {}
     for name in RUNS:
-        if args.only and name != "transformers" and name.split()[-1] not in args.only:
+        if args.only and name.startswith("glassformer") and name.split()[-1] not in args.only:
+            continue
+        if name == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+            print("llama-cpp-python is not installed: the llama.cpp row is left out")
             continue
         command = [sys.executable, __file__, "--worker", name, "--path", path, "--repeats", str(args.repeats)]
         if args.threads:
@@ -157,6 +196,9 @@ def main() -> None:
         if name != "transformers":
             theirs = rates["transformers"][0].median
             record.ratio(f"{name} / transformers decode rate", decode.median / theirs)
+    if "llama.cpp" in rates and "glassformer gguf" in rates:
+        record.ratio("glassformer gguf / llama.cpp decode rate",
+                     rates["glassformer gguf"][0].median / rates["llama.cpp"][0].median)
     record.write()
     if args.json:
         print(json.dumps(results))

@@ -65,3 +65,24 @@ def test_no_record_and_bad_records(tmp_path):
     (tmp_path / "x.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a benchmark record"):
         tables.load_records(tmp_path)
+
+
+def test_readme_headline_is_generated_from_the_records():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert tables.headline_block(readme) == tables.headline_markdown(), \
+        "README's headline table differs from the records: python benchmarks/tables.py --headline README.md"
+
+
+def test_headline_row_takes_the_newest_record_holding_both_figures(tmp_path):
+    row = tables.HEADLINE[-1]
+    for when, ours, theirs in (("2026-01-01T00:00:00", 30.0, 90.0), ("2026-02-01T00:00:00", 20.0, 100.0)):
+        (tmp_path / f"{when[:7]}.json").write_text(json.dumps({
+            "benchmark": row.benchmark, "when": when, "ratios": {},
+            "machine": {"cpu": "CPU Test CPU: AVX2 yes, AMX no; dispatch AVX2", "threads": 2},
+            "figures": [{"name": name, "unit": "s", "median": value, "min": value, "max": value, "repeats": 1}
+                        for name, value in ((row.ours, ours), (row.theirs, theirs))]}))
+    text = tables.headline_markdown(tmp_path)
+    assert f"| {row.what} | 20 s | {row.anchor}: 100 | 0.20× the time | Test CPU, AVX2, no AMX (2) |" in text
+    assert "no record yet" in text  # the other rows' benchmarks have no record in this folder
+    with pytest.raises(ValueError, match="headline"):
+        tables.headline_block("no markers here")
