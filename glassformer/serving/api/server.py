@@ -140,11 +140,11 @@ class Server:
             raise APIError(429, "the server is busy; retry shortly", code="queue_full",
                            headers={"Retry-After": "1"})
         limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
-        params = fields.params(limit, self.language_model.tokenizer.eos_id)
-        if fields.glassformer.ui:
-            watched = live_sites(self.language_model.config)
-            params = replace(params, capture=tuple(dict.fromkeys(params.capture + watched)))
         try:
+            params = fields.params(limit, self.language_model.tokenizer.eos_id)
+            if fields.glassformer.ui:
+                watched = live_sites(self.language_model.config)
+                params = replace(params, capture=tuple(dict.fromkeys(params.capture + watched)))
             handle = self.engine.submit(ids, params)
         except CapacityError as error:
             message = str(error).replace("the engine holds", "the server holds")
