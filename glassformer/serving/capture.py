@@ -58,5 +58,20 @@ def captured(seq: Sequence) -> dict[str, torch.Tensor] | None:
     the layout glassformer.trace gives the same site for the request's tokens."""
     if not seq.params.capture:
         return None
-    return {site: torch.stack([rows[p] for p in sorted(rows)], dim=token_axis(site) - 1)[None]
-            for site, rows in seq.captured.items()}
+    return {site: _stacked(site, rows, sorted(rows)) for site, rows in seq.captured.items()}
+
+
+def new_rows(seq: Sequence) -> dict[str, torch.Tensor] | None:
+    """The rows computed since the request's previous token, for the event of the token it has
+    just accepted: the prompt's with the first token, then the row that predicted the newest
+    (captured's layout, over those positions); None for a request that captures nothing."""
+    if not seq.params.capture:
+        return None
+    end = seq.num_tokens - 1  # the newest token's own row is computed in the next step
+    first = 0 if len(seq.generated) == 1 else end - 1
+    return {site: _stacked(site, rows, range(first, end)) for site, rows in seq.captured.items()}
+
+
+def _stacked(site: str, rows: dict[int, torch.Tensor], positions) -> torch.Tensor:
+    """The rows at `positions` on the site's token axis, with a batch of 1."""
+    return torch.stack([rows[p] for p in positions], dim=token_axis(site) - 1)[None]

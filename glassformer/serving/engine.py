@@ -31,7 +31,7 @@ from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
 from .beam import BeamGroup
 from .block_manager import BlockManager
-from .capture import captured, check_capture
+from .capture import captured, check_capture, new_rows
 from .handle import Event, RequestHandle, TokenLogprobs
 from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION
@@ -286,7 +286,7 @@ class Engine:
         """Accept a request's next token and stream it (the last event once it stopped)."""
         piece = seq.accept(token, self.model.config.context_length)
         event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason,
-                      _logprobs(logits, token, seq.params.logprobs))
+                      _logprobs(logits, token, seq.params.logprobs), captured=new_rows(seq))
         if event.finished:
             self._finish(seq, event, self._result(seq))
         else:

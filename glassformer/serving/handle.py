@@ -9,6 +9,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from ..generation.config import StopReason
 
 
@@ -33,6 +35,9 @@ class Event:
     stop_reason: StopReason | None = None
     logprobs: TokenLogprobs | None = None  # when the request asked for them (RequestParams.logprobs)
     error: str | None = None  # why the request failed (stop_reason "error"); others go on
+    # capture: each asked site's rows computed since the previous event (serving/capture.py
+    # new_rows): the prompt's with the first token, then one row per token
+    captured: dict[str, torch.Tensor] | None = None
 
 
 class RequestHandle:

@@ -8,6 +8,7 @@ from glassformer.accel.quantize import quantize_model
 from glassformer.generation.config import GenerationConfig
 from glassformer.interpret.trace import run_with_cache
 from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving.capture import token_axis
 
 SITES = ("embed.out", "blocks.0.attn.q", "blocks.1.attn.k", "blocks.0.mlp.hidden", "blocks.1.resid_post")
 
@@ -62,3 +63,20 @@ def test_capture_is_refused_by_name(tiny):
         RequestParams(capture="blocks.0.resid_post")
     with pytest.raises(ValueError, match="^capture: "):
         GenerationConfig(capture=("blocks.0.resid_post",))
+
+
+def test_each_event_carries_the_rows_computed_since_the_previous(tiny, prompts):
+    """The prompt's rows with the first token, then one row per token; together, in order, the
+    result's capture, bitwise (prefill cut into chunks, other requests beside it)."""
+    model = tiny()
+    engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4))
+    plain = engine.submit(prompts([5])[0], RequestParams(max_new_tokens=6, eos_ids=()))
+    asking = engine.submit(prompts([13])[0], RequestParams(max_new_tokens=6, eos_ids=(), capture=SITES))
+    engine.run_until_done()
+    events = list(asking)
+    assert [e.captured[SITES[0]].shape[1] for e in events] == [13, 1, 1, 1, 1, 1]
+    result = asking.wait(0)
+    for site in SITES:
+        streamed = torch.cat([e.captured[site] for e in events], dim=token_axis(site))
+        assert torch.equal(streamed, result.captured[site])
+    assert all(e.captured is None for e in plain)

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ...accel.threads import ThreadPolicy
 from ...language_model import LanguageModel
 from .. import EngineConfig
-from . import errors, ui
+from . import errors, ui, ui_live
 from .errors import APIError
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -69,6 +69,7 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
                            code="invalid_api_key")
 
     ui.install(app, server.engine, authorize)
+    ui_live.install(app, server.live, authorize)
     app.add_middleware(_CountResponses, metrics=server.metrics)
     app.add_middleware(_AllowedOrigins, config=config)
 
@@ -105,7 +106,8 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
     return app
 
 
-ROUTES = ("/health", "/metrics", "/ui", "/ui/state", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/ui", "/ui/state", "/ui/requests", "/v1/models", "/v1/completions",
+          "/v1/chat/completions")
 
 
 def host_name(value: str) -> str:

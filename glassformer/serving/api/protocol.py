@@ -30,6 +30,7 @@ class Glassformer(Strict):
 
     ignore_eos: StrictBool = False
     trace: Annotated[list[str], Field(max_length=8)] = []  # hook sites returned for this request
+    ui: StrictBool = False  # watched on the live page (/ui): captures its residuals, queries and keys
 
 
 class SamplingFields(Strict):

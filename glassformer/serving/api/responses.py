@@ -1,5 +1,6 @@
 """Answers in OpenAI's shapes: one JSON object, or server-sent events (a role delta for chat,
-content deltas, a last chunk with `finish_reason`, the usage chunk when asked, `data: [DONE]`).
+content deltas (with a request's trace sites, each token's new rows under `glassformer`), a
+last chunk with `finish_reason`, the usage chunk when asked, `data: [DONE]`).
 A request the server stopped (past its time, at a shutdown, or failed in the engine) gets an
 error instead of a finish_reason: the error response for a whole answer, an `{"error": ...}`
 event in a stream (its status line was sent with the first event). Pure shaping: what to send
@@ -35,10 +36,11 @@ def whole(head: dict, chat: bool, events: list[Event], logprob_count: int | None
 
 
 class Chunks:
-    """The chunks of one stream; `offset` counts the text the logprobs' offsets point into."""
+    """The chunks of one stream; `offset` counts the text the logprobs' offsets point into.
+    `sites`: the trace sites whose new rows each token's chunk carries."""
 
-    def __init__(self, head: dict, chat: bool, decode: Decode) -> None:
-        self.head, self.chat, self.decode = head, chat, decode
+    def __init__(self, head: dict, chat: bool, decode: Decode, sites: tuple[str, ...] = ()) -> None:
+        self.head, self.chat, self.decode, self.sites = head, chat, decode, sites
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         self.offset = 0
 
@@ -52,15 +54,22 @@ class Chunks:
         choice |= {"logprobs": logprobs, "finish_reason": finish}
         return sse({**self.head, "object": self.kind, "choices": [choice], **(more or {})})
 
+    def traced(self, event: Event) -> dict:
+        """`{"glassformer": {"trace": {site: rows}}}`: the rows of the asked sites the engine
+        computed since the previous token (batch dimension dropped), or {} when none."""
+        rows = {site: tensor[0].float().tolist() for site, tensor in (event.captured or {}).items()
+                if site in self.sites}
+        return {"glassformer": {"trace": rows}} if rows else {}
+
     def token(self, event: Event) -> str:
-        """A token's chunk: its text, and with logprobs one chunk per token even while its
-        text is still held back."""
+        """A token's chunk: its text, and with logprobs or trace sites one chunk per token even
+        while its text is still held back."""
         if event.logprobs is None:
-            return self.chunk(event.text, None)
+            return self.chunk(event.text, None, more=self.traced(event))
         logprobs = (chat_logprobs([event], self.decode) if self.chat
                     else completion_logprobs([event], self.decode, self.offset))
         self.offset += len(self.decode([event.token_id]))
-        return self.chunk(event.text, None, logprobs=logprobs)
+        return self.chunk(event.text, None, logprobs=logprobs, more=self.traced(event))
 
     def usage(self, usage: dict) -> str:
         return sse({**self.head, "object": self.kind, "choices": [], "usage": usage})

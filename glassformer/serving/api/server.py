@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jinja2
 from fastapi import Request
@@ -29,6 +29,7 @@ from .errors import APIError
 from .metrics import ServerMetrics
 from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, SamplingFields, Usage, new_id, now
 from .tracing import Tracer
+from .ui_live import Live, Watch, live_sites
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
@@ -80,6 +81,7 @@ class Server:
         self.engine = Engine(language_model.model, language_model.tokenizer, engine, threads)
         self.metrics = ServerMetrics(self.engine)
         self.tracer = Tracer(language_model.model)
+        self.live = Live(language_model)  # the requests opened with the ui flag (ui_live.py)
         self.active: set[RequestHandle] = set()  # admitted and not yet answered (the event loop's)
         self.shutting_down = False
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
@@ -139,7 +141,11 @@ class Server:
                            headers={"Retry-After": "1"})
         limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
         try:
-            handle = self.engine.submit(ids, fields.params(limit, self.language_model.tokenizer.eos_id))
+            params = fields.params(limit, self.language_model.tokenizer.eos_id)
+            if fields.glassformer.ui:
+                watched = live_sites(self.language_model.config)
+                params = replace(params, capture=tuple(dict.fromkeys(params.capture + watched)))
+            handle = self.engine.submit(ids, params)
         except CapacityError as error:
             message = str(error).replace("the engine holds", "the server holds")
             raise APIError(400, message, "prompt", "context_length_exceeded") from None
@@ -175,9 +181,13 @@ class Server:
                 self.metrics.observe(handle.result)
 
     @staticmethod
-    async def events(handle: RequestHandle, admission: Admission) -> AsyncIterator[Event]:
+    async def events(handle: RequestHandle, admission: Admission, watch: Watch | None = None
+                     ) -> AsyncIterator[Event]:
+        """The request's events; each shown to its watch on the live page first, if it has one."""
         try:
             async for event in handle:
+                if watch is not None:
+                    await asyncio.to_thread(watch.observe, event)
                 yield event
         finally:
             admission.done.set()
@@ -226,13 +236,17 @@ class Server:
                                "invalid_value") from None
         handle, admission = self.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
         head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
+        watch = None
+        if body.glassformer.ui:
+            shown = body.model_dump(exclude={"prompt", "messages", "model"}, exclude_defaults=True)
+            watch = self.live.open(handle, ids, shown)
 
         async def extra() -> dict:
             """The trace sites' tensors for this request's tokens, once it has finished: those
             the engine kept in its steps, and the rest from a run of the request alone."""
             if not sites or handle.result is None:
                 return {}
-            kept = handle.result.captured or {}
+            kept = {site: t for site, t in (handle.result.captured or {}).items() if site in sites}
             trace = {site: tensor[0].float().tolist() for site, tensor in kept.items()}
             rest = [site for site in sites if site not in kept]
             if rest:
@@ -246,21 +260,21 @@ class Server:
 
         decode = self.language_model.tokenizer.decode
         if not body.stream:
-            events = [event async for event in self.events(handle, admission)]
+            events = [event async for event in self.events(handle, admission, watch)]
             error = self.stopped(events[-1], admission)
             if error is not None:
                 raise error
             whole = responses.whole(head, chat, events, body.logprob_count, decode)
             return JSONResponse(whole | {"usage": usage(), **(await extra())})
 
-        shape = responses.Chunks(head, chat, decode)
+        shape = responses.Chunks(head, chat, decode, tuple(sites))
 
         async def stream() -> AsyncIterator[str]:
             error = None
             if chat:
                 yield shape.chunk("", None, role=True)
-            async for event in self.events(handle, admission):
-                if event.logprobs is not None or event.text:
+            async for event in self.events(handle, admission, watch):
+                if event.logprobs is not None or event.text or set(event.captured or ()) & set(sites):
                     yield shape.token(event)
                 if event.finished:
                     error = self.stopped(event, admission)

@@ -75,7 +75,7 @@ def test_api_key_guards_every_v1_route(language_model):
             assert http.post("/v1/completions", json=body(max_tokens=2), headers=good).status_code == 200
             assert http.get("/health").status_code == 200
             assert http.get("/metrics").status_code == 200  # not covered unless asked
-            for path in ("/ui", "/ui/state"):
+            for path in ("/ui", "/ui/state", "/ui/requests"):
                 assert http.get(path).status_code == 401
                 assert http.get(path, headers=good).status_code == 200
                 assert http.get(path, params={"key": "s3cret"}).status_code == 200  # a browser's way
