@@ -9,7 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from glassformer import Transformer, get_preset
+from glassformer.generation.context_extension import extend_context
 from glassformer.generation.core import prefill
+from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.model.kv_cache import KVCache
 
 
@@ -62,3 +64,14 @@ def test_sdpa_prefill_runs_pytorchs_flash_kernel():
     names = [event.name for event in profile.events()]
     assert names.count("aten::_scaled_dot_product_flash_attention_for_cpu") == 2
     assert not any("attention_math" in name for name in names)
+
+
+def test_a_prompt_past_the_window_is_refused_in_one_line_or_read_with_the_window_extended():
+    model = Transformer(get_preset("tiny-llama").replace(context_length=64)).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (100,)).tolist()
+    config = GenerationConfig(max_new_tokens=2, eos_ids=())
+    with pytest.raises(ValueError, match=r"^prompt: 100 tokens exceed the model's context_length=64 [^\n]*$"):
+        generate(model, prompt, config)
+    extended = extend_context(model, "yarn", 2.0)
+    assert extended.config.context_length == 128
+    assert generate(extended, prompt, config).n_generated == 2
