@@ -16,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    description=f"Talk to --model (default {MODEL}); {HELP}.")
     add(parser, "--model")
     parser.add_argument("--system", default=None, help="a system message")
-    add(parser, "--max-new-tokens", *SAMPLING, "--seed", "--quantize")
+    add(parser, "--max-new-tokens", *SAMPLING, "--seed", "--quantize", "--kv-dtype")
     parser.add_argument("--max-context", type=positive_int, default=2048,
                         help="tokens of conversation kept in the KV cache")
     add_computing(parser)
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     language_model.to(or_default(args.device, "cpu"))
     session = ChatSession(language_model.model, language_model.tokenizer, sampling_config(args),
                           or_default(args.max_new_tokens, MAX_NEW_TOKENS), args.system, args.max_context,
-                          args.seed)
+                          args.seed, args.kv_dtype)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is reported, not fatal
         sys.stdin.reconfigure(errors="surrogateescape")

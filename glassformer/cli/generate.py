@@ -41,7 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              'line, {"prompt": ..., and any sampling field, by our name or OpenAI\'s '
                              '(max_tokens, stop, seed, temperature, top_p, ...)}; prints a JSON line each')
     engine = parser.add_argument_group("the serving engine (--prompts-file)")
-    add(engine, *ENGINE)
+    add(engine, *(name for name in ENGINE if name != "--kv-dtype"))
+    add(parser, "--kv-dtype")
     add(parser, "--model", required=True)
     add(parser, "--quantize", "--max-new-tokens", *SAMPLING)
     parser.add_argument("--beams", type=positive_int, default=1, help="beam search width (1: no beam search)")
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         length_penalty=args.length_penalty,
         truncate=args.truncate,
         overflow="slide" if args.slide else "stop",
+        kv_dtype=args.kv_dtype,
     )
     extend = args.rope_scaling not in (None, "none")  # a new window first, then the weights converted
     quantize = or_default(args.quantize, "none")

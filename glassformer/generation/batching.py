@@ -34,6 +34,8 @@ def select_rows(cache: KVCache, rows: Tensor) -> None:
     for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
         if k is not None:
             cache.keys[i], cache.values[i] = k.index_select(0, rows), v.index_select(0, rows)
+    for scales in (cache.key_scales, cache.value_scales):
+        scales[:] = [s.index_select(0, rows) for s in scales]
     cache.cross = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in cache.cross]
     cache.positions = cache.positions.index_select(0, rows.to(cache.positions.device))
     cache.valid = cache.valid.index_select(0, rows.to(cache.valid.device))

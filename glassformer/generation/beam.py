@@ -118,7 +118,7 @@ def beam_search(
             cache = None
             if config.use_cache:
                 room = min(mc.context_length, len(prompt) + config.max_new_tokens)
-                cache = KVCache(mc, 1, max_length=room)
+                cache = KVCache(mc, 1, max_length=room, kv_dtype=config.kv_dtype)
             logits = prefill(model, torch.tensor([prompt], device=device), cache)  # (1, V)
             prefill_seconds = (decode_start := clock(device)) - start
             running = [Hypothesis((), 0.0)]

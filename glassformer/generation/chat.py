@@ -24,7 +24,7 @@ class ChatSession:
 
     def __init__(self, model: Transformer, tokenizer, sampling: SamplingConfig | None = None,
                  max_new_tokens: int = 512, system: str | None = None, max_context: int = 2048,
-                 seed: int | None = None):
+                 seed: int | None = None, kv_dtype: str | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat: this model's tokenizer has no chat template")
         if model.config.n_encoder_layers:
@@ -32,7 +32,8 @@ class ChatSession:
                              "model; an encoder-decoder answers one source at a time (generate)")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = GenerationConfig(max_new_tokens=max_new_tokens,
-                                       sampling=sampling or SamplingConfig(temperature=0.0))
+                                       sampling=sampling or SamplingConfig(temperature=0.0),
+                                       kv_dtype=kv_dtype)
         self.system = system
         self.max_length = min(max_context, model.config.context_length)
         self.generator = seeded_generators(seed, 1, model.embed.tokens.weight.device)[0]
@@ -43,7 +44,8 @@ class ChatSession:
         self.messages: list[dict[str, str]] = []
         if self.system:
             self.messages.append({"role": "system", "content": self.system})
-        self.cache = KVCache(self.model.config, 1, max_length=self.max_length)
+        self.cache = KVCache(self.model.config, 1, max_length=self.max_length,
+                             kv_dtype=self.config.kv_dtype)
         self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
         self.last_prefill = 0  # tokens run through the model before the last reply
 

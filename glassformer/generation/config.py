@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..model.kv_formats import check_kv_dtype
 from .sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -102,12 +103,15 @@ class GenerationConfig(RequestParams):
     use_cache: bool = True
     truncate: bool = False  # a prompt longer than the window is cut from the left
     overflow: Literal["stop", "slide"] = "stop"  # at the window's end: stop, or drop old tokens
+    kv_dtype: str | None = None  # how the KV cache stores keys and values (model/kv_formats.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("use_cache", "truncate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if self.kv_dtype is not None:
+            check_kv_dtype(self.kv_dtype)
         if self.overflow not in ("stop", "slide"):
             raise ValueError(f"overflow: choose 'stop' or 'slide', got {self.overflow!r}")
         if self.logprobs is not None:

@@ -45,8 +45,9 @@ def decode_one_token(
     """Feed one token per row (B,) at `positions` (B,) against the cache: logits (B, V).
 
     One sequence on a model converted by `glassformer.quantize` takes the fused C++ step
-    (`glassformer.fast_decode`), which computes the same thing without Python per layer."""
-    if token.shape[0] == 1 and positions is None and not cache.padded:
+    (`glassformer.fast_decode`), which computes the same thing without Python per layer; it
+    reads float32 keys and values, so a cache in another format keeps the module path."""
+    if token.shape[0] == 1 and positions is None and not cache.padded and cache.kv_dtype in (None, "fp32"):
         fused = model.fused_step()
         if fused is not None:
             return fused(token, cache)
@@ -217,7 +218,7 @@ def decode_rows(
         padded = mask is not None
         if config.use_cache:
             room = min(mc.context_length, ids.shape[1] + config.max_new_tokens)
-            cache = KVCache(mc, len(live), max_length=room)
+            cache = KVCache(mc, len(live), max_length=room, kv_dtype=config.kv_dtype)
         return prefill(model, ids, cache, positions, mask)
 
     was_training = model.training

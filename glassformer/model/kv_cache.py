@@ -8,7 +8,10 @@ may see. Two caches implement it:
   written by position, so shapes stay static; one call over every row;
 - the serving engine's paged view of its pool (serving/paged_attention.py): block tables,
   slots, and one call per request (or one for all decoding rows).
-The cache holds n_kv_heads, not n_heads: grouped-query attention shrinks it.
+The cache holds n_kv_heads, not n_heads: grouped-query attention shrinks it. Given a
+`kv_dtype` (kv_formats.py: fp32, bf16, int8, fp8), the dense cache stores keys and values in
+that format, as the pool does, and attention reads them back (new rows included) in the
+queries' dtype; without one it stores them as they come.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Protocol
 import torch
 
 from .config import ModelConfig
+from .kv_formats import KV_DTYPES, check_kv_dtype, dequantize_kv, is_scaled, quantize_kv
 from .layers.masking import AttentionMask
 
 # An attention module's own math: context (B, H, Tq, d_head) from q (B, H, Tq, d_head),
@@ -44,6 +48,7 @@ class KVCache:
         max_length: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         self.max_length = max_length or config.context_length
         if self.max_length > config.context_length:
@@ -53,9 +58,16 @@ class KVCache:
         self.batch_size = batch_size
         self.shape = (batch_size, config.kv_heads, self.max_length, config.head_dim)
         self.n_layers = config.n_layers
+        if kv_dtype is not None:
+            check_kv_dtype(kv_dtype)
+            dtype = KV_DTYPES[kv_dtype]
+        self.kv_dtype = kv_dtype
         self.device, self.dtype = device, dtype  # None: taken from the first keys written
         self.keys: list[torch.Tensor | None] = [None] * config.n_layers
         self.values: list[torch.Tensor | None] = [None] * config.n_layers
+        # int8 / fp8: one float32 scale per position and head, (B, KV, S_max) per layer
+        self.key_scales: list[torch.Tensor] = []
+        self.value_scales: list[torch.Tensor] = []
         self.positions = torch.zeros(batch_size, self.max_length, dtype=torch.long)  # (B, S_max)
         self.valid = torch.ones(batch_size, self.max_length, dtype=torch.bool)  # (B, S_max)
         self.padded = False  # whether any stored position is padding
@@ -95,9 +107,22 @@ class KVCache:
             self.allocate(k.device, k.dtype)
         end = self.length + k.shape[2]
         keys, values = self.keys[layer], self.values[layer]
+        if is_scaled(self.kv_dtype):
+            new = slice(self.length, end)
+            return (self._write_scaled(keys, self.key_scales[layer], k, new),
+                    self._write_scaled(values, self.value_scales[layer], v, new))
         keys[:, :, self.length : end] = k
         values[:, :, self.length : end] = v
+        if self.kv_dtype is not None:  # read in the queries' dtype
+            return keys[:, :, :end].to(k.dtype), values[:, :, :end].to(k.dtype)
         return keys[:, :, :end], values[:, :, :end]
+
+    def _write_scaled(self, store: torch.Tensor, scales: torch.Tensor, x: torch.Tensor,
+                      new: slice) -> torch.Tensor:
+        """Quantize x (B, KV, T, d_head) into store and scales at positions `new`; returns every
+        row so far read back, (B, KV, new.stop, d_head) in x's dtype."""
+        store[:, :, new], scales[:, :, new] = quantize_kv(x, self.kv_dtype)
+        return dequantize_kv(store[:, :, : new.stop], scales[:, :, : new.stop]).to(x.dtype)
 
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         """Create the per-layer tensors (unless given at construction, device and dtype are
@@ -107,6 +132,9 @@ class KVCache:
             if self.keys[layer] is None:
                 self.keys[layer] = torch.zeros(self.shape, device=device, dtype=dtype)
                 self.values[layer] = torch.zeros(self.shape, device=device, dtype=dtype)
+        if is_scaled(self.kv_dtype) and not self.key_scales:
+            scales = [torch.zeros(self.shape[:3], device=device) for _ in range(2 * self.n_layers)]
+            self.key_scales, self.value_scales = scales[: self.n_layers], scales[self.n_layers :]
 
     def advance(self, n_tokens: int) -> None:
         """Called by the model once every layer has written its n_tokens new rows."""

@@ -1,9 +1,8 @@
 """The paged KV cache's storage: one preallocated pool of token slots per layer.
 
-Slot s = block · block_size + offset. Keys and values are stored per slot as (KV, d_head):
-  fp32 / bf16: the values themselves;
-  int8: q = round(x / scale) in [-127, 127] with one float32 scale = amax / 127 per slot and
-        head, i.e. 1 + 4/d_head bytes per value instead of 4 (fp32) or 2 (bf16).
+Slot s = block · block_size + offset. Keys and values are stored per slot as (KV, d_head), in
+one of the formats of model/kv_formats.py: fp32 / bf16 values, or int8 / fp8 (e4m3) values with
+one float32 scale per slot and head.
 Reads always return float32; everything attends to what the pool holds, so a request sees the
 same keys whether they were written by a decode step, a prefill chunk or another request.
 
@@ -19,23 +18,19 @@ from __future__ import annotations
 import torch
 
 from ..model.config import ModelConfig
-
-KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+from ..model.kv_formats import (
+    KV_DTYPES,
+    bytes_per_vector,
+    dequantize_kv,
+    index_copy_,
+    is_scaled,
+    quantize_kv,
+)
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str) -> int:
     """Memory of one block across every layer, keys and values."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype: choose one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
-    per_head = config.head_dim * KV_DTYPES[kv_dtype].itemsize + (4 if kv_dtype == "int8" else 0)
-    return 2 * config.n_layers * block_size * config.kv_heads * per_head
-
-
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., d) float -> int8 values (..., d) and float32 scales (...,), per vector."""
-    scale = x.float().abs().amax(-1) / 127  # (...,)
-    q = torch.where(scale[..., None] > 0, x.float() / scale[..., None], 0.0).round()
-    return q.clamp(-127, 127).to(torch.int8), scale
+    return 2 * config.n_layers * block_size * config.kv_heads * bytes_per_vector(kv_dtype, config.head_dim)
 
 
 class KVPool:
@@ -50,7 +45,7 @@ class KVPool:
         self.keys, self.values = empty[: config.n_layers], empty[config.n_layers :]
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
-        if kv_dtype == "int8":  # (slots, KV) one scale per slot and head
+        if is_scaled(kv_dtype):  # (slots, KV) one scale per slot and head
             scales = [torch.zeros(0, config.kv_heads, device=device) for _ in range(2 * config.n_layers)]
             self.key_scales, self.value_scales = scales[: config.n_layers], scales[config.n_layers :]
 
@@ -74,10 +69,10 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (N, KV, d_head) at slots (N,)."""
-        if self.kv_dtype == "int8":
+        if is_scaled(self.kv_dtype):
             for store, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
-                q, scale = quantize_kv(x)
-                store[layer].index_copy_(0, slots, q)
+                q, scale = quantize_kv(x, self.kv_dtype)
+                index_copy_(store[layer], slots, q)
                 scales[layer].index_copy_(0, slots, scale)
             return
         self.keys[layer].index_copy_(0, slots, k.to(self.keys[layer].dtype))
@@ -86,9 +81,9 @@ class KVPool:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at slots (...,): each (..., KV, d_head) float32."""
         k, v = self.keys[layer][slots], self.values[layer][slots]
-        if self.kv_dtype == "int8":
-            k = k.float() * self.key_scales[layer][slots][..., None]
-            v = v.float() * self.value_scales[layer][slots][..., None]
+        if is_scaled(self.kv_dtype):
+            k_scale, v_scale = self.key_scales[layer][slots], self.value_scales[layer][slots]
+            return dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
         return k.float(), v.float()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -101,4 +96,4 @@ class KVPool:
         dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
         for store in (self.keys, self.values, self.key_scales, self.value_scales):
             for t in store:
-                t.index_copy_(0, dst.to(t.device), t[src.to(t.device)])
+                index_copy_(t, dst.to(t.device), t[src.to(t.device)])

@@ -83,7 +83,7 @@ def test_engine_flags_are_enginesconfig_fields_with_its_defaults_in_generate_and
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 @pytest.mark.parametrize("bad", [["--kv-memory-mb", "0"], ["--kv-memory-mb", "nan"], ["--max-batch", "0"],
-                                 ["--max-batch", "2.5"], ["--kv-dtype", "fp8"], ["--token-budget", "-1"]])
+                                 ["--max-batch", "2.5"], ["--kv-dtype", "fp4"], ["--token-budget", "-1"]])
 def test_engine_flags_are_refused_alike_at_parse_time(command, bad, capsys):
     assert main([command, "--model", "never-read", *bad]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -54,6 +54,18 @@ def test_turns_reuse_the_cache(chat_model):
     assert [m["role"] for m in session.messages] == ["user", "assistant"] * 3
 
 
+def test_an_fp8_cache_kept_across_turns_answers_as_generate_with_an_fp8_cache(chat_model):
+    model, tokenizer = chat_model
+    session = ChatSession(model, tokenizer, max_new_tokens=6, kv_dtype="fp8")
+    for text in ["hello there", "how are you?"]:
+        history = [*session.messages, {"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        config = GenerationConfig(max_new_tokens=6, sampling=GREEDY, kv_dtype="fp8")
+        expected = [t for t in generate(model, ids, config).generated_ids if t != tokenizer.eos_id]
+        assert "".join(session.reply(text)) == tokenizer.decode(expected)
+    assert str(session.cache.keys[0].dtype) == "torch.float8_e4m3fn"
+
+
 def test_interrupted_reply_is_kept(chat_model):
     model, tokenizer = chat_model
     session = ChatSession(model, tokenizer, max_new_tokens=20)

@@ -219,14 +219,16 @@ def _checkpoint(tmp_path, model: Transformer):
     return write_checkpoint(tmp_path / "ckpt", model, _chars(), {})
 
 
-def test_cli_json_reports_the_same_generation_as_the_library(tmp_path, capsys):
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8"])
+def test_cli_json_reports_the_same_generation_as_the_library(tmp_path, capsys, kv_dtype):
     from glassformer.cli import main
 
     model = _model()
     folder = _checkpoint(tmp_path, model)
-    status = main(["generate", "--model", str(folder), "Hello", "-n", "6", "--ignore-eos", "--json"])
+    status = main(["generate", "--model", str(folder), "Hello", "-n", "6", "--ignore-eos", "--json",
+                   "--kv-dtype", kv_dtype])
     data = json.loads(capsys.readouterr().out)
-    config = GenerationConfig(max_new_tokens=6, **GREEDY)
+    config = GenerationConfig(max_new_tokens=6, kv_dtype=kv_dtype, **GREEDY)
     expected = generate(model, _chars().encode("Hello"), config, _chars())
     assert status == 0
     assert (data["generated_ids"], data["text"]) == (expected.generated_ids, expected.text)

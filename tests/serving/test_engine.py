@@ -127,6 +127,20 @@ def test_int8_kv_stays_close_to_fp32_kv(tiny, prompts):
     _assert_whole(engine)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("attention", ["reference", "fast"])
+def test_a_scaled_kv_pool_gives_the_tokens_of_generate_with_the_same_dense_cache(tiny, prompts, kv_dtype,
+                                                                                 attention):
+    model = tiny()
+    todo = prompts([5, 17, 30])
+    dense = GenerationConfig(max_new_tokens=12, eos_ids=(), kv_dtype=kv_dtype)
+    expected = [generate(model, p, dense).generated_ids for p in todo]
+    config = EngineConfig(block_size=4, n_blocks=64, token_budget=16, kv_dtype=kv_dtype, attention=attention)
+    got, engine = _run(model, [(p, GREEDY) for p in todo], config)
+    assert got == expected
+    _assert_whole(engine)
+
+
 def test_trace_and_counters(tiny, prompts):
     model = tiny()
     engine = Engine(model, None, EngineConfig(n_blocks=64, token_budget=8, max_batch=2))

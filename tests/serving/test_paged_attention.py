@@ -68,6 +68,20 @@ def test_int8_pool_round_trip_error_is_bounded():
     assert (q == 0).all() and (scale == 0).all()
 
 
+def test_fp8_pool_round_trip_is_the_formats_quantize_dequantize_and_copies_are_exact():
+    torch.manual_seed(0)
+    _, pool = _setup("fp8")
+    x = torch.randn(4, 2, 8) * 10
+    pool.write(0, torch.arange(4, 8), x, -x)  # block 1
+    pool.copy_blocks([(1, 5)])
+    q, scale = quantize_kv(x, "fp8")
+    expected = q.float() * scale[..., None]
+    k, v = pool.read(0, torch.arange(20, 24))
+    assert pool.keys[0].dtype == torch.float8_e4m3fn
+    assert torch.equal(k, expected) and torch.equal(v, -expected)
+    assert not torch.equal(k, x)  # the pool rounds
+
+
 def test_fp32_pool_round_trip_and_block_copies_are_exact():
     torch.manual_seed(0)
     _, pool = _setup()
@@ -80,13 +94,17 @@ def test_fp32_pool_round_trip_and_block_copies_are_exact():
 def test_memory_per_block():
     config, pool = _setup()
     assert pool.nbytes() == 32 * bytes_per_block(config, 4, "fp32")
-    int8 = bytes_per_block(config, 4, "int8")
-    assert int8 < bytes_per_block(config, 4, "bf16") < bytes_per_block(config, 4, "fp32")
+    int8, fp8, fp32 = (bytes_per_block(config, 4, name) for name in ("int8", "fp8", "fp32"))
+    assert int8 == fp8 < bytes_per_block(config, 4, "bf16") < fp32
+    d = config.head_dim  # a quarter of fp32, plus a float32 scale per d_head values
+    assert fp8 / fp32 == (d + 4) / (4 * d)
+    smollm2 = get_preset("tiny-llama").replace(n_heads=9, n_kv_heads=3, d_model=576)  # d_head 64
+    assert bytes_per_block(smollm2, 16, "fp8") / bytes_per_block(smollm2, 16, "fp32") == 68 / 256
     with pytest.raises(ValueError, match="kv_dtype"):
-        bytes_per_block(config, 4, "fp8")
+        bytes_per_block(config, 4, "fp4")
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "fp8"])
 def test_the_pool_grows_with_the_blocks_used_and_keeps_what_it_holds(kv_dtype):
     config = get_preset("tiny-llama").replace(n_layers=2)
     pool = KVPool(config, 40, 4, kv_dtype)
