@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..model.sink import SinkPolicy
 from .sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -102,6 +103,7 @@ class GenerationConfig(RequestParams):
     use_cache: bool = True
     truncate: bool = False  # a prompt longer than the window is cut from the left
     overflow: Literal["stop", "slide"] = "stop"  # at the window's end: stop, or drop old tokens
+    sink: SinkPolicy | None = None  # attention sinks: keep S first and W last keys (model/sink.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +112,12 @@ class GenerationConfig(RequestParams):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.overflow not in ("stop", "slide"):
             raise ValueError(f"overflow: choose 'stop' or 'slide', got {self.overflow!r}")
+        if self.sink is not None:
+            if not isinstance(self.sink, SinkPolicy):
+                raise ValueError(f"sink: a SinkPolicy or None, got {type(self.sink).__name__}")
+            if not self.use_cache or self.beams > 1:
+                raise ValueError("sink: the sink policy lives in the KV cache of one continuation; "
+                                 "not with use_cache=False or beams > 1")
         if self.logprobs is not None:
             raise ValueError("logprobs: only the serving engine reports log-probabilities")
         if self.capture:
