@@ -110,7 +110,11 @@ class FastDecoder:
         self.empty = torch.empty(0)
 
     def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Next-token logits (1, V) for `token` (1,) at position cache.length."""
+        """Next-token logits (1, V) for `token` (1,) at position cache.length. A cache that
+        positions its keys itself (the sink policy) is refused: the module path serves it."""
+        if cache.rotates_keys:
+            raise ValueError("context: the fused step keeps every key at its text position; the "
+                             "sink policy runs the module path")
         pos, context = cache.length, self.config.context_length
         positions = torch.tensor([[pos]])  # (1, 1)
         if pos + 1 > context:

@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import SAMPLING, add, add_computing, checked_text, or_default, positive_int, sampling_config
+from .options import (
+    CONTEXT,
+    SAMPLING,
+    add,
+    add_computing,
+    checked_text,
+    or_default,
+    positive_int,
+    sampling_config,
+    sink_policy,
+)
 
 MODEL, MAX_NEW_TOKENS = "smollm2-135m-instruct", 512
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
@@ -18,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--system", default=None, help="a system message")
     add(parser, "--max-new-tokens", *SAMPLING, "--seed", "--quantize", "--kv-dtype")
     parser.add_argument("--max-context", type=positive_int, default=2048,
-                        help="tokens of conversation kept in the KV cache")
+                        help="tokens of conversation kept in the KV cache (--context full)")
+    add(parser, *CONTEXT)
     add_computing(parser)
     parser.set_defaults(run=run)
 
@@ -32,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     language_model.to(or_default(args.device, "cpu"))
     session = ChatSession(language_model.model, language_model.tokenizer, sampling_config(args),
                           or_default(args.max_new_tokens, MAX_NEW_TOKENS), args.system, args.max_context,
-                          args.seed, args.kv_dtype)
+                          args.seed, args.kv_dtype, sink_policy(args))
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is reported, not fatal
         sys.stdin.reconfigure(errors="surrogateescape")

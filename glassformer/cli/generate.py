@@ -15,6 +15,7 @@ from ..generation.generate import GenerationConfig, generate, stream
 from ..language_model import LanguageModel, load
 from ..serving import RequestParams
 from .options import (
+    CONTEXT,
     ENGINE,
     SAMPLING,
     add,
@@ -26,6 +27,7 @@ from .options import (
     positive_int,
     read_prompt,
     sampling_config,
+    sink_policy,
 )
 
 MAX_NEW_TOKENS, ROPE_FACTOR = 64, 2.0
@@ -55,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--truncate", action="store_true", help="cut a too-long prompt from the left")
     parser.add_argument("--slide", action="store_true",
                         help="past the context window, drop the oldest tokens instead of stopping")
-    add(parser, "--rope-scaling", "--rope-factor")
+    add(parser, "--rope-scaling", "--rope-factor", *CONTEXT)
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
     add(parser, "--json")
@@ -87,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         truncate=args.truncate,
         overflow="slide" if args.slide else "stop",
         kv_dtype=args.kv_dtype,
+        sink=sink_policy(args),
     )
     extend = args.rope_scaling not in (None, "none")  # a new window first, then the weights converted
     quantize = or_default(args.quantize, "none")

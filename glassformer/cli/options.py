@@ -21,6 +21,7 @@ from ..formats.files import read_text
 from ..generation.sampling import SamplingConfig
 from ..interpret.journey.collect import MAX_TOKENS
 from ..model.config import RopeScaling
+from ..model.sink import SinkPolicy
 from ..serving.engine import EngineConfig
 from ..serving.kv_pool import KV_DTYPES
 
@@ -190,12 +191,20 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
     _flag("--rope-factor", type=positive, default=None,
           help="new context / original context (default: generate 2; train: the run's)"),
     _flag("--prompt-file", default=None, help="read the prompt from this UTF-8 file"),
+    _flag("--context", choices=("full", "sink"), default="full",
+          help="what the KV cache keeps: full = every token up to the window (default), sink = "
+               "the first --sink-tokens and the last --window tokens, streaming past the window"),
+    _flag("--sink-tokens", type=non_negative_int, default=4,
+          help="--context sink: the first tokens kept forever (default 4; 0: window only)"),
+    _flag("--window", type=positive_int, default=None,
+          help="--context sink: the latest tokens kept (required with it)"),
     *_engine_flags(),
 )})
 
 SAMPLING = ("--temperature", "--top-k", "--top-p", "--min-p", "--repetition-penalty",
             "--presence-penalty", "--frequency-penalty")
 ENGINE = tuple("--" + name.replace("_", "-") for name in ENGINE_HELP)
+CONTEXT = ("--context", "--sink-tokens", "--window")
 
 
 def add(parser, *names: str, required: bool = False, dest: str | None = None) -> None:
@@ -220,8 +229,19 @@ def add_computing(parser: argparse.ArgumentParser, reserved: int = 0) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig that the ENGINE flags describe."""
-    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_HELP})
+    """The EngineConfig that the ENGINE and CONTEXT flags describe."""
+    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_HELP}, sink=sink_policy(args))
+
+
+def sink_policy(args: argparse.Namespace) -> SinkPolicy | None:
+    """The CONTEXT flags' SinkPolicy, or None for the full context."""
+    if args.context == "full":
+        if args.window is not None:
+            raise ValueError("--window: only with --context sink")
+        return None
+    if args.window is None:
+        raise ValueError("--window: --context sink needs the number of latest tokens to keep")
+    return SinkPolicy(args.sink_tokens, args.window)
 
 
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:

@@ -7,6 +7,7 @@ import os
 import signal
 
 from .options import (
+    CONTEXT,
     ENGINE,
     add,
     add_computing,
@@ -41,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
                         help="browser origins (scheme://host:port) that may call the server besides "
                              "the allowed hosts' pages (others get 403; '*': any)")
-    add(parser.add_argument_group("the serving engine"), *ENGINE)
+    add(parser.add_argument_group("the serving engine"), *ENGINE, *CONTEXT)
     parser.add_argument("--max-queue", type=non_negative_int, default=64,
                         help="requests waiting beyond the batch (then 429)")
     parser.add_argument("--max-request-tokens", type=positive_int, default=1024,

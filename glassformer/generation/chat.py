@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..model.kv_cache import KVCache
+from ..model.sink import SinkKVCache, SinkPolicy
 from ..model.transformer import Transformer
 from .config import GenerationConfig
 from .core import Row, SamplingState, decode_rows, eos_ids, seeded_generators
@@ -24,14 +25,17 @@ class ChatSession:
 
     def __init__(self, model: Transformer, tokenizer, sampling: SamplingConfig | None = None,
                  max_new_tokens: int = 512, system: str | None = None, max_context: int = 2048,
-                 seed: int | None = None, kv_dtype: str | None = None):
+                 seed: int | None = None, kv_dtype: str | None = None,
+                 sink: SinkPolicy | None = None):
+        """`sink`: keep the first S and last W tokens (model/sink.py) and talk past the window;
+        a turn that rewrites what the cache has already evicted starts the cache again."""
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat: this model's tokenizer has no chat template")
         if model.config.n_encoder_layers:
             raise ValueError("chat: a conversation's cache grows turn by turn in a decoder-only "
                              "model; an encoder-decoder answers one source at a time (generate)")
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.config = GenerationConfig(max_new_tokens=max_new_tokens,
+        self.config = GenerationConfig(max_new_tokens=max_new_tokens, sink=sink,
                                        sampling=sampling or SamplingConfig(temperature=0.0),
                                        kv_dtype=kv_dtype)
         self.system = system
@@ -44,21 +48,28 @@ class ChatSession:
         self.messages: list[dict[str, str]] = []
         if self.system:
             self.messages.append({"role": "system", "content": self.system})
-        self.cache = KVCache(self.model.config, 1, max_length=self.max_length,
-                             kv_dtype=self.config.kv_dtype)
+        self.cache = self._new_cache()
         self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
         self.last_prefill = 0  # tokens run through the model before the last reply
+
+    def _new_cache(self) -> KVCache:
+        if self.config.sink is not None:
+            return SinkKVCache(self.model.config, 1, self.config.sink)
+        return KVCache(self.model.config, 1, max_length=self.max_length, kv_dtype=self.config.kv_dtype)
 
     def reply(self, text: str) -> Iterator[str]:
         """Add a user message and stream the answer. Interrupting the iteration (Ctrl-C) keeps
         the part of the answer produced so far in the conversation."""
         self.messages.append({"role": "user", "content": text})
         ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
-        if len(ids) + 1 > self.max_length:
+        if self.config.sink is None and len(ids) + 1 > self.max_length:
             self.messages.pop()
             raise ValueError(f"chat: the conversation ({len(ids)} tokens) no longer fits the "
                              f"{self.max_length}-token context; start again with /reset")
         shared = _common_prefix(self.cached_ids, ids, limit=len(ids) - 1)  # feed >= 1 token
+        sink = isinstance(self.cache, SinkKVCache)
+        if sink and shared < self.cache.seen and self.cache.seen > self.cache.max_length:
+            self.cache, shared = self._new_cache(), 0  # what differs was evicted: start again
         self.cache.crop(shared)
         self.last_prefill = len(ids) - shared
         eos = eos_ids(self.config, self.tokenizer)
@@ -71,7 +82,8 @@ class ChatSession:
                     yield piece.text
         finally:  # also on Ctrl-C: keep the partial answer, and note what the cache holds
             steps.close()
-            self.cached_ids = (ids + row.generated)[: self.cache.length]
+            seen = self.cache.seen if sink else self.cache.length
+            self.cached_ids = (ids + row.generated)[:seen]
             answer = [t for t in row.generated if t not in eos]
             self.messages.append({"role": "assistant", "content": self.tokenizer.decode(answer)})
 

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..model.kv_formats import check_kv_dtype
+from ..model.sink import SinkPolicy
 from .sampling import SamplingConfig
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class GenerationConfig(RequestParams):
     truncate: bool = False  # a prompt longer than the window is cut from the left
     overflow: Literal["stop", "slide"] = "stop"  # at the window's end: stop, or drop old tokens
     kv_dtype: str | None = None  # how the KV cache stores keys and values (model/kv_formats.py)
+    sink: SinkPolicy | None = None  # attention sinks: keep S first and W last keys (model/sink.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -114,6 +116,14 @@ class GenerationConfig(RequestParams):
             check_kv_dtype(self.kv_dtype)
         if self.overflow not in ("stop", "slide"):
             raise ValueError(f"overflow: choose 'stop' or 'slide', got {self.overflow!r}")
+        if self.sink is not None:
+            if not isinstance(self.sink, SinkPolicy):
+                raise ValueError(f"sink: a SinkPolicy or None, got {type(self.sink).__name__}")
+            if not self.use_cache or self.beams > 1:
+                raise ValueError("sink: the sink policy lives in the KV cache of one continuation; "
+                                 "not with use_cache=False or beams > 1")
+            if self.kv_dtype not in (None, "fp32"):
+                raise ValueError(f"sink: the sink cache keeps float32 keys, not kv_dtype={self.kv_dtype!r}")
         if self.logprobs is not None:
             raise ValueError("logprobs: only the serving engine reports log-probabilities")
         if self.capture:

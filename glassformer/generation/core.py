@@ -13,6 +13,7 @@ Prompts of different lengths share a batch by left padding, with explicit positi
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator, Sequence
 
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..model.kv_cache import KVCache
+from ..model.sink import SinkKVCache
 from ..model.transformer import Transformer
 from .batching import left_pad, select_rows
 from .config import GenerationConfig, GenerationResult, Piece, StopReason
@@ -34,8 +36,18 @@ def prefill(
     positions: Tensor | None = None,
     pad_mask: Tensor | None = None,
 ) -> Tensor:
-    """Run the prompt ids (B, T) through the model (filling `cache`): next-token logits (B, V)."""
-    h = model.forward_hidden(ids, cache, positions, pad_mask)  # (B, T, d)
+    """Run the prompt ids (B, T) through the model (filling `cache`): next-token logits (B, V).
+    A sink cache takes the prompt in the pieces its window allows (model/sink.py `room`)."""
+    if isinstance(cache, SinkKVCache):
+        if pad_mask is not None:
+            raise ValueError("sink: the sink policy streams prompts of one length together (no padding)")
+        start = 0
+        while start < ids.shape[1]:
+            end = start + cache.policy.room(cache.seen)
+            h = model.forward_hidden(ids[:, start:end], cache)  # (B, ≤ room, d)
+            start = end
+    else:
+        h = model.forward_hidden(ids, cache, positions, pad_mask)  # (B, T, d)
     return model.head(h[:, -1])  # (B, V): only the last row is ever needed
 
 
@@ -47,7 +59,8 @@ def decode_one_token(
     One sequence on a model converted by `glassformer.quantize` takes the fused C++ step
     (`glassformer.fast_decode`), which computes the same thing without Python per layer; it
     reads float32 keys and values, so a cache in another format keeps the module path."""
-    if token.shape[0] == 1 and positions is None and not cache.padded and cache.kv_dtype in (None, "fp32"):
+    if (token.shape[0] == 1 and positions is None and not cache.padded and not cache.rotates_keys
+            and cache.kv_dtype in (None, "fp32")):
         fused = model.fused_step()
         if fused is not None:
             return fused(token, cache)
@@ -142,10 +155,12 @@ class Row:
     """One prompt's generation: what the model sees, what was generated, why it stopped, and
     the text released so far."""
 
-    def __init__(self, prompt: Sequence[int], config: GenerationConfig, window: int,
+    def __init__(self, prompt: Sequence[int], config: GenerationConfig, window: float,
                  eos: set[int], tokenizer: Decoder | None) -> None:
         if config.stop and tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer to decode the text")
+        if config.sink is not None:  # the sink cache streams past any window
+            window = math.inf
         self.prompt = fit_prompt(prompt, window, config)
         self.truncated = len(prompt) - len(self.prompt)
         self.context = list(self.prompt)  # the prompt, then generated tokens; slides when asked
@@ -213,10 +228,13 @@ def decode_rows(
         nonlocal cache, padded, resume
         if resume:  # only what the kept cache has not seen
             resume = False
-            return prefill(model, torch.tensor([rows[0].context[cache.length :]], device=device), cache)
+            seen = cache.seen if isinstance(cache, SinkKVCache) else cache.length
+            return prefill(model, torch.tensor([rows[0].context[seen:]], device=device), cache)
         ids, positions, mask = left_pad([rows[i].context for i in live], device)  # (B, L)
         padded = mask is not None
-        if config.use_cache:
+        if config.use_cache and config.sink is not None:
+            cache = SinkKVCache(mc, len(live), config.sink)
+        elif config.use_cache:
             room = min(mc.context_length, ids.shape[1] + config.max_new_tokens)
             cache = KVCache(mc, len(live), max_length=room, kv_dtype=config.kv_dtype)
         return prefill(model, ids, cache, positions, mask)

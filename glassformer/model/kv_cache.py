@@ -31,6 +31,11 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask]
 
 
 class AttentionCache(Protocol):
+    # True where the cache places keys at positions of its own (the sink policy, sink.py): the
+    # layer then hands it unrotated keys, and a fused step writing keys by position must not
+    # serve it.
+    rotates_keys: bool
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
         """Store the new keys and values k, v (B, KV, T, d_head) of `layer`, and return
@@ -41,6 +46,8 @@ class AttentionCache(Protocol):
 
 
 class KVCache:
+    rotates_keys = False
+
     def __init__(
         self,
         config: ModelConfig,

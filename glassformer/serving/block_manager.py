@@ -137,7 +137,7 @@ class BlockManager:
     def register(self, seq: Sequence) -> None:
         """Key every block of `seq` that its computed tokens have filled, so others reuse it."""
         bs = self.block_size
-        while len(seq.block_keys) < seq.num_computed // bs:
+        while len(seq.block_keys) < min(seq.num_computed, len(seq.block_table) * bs) // bs:
             i = len(seq.block_keys)
             chunk = tuple(seq.tokens[i * bs : (i + 1) * bs])
             key = prefix_key(chunk, seq.block_keys[-1] if seq.block_keys else None)

@@ -15,6 +15,7 @@ only queue work that the stepping thread picks up at the start of its next step.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from ..accel.threads import ThreadPolicy
 from ..generation.config import GenerationResult, RequestParams
 from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
+from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .beam import BeamGroup
 from .block_manager import BlockManager
@@ -52,19 +54,27 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_memory_mb: float = 256.0  # the pool's size
     n_blocks: int | None = None  # overrides kv_memory_mb (tests)
-    kv_dtype: str = "fp32"  # "fp32" | "bf16" | "int8"
+    kv_dtype: str = "fp32"  # one of model/kv_formats.py KV_DTYPES
     max_batch: int = 16  # most requests in one step
     token_budget: int = 256  # most tokens in one step (prefill is cut into chunks to fit)
     prefix_caching: bool = True
     attention: str = "fast"  # "fast" | "reference"
     batch_invariant: bool = True  # row tiles: tokens independent of what shares a step (runner.py)
     trace_length: int = 1000  # steps kept in the trace
+    # attention sinks (model/sink.py): every request keeps its first S and last W keys and
+    # streams past the window. Per engine: the pool's accounting (S + W slots a request, no
+    # prefix sharing) and the fused step's refusal follow from it, and a server takes it as flags.
+    sink: SinkPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise ValueError(f"attention: choose one of {ATTENTION}, got {self.attention!r}")
         if self.kv_memory_mb <= 0:
             raise ValueError(f"kv_memory_mb: must be positive, got {self.kv_memory_mb}")
+        if self.sink is not None and not isinstance(self.sink, SinkPolicy):
+            raise ValueError(f"sink: a SinkPolicy or None, got {type(self.sink).__name__}")
+        if self.sink is not None and self.kv_dtype != "fp32":
+            raise ValueError(f"sink: the sink policy keeps float32 keys; not with kv_dtype={self.kv_dtype!r}")
 
 
 class Engine:
@@ -75,17 +85,24 @@ class Engine:
         reason = CAPABILITIES.why_not(model.config)
         if reason is not None:
             raise ValueError(reason)
+        if config.sink is not None:
+            config.sink.check(model.config)
         self.model, self.tokenizer, self.config, self.threads = model.eval(), tokenizer, config, threads
         mc = model.config
         n_blocks = config.n_blocks
         if n_blocks is None:
             block_bytes = bytes_per_block(mc, config.block_size, config.kv_dtype)
             n_blocks = int(config.kv_memory_mb * 2**20) // block_bytes
-        self.blocks = BlockManager(n_blocks, config.block_size, config.prefix_caching)
+        # a sink request's blocks hold a ring of slots, not a prefix: nothing to share
+        prefix_caching = config.prefix_caching and config.sink is None
+        self.blocks = BlockManager(n_blocks, config.block_size, prefix_caching)
         device = model.embed.tokens.weight.device
         self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device)
-        self.scheduler = Scheduler(self.blocks, config.max_batch, config.token_budget)
-        self.runner = ModelRunner(model, self.pool, config.attention, config.batch_invariant)
+        self.scheduler = Scheduler(self.blocks, config.max_batch, config.token_budget, config.sink)
+        self.runner = ModelRunner(model, self.pool, config.attention, config.batch_invariant,
+                                  config.sink)
+        # how many tokens a request may reach: the window, or any number under the sink policy
+        self.window = mc.context_length if config.sink is None else math.inf
         self.stats = EngineStats()
         self.trace: deque[StepTrace] = deque(maxlen=config.trace_length)
         self._handles: dict[str, tuple[Sequence, RequestHandle]] = {}
@@ -110,8 +127,10 @@ class Engine:
         prompt = list(prompt)
         if not prompt:
             raise ValueError("prompt: empty; give at least one token")
-        if len(prompt) > mc.context_length:
+        if len(prompt) > self.window:
             raise ValueError(f"prompt: {len(prompt)} tokens exceed context_length={mc.context_length}")
+        if self.config.sink is not None and params.beams > 1:
+            raise ValueError("beams: not with the sink policy (beams would share a ring of slots)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer to decode the text")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in prompt):
@@ -119,7 +138,8 @@ class Engine:
         check_capture(mc, params.capture)
         if params.logprobs is not None and params.logprobs > mc.vocab_size:
             raise ValueError(f"logprobs: at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")
-        longest = min(len(prompt) + params.max_new_tokens, mc.context_length)
+        slots = self.config.sink.capacity if self.config.sink else mc.context_length
+        longest = min(len(prompt) + params.max_new_tokens, slots)
         needed = self.blocks.blocks_for(longest) * params.beams  # every beam may need its own
         if needed > self.blocks.n_blocks:
             size, beams = self.blocks.block_size, f"{params.beams} beams x " if params.beams > 1 else ""
@@ -284,7 +304,7 @@ class Engine:
 
     def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         """Accept a request's next token and stream it (the last event once it stopped)."""
-        piece = seq.accept(token, self.model.config.context_length)
+        piece = seq.accept(token, self.window)
         event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason,
                       _logprobs(logits, token, seq.params.logprobs), captured=new_rows(seq))
         if event.finished:

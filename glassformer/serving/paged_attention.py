@@ -15,7 +15,9 @@ causality, the window, ALiBi, T5's relative bias):
 - fast: the single-query requests of a step (decoding) in one call, their keys gathered
   into (B, KV, S_max, d_head) with the padding masked; each multi-token chunk (prefill) in
   one call with the causal mask offset by its cached prefix.
-Queries, keys and values of request r are at positions 0..S_r-1 of its own sequence.
+Queries, keys and values of request r are at positions 0..S_r-1 of its own sequence; under a
+sink policy those are cache positions (`Part.slots` lists the kept slots in cache order), and
+the view rotates the keys, stored unrotated, at them (model/sink.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from ..model.kv_cache import AttentionFn
 from ..model.layers.masking import AttentionMask
+from ..model.sink import rotate_keys
 from ..model.transformer import Transformer
 from .kv_pool import KVPool
 
@@ -44,7 +47,7 @@ class Part:
 
     start: int
     n: int
-    slots: torch.Tensor  # (S,) every cached slot of the request, new ones last
+    slots: torch.Tensor  # (S,) every slot the request's queries see, in position order, new ones last
 
     @property
     def context(self) -> int:
@@ -59,8 +62,12 @@ class PagedView:
     """One step's view of the pool: where each request's keys are and what each query sees.
     Built once per step; every layer reuses its gather indices and masks."""
 
-    def __init__(self, pool: KVPool, parts: list[Part], fast: bool, model: Transformer) -> None:
-        self.pool, self.fast = pool, fast
+    def __init__(self, pool: KVPool, parts: list[Part], fast: bool, model: Transformer,
+                 rotation: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`rotation`: RoPE's cos and sin (P, d_head) at positions 0..P-1 when the keys are
+        stored unrotated (the sink policy), else None (the layers rotated them)."""
+        self.pool, self.fast, self.rotation = pool, fast, rotation
+        self.rotates_keys = rotation is not None
         device = pool.device
         self.new_slots = torch.cat([p.slots[p.context - p.n :] for p in parts]).to(device)  # (N,)
         self.single = [p for p in parts if p.n == 1] if fast else []
@@ -116,4 +123,4 @@ class PagedView:
         k, v = self.pool.read(layer, slots)  # (..., S, KV, d_head)
         if slots.dim() == 1:
             k, v = k[None], v[None]
-        return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
+        return rotate_keys(k.transpose(1, 2).to(dtype), self.rotation), v.transpose(1, 2).to(dtype)

@@ -27,6 +27,7 @@ import torch
 from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import FastDecoder
 from ..model.layers.positions import rope_cos_sin
+from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .capture import capture_hooks
 from .kv_pool import KVPool
@@ -67,10 +68,11 @@ CAPABILITIES = CapabilityTable("serving engine", {
 
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, attention: str = "fast",
-                 invariant: bool = True) -> None:
-        """`model` is one the engine accepts (CAPABILITIES, checked by Engine)."""
+                 invariant: bool = True, sink: SinkPolicy | None = None) -> None:
+        """`model` is one the engine accepts (CAPABILITIES, checked by Engine; `sink` checked
+        by it too)."""
         config = model.config
-        self.model, self.pool, self.fast = model, pool, attention == "fast"
+        self.model, self.pool, self.fast, self.sink = model, pool, attention == "fast", sink
         # the model's own modules; with invariance, a view whose products run in row tiles
         self.layers = model.with_products(row_invariant) if invariant else model
         self.device = model.embed.tokens.weight.device
@@ -108,8 +110,8 @@ class ModelRunner:
     def _fused(self) -> FastDecoder | None:
         """The model's fused step where it can run decoding rows: fast attention, a float32
         pool, and a step the model accepts now; else None."""
-        if not self.fast or self.pool.kv_dtype != "fp32":
-            return None
+        if not self.fast or self.pool.kv_dtype != "fp32" or self.sink is not None:
+            return None  # (the fused step keeps every key at its text position)
         step = self.model.fused_step()
         return step if isinstance(step, FastDecoder) else None
 
@@ -119,17 +121,18 @@ class ModelRunner:
         ids, positions, parts, ends, capturing = [], [], [], {}, []
         for seq, n in scheduled:
             context = seq.num_computed + n
-            slots = slots_of(seq.block_table, context, self.pool.block_size)
+            slots = self._slots(seq, context)  # (L,) what its queries see, new ones last
             parts.append(Part(len(ids), n, slots))
             if seq.params.capture:
                 capturing.append((seq, len(ids), n, seq.num_computed))
             ids += seq.tokens[seq.num_computed : context]
-            positions += range(seq.num_computed, context)
+            positions += range(len(slots) - n, len(slots))  # text positions, or the cache's
             if context == seq.num_tokens:
                 ends[id(seq)] = len(ids) - 1
         ids_t = torch.tensor(ids, device=self.device)[None]  # (1, N)
         pos_t = torch.tensor(positions, device=self.device)[None]  # (1, N)
-        view = PagedView(self.pool, parts, self.fast, self.model)
+        rotation = self.rope if self.sink is not None else None  # sink keys: stored unrotated
+        view = PagedView(self.pool, parts, self.fast, self.model, rotation)
         rope = None
         if self.rope is not None:  # (1, 1, N, d_head) each
             rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
@@ -138,6 +141,16 @@ class ModelRunner:
             for block in self.layers.blocks:
                 x = block(x, None, rope, view)
         return {key: x[0, row] for key, row in ends.items()}
+
+    def _slots(self, seq: Sequence, context: int) -> torch.Tensor:
+        """The pool slots of what seq's tokens up to `context` attend to, in position order:
+        its first `context` tokens, or under the sink policy the kept ones (L,)."""
+        bs = self.pool.block_size
+        if self.sink is None:
+            return slots_of(seq.block_table, context, bs)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        kept = torch.tensor(self.sink.kept_slots(context), dtype=torch.long)  # (L,)
+        return table[kept // bs] * bs + kept % bs
 
     def _run_fused(self, scheduled: Scheduled, fused: FastDecoder) -> dict[int, torch.Tensor]:
         """One new token of each request through the fused step over the pool."""

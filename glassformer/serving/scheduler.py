@@ -8,6 +8,10 @@ request needs a block and none is free, the newest running request gives its blo
 and waits to be recomputed (its full blocks usually stay cached). The oldest request can
 always proceed, so the engine never deadlocks; a request too large for the whole pool is
 refused at submission.
+
+Under a sink policy (model/sink.py) a request holds the blocks of S + W slots however long it
+runs: its tokens enter as many at once as fit before the first eviction, then one per step,
+each written over the slot of the token it evicts.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..model.sink import SinkPolicy
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
@@ -33,12 +38,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int = 16, token_budget: int = 256) -> None:
+    def __init__(self, blocks: BlockManager, max_batch: int = 16, token_budget: int = 256,
+                 sink: SinkPolicy | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         if token_budget < max_batch:
             raise ValueError(f"token_budget: must be >= max_batch={max_batch}, got {token_budget}")
         self.blocks, self.max_batch, self.token_budget = blocks, max_batch, token_budget
+        self.sink = sink
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # counter
@@ -72,9 +79,12 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Blocks for seq's next n tokens (private where written), or False."""
-        if not self.blocks.grow(seq, seq.num_computed + n):
+        end, first = seq.num_computed + n, seq.num_computed  # slots needed, first slot written
+        if self.sink is not None:
+            end, first = min(end, self.sink.capacity), self.sink.slot(first)
+        if not self.blocks.grow(seq, end):
             return False
-        copy = self.blocks.write_block(seq, seq.num_computed)
+        copy = self.blocks.write_block(seq, first)
         if copy is not None:
             plan.copies.append(copy)
         return True
@@ -85,7 +95,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             if n == 0:  # a beam waiting for the other members of its group
                 i += 1
                 continue
@@ -103,7 +113,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table and not seq.params.capture:  # a capture sees every row
                 self.blocks.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             if not self._reserve(seq, n, plan):
                 self.blocks.release(seq)  # keep nothing while waiting
                 break
@@ -113,6 +123,12 @@ class Scheduler:
             plan.scheduled.append((seq, n))
             budget -= n
         return plan
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of seq's tokens the step can take: within the budget, and within the sink
+        policy's room."""
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        return n if self.sink is None else min(n, self.sink.room(seq.num_computed))
 
     def advance(self, plan: StepPlan) -> list[Sequence]:
         """After the step ran: count the computed tokens, key the blocks they filled; returns the

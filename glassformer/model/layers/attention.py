@@ -1,7 +1,8 @@
 """Masked multi-head attention with n_kv_heads key/value heads (MHA, GQA, MQA).
 
     Q, K, V = x W_Q, x W_K, x W_V          one fused product, split into heads
-    Q, K    = rope(Q), rope(K)             when position = "rope"
+    Q, K    = rope(Q), rope(K)             when position = "rope" (a cache that positions its
+                                           keys itself, the sink policy, rotates K: sink.py)
     K, V    = cache[...] + (K, V)          when decoding: the new rows join the cached ones
                                            (the cache calls back `context`, see kv_cache.py)
     A       = Q Kᵀ / √d_head + M           M: -inf where masked (+ ALiBi or T5 relative bias);
@@ -56,7 +57,9 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
         v = v.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
         if rope is not None:
-            q, k = self.rotary(q, *rope), self.rotary(k, *rope)
+            q = self.rotary(q, *rope)
+            if cache is None or not cache.rotates_keys:  # else rotated at their cache positions
+                k = self.rotary(k, *rope)
         q, k, v = hook(site + ".q", q), hook(site + ".k", k), hook(site + ".v", v)
         if cache is None:
             context = self.context(q, k, v, mask)  # (B, H, T, d_head)

@@ -1,0 +1,186 @@
+"""Attention sinks (StreamingLLM, Xiao et al. 2023): a cache that keeps the first S tokens and
+the last W, so a text of any length streams through a fixed window without recomputation.
+
+Which keys a query sees. After n tokens (the query, token n-1, included) the cache holds
+
+    kept(n) = [0, min(S, n))  ∪  [max(S, n - W), n)            at most S + W tokens
+
+so the first S tokens (the sinks, which soak up attention mass the softmax must put
+somewhere) stay forever and token t leaves when token t + W arrives (t ≥ S): the oldest
+non-sink token is the one evicted.
+
+Where a key is stored. Token t lives in slot
+
+    slot(t) = t                          t < S + W   (before the first eviction)
+    slot(t) = S + (t - S) mod W          otherwise   (a ring over the window's W slots)
+
+so token t overwrites exactly token t - W, the one that left; nothing is ever moved.
+
+Positions inside the cache. Keys are stored before any rotation. When a step attends, the
+kept keys, ordered by age (sinks, then the window oldest first), are at cache positions
+0..L-1 with L = |kept(n)|, and the newest query at L - 1:
+
+    k_j = R(j) k̃_j           j = 0..L-1     (R(p): RoPE's rotation at position p)
+    q   = R(L - 1) q̃
+    score_j = q·k_j / √d  + bias(L - 1 - j)       (ALiBi's or T5's distance bias, by cache positions)
+
+which is what the model computes, uncached, over the kept tokens alone at positions
+0..L-1 (for a one-layer model exactly; deeper layers' stored keys keep the context they
+were computed in, which is the point: nothing is recomputed). Absolute positions (learned,
+sinusoidal) are added to the embedding before a key exists, so a kept key cannot move: those
+models are refused.
+
+Several tokens enter in one call while none is evicted (n + T ≤ S + W: a prompt's start);
+after that one at a time (`room`), as each new token moves the window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .layers.positions import apply_rope, rope_cos_sin, rope_inverse_frequencies
+
+MOVABLE_POSITIONS = ("rope", "alibi", "relative", "none")
+
+
+@dataclass(frozen=True)
+class SinkPolicy:
+    """Keep `sink_tokens` (S) first tokens and the `window` (W) latest ones."""
+
+    sink_tokens: int = 4
+    window: int = 1020
+
+    def __post_init__(self) -> None:
+        for name, low in (("sink_tokens", 0), ("window", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+
+    @property
+    def capacity(self) -> int:
+        return self.sink_tokens + self.window
+
+    def check(self, config: ModelConfig) -> None:
+        """Refuse a model the policy cannot serve, naming the field."""
+        if self.capacity > config.context_length:
+            raise ValueError(f"window: sink_tokens + window = {self.capacity} exceeds the model's "
+                             f"context_length={config.context_length}")
+        if config.sliding_window is not None and self.capacity > config.sliding_window:
+            raise ValueError(f"window: sink_tokens + window = {self.capacity} exceeds the model's "
+                             f"sliding_window={config.sliding_window}")
+        if config.position not in MOVABLE_POSITIONS:
+            raise ValueError(f"position: the sink policy places keys at positions within the cache; "
+                             f"{config.position!r} positions are fixed in the embedding "
+                             f"(use a {'/'.join(MOVABLE_POSITIONS)} model)")
+        if not config.causal or config.n_encoder_layers:
+            raise ValueError("causal: the sink policy streams a decoder-only model's text")
+
+    def slot(self, t: int) -> int:
+        S, W = self.sink_tokens, self.window
+        return t if t < S + W else S + (t - S) % W
+
+    def kept(self, n: int) -> list[int]:
+        """The tokens a query sees after n tokens (itself included), in cache order."""
+        S, W = self.sink_tokens, self.window
+        return [*range(min(S, n)), *range(max(S, n - W), n)]
+
+    def kept_slots(self, n: int) -> list[int]:
+        """The slots of kept(n), in cache order: the newest token's slot is last."""
+        return [self.slot(t) for t in self.kept(n)]
+
+    def room(self, n: int) -> int:
+        """How many tokens may enter together after n: all up to S + W, then one."""
+        return max(self.capacity - n, 1)
+
+    def position(self, n: int) -> int:
+        """The cache position of the next token after n: n until the cache is full."""
+        return min(n, self.capacity - 1)
+
+
+def key_rotation(config: ModelConfig, length: int, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RoPE's cos and sin at cache positions 0..length-1, each (length, d_head), or None for a
+    model without RoPE. The model's own angles (rope_inverse_frequencies of its config)."""
+    if config.position != "rope":
+        return None
+    inv_freq, factor = rope_inverse_frequencies(config)
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(length, device=device)[None], factor)
+    return cos[0, 0].to(dtype), sin[0, 0].to(dtype)  # (length, d_head) each
+
+
+def rotate_keys(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Kept keys (B, KV, L, d_head), stored unrotated, rotated at cache positions 0..L-1."""
+    if rotation is None:
+        return keys
+    L = keys.shape[2]
+    return apply_rope(keys, rotation[0][:L], rotation[1][:L])
+
+
+class SinkKVCache(KVCache):
+    """The dense cache under a SinkPolicy: (B, KV, S + W, d_head) per layer, slots as above.
+    `length` is the next query's cache position, so the model numbers its queries and builds
+    its masks over cache positions; `seen` counts every token that entered."""
+
+    rotates_keys = True
+
+    def __init__(self, config: ModelConfig, batch_size: int, policy: SinkPolicy,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        policy.check(config)
+        super().__init__(config, batch_size, policy.capacity, device, dtype)
+        self.policy, self.config = policy, config
+        self.seen = 0
+        self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # made with the tensors
+
+    @property
+    def length(self) -> int:
+        return self.policy.position(self.seen)
+
+    @length.setter
+    def length(self, value: int) -> None:  # KVCache.__init__ and crop set it
+        self.seen = value
+
+    def reserve(self, positions: torch.Tensor, pad_mask: torch.Tensor | None) -> None:
+        T = positions.shape[1]
+        if pad_mask is not None:
+            raise ValueError("context: the sink policy streams one text per row (no padding)")
+        if T > self.policy.room(self.seen):
+            raise ValueError(f"context: the sink cache takes {self.policy.room(self.seen)} new "
+                             f"tokens now, got {T}")
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new rows (B, KV, T, d_head) at their slots; the kept keys (rotated at
+        their cache positions) and values in cache order, (B, KV, L, d_head) each."""
+        if self.keys[layer] is None:
+            self.allocate(k.device, k.dtype)
+        T, policy = k.shape[2], self.policy
+        new = torch.tensor([policy.slot(self.seen + i) for i in range(T)], device=k.device)  # (T,)
+        kept = torch.tensor(policy.kept_slots(self.seen + T), device=k.device)  # (L,)
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, new, k.to(keys.dtype))
+        values.index_copy_(2, new, v.to(values.dtype))
+        return rotate_keys(keys[:, :, kept], self.rotation), values[:, :, kept]
+
+    def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().allocate(device, dtype)
+        self.rotation = key_rotation(self.config, self.max_length, self.keys[0].device, self.keys[0].dtype)
+
+    def advance(self, n_tokens: int) -> None:
+        self.seen += n_tokens
+
+    def key_positions(self, n_new: int) -> torch.Tensor:
+        L = self.length + n_new
+        return torch.arange(L, device=self.positions.device).expand(self.batch_size, L)  # (B, L)
+
+    def key_valid(self, n_new: int) -> None:
+        return None
+
+    def crop(self, length: int) -> None:
+        """Forget every token from `length` on; only possible before the first eviction."""
+        if not 0 <= length <= self.seen or (length < self.seen and self.seen > self.max_length):
+            raise ValueError(f"length: a sink cache that saw {self.seen} tokens can be cut back "
+                             "only before its first eviction")
+        self.seen = length

@@ -1,0 +1,40 @@
+"""sink_loss: the block means against plain per-token losses, and the goal on SmolLM2."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glassformer import ModelConfig, Transformer
+from glassformer.experiments.sink_loss import sink_loss, streamed_losses
+from glassformer.model.sink import SinkPolicy
+
+SHAKESPEARE = Path(__file__).parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def test_streamed_losses_are_each_tokens_loss_over_the_kept_tokens():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=40, context_length=64, d_model=32, n_layers=1, n_heads=4,
+                                    position="rope", init_std=0.3)).eval()
+    ids, policy = torch.randint(0, 40, (30,)), SinkPolicy(2, 4)
+    got = streamed_losses(model, ids, policy)
+    with torch.no_grad():
+        want = torch.stack([F.cross_entropy(model(ids[None, policy.kept(t + 1)])[0, -1], ids[t + 1])
+                            for t in range(29)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    result = sink_loss(model, (ids.tolist() * 3)[:64], window=4, sink_tokens=2)
+    assert len(result["blocks"]["sink"]) == len(result["blocks"]["dense"]) == 63 // 4
+
+
+@pytest.mark.slow
+def test_sinks_keep_smollm2_loss_flat_over_16_windows(smollm2_path):
+    from glassformer import load
+
+    language_model = load(str(smollm2_path), quantize="none", progress=False)
+    window = 64
+    ids = language_model.tokenizer.encode(SHAKESPEARE.read_text()[:20000])[: 16 * window]
+    result = sink_loss(language_model.model, ids, window, sink_tokens=4)
+    # the goal: sink + window within 5% of its loss at W (the text's difficulty divided out)
+    assert abs(result["flat_sink_vs_dense"] - 1) <= 0.05, result
+    assert result["flat_window_vs_dense"] > result["flat_sink_vs_dense"]  # reported beside it
