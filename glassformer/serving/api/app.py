@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ...accel.threads import ThreadPolicy
 from ...language_model import LanguageModel
 from .. import EngineConfig
-from . import errors, ui
+from . import errors, lora, ui
 from .errors import APIError
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -69,6 +69,7 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
                            code="invalid_api_key")
 
     ui.install(app, server.engine, authorize)
+    lora.install(app, server, authorize)
     app.add_middleware(_CountResponses, metrics=server.metrics)
     app.add_middleware(_AllowedOrigins, config=config)
 
@@ -90,7 +91,7 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
     async def models(request: Request) -> dict:
         authorize(request)
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "glassformer"}]}
+                                            "owned_by": "glassformer"}, *lora.adapter_models(server)]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -105,7 +106,8 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
     return app
 
 
-ROUTES = ("/health", "/metrics", "/ui", "/ui/state", "/v1/models", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/metrics", "/ui", "/ui/state", "/v1/models", "/v1/completions", "/v1/chat/completions",
+          "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def host_name(value: str) -> str:

@@ -11,6 +11,7 @@ the next step. A shutdown past its grace ends every running request in OpenAI's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -77,7 +78,8 @@ class Server:
     def __init__(self, language_model: LanguageModel, engine: EngineConfig, config: ServerConfig,
                  threads: ThreadPolicy | None = None) -> None:
         self.language_model, self.config = language_model, config
-        self.engine = Engine(language_model.model, language_model.tokenizer, engine, threads)
+        self.engine = Engine(language_model.model, language_model.tokenizer, engine, threads,
+                             language_model.source or None)
         self.metrics = ServerMetrics(self.engine)
         self.tracer = Tracer(language_model.model)
         self.active: set[RequestHandle] = set()  # admitted and not yet answered (the event loop's)
@@ -117,8 +119,10 @@ class Server:
             parsed = schema.model_validate_json(body)
         except ValidationError as error:
             raise errors.from_validation(error) from None
-        if parsed.model != self.config.model_name:
-            raise APIError(404, f"model: {parsed.model!r} is not served here; use {self.config.model_name!r}",
+        model = getattr(parsed, "model", self.config.model_name)  # (the adapter routes name none)
+        if model != self.config.model_name and model not in self.engine.adapters:
+            names = ", ".join(repr(n) for n in [self.config.model_name, *self.engine.adapters.names()])
+            raise APIError(404, f"model: {model!r} is not served here; use one of {names}",
                            "model", "model_not_found")
         return parsed
 
@@ -138,8 +142,11 @@ class Server:
             raise APIError(429, "the server is busy; retry shortly", code="queue_full",
                            headers={"Retry-After": "1"})
         limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
+        params = fields.params(limit, self.language_model.tokenizer.eos_id)
+        if fields.model != self.config.model_name:  # one of the LoRA adapters (parse)
+            params = dataclasses.replace(params, adapter=fields.model)
         try:
-            handle = self.engine.submit(ids, fields.params(limit, self.language_model.tokenizer.eos_id))
+            handle = self.engine.submit(ids, params)
         except CapacityError as error:
             message = str(error).replace("the engine holds", "the server holds")
             raise APIError(400, message, "prompt", "context_length_exceeded") from None
