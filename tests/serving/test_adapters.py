@@ -5,6 +5,7 @@ fused decode step kept for base rows, and the adapter registry's refusals."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -66,11 +67,14 @@ def test_adapter_rows_equal_the_merged_model_and_base_rows_stay_bitwise(tiny, pr
     together = run(engine, requests)
     alone = run(Engine(served, config=ENGINE), [r for r in requests if r[1] is None])
     assert [t for t, (_, a) in zip(together, requests, strict=True) if a is None] == alone
+    again = [(p[0], "a"), (p[0], "b")]  # now the prefix cache holds p[0]'s blocks three times
+    together += run(engine, again)
+    requests += again
     oracle = {"a": merged_first, "b": merged_second}
     for (prompt, name), (generated, logprobs) in zip(requests, together, strict=True):
         if name is not None:
-            torch.testing.assert_close(torch.tensor(logprobs), chosen_logprobs(oracle[name], prompt, generated),
-                                       atol=1e-5, rtol=1e-5)
+            expected = chosen_logprobs(oracle[name], prompt, generated)
+            torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_without_row_tiles_adapter_rows_still_equal_the_merged_model(tiny, prompts, tmp_path):
@@ -121,3 +125,59 @@ def test_an_adapter_in_use_is_not_unloaded(tiny, tmp_path):
     engine.unload_adapter("a")
     with pytest.raises(KeyError):
         engine.unload_adapter("a")
+
+
+@pytest.fixture(scope="module")
+def peft_pair(tmp_path_factory):
+    """A tiny Hugging Face Llama and an adapter made by peft itself (random B), both on disk."""
+    peft = pytest.importorskip("peft")
+    from llama_folder import llama_folder
+
+    folder = tmp_path_factory.mktemp("peft")
+    hf = llama_folder(folder / "base")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    adapted = peft.get_peft_model(hf, config).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+    adapted.save_pretrained(folder / "adapter")
+    return folder / "base", folder / "adapter", adapted
+
+
+def test_a_peft_adapter_served_gives_peft_s_logits(peft_pair):
+    from glassformer import load
+
+    base, adapter, adapted = peft_pair
+    language_model = load(base)
+    engine = Engine(language_model.model, config=ENGINE, base=str(base))
+    engine.load_adapter("peft", str(adapter))
+    prompt = language_model.encode("the quick brown fox")
+    [(generated, logprobs), _] = run(engine, [(prompt, "peft"), (prompt, None)])
+    with torch.no_grad():
+        logits = adapted(torch.tensor([prompt + generated])).logits[0]  # (T, V)
+    oracle = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)[torch.arange(len(generated)), generated]
+    torch.testing.assert_close(torch.tensor(logprobs), oracle, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_lora_and_generate_many_equal_the_merged_model(peft_pair, tmp_path, capsys):
+    from glassformer import load
+    from glassformer.cli import main
+
+    base, adapter, _ = peft_pair
+    merged = tmp_path / "merged"
+    assert main(["export", "--model", str(base), "--merge-lora", str(adapter), "-o", str(merged)]) == 0
+    capsys.readouterr()
+    answers = []
+    for args in (["--model", str(base), "--lora", str(adapter)], ["--model", str(merged)]):
+        assert main(["generate", "the lazy dog", "-n", "8", "--json", *args]) == 0
+        answers.append(json.loads(capsys.readouterr().out)["generated_ids"])
+    assert answers[0] == answers[1]
+    many = load(base).generate_many(["the lazy dog", "pack my box"], max_new_tokens=8,
+                                    adapters={"mine": adapter}, adapter="mine")
+    assert many[0].generated_ids == answers[1]
+    assert many[1].generated_ids == load(merged).generate("pack my box", max_new_tokens=8).generated_ids
+    assert main(["generate", "x", "--model", str(base), "--lora", str(tmp_path / "none")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
