@@ -142,10 +142,10 @@ class Server:
             raise APIError(429, "the server is busy; retry shortly", code="queue_full",
                            headers={"Retry-After": "1"})
         limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
-        params = fields.params(limit, self.language_model.tokenizer.eos_id)
-        if fields.model != self.config.model_name:  # one of the LoRA adapters (parse)
-            params = dataclasses.replace(params, adapter=fields.model)
         try:
+            params = fields.params(limit, self.language_model.tokenizer.eos_id)
+            if fields.model != self.config.model_name:  # one of the LoRA adapters (parse)
+                params = dataclasses.replace(params, adapter=fields.model)
             handle = self.engine.submit(ids, params)
         except CapacityError as error:
             message = str(error).replace("the engine holds", "the server holds")
