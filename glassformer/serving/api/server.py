@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 from ...accel.threads import ThreadPolicy
 from ...language_model import LanguageModel
 from .. import Engine, EngineConfig, Event, RequestHandle
+from ..capture import token_axis
 from ..engine import CapacityError
 from . import errors, responses
 from .errors import APIError
@@ -231,6 +232,9 @@ class Server:
             except ValueError as error:
                 raise APIError(400, f"glassformer.trace: {error}", "glassformer.trace",
                                "invalid_value") from None
+            if body.model != self.config.model_name and any(token_axis(site) is None for site in sites):
+                raise APIError(400, "glassformer.trace: with a LoRA adapter, only sites with a token "
+                               "axis (kept inside the engine's steps)", "glassformer.trace", "invalid_value")
         handle, admission = self.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
         head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
 

@@ -57,6 +57,9 @@ def test_adapters_load_serve_and_unload(language_model, adapter):
                 ({"lora_name": "x"}, 400, "lora_path")):
             reply = http.post("/v1/load_lora_adapter", json=body)
             assert reply.status_code == status and reply.json()["error"]["param"] == param, reply.text
+        traced = http.post("/v1/completions", json={"model": "mine", "prompt": "hi", "max_tokens": 2,
+                                                    "glassformer": {"trace": ["blocks.0.attn.pattern"]}})
+        assert traced.status_code == 400 and "with a LoRA adapter" in traced.json()["error"]["message"]
         unknown = complete(http, "x")
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mine"}).status_code == 200
