@@ -11,8 +11,9 @@ block) of the same weights, on the same tokens (tinyshakespeare in the model's t
 the same sequence length, batch and threads, in float32. Glassformer runs `train --init` as
 its users do; the baseline is transformers' model (+ peft's LoRA) in a plain loop: AdamW,
 cross-entropy, gradient clipping at 1. Each contender runs as its own process, one after
-another in alternating rounds, and reports training tokens/s (the steps alone) and its peak
-resident memory; the ratios are printed.
+another in alternating rounds, and reports training tokens/s (every step timed, the first
+included, as `train` counts them; loading and saving left out) and its peak resident memory;
+the ratios are printed.
 
 --quality: LoRA on the first 90% of tinyshakespeare's characters for --minutes, then the
 held-out perplexity (windows of --seq tokens over the last 10%) and a greedy sample, before

@@ -179,5 +179,10 @@ def test_generate_lora_and_generate_many_equal_the_merged_model(peft_pair, tmp_p
                                     adapters={"mine": adapter}, adapter="mine")
     assert many[0].generated_ids == answers[1]
     assert many[1].generated_ids == load(merged).generate("pack my box", max_new_tokens=8).generated_ids
-    assert main(["generate", "x", "--model", str(base), "--lora", str(tmp_path / "none")]) == 2
-    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    missing = tmp_path / "none"
+    for command, says in ((["generate", "x", "--lora", str(missing)], "no LoRA adapter"),
+                          (["serve", "--lora", f"x={missing}"], "lora_path: no LoRA adapter"),
+                          (["serve", "--name", "t", "--lora", f"t={adapter}"], "the base model's name")):
+        assert main([*command, "--model", str(base)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0]
