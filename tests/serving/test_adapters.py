@@ -102,7 +102,15 @@ def test_bad_adapters_are_refused_and_change_nothing(tiny, tmp_path):
     (good / "adapter_config.json").write_text(config.replace('"r": 2', '"r": 4'))
     with pytest.raises(ValueError, match="another rank"):
         engine.load_adapter("x", str(good))
-    assert engine.adapters.names() == []
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    named = Engine(model, config=ENGINE, base=str(tmp_path / "one"))  # the adapter names another base
+    settings = json.loads((good / "adapter_config.json").read_text())
+    settings |= {"r": 2, "base_model_name_or_path": str(tmp_path / "two")}
+    (good / "adapter_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="the adapter was trained on"):
+        named.load_adapter("x", str(good))
+    assert engine.adapters.names() == [] and named.adapters.names() == []
     with pytest.raises(ValueError, match="^adapter: no LoRA adapter named 'x'"):
         engine.submit([1, 2], RequestParams(adapter="x"))
     with pytest.raises(ValueError, match="^adapter: only the serving engine"):
