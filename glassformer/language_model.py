@@ -9,7 +9,7 @@ A source is one of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,18 +65,22 @@ class LanguageModel:
                       temperature: float = 0.0, params: Sequence[RequestParams] | None = None,
                       engine: EngineConfig | None = None,
                       on_result: Callable[[int, GenerationResult], None] | None = None,
+                      adapters: Mapping[str, str | Path] | None = None,
                       **options: Any) -> list[GenerationResult]:
         """Continue many prompts together through the serving engine (continuous batching over
         a paged KV cache); results in prompt order. `options` are RequestParams and
         SamplingConfig fields for every prompt, or `params` gives one RequestParams each.
-        `on_result(index, result)` is called as each request finishes."""
+        `on_result(index, result)` is called as each request finishes. `adapters`: LoRA
+        adapter folders by name, which a request picks with `adapter=name` (None: the base)."""
         if params is None:
             shared = RequestParams.from_fields(max_new_tokens=max_new_tokens, temperature=temperature,
                                                **options)
             params = [shared] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
-        runner = Engine(self.model, self.tokenizer, engine or EngineConfig())
+        runner = Engine(self.model, self.tokenizer, engine or EngineConfig(), base=self.source or None)
+        for name, path in (adapters or {}).items():
+            runner.load_adapter(name, str(path))
         handles = [runner.submit(self.encode(p), r) for p, r in zip(prompts, params, strict=True)]
         index = {h.request_id: i for i, h in enumerate(handles)}
         while runner.has_work():

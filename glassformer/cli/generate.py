@@ -14,6 +14,7 @@ from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
 from ..language_model import LanguageModel, load
 from ..serving import RequestParams
+from ..training.lora import apply_adapter, merge_lora
 from .options import (
     CONTEXT,
     ENGINE,
@@ -57,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--truncate", action="store_true", help="cut a too-long prompt from the left")
     parser.add_argument("--slide", action="store_true",
                         help="past the context window, drop the oldest tokens instead of stopping")
-    add(parser, "--rope-scaling", "--rope-factor", *CONTEXT)
+    add(parser, "--rope-scaling", "--rope-factor", "--lora", *CONTEXT)
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
     add(parser, "--json")
@@ -93,13 +94,20 @@ def run(args: argparse.Namespace) -> int:
     )
     extend = args.rope_scaling not in (None, "none")  # a new window first, then the weights converted
     quantize = or_default(args.quantize, "none")
-    language_model = load(args.model, quantize=None if extend else quantize)
+    if args.lora is not None and len(args.lora) > 1:
+        raise ValueError("--lora: generate applies one adapter (serve serves several)")
+    convert = extend or args.lora is not None  # plain weights first, converted at the end
+    language_model = load(args.model, quantize=None if convert else quantize)
     model, tokenizer = language_model.model, language_model.tokenizer
     if not model.config.causal:
         raise ValueError(f"{args.model}: an encoder (bidirectional attention) does not continue "
                          "text; try glassformer fill-mask")
+    if args.lora is not None:  # folded into the weights: the merged model, at its speed
+        apply_adapter(model, args.lora[0][1], base=args.model)
+        merge_lora(model)
     if extend:
         model = extend_context(model, args.rope_scaling, or_default(args.rope_factor, ROPE_FACTOR))
+    if convert:
         quantize_model(model, quantize_format(quantize))
     model = model.to(or_default(args.device, "cpu"))
     if args.prompts_file is not None:

@@ -13,6 +13,7 @@ import math
 import sys
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -67,6 +68,16 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     return _integer(text, 0, "an integer >= 0")
+
+
+def lora_spec(text: str) -> tuple[str, str]:
+    """`NAME=PATH` or `PATH` (named after its folder): (name, path) of a LoRA adapter."""
+    name, sep, path = text.partition("=")
+    if not sep or "/" in name:
+        name, path = Path(text).expanduser().resolve().name, text
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or PATH, got {text!r}")
+    return name, path
 
 
 def device(text: str) -> str:
@@ -198,6 +209,10 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
           help="--context sink: the first tokens kept forever (default 4; 0: window only)"),
     _flag("--window", type=positive_int, default=None,
           help="--context sink: the latest tokens kept (required with it)"),
+    _flag("--lora", type=lora_spec, action="append", default=None, metavar="[NAME=]PATH",
+          help="a LoRA adapter folder (PEFT layout, or a LoRA run): generate folds one into the "
+               "weights; serve serves each (repeat the flag) under NAME, which a request's model "
+               "field picks (default NAME: the folder's name)"),
     *_engine_flags(),
 )})
 

@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
     add(parser, "--model", required=True)
     parser.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
-    add(parser, "--quantize")
+    add(parser, "--quantize", "--lora")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("GLASSFORMER_API_KEY"),
@@ -91,11 +91,17 @@ def run(args: argparse.Namespace) -> int:
     # that serves HTTP stalls every matrix product of a step (main() configured the threads
     # with one core reserved).
     if args.ray:
+        if args.lora:
+            raise ValueError("--lora: not with --ray (each replica would need its own copy)")
         if or_default(args.device, "cpu") != "cpu":
             raise ValueError("--device: the --ray replicas run on the cpu")
         return _run_on_ray(args, config, engine)
     language_model = load(args.model, quantize=or_default(args.quantize, "none"))
     app = create_app(language_model.to(or_default(args.device, "cpu")), config, engine, args.thread_policy)
+    for name, path in args.lora or ():
+        if name == config.model_name:
+            raise ValueError(f"--lora: {name!r} is the base model's name; give NAME=PATH")
+        app.state.server.engine.load_adapter(name, path)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler it found:
     # with this one, that ends here and the command exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -46,6 +46,7 @@ class RequestParams:
     length_penalty: float = 1.0  # beam score = sum log p / length^length_penalty
     logprobs: int | None = None  # the engine: each token's log-probability and the n likeliest
     capture: tuple[str, ...] = ()  # the engine: hook sites kept for this request's rows
+    adapter: str | None = None  # the engine: the name of a loaded LoRA adapter (None: the base)
 
     def __post_init__(self) -> None:
         _integer("max_new_tokens", self.max_new_tokens, 1)
@@ -76,6 +77,8 @@ class RequestParams:
             raise ValueError(f"capture: a tuple of hook site names, got {self.capture!r}")
         if self.capture and self.beams > 1:
             raise ValueError("capture: not with beams (each beam computes other rows)")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"adapter: the name of a loaded LoRA adapter or None, got {self.adapter!r}")
 
     @classmethod
     def from_fields(cls, **fields: Any) -> RequestParams:
@@ -126,6 +129,9 @@ class GenerationConfig(RequestParams):
                 raise ValueError(f"sink: the sink cache keeps float32 keys, not kv_dtype={self.kv_dtype!r}")
         if self.logprobs is not None:
             raise ValueError("logprobs: only the serving engine reports log-probabilities")
+        if self.adapter is not None:
+            raise ValueError("adapter: only the serving engine picks adapters by name; apply one "
+                             "to the model (training.lora.apply_adapter)")
         if self.capture:
             raise ValueError("capture: the serving engine's; generate's sites are glassformer.trace's")
 

@@ -37,7 +37,7 @@ class BlockStats:
     prefix_query_tokens: int = 0
 
 
-def prefix_key(tokens: tuple[int, ...], parent: int | None) -> int:
+def prefix_key(tokens: tuple[int, ...], parent: int | tuple | None) -> int:
     """The key of a full block: its tokens and, through `parent`, every token before them."""
     return hash((parent, tokens))
 
@@ -93,7 +93,7 @@ class BlockManager:
         self.query_tokens += len(tokens)
         if not self.prefix_caching:
             return 0
-        parent = None
+        parent = seq.prefix_root  # blocks computed with another adapter never match
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             key = prefix_key(chunk, parent)
@@ -140,7 +140,7 @@ class BlockManager:
         while len(seq.block_keys) < min(seq.num_computed, len(seq.block_table) * bs) // bs:
             i = len(seq.block_keys)
             chunk = tuple(seq.tokens[i * bs : (i + 1) * bs])
-            key = prefix_key(chunk, seq.block_keys[-1] if seq.block_keys else None)
+            key = prefix_key(chunk, seq.block_keys[-1] if seq.block_keys else seq.prefix_root)
             seq.block_keys.append(key)
             block = self.blocks[seq.block_table[i]]
             if self.prefix_caching and block.key is None and key not in self.by_key:

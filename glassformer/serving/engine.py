@@ -31,6 +31,7 @@ from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
+from .adapters import Adapters
 from .beam import BeamGroup
 from .block_manager import BlockManager
 from .capture import captured, check_capture, new_rows
@@ -47,6 +48,10 @@ log = logging.getLogger("glassformer.serving.engine")
 
 class CapacityError(ValueError):
     """A request larger than the whole KV pool: it could never run, so it is refused at once."""
+
+
+class AdapterInUse(ValueError):
+    """An adapter that running requests still use cannot be unloaded."""
 
 
 @dataclass(frozen=True)
@@ -79,9 +84,11 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Decoder | None = None,
-                 config: EngineConfig = EngineConfig(), threads: ThreadPolicy | None = None) -> None:
+                 config: EngineConfig = EngineConfig(), threads: ThreadPolicy | None = None,
+                 base: str | None = None) -> None:
         """`threads`: the process's thread policy, revisited before each step of the
-        background thread (None: torch's thread count is left as it is)."""
+        background thread (None: torch's thread count is left as it is); `base`: the model's
+        source, which a LoRA adapter's base name must match where both are known here."""
         reason = CAPABILITIES.why_not(model.config)
         if reason is not None:
             raise ValueError(reason)
@@ -99,8 +106,9 @@ class Engine:
         device = model.embed.tokens.weight.device
         self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device)
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.token_budget, config.sink)
+        self.adapters = Adapters(mc, base, model.embed.tokens.weight.dtype, device)
         self.runner = ModelRunner(model, self.pool, config.attention, config.batch_invariant,
-                                  config.sink)
+                                  config.sink, self.adapters)
         # how many tokens a request may reach: the window, or any number under the sink policy
         self.window = mc.context_length if config.sink is None else math.inf
         self.stats = EngineStats()
@@ -156,10 +164,33 @@ class Engine:
                 raise RuntimeError("engine: closed; submit to a new Engine")
             if seq.id in self._handles:
                 raise ValueError(f"request_id: {seq.id!r} is already in use")
+            if params.adapter is not None:
+                if params.adapter not in self.adapters:
+                    raise ValueError(f"adapter: no LoRA adapter named {params.adapter!r} is loaded "
+                                     f"(loaded: {', '.join(self.adapters.names()) or 'none'})")
+                seq.prefix_root = self.adapters[params.adapter].key
             self._handles[seq.id] = (unit, handle)
             self._inbox.append(seq)
             self._wake.notify_all()
         return handle
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter in folder `path` as `name`, from any thread; ValueError
+        (naming lora_name or lora_path) for one this model cannot take."""
+        adapter = self.adapters.read(name, path)  # the files are read outside the lock
+        with self._wake:
+            self.adapters.add(adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`, from any thread: KeyError when none is loaded by that
+        name, AdapterInUse while requests that name it are unfinished."""
+        with self._wake:
+            users = [unit for unit, _ in self._handles.values()
+                     if (unit.root if isinstance(unit, BeamGroup) else unit).params.adapter == name]
+            if users and name in self.adapters:
+                raise AdapterInUse(f"lora_name: {name!r} is in use by {len(users)} unfinished "
+                                   "request(s); unload it once they end")
+            self.adapters.remove(name)
 
     def cancel(self, request_id: str) -> None:
         with self._wake:

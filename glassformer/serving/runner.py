@@ -18,9 +18,15 @@ decoding rows through its fused C++ step (accel/fast_decode.py `FastDecoder.rows
 step, whatever else the step holds: one call runs every layer for every such row, attending
 over each row's own block table in the pool. Each row's numbers are those of `generate`'s
 fused step for that sequence alone, so they too are independent of what shares the step.
+
+A request may name a LoRA adapter (RequestParams.adapter): its rows take the module path, where
+the view's products add that adapter's update to those rows alone (adapters.py); every other
+row is computed as in an engine without adapters, on the fused step or not.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -29,6 +35,7 @@ from ..accel.fast_decode import FastDecoder
 from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
+from .adapters import Adapters, itself
 from .capture import capture_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView, Part, slots_of
@@ -68,13 +75,21 @@ CAPABILITIES = CapabilityTable("serving engine", {
 
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, attention: str = "fast",
-                 invariant: bool = True, sink: SinkPolicy | None = None) -> None:
+                 invariant: bool = True, sink: SinkPolicy | None = None,
+                 adapters: Adapters | None = None) -> None:
         """`model` is one the engine accepts (CAPABILITIES, checked by Engine; `sink` checked
-        by it too)."""
+        by it too); `adapters`: the LoRA adapters requests may name (adapters.py), applied to
+        their rows."""
         config = model.config
         self.model, self.pool, self.fast, self.sink = model, pool, attention == "fast", sink
         # the model's own modules; with invariance, a view whose products run in row tiles
         self.layers = model.with_products(row_invariant) if invariant else model
+        self.adapters = adapters
+        if adapters is not None:
+            wrap = row_invariant if invariant else itself
+            if not invariant:  # a view to wrap, so the model itself stays as it is
+                self.layers = model.with_products(wrap)
+            adapters.install(self.layers, wrap)
         self.device = model.embed.tokens.weight.device
         self.rope = None
         if config.position == "rope":  # computed once: (context, d_head) each
@@ -90,7 +105,8 @@ class ModelRunner:
         self.pool.reserve(1 + max((b for seq, _ in plan.scheduled for b in seq.block_table), default=-1))
         self.pool.copy_blocks(plan.copies)
         fused = self._fused()
-        fast = [fused is not None and n == 1 and not seq.params.capture for seq, n in plan.scheduled]
+        fast = [fused is not None and n == 1 and not seq.params.capture and seq.params.adapter is None
+                for seq, n in plan.scheduled]
         decoding = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
         others = [part for part, ok in zip(plan.scheduled, fast, strict=True) if not ok]
         hidden = {}  # id(request) -> its last row's final hidden state (d,)
@@ -119,12 +135,15 @@ class ModelRunner:
         """The scheduled tokens through the model's blocks; the last row of each request
         that reaches its end: id(request) -> (d,)."""
         ids, positions, parts, ends, capturing = [], [], [], {}, []
+        adapted: dict[str, list[int]] = {}  # adapter name -> its rows
         for seq, n in scheduled:
             context = seq.num_computed + n
             slots = self._slots(seq, context)  # (L,) what its queries see, new ones last
             parts.append(Part(len(ids), n, slots))
             if seq.params.capture:
                 capturing.append((seq, len(ids), n, seq.num_computed))
+            if seq.params.adapter is not None:
+                adapted.setdefault(seq.params.adapter, []).extend(range(len(ids), len(ids) + n))
             ids += seq.tokens[seq.num_computed : context]
             positions += range(len(slots) - n, len(slots))  # text positions, or the cache's
             if context == seq.num_tokens:
@@ -136,7 +155,7 @@ class ModelRunner:
         rope = None
         if self.rope is not None:  # (1, 1, N, d_head) each
             rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
-        with self.layers.hooks.installed(capture_hooks(capturing)):
+        with self.layers.hooks.installed(capture_hooks(capturing)), self._adapted(adapted):
             x = self.layers.embed(ids_t, pos_t)  # (1, N, d)
             for block in self.layers.blocks:
                 x = block(x, None, rope, view)
@@ -151,6 +170,12 @@ class ModelRunner:
         table = torch.tensor(seq.block_table, dtype=torch.long)
         kept = torch.tensor(self.sink.kept_slots(context), dtype=torch.long)  # (L,)
         return table[kept // bs] * bs + kept % bs
+
+    def _adapted(self, rows: dict[str, list[int]]):
+        """The step's adapter rows set on the wrapped products while its blocks run."""
+        if not rows:
+            return contextlib.nullcontext()
+        return self.adapters.rows(rows, self.device)
 
     def _run_fused(self, scheduled: Scheduled, fused: FastDecoder) -> dict[int, torch.Tensor]:
         """One new token of each request through the fused step over the pool."""

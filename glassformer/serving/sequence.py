@@ -37,6 +37,7 @@ class Sequence:
         self.num_computed = 0  # tokens whose keys and values are in the cache
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix keys of the full blocks, in order
+        self.prefix_root = None  # the first block's parent key: its adapter's (Engine.submit)
         self.generator = torch.Generator()
         self.generator.manual_seed(params.seed) if params.seed is not None else self.generator.seed()
         self.counts = None

@@ -176,9 +176,9 @@ def save_adapter(folder: Path, model: nn.Module, config: LoRAConfig, base: str) 
                   config.targets, base)
 
 
-def apply_adapter(model: nn.Module, folder: str | Path, base: str | None = None) -> LoRAConfig:
-    """Wrap `model` with the PEFT adapter in `folder` (a run folder: its latest checkpoint).
-    `base`, when given, must be the base the adapter names."""
+def read_lora(folder: str | Path, base: str | None = None) -> tuple[LoRAConfig, AdapterTensors, Path]:
+    """The PEFT adapter in `folder` (a run folder: its latest checkpoint): its settings, its
+    (A, B) pairs and the folder read. `base`, when given, must be the base the adapter names."""
     folder = Path(folder)
     if not (folder / ADAPTER_CONFIG).is_file() and (folder / "latest" / ADAPTER_CONFIG).is_file():
         folder = (folder / "latest").resolve()
@@ -187,6 +187,12 @@ def apply_adapter(model: nn.Module, folder: str | Path, base: str | None = None)
     if base is not None and named and known_here(named) and not same_model(named, base):
         raise ValueError(f"{folder}: the adapter was trained on {settings['base']}, not {base}")
     config = LoRAConfig(settings["rank"], settings["alpha"], settings["dropout"], settings["targets"])
+    return config, tensors, folder
+
+
+def apply_adapter(model: nn.Module, folder: str | Path, base: str | None = None) -> LoRAConfig:
+    """Wrap `model` with the PEFT adapter in `folder` (read_lora)."""
+    config, tensors, folder = read_lora(folder, base)
     add_lora(model, config)
     load_adapter_tensors(model, tensors, str(folder))
     return config

@@ -48,4 +48,4 @@ def test_sinks_keep_smollm2_loss_flat_over_16_windows(smollm2_path):
     print(result)
     # the goal: sink + window within 5% of its loss at W (against recompute on the same tokens)
     assert abs(result["flat_sink"] - 1) <= 0.05, result
-    assert result["flat_window"] > result["flat_sink"]  # window-only degrades
+    assert result["over_recompute_window"] > 1.05 > result["over_recompute_sink"]  # window-only degrades

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ...accel.threads import ThreadPolicy
 from ...language_model import LanguageModel
 from .. import EngineConfig
-from . import errors, ui, ui_live
+from . import errors, lora, ui, ui_live
 from .errors import APIError
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -70,6 +70,7 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
 
     ui.install(app, server.engine, authorize)
     ui_live.install(app, server.live, authorize)
+    lora.install(app, server, authorize)
     app.add_middleware(_CountResponses, metrics=server.metrics)
     app.add_middleware(_AllowedOrigins, config=config)
 
@@ -91,7 +92,7 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
     async def models(request: Request) -> dict:
         authorize(request)
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "glassformer"}]}
+                                            "owned_by": "glassformer"}, *lora.adapter_models(server)]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -107,7 +108,7 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
 
 
 ROUTES = ("/health", "/metrics", "/ui", "/ui/state", "/ui/requests", "/v1/models", "/v1/completions",
-          "/v1/chat/completions")
+          "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def host_name(value: str) -> str:

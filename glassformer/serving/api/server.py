@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from ...accel.threads import ThreadPolicy
 from ...language_model import LanguageModel
 from .. import Engine, EngineConfig, Event, RequestHandle
+from ..capture import token_axis
 from ..engine import CapacityError
 from . import errors, responses
 from .errors import APIError
@@ -78,7 +79,8 @@ class Server:
     def __init__(self, language_model: LanguageModel, engine: EngineConfig, config: ServerConfig,
                  threads: ThreadPolicy | None = None) -> None:
         self.language_model, self.config = language_model, config
-        self.engine = Engine(language_model.model, language_model.tokenizer, engine, threads)
+        self.engine = Engine(language_model.model, language_model.tokenizer, engine, threads,
+                             language_model.source or None)
         self.metrics = ServerMetrics(self.engine)
         self.tracer = Tracer(language_model.model)
         self.live = Live(language_model)  # the requests opened with the ui flag (ui_live.py)
@@ -119,8 +121,10 @@ class Server:
             parsed = schema.model_validate_json(body)
         except ValidationError as error:
             raise errors.from_validation(error) from None
-        if parsed.model != self.config.model_name:
-            raise APIError(404, f"model: {parsed.model!r} is not served here; use {self.config.model_name!r}",
+        model = getattr(parsed, "model", self.config.model_name)  # (the adapter routes name none)
+        if model != self.config.model_name and model not in self.engine.adapters:
+            names = ", ".join(repr(n) for n in [self.config.model_name, *self.engine.adapters.names()])
+            raise APIError(404, f"model: {model!r} is not served here; use one of {names}",
                            "model", "model_not_found")
         return parsed
 
@@ -145,6 +149,8 @@ class Server:
             if fields.glassformer.ui:
                 watched = live_sites(self.language_model.config)
                 params = replace(params, capture=tuple(dict.fromkeys(params.capture + watched)))
+            if fields.model != self.config.model_name:  # one of the LoRA adapters (parse)
+                params = replace(params, adapter=fields.model)
             handle = self.engine.submit(ids, params)
         except CapacityError as error:
             message = str(error).replace("the engine holds", "the server holds")
@@ -234,6 +240,9 @@ class Server:
             except ValueError as error:
                 raise APIError(400, f"glassformer.trace: {error}", "glassformer.trace",
                                "invalid_value") from None
+            if body.model != self.config.model_name and any(token_axis(site) is None for site in sites):
+                raise APIError(400, "glassformer.trace: with a LoRA adapter, only sites with a token "
+                               "axis (kept inside the engine's steps)", "glassformer.trace", "invalid_value")
         handle, admission = self.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
         head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
         watch = None

@@ -1,0 +1,182 @@
+"""LoRA adapters served beside the base model, chosen per request (RequestParams.adapter).
+
+The engine's step runs every request's rows through one view of the model (runner.py). Each
+product a LoRA can target (a block's attn.qkv, attn.out, mlp.up, mlp.down) is wrapped in
+AdapterRows there: the base product runs over all rows exactly as before, then for each
+adapter used in the step, only its rows get their update
+
+    y[rows_i, s_t:e_t] += (α_i / r_i) · (x[rows_i] A_tᵀ) B_tᵀ      for each target t of adapter i
+
+(training/lora.py's LoRALinear, its dropout off). Rows without an adapter are never written,
+so they are bitwise those of an engine without adapters. The low-rank products go through the
+view's own wrap (row tiles), so an adapter row does not depend on what shares its step either.
+Rows with an adapter never take the fused C++ decode step (it knows only the base weights).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer
+from ..training.lora import AdapterTensors, LoRAConfig, check_targets, read_lora, target_slices
+
+PRODUCTS = ("attn.qkv", "attn.out", "mlp.up", "mlp.down")  # the paths LoRA targets, in a block
+
+
+def input_sizes(config: ModelConfig) -> dict[str, int]:
+    """Each targeted product's input width (the A matrices' columns)."""
+    return {"attn.qkv": config.d_model, "attn.out": config.n_heads * config.head_dim,
+            "mlp.up": config.d_model, "mlp.down": config.ff_dim}
+
+
+@dataclass(frozen=True)
+class Update:
+    """One product's low-rank update: `down` (d_in -> n·r, every target's A stacked), then
+    per target its output rows and `up` (r -> e - s, its B)."""
+
+    down: nn.Module
+    ups: tuple[tuple[int, int, nn.Module], ...]  # (start, stop, up)
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    name: str
+    path: str
+    config: LoRAConfig
+    key: tuple  # the prefix cache's root for its requests: unique per load (block_manager.py)
+    updates: dict[tuple[int, str], Update]  # (layer, product path) -> its update
+
+
+def check_tensors(model: ModelConfig, config: LoRAConfig, tensors: AdapterTensors, where: str) -> None:
+    """Every (layer, target) of the model's blocks present, with the shapes this model needs."""
+    slices, sizes = target_slices(model), input_sizes(model)
+    want = {(i, t) for i in range(model.n_layers) for t in config.targets}
+    if set(tensors) != want:
+        odd = sorted(set(tensors) ^ want)[0]
+        raise ValueError(f"{where}: the adapter's layers do not match the model's (layer {odd[0]}, "
+                         f"target {odd[1]}): an adapter for another base")
+    for (i, t), (a, b) in tensors.items():
+        path, (start, stop) = slices[t]
+        needed = {"A": (a, (config.rank, sizes[path])), "B": (b, (stop - start, config.rank))}
+        for name, (saved, shape) in needed.items():
+            if tuple(saved.shape) != shape:
+                raise ValueError(f"{where}: layer {i} {t} lora_{name} has shape {tuple(saved.shape)}, "
+                                 f"this model and r={config.rank} need {shape}: an adapter for another "
+                                 "base, or another rank")
+
+
+def itself(product: nn.Module) -> nn.Module:
+    """The product as it is (the view of an engine without row tiles)."""
+    return product
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return layer
+
+
+class Adapters:
+    """The adapters an engine serves, by name, and which rows of the running step use which."""
+
+    def __init__(self, config: ModelConfig, base: str | None, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """`base`: the served model's source, checked against an adapter's base name."""
+        self.config, self.base, self.dtype, self.device = config, base, dtype, device
+        self.wrap: Callable[[nn.Module], nn.Module] = itself  # the view's own (install)
+        self._by_name: dict[str, ServedAdapter] = {}
+        self._loads = itertools.count()
+        self.step: list[tuple[ServedAdapter, torch.Tensor]] = []  # (adapter, its rows (m,)) now
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> ServedAdapter:
+        return self._by_name[name]
+
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def read(self, name: str, path: str | Path) -> ServedAdapter:
+        """An adapter folder read and checked against the served model (nothing is registered)."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"lora_name: a non-empty name, got {name!r}")
+        try:
+            config, tensors, folder = read_lora(path, self.base)
+        except FileNotFoundError as error:
+            raise ValueError(f"lora_path: {error}") from None
+        check_targets(self.config, config)
+        check_tensors(self.config, config, tensors, str(folder))
+        slices = target_slices(self.config)
+        updates = {}
+        for i in range(self.config.n_layers):
+            for path in PRODUCTS:
+                targets = [t for t in config.targets if slices[t][0] == path]
+                if not targets:
+                    continue
+                a = torch.cat([tensors[(i, t)][0] for t in targets])  # (n·r, d_in)
+                ups = []
+                for t in targets:
+                    b = tensors[(i, t)][1].to(self.device, self.dtype) * config.scale  # (e - s, r)
+                    ups.append((*slices[t][1], self.wrap(_linear(b))))
+                updates[(i, path)] = Update(self.wrap(_linear(a.to(self.device, self.dtype))), tuple(ups))
+        return ServedAdapter(name, str(folder), config, ("lora", name, next(self._loads)), updates)
+
+    def add(self, adapter: ServedAdapter) -> None:
+        if adapter.name in self._by_name:
+            raise ValueError(f"lora_name: {adapter.name!r} is loaded already; unload it first")
+        self._by_name[adapter.name] = adapter
+
+    def remove(self, name: str) -> None:
+        if name not in self._by_name:
+            raise KeyError(f"lora_name: no adapter named {name!r} is loaded")
+        del self._by_name[name]
+
+    def install(self, view: Transformer, wrap: Callable[[nn.Module], nn.Module]) -> None:
+        """Wrap each targeted product of the runner's view (a copy: the model is untouched);
+        `wrap` is what the view does to each product (row tiles), done to the updates too."""
+        self.wrap = wrap
+        for i, block in enumerate(view.blocks):
+            for path in PRODUCTS:
+                block.set_submodule(path, AdapterRows(block.get_submodule(path), (i, path), self))
+
+    @contextmanager
+    def rows(self, groups: dict[str, list[int]], device: torch.device) -> Iterator[None]:
+        """For one step: adapter name -> the rows (of the step's flat sequence) that use it."""
+        self.step = [(self._by_name[name], torch.tensor(rows, device=device))
+                     for name, rows in groups.items()]
+        try:
+            yield
+        finally:
+            self.step = []
+
+
+class AdapterRows(nn.Module):
+    """product(x), plus each adapter's update on its own rows (the module docstring)."""
+
+    def __init__(self, product: nn.Module, where: tuple[int, str], adapters: Adapters) -> None:
+        super().__init__()
+        self.product, self.where, self.adapters = product, where, adapters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x)  # (..., N)
+        if not self.adapters.step:
+            return y
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # (M, K), (M, N)
+        for adapter, rows in self.adapters.step:
+            update = adapter.updates.get(self.where)
+            if update is None:
+                continue
+            h = update.down(flat_x[rows])  # (m, n·r)
+            rank = adapter.config.rank
+            for j, (start, stop, up) in enumerate(update.ups):
+                flat_y[rows, start:stop] += up(h[:, j * rank : (j + 1) * rank])  # (m, stop - start)
+        return y

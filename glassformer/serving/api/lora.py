@@ -1,0 +1,69 @@
+"""LoRA adapters loaded and unloaded while the server runs (vLLM's routes and bodies):
+
+    POST /v1/load_lora_adapter    {"lora_name": ..., "lora_path": ...}   a PEFT adapter folder
+    POST /v1/unload_lora_adapter  {"lora_name": ...}
+
+A loaded adapter is served under its name: a request's `model` picks it, and /v1/models lists
+it. An adapter this model cannot take is refused (400) and nothing changes; unloading one that
+unfinished requests use is refused (409) until they end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import FastAPI, Request
+from pydantic import Field
+
+from ..engine import AdapterInUse
+from .errors import APIError
+from .protocol import Strict
+from .server import Server
+
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class LoadLoRARequest(Strict):
+    lora_name: Name
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRARequest(Strict):
+    lora_name: Name
+
+
+def adapter_models(server: Server) -> list[dict]:
+    """/v1/models' entries for the loaded adapters (their base as `parent`)."""
+    adapters = server.engine.adapters
+    return [{"id": name, "object": "model", "created": 0, "owned_by": "glassformer",
+             "root": adapters[name].path, "parent": server.config.model_name}
+            for name in adapters.names()]
+
+
+def install(app: FastAPI, server: Server, authorize: Callable[[Request], None]) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> dict:
+        authorize(request)
+        body = await server.parse(request, LoadLoRARequest)
+        if body.lora_name == server.config.model_name:
+            raise APIError(400, f"lora_name: {body.lora_name!r} is the base model's name", "lora_name",
+                           "invalid_value")
+        try:  # the files are read off the event loop
+            await asyncio.to_thread(server.engine.load_adapter, body.lora_name, body.lora_path)
+        except ValueError as error:
+            field = "lora_name" if str(error).startswith("lora_name") else "lora_path"
+            raise APIError(400, str(error), field, "invalid_value") from None
+        return {"object": "lora_adapter", "id": body.lora_name, "status": "loaded"}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> dict:
+        authorize(request)
+        body = await server.parse(request, UnloadLoRARequest)
+        try:
+            server.engine.unload_adapter(body.lora_name)
+        except AdapterInUse as error:
+            raise APIError(409, str(error), "lora_name", "adapter_in_use") from None
+        except KeyError as error:
+            raise APIError(404, error.args[0], "lora_name", "adapter_not_found") from None
+        return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"}
