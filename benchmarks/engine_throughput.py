@@ -2,21 +2,27 @@
 a paged KV cache) vs Glassformer one request after another vs transformers' generate_batch.
 
 Workloads:
-  a  8 x "The meaning of life is", 64 new tokens each, greedy, all at once (the anchor)
+  a  "The meaning of life is", 64 new tokens, greedy, once per client, all at once (the
+     anchor; 8 requests for the systems other than the engine)
   b  32 prompts cut from tinyshakespeare (32-512 tokens), 16-128 new tokens, Poisson arrivals
   c  16 requests sharing a 512-token system prompt, 32 new tokens; plus the time to first
      token of one request alone on a cold cache and on a warm one (the prefix cached)
   d  capacity: a pool sized for 16 sequences of 2,048 tokens in int8, 16 short requests; and
      the accuracy cost of int8 keys and values: greedy tokens shared with an fp32 KV cache
-For each: total tokens/s, time to first token (TTFT) p50/p95, time per output token (TPOT)
-p50/p95, peak RSS (which counts loading the model) and resident memory at the end. Every
+The engine runs each workload at each number of clients (--clients): a client sends its next
+request when its last one has finished (and, in b, once it has arrived), so at most that many
+are in flight. For each: total tokens/s, time to first token (TTFT) p50/p95 (from the
+moment its client sends it), time per output token (TPOT) p50/p95, the engine's tokens/s
+against one client in the same mode, peak RSS (which counts loading the model) and resident
+memory at the end. Every
 run is its own subprocess (its own peak RSS); with --repeats N every run is made N times, the
 rounds alternating between systems, and each figure is the median (min and max in the record).
 transformers runs the same GGUF weights dequantized to float32 (a and c only: it takes one
 setting for all).
 
     .venv/bin/python benchmarks/engine_throughput.py [--workloads a b c d] [--modes none int8 int4]
-        [--skip sequential transformers] [--threads N] [--repeats 1] [--json]
+        [--clients 1 4 8 16] [--new-tokens N] [--skip sequential transformers] [--threads N]
+        [--repeats 1] [--json]
 """
 
 from __future__ import annotations
@@ -46,11 +52,17 @@ def rss_mb() -> float:
         return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def workload(name: str, encode) -> list[dict]:
-    """Requests as {prompt ids, max_new_tokens, arrival seconds}."""
+def workload(name: str, encode, clients: int = 8) -> list[dict]:
+    """Requests as {prompt ids, max_new_tokens, arrival seconds}; `clients` anchor requests in
+    a (`ENGINE_BENCH_NEW_TOKENS` caps every request's new tokens: short trial runs)."""
+    cap = int(os.environ.get("ENGINE_BENCH_NEW_TOKENS", "0")) or None
+    return [r | {"n": min(r["n"], cap or r["n"])} for r in _requests(name, encode, clients)]
+
+
+def _requests(name: str, encode, clients: int) -> list[dict]:
     rng = random.Random(0)
     if name == "a":
-        return [{"ids": encode(ANCHOR), "n": 64, "at": 0.0} for _ in range(8)]
+        return [{"ids": encode(ANCHOR), "n": 64, "at": 0.0} for _ in range(clients)]
     text = Path(os.environ.get("ENGINE_BENCH_CORPUS", CORPUS)).read_text(encoding="utf-8")
     ids = encode(text[:400_000])
     if name == "b":
@@ -78,13 +90,13 @@ def summarize(records: list[dict], wall: float) -> dict:
             "requests": len(records), "wall_s": wall}
 
 
-def engine_worker(name: str, mode: str) -> dict:
+def engine_worker(name: str, mode: str, clients: int) -> dict:
     from glassformer import load
     from glassformer.serving import Engine, EngineConfig, RequestParams
 
     lm = load("smollm2-135m-instruct", quantize=mode, progress=False)
-    requests = workload(name, lm.tokenizer.encode)
-    config = EngineConfig(max_batch=16, token_budget=256)
+    requests = workload(name, lm.tokenizer.encode, clients)
+    config = EngineConfig(max_batch=max(16, clients), token_budget=256)
     if name == "d":  # 16 x 2,048 tokens of int8 keys and values, plus a block of slack
         config = EngineConfig(kv_dtype="int8", max_batch=16, n_blocks=16 * 2048 // 16 + 1)
     extra = {}
@@ -102,7 +114,7 @@ def engine_worker(name: str, mode: str) -> dict:
                 extra[f"ttft_{label}"] = time.perf_counter() - start
                 handle.wait()
             extra["warm_over_cold"] = extra["ttft_warm"] / extra["ttft_cold"]
-        records = asyncio.run(_drive(engine, requests))
+        records = asyncio.run(_drive(engine, requests, clients))
         wall = max(r["end"] for r in records) - min(r["at"] for r in records)
     finally:
         engine.close()
@@ -130,26 +142,29 @@ def _kv_agreement(lm, requests) -> float:
     return same / total
 
 
-async def _drive(engine, requests) -> list[dict]:
+async def _drive(engine, requests, clients: int) -> list[dict]:
     from glassformer.serving import RequestParams
 
     t0 = time.perf_counter()
+    free = asyncio.Semaphore(clients)  # a client per request in flight
 
     async def one(request):
         await asyncio.sleep(max(0.0, t0 + request["at"] - time.perf_counter()))
-        at = time.perf_counter()
-        handle = engine.submit(request["ids"], RequestParams(max_new_tokens=request["n"], eos_ids=()))
-        first, ids = None, []
-        async for event in handle:
-            if event.token_id is not None:
-                first = first or time.perf_counter()
-                ids.append(event.token_id)
+        async with free:
+            at = time.perf_counter()
+            params = RequestParams(max_new_tokens=request["n"], eos_ids=())
+            handle = engine.submit(request["ids"], params)
+            first, ids = None, []
+            async for event in handle:
+                if event.token_id is not None:
+                    first = first or time.perf_counter()
+                    ids.append(event.token_id)
         return {"at": at, "first": first, "end": time.perf_counter(), "tokens": len(ids), "ids": ids}
 
     return await asyncio.gather(*(one(r) for r in requests))
 
 
-def sequential_worker(name: str, mode: str) -> dict:
+def sequential_worker(name: str, mode: str, clients: int) -> dict:
     from glassformer import load
     from glassformer.generation.generate import GenerationConfig, stream
 
@@ -169,7 +184,7 @@ def sequential_worker(name: str, mode: str) -> dict:
     return summarize(records, wall) | {"peak_mb": peak_mb(), "tokens": [r["ids"] for r in records]}
 
 
-def transformers_worker(name: str, mode: str) -> dict:
+def transformers_worker(name: str, mode: str, clients: int) -> dict:
     import torch
     import transformers
 
@@ -201,35 +216,43 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["a", "b", "c", "d"], choices="abcd")
     parser.add_argument("--modes", nargs="+", default=["none", "int8", "int4"],
                         choices=["none", "bf16", "int8", "int4", "gguf"])
+    parser.add_argument("--clients", nargs="+", type=int, default=[1, 4, 8, 16],
+                        help="the engine's numbers of clients (requests in flight at most)")
+    parser.add_argument("--new-tokens", type=int, default=0,
+                        help="cap every request's new tokens (0: the workloads' own; short trials)")
     parser.add_argument("--skip", nargs="+", default=[], choices=["sequential", "transformers"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--corpus", default=str(CORPUS), help="tinyshakespeare.txt (workloads b, c, d)")
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     harness.add_arguments(parser, repeats=1)
     args = parser.parse_args()
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+    if min(args.clients) < 1 or args.new_tokens < 0:
+        sys.exit("--clients must be at least 1 and --new-tokens at least 0")
     os.environ["ENGINE_BENCH_CORPUS"] = args.corpus  # read by the workers it starts
+    os.environ["ENGINE_BENCH_NEW_TOKENS"] = str(args.new_tokens)
     if args.worker:
-        system, name, mode = args.worker
-        print(json.dumps(SYSTEMS[system](name, mode)))
+        system, name, mode, clients = args.worker
+        print(json.dumps(SYSTEMS[system](name, mode, int(clients))))
         return
     record = harness.start("engine_throughput", args, json_mode=args.json)
     runs = []
     for name in args.workloads:
         for mode in args.modes:
-            runs.append(("engine", name, mode))
+            runs += [("engine", name, mode, clients) for clients in args.clients]
             if name in "ab" and "sequential" not in args.skip:
-                runs.append(("sequential", name, mode))
+                runs.append(("sequential", name, mode, 8))
         if name in "ac" and "transformers" not in args.skip:
-            runs.append(("transformers", name, "fp32"))
+            runs.append(("transformers", name, "fp32", 8))
     rounds: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
-        for system, name, mode in runs:
-            command = [sys.executable, __file__, "--worker", system, name, mode, "--corpus", args.corpus]
+        for system, name, mode, clients in runs:
+            command = [sys.executable, __file__, "--worker", system, name, mode, str(clients),
+                       "--corpus", args.corpus, "--new-tokens", str(args.new_tokens)]
             if args.threads:
                 command += ["--threads", str(args.threads)]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -237,22 +260,30 @@ def main() -> None:
                 sys.exit(f"{system} {name} {mode} failed:\n{done.stderr[-2000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
             result.pop("tokens")
-            rounds.setdefault(f"{name} {system} {mode}", []).append(result)
+            key = f"{name} {system} {mode}" + (f" x{clients}" if system == "engine" else "")
+            rounds.setdefault(key, []).append(result)
             if not args.json:
                 shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
-                print(f"{name} {system:<12} {mode:<5} {json.dumps(shown)}", flush=True)
+                print(f"{key:<22} {json.dumps(shown)}", flush=True)
     results = {}
     for key, values in rounds.items():  # each figure the median of its rounds
         results[key] = {k: statistics.median(r[k] for r in values) if isinstance(v, (int, float)) else v
                         for k, v in values[0].items()}
-        for k, unit in (("tokens_per_s", "tokens/s"), ("ttft_p95", "s"), ("peak_mb", "MB")):
+        for k, unit in (("tokens_per_s", "tokens/s"), ("ttft_p50", "s"), ("ttft_p95", "s"),
+                        ("tpot_p50", "s"), ("tpot_p95", "s"), ("peak_mb", "MB")):
             if k in values[0]:
                 record.figure(f"{key}, {k}", harness.Timing(tuple(r[k] for r in values)), unit)
     for key, result in results.items():
-        name, system, _ = key.split()
+        name, system, mode = key.split()[:3]
         theirs = results.get(f"{name} transformers fp32")
         if system == "engine" and theirs:
             record.ratio(f"{key} / transformers tokens/s", result["tokens_per_s"] / theirs["tokens_per_s"])
+        one_stream = results.get(f"{name} engine {mode} x1")
+        if system == "engine" and one_stream and key != f"{name} engine {mode} x1":
+            ratio = result["tokens_per_s"] / one_stream["tokens_per_s"]
+            record.ratio(f"{key} / one stream tokens/s", ratio)
+            if not args.json:
+                print(f"{key:<22} {ratio:.2f}x one stream's tokens/s")
     record.write()
     if args.json:
         print(json.dumps(results))

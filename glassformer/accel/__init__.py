@@ -30,8 +30,9 @@ Use in a model::
   `x @ layer.dequantized_weight().T` by that rounding (bounded in tests/accel/test_kernels.py)
   and each row's result is the same whatever shares the call. fp32/bf16 layers send up to
   `kernels.ROW_TILE` (8) rows to the C++ kernels in one call (about 2 µs of Python) and more
-  rows (prefill) to `torch.matmul` on the float32 weight. The fp32 kernel sums in a
-  different order than `F.linear`: equal up to float rounding, not bit for bit.
+  rows (prefill) to `torch.matmul` on the float32 weight, or, made with `row_invariant()`,
+  every row to the kernels (the serving engine). The fp32 kernel sums in a different order
+  than `F.linear`: equal up to float rounding, not bit for bit.
 - Inputs that require a gradient take the dense PyTorch product (rounding has no gradient);
   the weights never get one. Move a layer with `.to(device)`, never `.to(dtype)`: its
   buffers' dtypes are the format.

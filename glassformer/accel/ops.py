@@ -9,11 +9,13 @@ the layer's own function whatever M is:
   unquantized activations.
 - fp32 / bf16: the float32 product with the stored weight (bf16 widened, activations never
   rounded). Up to `ROW_TILE` rows go to the C++ kernels (decode), more to `torch.matmul`
-  (prefill), which sums in another order.
+  (prefill), which sums in another order, unless `any_rows` asks for the C++ kernels at any
+  number of rows (the serving engine's batch invariance).
 Row invariance: the C++ kernels compute each row on its own, with the same arithmetic
-whatever the number of rows and whatever the other rows hold. So an int8 / int4 row's
-result never depends on what shares its call; a float row's does not up to `ROW_TILE` rows
-(the serving engine calls float layers in tiles of that many: serving/row_tiles.py).
+whatever the number of rows and whatever the other rows hold (csrc/quantized.cpp: register
+tiles of rows, each row's sums in one fixed order). So an int8 / int4 row's result never
+depends on what shares its call; a float row's does not up to `ROW_TILE` rows, or at any
+number with `any_rows`.
 `backend` is "auto" (C++ when built, else PyTorch), "cpp" or "torch".
 """
 
@@ -64,16 +66,16 @@ def dequantize(qweight, scales, mins, in_features, backend="auto"):
     return quant.dequantize_int4(qweight, scales, mins, in_features)
 
 
-def linear_fp32(x, weight, bias=None, backend="auto"):
+def linear_fp32(x, weight, bias=None, backend="auto", any_rows=False):
     """weight (N, K) float32."""
-    if _kernels(x, backend):
+    if _kernels(x, backend, any_rows):
         return kernels.linear_f32(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def linear_bf16(x, weight, bias=None, backend="auto"):
+def linear_bf16(x, weight, bias=None, backend="auto", any_rows=False):
     """weight (N, K) bfloat16, products in float32 (activations are never rounded)."""
-    if _kernels(x, backend):
+    if _kernels(x, backend, any_rows):
         return kernels.linear_bf16(x, weight, bias)
     return F.linear(x, weight.float(), bias)
 

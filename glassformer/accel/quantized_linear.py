@@ -20,7 +20,9 @@ class QuantizedLinear(nn.Module):
     `weight` (N, K) bfloat16; int8 `qweight` (N, nb·32) int8 + `scales` (N, nb) fp16;
     int4 `qweight` (N, nb·16) uint8 + `scales`, `mins` (N, nb) fp16; and `bias` (N,) float32
     or None. No gradients flow to the weight. An int8 / int4 layer gives each row the same
-    bits whatever shares its call; a float layer does up to ROW_TILE rows (ops.py).
+    bits whatever shares its call; a float layer does up to ROW_TILE rows (ops.py), or at any
+    number of rows with `invariant` (the C++ kernels then take prefills too, which
+    torch.matmul computes faster but in an order that depends on the number of rows).
     """
 
     def __init__(
@@ -31,6 +33,7 @@ class QuantizedLinear(nn.Module):
         tensors: dict[str, torch.Tensor],
         bias: torch.Tensor | None = None,
         backend: str = "auto",
+        invariant: bool = False,
     ) -> None:
         super().__init__()
         mode = WeightFormat.parse(mode)
@@ -39,6 +42,7 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features, self.mode, self.backend = (
             in_features, out_features, mode, backend
         )
+        self.invariant = invariant
         expected = _shapes(mode, out_features, in_features)
         if set(tensors) != set(expected):
             raise ValueError(f"mode {mode} needs tensors {sorted(expected)}, got {sorted(tensors)}")
@@ -96,6 +100,15 @@ class QuantizedLinear(nn.Module):
         mode, tensors = from_gguf_blocks(data, qtype, shape)
         return cls(shape[1], shape[0], mode, tensors, bias, backend)
 
+    def row_invariant(self) -> QuantizedLinear:
+        """This layer computing each row alike at any number of rows: itself where it already
+        does (int8, int4), else a float layer sharing its tensors with `invariant` set."""
+        if self.invariant or self.mode in (WeightFormat.INT8, WeightFormat.INT4):
+            return self
+        tensors = {name: buffer for name, buffer in self.named_buffers() if name != "bias"}
+        return QuantizedLinear(self.in_features, self.out_features, self.mode, tensors, self.bias,
+                               self.backend, invariant=True)
+
     def dequantized_weight(self) -> torch.Tensor:
         """The (out_features, in_features) float32 weight this layer multiplies by."""
         if self.mode in (WeightFormat.FP32, WeightFormat.BF16):
@@ -135,9 +148,9 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
         mode, backend = self.mode, self.backend
         if mode == WeightFormat.FP32:
-            y = ops.linear_fp32(x2, self.weight, self.bias, backend)
+            y = ops.linear_fp32(x2, self.weight, self.bias, backend, self.invariant)
         elif mode == WeightFormat.BF16:
-            y = ops.linear_bf16(x2, self.weight, self.bias, backend)
+            y = ops.linear_bf16(x2, self.weight, self.bias, backend, self.invariant)
         elif mode == WeightFormat.INT8:
             y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend)
         else:

@@ -1,12 +1,13 @@
 """Products whose rows never depend on how many rows share the call (the serving engine's
 batch invariance, runner.py).
 
-An int8 / int4 layer (accel/quantized_linear.py) already computes each row on its own
-whatever the number of rows, so it is used as it is. The float layers' C++ kernels do so
-for up to ROW_TILE rows and hand more to one large product, whose summation order may
-change with the number of rows; products without such kernels (plain nn.Linear) may change
-it with any number of rows, so their tiles are padded to exactly ROW_TILE rows: one fixed
-shape, one code path.
+A QuantizedLinear's C++ kernels compute each row on its own whatever the number of rows
+(register tiles of rows, each row's sums in one fixed order: accel/csrc/quantized.cpp), so
+every weight is read once per pass over a step's rows, a prefill's included: int8 / int4
+layers do so as they are, float layers once told to (`QuantizedLinear.row_invariant`), the
+LM head among them. Products without such kernels (plain nn.Linear, or any layer where the
+kernels are not built) may change their summation order with the number of rows, so they run
+in tiles padded to exactly ROW_TILE rows: one fixed shape, one code path.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..accel import kernels
 from ..accel.kernels import ROW_TILE
 from ..accel.quantized_linear import QuantizedLinear
 from ..accel.weight_formats import WeightFormat
 
 
 def row_invariant(product: nn.Module) -> nn.Module:
-    """`product` itself where its rows are already independent of the call's size, else
-    the product in row tiles."""
-    if isinstance(product, QuantizedLinear) and product.mode in (WeightFormat.INT8, WeightFormat.INT4):
-        return product
+    """`product` computing each row independently of the call's size: through the kernels
+    where it has them, else in row tiles."""
+    if isinstance(product, QuantizedLinear):
+        if product.mode in (WeightFormat.INT8, WeightFormat.INT4):
+            return product
+        if product.backend != "torch" and kernels.available():
+            return product.row_invariant()
     return RowTiles(product)
 
 

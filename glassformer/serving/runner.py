@@ -4,11 +4,11 @@ The N new tokens of a step (decode rows and prefill chunks alike) form one seque
 rows, which the model's embedding, blocks, final norm and head process as they process any
 sequence; attention alone looks across rows, per request, over its block table, through the
 paged view of the pool that the runner hands each block as its cache (paged_attention.py).
-Each weight is read once per row tile for all requests together.
+Each weight is read once per panel of rows for all requests together.
 
-Batch invariance: every product computes each row on its own (row_tiles.py): the int8 and
-int4 kernels at any number of rows, the float layers in tiles of ROW_TILE rows (padded to
-exactly that many for plain nn.Linear: one fixed shape, one code path); the norms and
+Batch invariance: every product computes each row on its own (row_tiles.py): the weight
+kernels at any number of rows, in every format, the head included (plain nn.Linear in tiles
+padded to exactly ROW_TILE rows: one fixed shape, one code path); the norms and
 activations treat every row alike. So a token's numbers do not depend on which tokens share
 its step. The price is prefill speed for float weights; `invariant=False` sends all rows to
 each product at once instead.

@@ -18,8 +18,9 @@ from glassformer.accel import weight_formats as quant
 
 U = 2.0**-24
 # (M, N, K): one row and several; N and K not multiples of 4, 8 or 32 included
+# and many rows: whole register tiles and a rest, past one panel of rows per weight pass
 SHAPES = [(1, 1, 1), (1, 13, 37), (2, 7, 100), (3, 64, 576), (8, 9, 33), (1, 960, 576),
-          (5, 130, 1536), (1, 4, 31), (2, 11, 272), (1, 6, 150)]
+          (5, 130, 1536), (1, 4, 31), (2, 11, 272), (1, 6, 150), (17, 19, 96), (70, 21, 300)]
 MODES = ["fp32", "bf16", "int8", "int4"]
 
 

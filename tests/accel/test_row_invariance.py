@@ -1,17 +1,20 @@
 """Each row of a weight product is the same bits whatever shares its call.
 
 The oracle is the row computed alone (one row, M = 1). Row i of a batch must equal the lone
-row exactly, wherever it sits and whatever the other rows hold: for int8 / int4 layers (GGUF
-blocks included) at any number of rows, for float layers up to ROW_TILE rows (beyond, the
-serving engine calls them in tiles: tests/serving/test_row_tiles.py).
+row exactly, wherever it sits and whatever the other rows hold, at any number of rows: for
+int8 / int4 layers (GGUF blocks included) as they are, for float layers told to
+(`QuantizedLinear.row_invariant`, what the serving engine uses; without it they are so up to
+ROW_TILE rows). The kernels take rows in register tiles and panels (csrc/quantized.cpp), so
+the row counts cover one tile, tiles with a rest, and more than one panel.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from glassformer.accel import kernels
+from glassformer.accel import kernels, ops
 from glassformer.accel.kernels import ROW_TILE
 from glassformer.accel.quantized_linear import QuantizedLinear
 
@@ -20,11 +23,12 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels
 FORMATS = ("fp32", "bf16", "int8", "int4", "Q8_0", "Q4_0", "Q4_1")
 # K: under one SIMD width, tails of 1..7 floats, part blocks of 32, odd and >8 block counts
 SIZES = [(5, 7), (12, 9), (37, 20), (96, 33), (300, 17), (520, 64)]
+ROWS = (1, 2, 3, 5, 8, 17, 64, 70)  # 70: past a panel of 64 rows
 
 
 def _layer(fmt: str, weight: torch.Tensor, bias: torch.Tensor) -> QuantizedLinear:
     if not fmt.startswith("Q"):
-        return QuantizedLinear.from_weight(weight, fmt, bias)
+        return QuantizedLinear.from_weight(weight, fmt, bias).row_invariant()
     gguf = pytest.importorskip("gguf")
     kind = gguf.GGMLQuantizationType[fmt]
     raw = gguf.quants.quantize(weight.numpy(), kind)  # (N, bytes per row) uint8
@@ -38,11 +42,10 @@ def test_each_row_is_the_lone_row_bit_for_bit(fmt, k, n):
         pytest.skip("GGUF rows hold whole blocks of 32")
     gen = torch.Generator().manual_seed(k * 1000 + n)
     layer = _layer(fmt, torch.randn(n, k, generator=gen), torch.randn(n, generator=gen))
-    m_max = ROW_TILE if fmt in ("fp32", "bf16") else ROW_TILE + 13
-    x = torch.randn(m_max, k, generator=gen) * 2  # (M_max, K)
+    x = torch.randn(max(ROWS), k, generator=gen) * 2  # (M_max, K)
     with torch.no_grad():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])  # (M_max, N)
-        for m in range(2, x.shape[0] + 1):
+        for m in ROWS[1:]:
             rows = x[:m]
             torch.testing.assert_close(layer(rows), alone[:m], rtol=0, atol=0,
                                        msg=f"{fmt}: rows of a batch of {m}")
@@ -54,6 +57,43 @@ def test_each_row_is_the_lone_row_bit_for_bit(fmt, k, n):
                                    msg=f"{fmt}: a row among large ones")
         torch.testing.assert_close(layer(x[None])[0], alone, rtol=0, atol=0,
                                    msg=f"{fmt}: a (1, M, K) input")
+
+
+@pytest.mark.parametrize("fmt", ("fp32", "bf16", "int8", "int4"))
+def test_many_rows_compute_the_dequantized_product(fmt):
+    """The invariant layer's M rows against F.linear on its float32 weight: float layers
+    within float32 rounding of K terms, int layers within the rounding of the activations to
+    int8 (half a step, amax / 254, per element) plus float rounding."""
+    gen = torch.Generator().manual_seed(11)
+    k, n = 300, 40
+    layer = QuantizedLinear.from_weight(torch.randn(n, k, generator=gen) / k**0.5, fmt,
+                                        torch.randn(n, generator=gen)).row_invariant()
+    w = layer.dequantized_weight()  # (N, K)
+    x = torch.randn(70, k, generator=gen)  # (M, K)
+    with torch.no_grad():
+        y = layer(x)
+    rounding = 2 * (k + 2) * 2.0**-24 * (x.abs() @ w.abs().T) + 1e-5  # (M, N)
+    bound = rounding
+    if fmt in ("int8", "int4"):
+        blocks = F.pad(x, (0, -k % 32)).reshape(70, -1, 32)  # (M, nb, 32)
+        step = blocks.abs().amax(-1, keepdim=True) / 254  # (M, nb, 1)
+        bound = rounding + (step.expand_as(blocks).reshape(70, -1)[:, :k]) @ w.abs().T
+    assert torch.all((y - F.linear(x, w, layer.bias)).abs() <= bound)
+
+
+@pytest.mark.parametrize("fmt", ("fp32", "bf16"))
+def test_float_layers_use_the_kernels_at_any_rows_only_when_told(fmt):
+    gen = torch.Generator().manual_seed(5)
+    plain = QuantizedLinear.from_weight(torch.randn(24, 40, generator=gen), fmt)
+    invariant = plain.row_invariant()
+    assert invariant.invariant and not plain.invariant
+    assert invariant.weight.data_ptr() == plain.weight.data_ptr()  # the tensors are shared
+    x = torch.randn(3 * ROW_TILE, 40, generator=gen)  # (M, K)
+    kernel = ops.linear_fp32 if fmt == "fp32" else ops.linear_bf16
+    with torch.no_grad():
+        expected = kernel(x, plain.weight, None, "cpp", any_rows=True)
+        assert torch.equal(invariant(x), expected)
+        assert torch.equal(plain(x), kernel(x, plain.weight, None, "torch"))
 
 
 @pytest.mark.parametrize("fmt", ("int8", "int4"))

@@ -45,6 +45,19 @@ enum class Norm : int { layernorm, rmsnorm };
 enum class Activation : int { relu, gelu, gelu_tanh, silu };
 
 constexpr int kRows = 4;  // weight rows per iteration
+// Activation rows per register tile: a tile of kTileRows × kRows accumulators, each weight
+// load shared by its rows. AVX-512 has 32 vector registers (4 × 4 accumulators fit beside the
+// operands), AVX2 16. A row's arithmetic is the same whichever tile it is in, or its place
+// there, so each row's result is independent of the number of rows.
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+constexpr int kTileRows = 4;
+#else
+constexpr int kTileRows = 2;
+#endif
+// Activation rows per pass over the weights: a weight group meets them while it is in the L1
+// cache, and they stay in the L2 cache across the groups (a prefill's hundreds of rows would
+// not). Past decode sizes the products are bound by arithmetic, so the extra passes cost little.
+constexpr int64_t kPanel = 64;
 // Most rows the try_* entry points take in one call: the row tile.
 constexpr int64_t kRowTile = GLASSFORMER_ROW_TILE;
 // Software prefetch distance in bytes along the weights. The hardware prefetcher alone keeps
@@ -264,10 +277,11 @@ inline void activate_row(Activation act, const float* g, const float* up, int64_
 // N rows are cut into a few chunks per thread, taken dynamically (a thread slowed down by
 // another process leaves its chunks to the others). A tile takes one row from each quarter
 // of its chunk, so a thread reads kRows distant streams at once: a core keeps more reads in
-// flight that way than with one stream (about 1.3x the bandwidth here).
+// flight that way than with one stream (about 1.3x the bandwidth here). `work_per_row` (a
+// weight row's bytes, times the tiles of activation rows it meets) decides whether threads pay.
 template <typename Body>
-void for_row_groups(int64_t N, int64_t bytes_per_row, Body body) {
-  const int threads = N * bytes_per_row >= (64 << 10) ? at::get_num_threads() : 1;
+void for_row_groups(int64_t N, int64_t work_per_row, Body body) {
+  const int threads = N * work_per_row >= (64 << 10) ? at::get_num_threads() : 1;
   const int64_t chunks = std::clamp<int64_t>(N / (4 * kRows), 1, 4 * threads);
   auto run = [&](int64_t c) {
     const int64_t first = N * c / chunks, end = N * (c + 1) / chunks;

@@ -1,12 +1,13 @@
 // Matrix-vector and small-batch products y = x @ W^T (+ bias) with float weights, and the
 // checks every entry point makes on the tensors Python passes.
 //
-// x is (M, K) float32 with M small (decode: 1 row per sequence). W is stored row-major
-// (N, K) so that each output reads one contiguous weight row; four rows are processed per
-// iteration so every activation load is shared by four rows. The four rows come from four
-// distant parts of the matrix (see for_row_groups): one core then streams four regions at
-// once, which keeps more memory reads in flight than one stream. The kernels are bound by
-// how fast weights stream from memory, so every format is read exactly once per call.
+// x is (M, K) float32 (decode: 1 row per sequence; any number of rows, each computed alike).
+// W is stored row-major (N, K) so that each output reads one contiguous weight row; four rows
+// are processed per iteration so every activation load is shared by four rows, and each of
+// them meets a tile of kTileRows activation rows while it is in the L1 cache. The four rows
+// come from four distant parts of the matrix (see for_row_groups): one core then streams four
+// regions at once, which keeps more memory reads in flight than one stream. The kernels are
+// bound by how fast weights stream from memory, so every format is read once per call.
 //
 // Float formats (rows contiguous; the block formats q8 and q4 are in quantized.cpp):
 //   f32   W (N, K) float
@@ -70,19 +71,26 @@ template <int R, typename T>
 inline void rows_float(const T* w, int64_t K, int64_t ld, const float* x, int64_t M, float* y,
                        int64_t N, const float* bias) {
   int64_t m = 0;
-  for (; m + 2 <= M; m += 2) tile_float<R, 2>(w, K, ld, x + m * K, K, y + m * N, N, bias);
-  if (m < M) tile_float<R, 1>(w, K, ld, x + m * K, K, y + m * N, N, bias);
+  for (; m + kTileRows <= M; m += kTileRows)
+    tile_float<R, kTileRows>(w, K, ld, x + m * K, K, y + m * N, N, bias);
+  for (; m < M; ++m) tile_float<R, 1>(w, K, ld, x + m * K, K, y + m * N, N, bias);
 }
 
 template <typename T>
 void linear_float(const T* w, const float* x, const float* bias, float* y, int64_t M,
                   int64_t N, int64_t K) {
-  for_row_groups(N, K * static_cast<int64_t>(sizeof(T)), [&](int64_t n0, int64_t rows,
-                                                             int64_t ld) {
-    const float* b = bias ? bias + n0 : nullptr;
-    if (rows == kRows) rows_float<kRows>(w + n0 * K, K, ld, x, M, y + n0, N, b);
-    else rows_float<1>(w + n0 * K, K, 1, x, M, y + n0, N, b);
-  });
+  for (int64_t p0 = 0; p0 < M; p0 += kPanel) {  // panels of rows, a pass over W each
+    const int64_t rows = std::min(kPanel, M - p0);
+    const float* xp = x + p0 * K;
+    float* yp = y + p0 * N;
+    const int64_t work =
+        K * static_cast<int64_t>(sizeof(T)) * std::max<int64_t>(rows / kTileRows, 1);
+    for_row_groups(N, work, [&](int64_t n0, int64_t group, int64_t ld) {
+      const float* b = bias ? bias + n0 : nullptr;
+      if (group == kRows) rows_float<kRows>(w + n0 * K, K, ld, xp, rows, yp + n0, N, b);
+      else rows_float<1>(w + n0 * K, K, 1, xp, rows, yp + n0, N, b);
+    });
+  }
 }
 
 }  // namespace

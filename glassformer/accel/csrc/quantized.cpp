@@ -9,7 +9,15 @@
 // The kernels quantize x per block of 32 to int8 (scale amax / 127, round half to even) and
 // take integer dot products with maddubs/madd (vpdpbusd with VNNI), as llama.cpp's Q8_0 dot
 // does. K32 is K rounded up to a multiple of 32; the padding columns of W are zero and the
-// activation tail is padded with zeros. Rows are walked as in matvec.cpp (for_row_groups).
+// activation tail is padded with zeros.
+//
+// Many rows (a batched decode step, a prefill) are one GEMM: weight rows are walked in groups
+// of kRows as in matvec.cpp (for_row_groups); a group's scales and minimums are widened to
+// float once, and its blocks, while in the L1 cache, meet every activation row in register
+// tiles of kTileRows rows, each block load and unpacking shared by the tile. A call thus
+// reads the weights from memory once whatever the number of rows. Each row's accumulators see
+// the same operations in the same order in any tile, so its result is bitwise the same
+// whatever the number of rows and its place among them.
 
 #include <cstring>
 
@@ -37,6 +45,7 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8
                           float* s) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(at::get_num_threads())
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       alignas(32) float buf[32];
@@ -144,20 +153,29 @@ inline __m256 load_halves(const uint16_t* p, int len) {  // fp16 values
 #endif
 }
 
+// Scales as stored (fp16) or widened once per weight group (float): the same values.
+inline __m256 load_scales(const uint16_t* p, int len) { return load_halves(p, len); }
+inline __m256 load_scales(const float* p, int len) { return load_floats(p, len); }
+
 // For the `len` <= 8 blocks b = b0 + j: s[m][r][j] = dw[r, b] dx[m, b], the scale of each
 // integer block product, computed 8 at a time instead of once per block; for q4 also
-// acc[m][r] += mw[r, b] sx[m, b], the minimum's term (sx = dx * sum of the block's qx).
-template <bool Q4, int R, int MB>
-inline void block_scales(const uint16_t* dw, const uint16_t* mw, const float* dx,
-                         const float* sx, int64_t nb, int64_t ld, int64_t b0, int len,
-                         float (&s)[MB][R][8], __m256 (&acc)[MB][R]) {
+// add(m, r, mw[r, b] sx[m, b] over the 8 lanes), the minimum's term (sx = dx * sum of the
+// block's qx). Weight row r's scales and minimums start at r * stride.
+template <bool Q4, int R, int MB, typename S, typename Add>
+inline void block_scales(const S* dw, const S* mw, int64_t stride, const float* dx,
+                         const float* sx, int64_t nb, int64_t b0, int len, float (&s)[MB][R][8],
+                         Add&& add) {
+  __m256 wd[R], wm[R];
+  for (int r = 0; r < R; ++r) {
+    wd[r] = load_scales(dw + r * stride + b0, len);
+    wm[r] = Q4 ? load_scales(mw + r * stride + b0, len) : wd[r];
+  }
   for (int m = 0; m < MB; ++m) {
     const __m256 xd = load_floats(dx + m * nb + b0, len);
     const __m256 xs = Q4 ? load_floats(sx + m * nb + b0, len) : xd;
     for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(s[m][r], _mm256_mul_ps(load_halves(dw + r * ld * nb + b0, len), xd));
-      if constexpr (Q4)
-        acc[m][r] = _mm256_fmadd_ps(load_halves(mw + r * ld * nb + b0, len), xs, acc[m][r]);
+      _mm256_store_ps(s[m][r], _mm256_mul_ps(wd[r], xd));
+      if constexpr (Q4) add(m, r, _mm256_mul_ps(wm[r], xs));
     }
   }
 }
@@ -236,21 +254,23 @@ inline __m512 spread_scales(const float* s, int j, __m512i lanes) {
 }
 
 // acc[m][r] += scale * (q8 blocks b, b + 1 of row r · activation blocks b, b + 1 of row m),
-// in one vpdpbusd: |w| (unsigned) times x with the sign of w.
+// in one vpdpbusd per activation row: x + 128 (unsigned) times w, started from
+// -128 · (the sums of w), which vpdpbusd computes once per weight row for the whole tile. The
+// integer lanes are exactly the dot products of x and w.
 template <int R, int MB>
 inline void step_q8_wide(__m512 (&acc)[MB][R], const int8_t* w, const int8_t* xq, int64_t nb,
                          int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
   const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  __m512i xv[MB];
-  for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_si512(xq + (m * nb + b) * 32);
+  const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
+  __m512i xv[MB];  // x + 128 as unsigned bytes
+  for (int m = 0; m < MB; ++m)
+    xv[m] = _mm512_xor_si512(_mm512_loadu_si512(xq + (m * nb + b) * 32), shift);
   for (int r = 0; r < R; ++r) {
     prefetch(w + (r * ld * nb + b) * 32);
     const __m512i wv = _mm512_loadu_si512(w + (r * ld * nb + b) * 32);
-    const __m512i magnitude = _mm512_abs_epi8(wv);
-    const __mmask64 negative = _mm512_movepi8_mask(wv);
+    const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, shift, wv));
     for (int m = 0; m < MB; ++m) {
-      const __m512i signed_x = _mm512_mask_sub_epi8(xv[m], negative, _mm512_setzero_si512(), xv[m]);
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x);
+      const __m512i dot = _mm512_dpbusd_epi32(start, xv[m], wv);
       acc[m][r] = _mm512_fmadd_ps(spread_scales(s[m][r], j, lanes), _mm512_cvtepi32_ps(dot),
                                   acc[m][r]);
     }
@@ -285,10 +305,11 @@ inline void step_q4_wide(__m512 (&acc)[MB][R], const uint8_t* w, const int8_t* x
 #endif
 
 // y[m, r] = sum_b d[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
-// sum_b m[r, b] dx[m, b] sum(qx[m, b])) for R weight rows ld rows apart and MB activation rows.
-// Blocks go in chunks of 8 so that their scales are converted and multiplied 8 at a time.
-template <bool Q4, int R, int MB>
-inline void tile_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+// sum_b m[r, b] dx[m, b] sum(qx[m, b])) for R weight rows ld rows apart and MB activation rows
+// from m0; the scales and minimums of weight row r start at r * stride. Blocks go in chunks
+// of 8 so that their scales are multiplied 8 at a time.
+template <bool Q4, int R, int MB, typename S>
+inline void tile_quant(const uint8_t* w, const S* dw, const S* mw, int64_t stride, int64_t nb,
                        int64_t ld, const Activations& a, int64_t m0, float* y, int64_t ldy,
                        const float* bias) {
   const int8_t* xq = a.q.data() + m0 * nb * 32;
@@ -308,10 +329,16 @@ inline void tile_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
     if constexpr (Q4) step_q4_wide<R, MB>(wide, w, xq, nb, ld, b, s, j);
     else step_q8_wide<R, MB>(wide, wq, xq, nb, ld, b, s, j);
   };
+  // the minimum's term joins the wide accumulators: acc then lives only in the last chunk
+  auto add = [&](int m, int r, __m256 term) {
+    wide[m][r] = _mm512_add_ps(wide[m][r], _mm512_zextps256_ps512(term));
+  };
+#else
+  auto add = [&](int m, int r, __m256 term) { acc[m][r] = _mm256_add_ps(acc[m][r], term); };
 #endif
   int64_t b0 = 0;
   for (; b0 + 8 <= nb; b0 += 8) {
-    block_scales<Q4, R, MB>(dw, mw, dx, sx, nb, ld, b0, 8, s, acc);
+    block_scales<Q4, R, MB>(dw, mw, stride, dx, sx, nb, b0, 8, s, add);
 #ifdef GLASSFORMER_WIDE
     for (int j = 0; j < 8; j += kGroup) wide_step(b0 + j, j);
 #else
@@ -323,7 +350,7 @@ inline void tile_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
   }
   if (b0 < nb) {  // the last chunk of fewer than 8 blocks
     const int len = static_cast<int>(nb - b0);
-    block_scales<Q4, R, MB>(dw, mw, dx, sx, nb, ld, b0, len, s, acc);
+    block_scales<Q4, R, MB>(dw, mw, stride, dx, sx, nb, b0, len, s, add);
     int j = 0;
 #ifdef GLASSFORMER_WIDE
     for (; j + kGroup <= len; j += kGroup) wide_step(b0 + j, j);
@@ -344,28 +371,58 @@ inline void tile_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
     }
 }
 
+// The M activation rows from m0 against R weight rows ld rows apart (y: output row m0): tiles
+// of kTileRows rows, then the rest one row at a time. Where there is a tile, the group's fp16
+// scales (and minimums) are widened to float once for all of them (exactly: the same values).
 template <bool Q4, int R>
 inline void rows_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
-                       int64_t ld, const Activations& a, int64_t M, float* y, int64_t N,
-                       const float* bias) {
+                       int64_t ld, const Activations& a, int64_t m0, int64_t M, float* y,
+                       int64_t N, const float* bias) {
+  if (M < kTileRows) {
+    for (int64_t m = 0; m < M; ++m)
+      tile_quant<Q4, R, 1>(w, dw, mw, ld * nb, nb, ld, a, m0 + m, y + m * N, N, bias);
+    return;
+  }
+  const int64_t stride = (nb + 7) / 8 * 8;
+  thread_local std::vector<float> widened;
+  widened.resize(2 * R * stride);
+  float* dwf = widened.data();     // (R, stride) scales
+  float* mwf = dwf + R * stride;   // (R, stride) minimums (q4)
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < nb; b += 8) {
+      const int len = static_cast<int>(std::min<int64_t>(8, nb - b));
+      _mm256_storeu_ps(dwf + r * stride + b, load_halves(dw + r * ld * nb + b, len));
+      if constexpr (Q4)
+        _mm256_storeu_ps(mwf + r * stride + b, load_halves(mw + r * ld * nb + b, len));
+    }
   int64_t m = 0;
-  for (; m + 2 <= M; m += 2) tile_quant<Q4, R, 2>(w, dw, mw, nb, ld, a, m, y + m * N, N, bias);
-  if (m < M) tile_quant<Q4, R, 1>(w, dw, mw, nb, ld, a, m, y + m * N, N, bias);
+  for (; m + kTileRows <= M; m += kTileRows)
+    tile_quant<Q4, R, kTileRows>(w, dwf, mwf, stride, nb, ld, a, m0 + m, y + m * N, N, bias);
+  for (; m < M; ++m)
+    tile_quant<Q4, R, 1>(w, dwf, mwf, stride, nb, ld, a, m0 + m, y + m * N, N, bias);
 }
 
+// The rows go in panels of kPanel, each a pass over the weights (for_row_groups).
 template <bool Q4>
 void linear_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
                   const Activations& a, const float* bias, float* y, int64_t M, int64_t N,
                   int64_t nb) {
   const int64_t row_bytes = nb * (Q4 ? 16 : 32);
-  for_row_groups(N, row_bytes, [&](int64_t n0, int64_t rows, int64_t ld) {
-    const float* b = bias ? bias + n0 : nullptr;
-    const uint16_t* m0 = Q4 ? mw + n0 * nb : nullptr;
-    if (rows == kRows)
-      rows_quant<Q4, kRows>(w + n0 * row_bytes, dw + n0 * nb, m0, nb, ld, a, M, y + n0, N, b);
-    else
-      rows_quant<Q4, 1>(w + n0 * row_bytes, dw + n0 * nb, m0, nb, 1, a, M, y + n0, N, b);
-  });
+  for (int64_t p0 = 0; p0 < M; p0 += kPanel) {
+    const int64_t rows = std::min(kPanel, M - p0);
+    float* yp = y + p0 * N;
+    for_row_groups(N, row_bytes * std::max<int64_t>(rows / kTileRows, 1),
+                   [&](int64_t n0, int64_t group, int64_t ld) {
+      const float* b = bias ? bias + n0 : nullptr;
+      const uint16_t* m0 = Q4 ? mw + n0 * nb : nullptr;
+      if (group == kRows)
+        rows_quant<Q4, kRows>(w + n0 * row_bytes, dw + n0 * nb, m0, nb, ld, a, p0, rows,
+                              yp + n0, N, b);
+      else
+        rows_quant<Q4, 1>(w + n0 * row_bytes, dw + n0 * nb, m0, nb, 1, a, p0, rows, yp + n0,
+                          N, b);
+    });
+  }
 }
 
 // ---------------------------------------------------------- dequantization (large batches)
