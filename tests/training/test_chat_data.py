@@ -14,6 +14,7 @@ from llama_folder import llama_folder
 from glassformer.accel.fast_training import use_fast_training
 from glassformer.cli import main
 from glassformer.formats.chat_tokenizer import ChatTokenizer
+from glassformer.formats.checkpoint import load_model
 from glassformer.formats.huggingface import load_hf
 from glassformer.model.config import ModelConfig
 from glassformer.model.transformer import Transformer
@@ -22,10 +23,10 @@ from glassformer.training.config import TrainConfig
 from glassformer.training.loop import train
 from glassformer.training.masking import IGNORE
 
-# ChatML, as SmolLM2's template writes it (without its default system prompt)
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-          "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# a short template in ChatML's manner (turns marked by role, each ended by a newline), so that
+# conversations fit the tiny model's 64 positions
+TEMPLATE = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<a>{% endif %}")
 CONVERSATIONS = [
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick fox?"},
      {"role": "assistant", "content": "jumps over the dog."},
@@ -40,7 +41,7 @@ CONVERSATIONS = [
 def chat_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat-llama")
     llama_folder(folder)
-    config = {"eos_token": "<|endoftext|>", "chat_template": CHATML}
+    config = {"eos_token": "<|endoftext|>", "chat_template": TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
@@ -65,7 +66,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(chat_model):
                 runs, run = runs + [run], []
         runs += [run] if run else []
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
-        assert [tokenizer.decode(r) for r in runs] == [f"{r}<|im_end|>\n" for r in replies]
+        assert [tokenizer.decode(r) for r in runs] == [f"{r}\n" for r in replies]
 
 
 def _tiny(seed=0):
@@ -97,7 +98,7 @@ def test_packed_logits_equal_each_conversation_alone(fast):
 def test_loss_counts_the_assistant_targets_only(chat_model):
     tokenizer = ChatTokenizer.load(chat_model)
     conversations = [render(tokenizer, m) for m in CONVERSATIONS]
-    rows = pack(conversations, 48, tokenizer.eos_id)
+    rows = pack(conversations, 60, tokenizer.eos_id)
     model = _tiny_for(tokenizer.vocab_size)
     batch = rows.batch(torch.arange(len(rows)))
     got = ChatSFT().loss(model, batch)
@@ -105,9 +106,9 @@ def test_loss_counts_the_assistant_targets_only(chat_model):
     # oracle: each conversation alone, cross-entropy over the assistant tokens it predicts
     losses = []
     for c in conversations:
-        ids = torch.tensor(c.ids[:49])
+        ids = torch.tensor(c.ids[:61])
         logits = model(ids[None, :-1])[0]  # (n-1, vocab)
-        counted = torch.tensor(c.counted[1:49])
+        counted = torch.tensor(c.counted[1:61])
         losses.append(F.cross_entropy(logits[counted], ids[1:][counted], reduction="none"))
     torch.testing.assert_close(got, torch.cat(losses).mean(), atol=1e-5, rtol=1e-5)
     assert (batch[-1] != IGNORE).sum() == sum(len(x) for x in losses)
@@ -130,10 +131,10 @@ def test_train_command_on_chat_data(chat_model, chat_file, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["iters"] == 3 and summary["val_loss"] == summary["val_loss"]
     assert (out / "latest" / "model.safetensors").is_file()
-    model, _ = load_hf(chat_model)
-    assert ChatTokenizer.load(out / "latest").chat_template == CHATML  # the run keeps its template
-    assert model.config.vocab_size == json.loads(
-        (out / "latest" / "config.json").read_text())["vocab_size"]
+    base, _ = load_hf(chat_model)
+    tuned, tokenizer, _ = load_model(out / "latest")
+    assert tokenizer.chat_template == TEMPLATE  # the run keeps the model's template
+    assert not torch.equal(tuned.lm_head.weight, base.lm_head.weight)  # it trained
 
 
 def test_first_evaluation_is_the_manual_loss(chat_model, chat_file, tmp_path):
@@ -170,7 +171,7 @@ def test_command_refusals_leave_nothing(chat_model, tmp_path, capsys):
     cases = [
         (["--init", str(chat_model), "--data", str(no_replies)], "users.jsonl: no assistant turns"),
         (["--init", str(chat_model), "--data", str(bad)], "bad.jsonl:2: expected"),
-        (["--preset", "tiny", "--data", str(bad)], "chat data (.jsonl) fine-tunes a pretrained"),
+        (["--preset", "tiny-llama", "--data", str(bad)], "chat data (.jsonl) fine-tunes a pretrained"),
     ]
     for args, message in cases:
         out = tmp_path / "run"
