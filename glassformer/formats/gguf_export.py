@@ -105,7 +105,7 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
     for added in data.get("added_tokens", []):
         tokens[added["id"]] = added["content"]
         types[added["id"]] = int(TokenType.CONTROL if added["special"] else TokenType.USER_DEFINED)
-    for i, token in enumerate(tokens):
+    for i in range(vocab_size):
         if types[i] == TokenType.UNUSED:
             tokens[i] = f"<unused{i}>"
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]

@@ -4,8 +4,8 @@ refusals; SmolLM2 through f32 and back (slow)."""
 
 from __future__ import annotations
 
-from copy import deepcopy
 import json
+from copy import deepcopy
 
 import pytest
 import torch
@@ -36,7 +36,7 @@ def rounded(model: Transformer, dtype: str) -> Transformer:
     copy = deepcopy(model)
     qtype = GGMLQuantizationType[TYPES[dtype]]
     with torch.no_grad():
-        for name, p in copy.named_parameters():
+        for p in copy.parameters():
             if p.dim() == 2:
                 values = dequantize(quantize(p.numpy(), qtype), qtype)
                 p.copy_(torch.from_numpy(values.reshape(p.shape)))
