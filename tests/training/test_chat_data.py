@@ -179,3 +179,16 @@ def test_command_refusals_leave_nothing(chat_model, tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
+
+
+def test_chat_run_resumes_exactly(chat_model, chat_file, tmp_path):
+    config = TrainConfig(init=str(chat_model), max_iters=4, eval_interval=2, eval_iters=1,
+                         batch_size=2, warmup_iters=0, sample_tokens=0, device="cpu", lr=1e-3,
+                         lr_decay_iters=4)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(chat_file, whole, {"context_length": 48}, config, progress=False)
+    train(chat_file, split, {"context_length": 48}, config.replace(max_iters=2), progress=False)
+    train(chat_file, split, {"context_length": 48}, config, resume=True, progress=False)
+    a, b = load_model(whole / "latest")[0], load_model(split / "latest")[0]
+    for name, value in a.state_dict().items():
+        torch.testing.assert_close(b.state_dict()[name], value, rtol=0, atol=0)
