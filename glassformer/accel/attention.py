@@ -4,8 +4,9 @@
 At a small model's sizes (T = 64, d_head = 32) PyTorch's fused CPU kernel spends most of its
 time on fixed costs. `attention` has the signature of the kernels in
 `glassformer.model.layers.attention_backends` and takes the calls it applies to: float32 CPU
-tensors that need a gradient, a plain mask (causal or none: no padding, window or bias), no
-dropout, as many queries as keys, d_head a multiple of 8 up to 128 and at most 512 positions;
+tensors that need a gradient, a plain mask (causal or none: no padding, window, packed
+documents or bias), no dropout, as many queries as keys, d_head a multiple of 8 up to 128 and
+at most 512 positions;
 every other call goes to `sdpa_attention`, which stays the reference the tests compare with.
 """
 

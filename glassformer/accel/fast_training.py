@@ -36,7 +36,8 @@ _MODULES = "the model's own modules, unconverted"
 _SIZES = "any shape: the passes read it from their tensors"
 
 # What the fused passes compute, field by field; the passes themselves check each call
-# (attention.py: a plain causal or full mask, no dropout; fused.py: float32 CPU tensors that
+# (attention.py: a plain causal or full mask, no dropout: padding, a window or packed
+# documents go to sdpa, which builds them from AttentionMask; fused.py: float32 CPU tensors that
 # need a gradient), so a value outside a pass's reach keeps the plain expression.
 CAPABILITIES = CapabilityTable("fused training passes", {
     "vocab_size": any_value(_SIZES), "context_length": any_value(_SIZES),

@@ -159,10 +159,14 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
           help="the run folder: a training run's checkpoints and metrics, an experiment's results "
                "(experiment default: experiment-NAME)"),
     _flag("-o", "--output", default=None,
-          help="what to write: export a Hugging Face folder, journey an HTML page (default "
-               "journey.html)"),
+          help="what to write: export a Hugging Face folder or a GGUF file, journey an HTML "
+               "page (default journey.html)"),
     _flag("--force", action="store_true",
-          help="replace what is there: pull downloads again, journey writes over its output file"),
+          help="replace what is there: pull downloads again, journey and export write over "
+               "their output file"),
+    _flag("--dtype", default=None,
+          help="number format: train float32 or bfloat16 (autocast where supported); export "
+               "--to gguf f32, f16, q8_0 or q4_0 (default f32)"),
     _flag("--json", action="store_true", help="print the result as JSON"),
     _flag("--no-progress", action="store_true", help="no progress bar"),
     _flag("--device", type=device, default=None,

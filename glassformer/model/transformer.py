@@ -110,8 +110,10 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         pad_mask: torch.Tensor | None = None,
         token_types: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.head(self.forward_hidden(ids, cache, positions, pad_mask, token_types))
+        return self.head(self.forward_hidden(ids, cache, positions, pad_mask, token_types,
+                                             documents))
 
     def forward_hidden(
         self,
@@ -120,12 +122,15 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         pad_mask: torch.Tensor | None = None,
         token_types: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final hidden state h (B, T, d), before the head.
 
         positions (B, T): absolute positions, by default continuing the cache.
         pad_mask (B, T): True for real tokens, False for padding (left, or right in an encoder).
         token_types (B, T): segment ids, for a model with n_token_types.
+        documents (B, T): packed sequences' indices; a token sees only its own document's
+        (training: no cache; give each document's positions from 0).
         """
         config = self.config
         B, T = ids.shape
@@ -139,6 +144,8 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"context: {start + T} tokens exceed context_length={config.context_length}"
             )
+        if cache is not None and documents is not None:
+            raise ValueError("documents: packed sequences are for training, not with a cache")
         if cache is not None:
             if not config.causal:
                 raise ValueError("causal: a bidirectional model cannot decode incrementally")
@@ -146,7 +153,7 @@ class Transformer(nn.Module):
             k_pos, k_valid = cache.key_positions(T), cache.key_valid(T)
         else:
             k_pos, k_valid = positions, pad_mask
-        mask = self.attention_mask(positions, k_pos, k_valid, contiguous)
+        mask = self.attention_mask(positions, k_pos, k_valid, contiguous, documents)
         rope = None
         if config.position == "rope":
             rows = positions[:1] if contiguous else positions  # every row alike: compute once
@@ -162,9 +169,11 @@ class Transformer(nn.Module):
         return x
 
     def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                       k_valid: torch.Tensor | None = None, contiguous: bool = False) -> AttentionMask:
+                       k_valid: torch.Tensor | None = None, contiguous: bool = False,
+                       documents: torch.Tensor | None = None) -> AttentionMask:
         """What queries at q_pos (B, Tq) may see of keys at k_pos (B, Tk): causality, the
-        window, padding (k_valid (B, Tk)), ALiBi or T5's relative bias, as this model has them.
+        window, padding (k_valid (B, Tk)), packed documents (B, T), ALiBi or T5's relative
+        bias, as this model has them.
         `contiguous`: the keys are 0..Tk-1 and the queries the last Tq of them."""
         config = self.config
         return AttentionMask(
@@ -176,6 +185,7 @@ class Transformer(nn.Module):
             alibi_slopes=getattr(self, "alibi_slopes", None),
             contiguous=contiguous,
             position_bias=self.position_bias(q_pos, k_pos, contiguous),
+            documents=documents,
         )
 
     def position_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor,

@@ -33,6 +33,7 @@ from ..model.encoder_decoder import EncoderDecoder, build_model
 from ..model.transformer import Transformer
 from . import distributed
 from .allocator import keep_freed_memory
+from .chat_data import ChatData, ChatSFT, is_chat_data
 from .config import TrainConfig, resume_conflicts
 from .data import TokenData, draw_starts, iter_documents, list_sources, windows, write_token_file
 from .lora import add_lora, check_targets, load_adapter_tensors, save_adapter
@@ -103,6 +104,22 @@ def evaluate(model, tokens, starts, context_length, batch_size, process, amp,
     return (totals[0] / totals[1]).item()
 
 
+@torch.no_grad()
+def evaluate_chat(model, chat: ChatData, rows: torch.Tensor, batch_size: int, process, amp) -> float:
+    """Mean validation loss per counted target over the packed validation windows `rows`
+    (this process's share)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=process.device)  # (loss sum, targets)
+    for chunk in rows.split(batch_size):
+        batch = chat.val.batch(chunk, process.device)
+        with amp:
+            totals[0] += ChatSFT().loss(model, batch, reduction="sum").double()
+        totals[1] += (batch[-1] != IGNORE).sum()
+    distributed.all_reduce_sum(process, totals)
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
 def sample_text(model: Transformer | EncoderDecoder, tokenizer, n_tokens: int, seed: int,
                 temperature: float = 0.8) -> str:
     """Text drawn after an end-of-text token, through the generation loop; past the context
@@ -120,6 +137,9 @@ def _prepare(data, out: Path, model_config, config: TrainConfig, resume: bool, p
     (sources, tokenizer, model config, checkpoint to resume or None, pretrained model or None)."""
     objective = get_objective(config.objective)
     sources = list_sources(data)
+    if is_chat_data(sources) and (config.init is None or config.objective != "clm"):
+        raise ValueError("data: chat data (.jsonl) fine-tunes a pretrained chat model: pass "
+                         "--init, with the default objective clm")
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out}: not a folder (--out names the run folder)")
     if not resume:
@@ -189,14 +209,17 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         data, out, model_config, config, resume, process
     )
     T, main, device = model_config.context_length, process.is_main, process.device
+    chat = ChatData.build(sources, tokenizer, T, config.val_fraction) \
+        if is_chat_data(sources) else None
     created = not out.exists()
     distributed.barrier(process)  # every rank has checked the run folder before rank 0 writes
     try:
         if main:
             out.mkdir(parents=True, exist_ok=True)
-            write_token_file(sources, tokenizer, out / "tokens.bin", config.documents)
+            if chat is None:
+                write_token_file(sources, tokenizer, out / "tokens.bin", config.documents)
         distributed.barrier(process)
-        tokens = TokenData.open(out / "tokens.bin", T, config.val_fraction)
+        tokens = None if chat else TokenData.open(out / "tokens.bin", T, config.val_fraction)
         torch.manual_seed(config.seed)
         model = build_model(model_config)
         if pretrained is not None:
@@ -234,10 +257,13 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
     amp = autocast(device, config.dtype)
     n_local = config.grad_accum * config.batch_size
     mine = slice(process.rank * n_local, (process.rank + 1) * n_local)
-    val_starts = draw_starts(len(tokens.val), T, config.eval_iters * config.batch_size,
-                             torch.Generator().manual_seed(config.seed + 1))
+    if chat is None:
+        val_starts = draw_starts(len(tokens.val), T, config.eval_iters * config.batch_size,
+                                 torch.Generator().manual_seed(config.seed + 1))
+    else:  # the first validation windows, in order
+        val_starts = torch.arange(min(len(chat.val), config.eval_iters * config.batch_size))
     val_starts = val_starts[process.rank::process.world_size]
-    objective = get_objective(config.objective)
+    objective = ChatSFT() if chat else get_objective(config.objective)
     tokens_per_step = process.world_size * n_local * T
 
     def write_adapter(folder: Path) -> None:
@@ -251,8 +277,11 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
                         None if lora is None else write_adapter)
 
     def run_eval(train_loss):
-        val_loss = evaluate(step_model, tokens.val, val_starts, T, config.batch_size, process, amp,
-                            objective, tokenizer)
+        if chat is None:
+            val_loss = evaluate(step_model, tokens.val, val_starts, T, config.batch_size,
+                                process, amp, objective, tokenizer)
+        else:
+            val_loss = evaluate_chat(step_model, chat, val_starts, config.batch_size, process, amp)
         _check_finite("validation loss", val_loss, state["step"], out)
         best = val_loss < state["best_val_loss"]
         state["best_val_loss"] = min(val_loss, state["best_val_loss"])
@@ -287,10 +316,16 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
             lr = learning_rate(state["step"], config.lr, config.min_lr, config.warmup_iters,
                                config.decay_iters)
             set_learning_rate(optimizer, lr, config)
-            starts = draw_starts(len(tokens.train), T, process.world_size * n_local, data_gen)
-            x, y = windows(tokens.train, starts[mine], T, device)
-            masks = objective.draw_masks(process.world_size * n_local, T, data_gen)  # every row's
-            batch = objective.batch(x, y, tokenizer, None if masks is None else masks[mine])
+            if chat is None:
+                starts = draw_starts(len(tokens.train), T, process.world_size * n_local, data_gen)
+                x, y = windows(tokens.train, starts[mine], T, device)
+                masks = objective.draw_masks(process.world_size * n_local, T, data_gen)  # every row's
+                batch = objective.batch(x, y, tokenizer, None if masks is None else masks[mine])
+            else:
+                rows = torch.randint(0, len(chat.train), (process.world_size * n_local,),
+                                     generator=data_gen)
+                batch = chat.train.batch(rows[mine], device)
+                x, y = batch[0], batch[-1]
             loss = train_step(step_model, optimizer, x, y, config.grad_accum, config.grad_clip, amp,
                               objective, batch)
             state["step"] += 1

@@ -1,4 +1,4 @@
-"""Which keys each query may see: causal, sliding window, padding, plus a distance bias (ALiBi's
+"""Which keys each query may see: causal, sliding window, padding, documents, plus a distance bias (ALiBi's
 slopes, or T5's learned relative position bias).
 
 The mask is described by positions rather than stored as a T×T matrix, so a tiled kernel can
@@ -24,6 +24,8 @@ class AttentionMask:
     alibi_slopes: torch.Tensor | None = None  # (H,)
     contiguous: bool = False  # keys are 0..Tk-1 and the queries the last Tq of them
     position_bias: torch.Tensor | None = None  # (B or 1, H, Tq, Tk) added to the scores (T5)
+    documents: torch.Tensor | None = None  # (B, T) document index of each token, queries = keys:
+    # packed sequences see only their own document (a block-diagonal mask)
 
     @property
     def is_plain(self) -> bool:
@@ -34,6 +36,7 @@ class AttentionMask:
             and self.k_valid is None
             and self.alibi_slopes is None
             and self.position_bias is None
+            and self.documents is None
         )
 
     def allowed(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
@@ -47,6 +50,8 @@ class AttentionMask:
             ok = ok & (q - k < self.window)
         if self.k_valid is not None:
             ok = ok & self.k_valid[:, None, cols]
+        if self.documents is not None:
+            ok = ok & (self.documents[:, rows, None] == self.documents[:, None, cols])
         return ok[:, None]
 
     def bias(
