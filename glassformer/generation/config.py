@@ -8,12 +8,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
+
+import torch
 
 from .sampling import SamplingConfig
-
-if TYPE_CHECKING:
-    import torch
 
 # "cancelled" and "error" end engine requests only: cancelled by its caller or a shutdown, or
 # failed alone inside a step (the engine and the other requests go on).
@@ -30,6 +29,28 @@ def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
         raise ValueError(f"{name}: must be {bound}, got {value!r}")
 
 
+@dataclass(frozen=True, eq=False)
+class Steer:
+    """α × a vector (d_model,) added at a hook site to every row of the request that steers."""
+
+    site: str  # a residual-width site with a token axis, e.g. blocks.3.resid_post
+    vector: torch.Tensor  # (d_model,)
+    alpha: float
+    name: str = ""  # what the vector is called (a server's registry name, a file)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.site, str) or not self.site:
+            raise ValueError(f"steer: site must be a hook site name, got {self.site!r}")
+        vector = self.vector
+        if not isinstance(vector, torch.Tensor) or vector.ndim != 1 or not vector.is_floating_point():
+            raise ValueError("steer: vector must be a 1-D float tensor (d_model,)")
+        if not bool(torch.isfinite(self.vector).all()):
+            raise ValueError(f"steer: vector {self.name!r} holds non-finite values")
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+            raise ValueError(f"steer: alpha must be a finite number, got {alpha!r}")
+
+
 @dataclass(frozen=True)
 class RequestParams:
     """How one prompt is continued, in `generate` and in the serving engine alike. The default
@@ -44,6 +65,9 @@ class RequestParams:
     length_penalty: float = 1.0  # beam score = sum log p / length^length_penalty
     logprobs: int | None = None  # the engine: each token's log-probability and the n likeliest
     capture: tuple[str, ...] = ()  # the engine: hook sites kept for this request's rows
+    steer: tuple[Steer, ...] = ()  # the engine: vectors added at sites, this request's rows only
+    ablate: tuple[str, ...] = ()  # the engine: heads zeroed for this request ("blocks.3.attn.head.2")
+    lens: int | None = None  # the engine: the logit lens's top-k per residual and position
 
     def __post_init__(self) -> None:
         _integer("max_new_tokens", self.max_new_tokens, 1)
@@ -74,6 +98,15 @@ class RequestParams:
             raise ValueError(f"capture: a tuple of hook site names, got {self.capture!r}")
         if self.capture and self.beams > 1:
             raise ValueError("capture: not with beams (each beam computes other rows)")
+        if not isinstance(self.steer, tuple) or any(not isinstance(s, Steer) for s in self.steer):
+            raise ValueError(f"steer: a tuple of Steer, got {self.steer!r}")
+        if not isinstance(self.ablate, tuple) or any(not isinstance(s, str) for s in self.ablate):
+            raise ValueError(f"ablate: a tuple of head names (blocks.3.attn.head.2), got {self.ablate!r}")
+        if self.lens is not None:
+            _integer("lens", self.lens, 1)
+        for name in ("steer", "ablate", "lens"):
+            if getattr(self, name) not in ((), None) and self.beams > 1:
+                raise ValueError(f"{name}: not with beams (each beam computes other rows)")
 
     @classmethod
     def from_fields(cls, **fields: Any) -> RequestParams:
@@ -114,6 +147,10 @@ class GenerationConfig(RequestParams):
             raise ValueError("logprobs: only the serving engine reports log-probabilities")
         if self.capture:
             raise ValueError("capture: the serving engine's; generate's sites are glassformer.trace's")
+        for name in ("steer", "ablate", "lens"):
+            if getattr(self, name) not in ((), None):
+                raise ValueError(f"{name}: the serving engine's; generate steers with "
+                                 "glassformer.interpret.steer.steered (the whole batch)")
 
 
 @dataclass
@@ -131,6 +168,9 @@ class GenerationResult:
     # the engine's capture: site -> the tensor the request's rows gave it, positions 0..T-1 of
     # prompt + generated[:-1] along the site's token axis (glassformer.trace's layout, batch 1)
     captured: dict[str, torch.Tensor] | None = None
+    # the engine's lens (RequestParams.lens): token ids and probabilities, each (sites, T, k),
+    # sites as interpret.lens.residual_sites, positions as `captured`'s
+    lens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def n_generated(self) -> int:
@@ -147,8 +187,10 @@ class GenerationResult:
     def to_dict(self) -> dict:
         captured = None if self.captured is None else {
             site: tensor.tolist() for site, tensor in self.captured.items()}
+        lens = None if self.lens is None else {"ids": self.lens[0].tolist(), "probs": self.lens[1].tolist()}
         return asdict(self) | {
             "captured": captured,
+            "lens": lens,
             "n_generated": self.n_generated,
             "prefill_tokens_per_second": self.prefill_tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,

@@ -28,7 +28,8 @@ from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import FastDecoder
 from ..model.layers.positions import rope_cos_sin
 from ..model.transformer import Transformer
-from .capture import capture_hooks
+from .capture import LensRows, capture_hooks
+from .interventions import edit_hooks, uses_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView, Part, slots_of
 from .row_tiles import row_invariant
@@ -88,7 +89,7 @@ class ModelRunner:
         self.pool.reserve(1 + max((b for seq, _ in plan.scheduled for b in seq.block_table), default=-1))
         self.pool.copy_blocks(plan.copies)
         fused = self._fused()
-        fast = [fused is not None and n == 1 and not seq.params.capture for seq, n in plan.scheduled]
+        fast = [fused is not None and n == 1 and not uses_hooks(seq.params) for seq, n in plan.scheduled]
         decoding = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
         others = [part for part, ok in zip(plan.scheduled, fast, strict=True) if not ok]
         hidden = {}  # id(request) -> its last row's final hidden state (d,)
@@ -121,7 +122,7 @@ class ModelRunner:
             context = seq.num_computed + n
             slots = slots_of(seq.block_table, context, self.pool.block_size)
             parts.append(Part(len(ids), n, slots))
-            if seq.params.capture:
+            if uses_hooks(seq.params):  # it captures, reads the lens, steers or ablates
                 capturing.append((seq, len(ids), n, seq.num_computed))
             ids += seq.tokens[seq.num_computed : context]
             positions += range(seq.num_computed, context)
@@ -133,10 +134,14 @@ class ModelRunner:
         rope = None
         if self.rope is not None:  # (1, 1, N, d_head) each
             rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
-        with self.layers.hooks.installed(capture_hooks(capturing)):
+        lens, hooks = LensRows(self.model.config, capturing), self.layers.hooks
+        # the edits first: a site's capture and lens keep what the next module reads
+        with hooks.installed(edit_hooks(self.model.config, capturing)), \
+                hooks.installed(capture_hooks(capturing)), hooks.installed(lens.hooks()):
             x = self.layers.embed(ids_t, pos_t)  # (1, N, d)
             for block in self.layers.blocks:
                 x = block(x, None, rope, view)
+        lens.read(self.model)
         return {key: x[0, row] for key, row in ends.items()}
 
     def _run_fused(self, scheduled: Scheduled, fused: FastDecoder) -> dict[int, torch.Tensor]:

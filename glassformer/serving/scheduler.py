@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .interventions import changes, uses_hooks
 from .sequence import Sequence, Status
 
 
@@ -101,7 +102,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_batch and not plan.preempted:
             seq = self.waiting[0]
-            if not seq.block_table and not seq.params.capture:  # a capture sees every row
+            if not seq.block_table and not uses_hooks(seq.params):  # a hook sees every row
                 self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._reserve(seq, n, plan):
@@ -120,7 +121,8 @@ class Scheduler:
         ready = []
         for seq, n in plan.scheduled:
             seq.num_computed += n
-            self.blocks.register(seq)
+            if not changes(seq.params):  # steered or ablated keys are that request's own
+                self.blocks.register(seq)
             if seq.num_computed == seq.num_tokens:
                 ready.append(seq)
         return ready
