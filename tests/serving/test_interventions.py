@@ -99,8 +99,10 @@ def test_other_rows_are_bitwise_unchanged_and_alpha_zero_is_no_steer(tiny, promp
     v = _vector(model)
     steering = RequestParams(max_new_tokens=8, eos_ids=(), logprobs=2,
                              steer=(Steer("blocks.1.resid_mid", v, 4.0),), ablate=("blocks.1.attn.head.0",))
-    zero = RequestParams(max_new_tokens=8, eos_ids=(), logprobs=2, steer=(Steer("blocks.1.resid_mid", v, 0.0),))
-    without, with_steer, with_zero = (_events(model, todo, [plain, p, plain]) for p in (plain, steering, zero))
+    zero = RequestParams(max_new_tokens=8, eos_ids=(), logprobs=2,
+                         steer=(Steer("blocks.1.resid_mid", v, 0.0),))
+    runs = (_events(model, todo, [plain, p, plain]) for p in (plain, steering, zero))
+    without, with_steer, with_zero = runs
     for i in (0, 2):
         assert with_steer[i] == without[i]
     assert with_zero == without
@@ -122,7 +124,8 @@ def test_steered_blocks_stay_out_of_the_prefix_cache(tiny, prompts):
     model = tiny()
     prompt = prompts([12])[0]
     plain = RequestParams(max_new_tokens=4, eos_ids=(), logprobs=1)
-    steering = RequestParams(max_new_tokens=4, eos_ids=(), steer=(Steer("blocks.0.resid_pre", _vector(model), 3.0),))
+    steering = RequestParams(max_new_tokens=4, eos_ids=(),
+                             steer=(Steer("blocks.0.resid_pre", _vector(model), 3.0),))
     engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64))
     engine.submit(prompt, steering)
     engine.run_until_done()
