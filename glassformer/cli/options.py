@@ -190,6 +190,10 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
     _flag("--rope-factor", type=positive, default=None,
           help="new context / original context (default: generate 2; train: the run's)"),
     _flag("--prompt-file", default=None, help="read the prompt from this UTF-8 file"),
+    _flag("--steer", action="append", default=None, metavar="SPEC",
+          help="a steering vector file (glassformer steer build): generate PATH[:ALPHA] adds "
+               "ALPHA (default 1) x the vector at its site for every token; serve NAME=PATH "
+               "registers it under NAME for requests to steer with"),
     *_engine_flags(),
 )})
 
