@@ -117,3 +117,19 @@ def test_cli_reports_bad_input_in_one_line(files, capsys, argv, message, tmp_pat
     assert main(base + argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+@pytest.mark.parametrize("spec, message", [("joy", "give NAME=PATH"),
+                                           ("joy=missing.safetensors", "not a steering")])
+def test_serve_refuses_a_bad_steer_before_loading(files, capsys, spec, message):
+    _, checkpoint = files
+    assert main(["serve", "--model", str(checkpoint), "--steer", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_generate_refuses_a_bad_alpha(files, capsys):
+    folder, checkpoint = files
+    spec = f"{folder / 'v.safetensors'}:nan"  # ALPHA is checked before the file is read
+    assert main(["generate", "--model", str(checkpoint), "hi", "--steer", spec]) == 2
+    assert "ALPHA" in capsys.readouterr().err
