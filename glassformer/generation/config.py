@@ -119,7 +119,7 @@ class RequestParams:
             raise ValueError(f"{unknown[0]}: unknown setting; use {sorted(own | sampling)}")
         if isinstance(fields.get("stop"), str):
             fields["stop"] = (fields["stop"],)
-        for name in ("stop", "eos_ids"):
+        for name in ("stop", "eos_ids", "ablate"):
             if isinstance(fields.get(name), list):
                 fields[name] = tuple(fields[name])
         fields.setdefault("temperature", 0.0)
