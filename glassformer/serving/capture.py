@@ -90,9 +90,10 @@ class LensRows:
 
     def read(self, model: Transformer) -> None:
         """Each lens request's top-k per site for this step's positions, kept on the request."""
-        for seq, _, _, position in self.parts:
+        for seq, _, n, position in self.parts:
             lens = top_tokens(model, [self.rows[id(seq), site] for site in self.sites], seq.params.lens)
-            seq.lens.append((position, lens.ids[:, 0], lens.probs[:, 0]))  # (sites, n, k) each
+            for i in range(n):  # by position: a request recomputed after preemption overwrites
+                seq.lens[position + i] = (lens.ids[:, 0, i], lens.probs[:, 0, i])  # (sites, k) each
         self.rows.clear()
 
 
@@ -100,8 +101,8 @@ def lens_of(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The request's lens in position order: token ids and probabilities, (sites, T, k) each."""
     if seq.params.lens is None:
         return None
-    chunks = sorted(seq.lens, key=lambda chunk: chunk[0])
-    return torch.cat([ids for _, ids, _ in chunks], dim=1), torch.cat([p for _, _, p in chunks], dim=1)
+    rows = [seq.lens[p] for p in sorted(seq.lens)]
+    return torch.stack([ids for ids, _ in rows], dim=1), torch.stack([probs for _, probs in rows], dim=1)
 
 
 def capture_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None, tokens: int) -> int:

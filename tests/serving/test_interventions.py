@@ -155,3 +155,17 @@ def test_steering_and_ablation_are_refused_by_name(tiny):
         RequestParams(lens=0)
     with pytest.raises(ValueError, match="^steer: "):
         GenerationConfig(steer=(Steer("blocks.0.resid_post", torch.ones(d), 1.0),))
+
+
+def test_a_lens_request_recomputed_after_preemption_has_each_position_once(tiny, prompts):
+    model = tiny("tiny-gpt2")
+    engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=10, token_budget=8, max_batch=4))
+    params = [RequestParams(max_new_tokens=6, eos_ids=(), lens=2) for _ in range(3)]
+    handles = [engine.submit(p, q) for p, q in zip(prompts([9, 5, 13]), params, strict=True)]
+    engine.run_until_done()
+    assert engine.scheduler.preemptions > 0
+    for handle in handles:
+        result = handle.wait(0)
+        tokens = result.prompt_ids + result.generated_ids[:-1]
+        alone = logit_lens(model, torch.tensor([tokens]), top_k=2)
+        torch.testing.assert_close(result.lens[1], alone.probs[:, 0], atol=1e-5, rtol=1e-5)
