@@ -8,12 +8,26 @@ import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 from ..accel import threads
-from . import chat, compare, experiment, export, fill_mask, generate, info, journey, lens, pull, serve, train
+from . import (
+    chat,
+    compare,
+    experiment,
+    export,
+    fill_mask,
+    generate,
+    info,
+    journey,
+    lens,
+    pull,
+    serve,
+    steer,
+    train,
+)
 from . import eval as evaluate
 
 # Each command module defines add_parser(subparsers) and run(args) -> exit status.
 COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, fill_mask, chat, serve,
-            experiment, lens]
+            experiment, lens, steer]
 
 
 class UserError(Exception):

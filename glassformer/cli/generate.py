@@ -10,8 +10,10 @@ import sys
 import time
 
 from ..accel.quantize import quantize_format, quantize_model
+from ..generation.config import Steer
 from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
+from ..interpret.steer import SteeringVector, steered
 from ..language_model import LanguageModel, load
 from ..serving import RequestParams
 from ..training.lora import apply_adapter, merge_lora
@@ -61,9 +63,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add(parser, "--rope-scaling", "--rope-factor", "--lora", *CONTEXT)
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
-    add(parser, "--json")
+    add(parser, "--json", "--steer")
     add_computing(parser)
     parser.set_defaults(run=run)
+
+
+def _steers(specs: list[str]) -> list[Steer]:
+    """PATH[:ALPHA] each (ALPHA 1 when not given)."""
+    steers = []
+    for spec in specs:
+        path, sep, alpha = spec.rpartition(":")
+        if not sep:
+            path, alpha = spec, "1"
+        try:
+            value = finite(alpha)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(f"--steer: {spec!r}: ALPHA {error}") from None
+        steers.append(SteeringVector.load(path).steer(value, path))
+    return steers
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -110,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
     if convert:
         quantize_model(model, quantize_format(quantize))
     model = model.to(or_default(args.device, "cpu"))
+    with steered(model, _steers(args.steer or [])):  # every token of every prompt (the module path)
+        return _generate(args, model, tokenizer, prompt, config)
+
+
+def _generate(args: argparse.Namespace, model, tokenizer, prompt: str | None,
+              config: GenerationConfig) -> int:
     if args.prompts_file is not None:
         return _run_many(args, LanguageModel(model, tokenizer), config)
     prompt_ids = _prompt_ids(tokenizer, prompt, args.chat)

@@ -217,6 +217,10 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
           help="a LoRA adapter folder (PEFT layout, or a LoRA run): generate folds one into the "
                "weights; serve serves each (repeat the flag) under NAME, which a request's model "
                "field picks (default NAME: the folder's name)"),
+    _flag("--steer", action="append", default=None, metavar="SPEC",
+          help="a steering vector file (glassformer steer build): generate PATH[:ALPHA] adds "
+               "ALPHA (default 1) x the vector at its site for every token; serve NAME=PATH "
+               "registers it under NAME for requests to steer with"),
     *_engine_flags(),
 )})
 

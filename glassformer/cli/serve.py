@@ -43,6 +43,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="browser origins (scheme://host:port) that may call the server besides "
                              "the allowed hosts' pages (others get 403; '*': any)")
     add(parser.add_argument_group("the serving engine"), *ENGINE, *CONTEXT)
+    add(parser, "--steer")
+    parser.add_argument("--max-capture-mb", type=positive, default=64.0,
+                        help="the most one request's trace sites and lens may hold, counted at "
+                             "their full length (more: 400 before it runs)")
     parser.add_argument("--max-queue", type=non_negative_int, default=64,
                         help="requests waiting beyond the batch (then 429)")
     parser.add_argument("--max-request-tokens", type=positive_int, default=1024,
@@ -85,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue,
                           args.max_request_tokens,
                           args.max_body_kb * 1024, args.timeout, args.body_timeout, hosts,
-                          tuple(args.allowed_origins), args.metrics_key, args.header_timeout)
+                          tuple(args.allowed_origins), args.metrics_key, args.header_timeout,
+                          max_capture_mb=args.max_capture_mb)
+    vectors = _steering_vectors(args.steer or [])
     engine = engine_config(args)
     # The engine's threads share the cores with the event loop: one thread waiting for a core
     # that serves HTTP stalls every matrix product of a step (main() configured the threads
@@ -95,9 +101,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--lora: not with --ray (each replica would need its own copy)")
         if or_default(args.device, "cpu") != "cpu":
             raise ValueError("--device: the --ray replicas run on the cpu")
+        if vectors:
+            raise ValueError("--steer: not with --ray (upload vectors: POST /v1/steering_vectors)")
         return _run_on_ray(args, config, engine)
     language_model = load(args.model, quantize=or_default(args.quantize, "none"))
-    app = create_app(language_model.to(or_default(args.device, "cpu")), config, engine, args.thread_policy)
+    app = create_app(language_model.to(or_default(args.device, "cpu")), config, engine, args.thread_policy,
+                     vectors)
     for name, path in args.lora or ():
         if name == config.model_name:
             raise ValueError(f"--lora: {name!r} is the base model's name; give NAME=PATH")
@@ -109,6 +118,19 @@ def run(args: argparse.Namespace) -> int:
                               log_level="info", http=header_limited(config.header_timeout_s))
     _draining(settings, app.state.server, args.grace).run()
     return 0
+
+
+def _steering_vectors(specs: list[str]) -> dict:
+    """NAME=PATH each: the vectors requests may name."""
+    from ..interpret.steer import SteeringVector
+
+    vectors = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--steer: {spec!r}: give NAME=PATH (a file from glassformer steer build)")
+        vectors[name] = SteeringVector.load(path)
+    return vectors
 
 
 def _draining(settings, server, grace: float):

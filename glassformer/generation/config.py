@@ -8,14 +8,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
+
+import torch
 
 from ..model.kv_formats import check_kv_dtype
 from ..model.sink import SinkPolicy
 from .sampling import SamplingConfig
-
-if TYPE_CHECKING:
-    import torch
 
 # "cancelled" and "error" end engine requests only: cancelled by its caller or a shutdown, or
 # failed alone inside a step (the engine and the other requests go on).
@@ -30,6 +29,28 @@ def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
     if value < low or (high is not None and value >= high):
         bound = f">= {low}" if high is None else f"in [{low}, {high})"
         raise ValueError(f"{name}: must be {bound}, got {value!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class Steer:
+    """α × a vector (d_model,) added at a hook site to every row of the request that steers."""
+
+    site: str  # a residual-width site with a token axis, e.g. blocks.3.resid_post
+    vector: torch.Tensor  # (d_model,)
+    alpha: float
+    name: str = ""  # what the vector is called (a server's registry name, a file)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.site, str) or not self.site:
+            raise ValueError(f"steer: site must be a hook site name, got {self.site!r}")
+        vector = self.vector
+        if not isinstance(vector, torch.Tensor) or vector.ndim != 1 or not vector.is_floating_point():
+            raise ValueError("steer: vector must be a 1-D float tensor (d_model,)")
+        if not bool(torch.isfinite(self.vector).all()):
+            raise ValueError(f"steer: vector {self.name!r} holds non-finite values")
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+            raise ValueError(f"steer: alpha must be a finite number, got {alpha!r}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +68,9 @@ class RequestParams:
     logprobs: int | None = None  # the engine: each token's log-probability and the n likeliest
     capture: tuple[str, ...] = ()  # the engine: hook sites kept for this request's rows
     adapter: str | None = None  # the engine: the name of a loaded LoRA adapter (None: the base)
+    steer: tuple[Steer, ...] = ()  # the engine: vectors added at sites, this request's rows only
+    ablate: tuple[str, ...] = ()  # the engine: heads zeroed for this request ("blocks.3.attn.head.2")
+    lens: int | None = None  # the engine: the logit lens's top-k per residual and position
 
     def __post_init__(self) -> None:
         _integer("max_new_tokens", self.max_new_tokens, 1)
@@ -79,6 +103,15 @@ class RequestParams:
             raise ValueError("capture: not with beams (each beam computes other rows)")
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
             raise ValueError(f"adapter: the name of a loaded LoRA adapter or None, got {self.adapter!r}")
+        if not isinstance(self.steer, tuple) or any(not isinstance(s, Steer) for s in self.steer):
+            raise ValueError(f"steer: a tuple of Steer, got {self.steer!r}")
+        if not isinstance(self.ablate, tuple) or any(not isinstance(s, str) for s in self.ablate):
+            raise ValueError(f"ablate: a tuple of head names (blocks.3.attn.head.2), got {self.ablate!r}")
+        if self.lens is not None:
+            _integer("lens", self.lens, 1)
+        for name in ("steer", "ablate", "lens"):
+            if getattr(self, name) not in ((), None) and self.beams > 1:
+                raise ValueError(f"{name}: not with beams (each beam computes other rows)")
 
     @classmethod
     def from_fields(cls, **fields: Any) -> RequestParams:
@@ -91,7 +124,7 @@ class RequestParams:
             raise ValueError(f"{unknown[0]}: unknown setting; use {sorted(own | sampling)}")
         if isinstance(fields.get("stop"), str):
             fields["stop"] = (fields["stop"],)
-        for name in ("stop", "eos_ids"):
+        for name in ("stop", "eos_ids", "ablate"):
             if isinstance(fields.get(name), list):
                 fields[name] = tuple(fields[name])
         fields.setdefault("temperature", 0.0)
@@ -134,6 +167,10 @@ class GenerationConfig(RequestParams):
                              "to the model (training.lora.apply_adapter)")
         if self.capture:
             raise ValueError("capture: the serving engine's; generate's sites are glassformer.trace's")
+        for name in ("steer", "ablate", "lens"):
+            if getattr(self, name) not in ((), None):
+                raise ValueError(f"{name}: the serving engine's; generate steers with "
+                                 "glassformer.interpret.steer.steered (the whole batch)")
 
 
 @dataclass
@@ -151,6 +188,9 @@ class GenerationResult:
     # the engine's capture: site -> the tensor the request's rows gave it, positions 0..T-1 of
     # prompt + generated[:-1] along the site's token axis (glassformer.trace's layout, batch 1)
     captured: dict[str, torch.Tensor] | None = None
+    # the engine's lens (RequestParams.lens): token ids and probabilities, each (sites, T, k),
+    # sites as interpret.lens.residual_sites, positions as `captured`'s
+    lens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def n_generated(self) -> int:
@@ -167,8 +207,10 @@ class GenerationResult:
     def to_dict(self) -> dict:
         captured = None if self.captured is None else {
             site: tensor.tolist() for site, tensor in self.captured.items()}
+        lens = None if self.lens is None else {"ids": self.lens[0].tolist(), "probs": self.lens[1].tolist()}
         return asdict(self) | {
             "captured": captured,
+            "lens": lens,
             "n_generated": self.n_generated,
             "prefill_tokens_per_second": self.prefill_tokens_per_second,
             "decode_tokens_per_second": self.decode_tokens_per_second,

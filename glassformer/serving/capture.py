@@ -7,15 +7,22 @@ own rows, by position. Requests that asked for nothing are computed exactly as w
 hooks (a hook that returns None changes nothing), and a step where no request asks installs
 none. The sites with a token axis are captured (glassformer.trace lists them with their
 dimensions); the attention weights, the final norm and the logits are not.
+
+The lens (`RequestParams.lens`, top-k) keeps a request's residual rows (interpret/lens.py's
+residual_sites) for the length of one step and reads them out after the blocks through
+interpret/lens.py's top_tokens: each layer's top-k tokens and probabilities per position,
+computed from the residuals the step produced for that request.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..interpret.trace import EMBED_SITES, LAYER_SITES, site_names
+from ..interpret.lens import residual_sites, top_tokens
+from ..interpret.trace import EMBED_SITES, LAYER_SITES, site_dims, site_names
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
+from ..model.transformer import Transformer
 from .sequence import Sequence
 
 
@@ -75,3 +82,54 @@ def new_rows(seq: Sequence) -> dict[str, torch.Tensor] | None:
 def _stacked(site: str, rows: dict[int, torch.Tensor], positions) -> torch.Tensor:
     """The rows at `positions` on the site's token axis, with a batch of 1."""
     return torch.stack([rows[p] for p in positions], dim=token_axis(site) - 1)[None]
+class LensRows:
+    """The residual rows of the step's requests that read the lens, kept while the blocks run
+    (`hooks`), then read out through the model's final norm and head (`read`)."""
+
+    def __init__(self, config: ModelConfig, parts: list[tuple[Sequence, int, int, int]]) -> None:
+        self.parts = [part for part in parts if part[0].params.lens is not None]
+        self.sites = residual_sites(config)
+        self.rows: dict[tuple[int, str], torch.Tensor] = {}  # (id(request), site) -> (1, n, d)
+
+    def hooks(self) -> dict[str, HookFn]:
+        if not self.parts:
+            return {}
+
+        def keep(tensor: torch.Tensor, site: str) -> None:
+            for seq, start, n, _ in self.parts:
+                self.rows[id(seq), site] = tensor[:, start : start + n].clone()  # (1, n, d)
+
+        return dict.fromkeys(self.sites, keep)
+
+    def read(self, model: Transformer) -> None:
+        """Each lens request's top-k per site for this step's positions, kept on the request."""
+        for seq, _, n, position in self.parts:
+            lens = top_tokens(model, [self.rows[id(seq), site] for site in self.sites], seq.params.lens)
+            for i in range(n):  # by position: a request recomputed after preemption overwrites
+                seq.lens[position + i] = (lens.ids[:, 0, i], lens.probs[:, 0, i])  # (sites, k) each
+        self.rows.clear()
+
+
+def lens_of(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The request's lens in position order: token ids and probabilities, (sites, T, k) each."""
+    if seq.params.lens is None:
+        return None
+    rows = [seq.lens[p] for p in sorted(seq.lens)]
+    return torch.stack([ids for ids, _ in rows], dim=1), torch.stack([probs for _, probs in rows], dim=1)
+
+
+def capture_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None, tokens: int) -> int:
+    """An upper bound on what a request's capture and lens hold over `tokens` positions, as
+    float32 (token ids as int64): every site's tensor at full length."""
+    sizes = {"batch": 1, "pos": tokens, "query": tokens, "key": tokens, "head": config.n_heads,
+             "kv_head": config.kv_heads, "d_head": config.head_dim, "d_model": config.d_model,
+             "d_ff": config.ff_dim, "vocab": config.vocab_size}
+    total = 0
+    for site in sites:
+        elements = 1
+        for dim in site_dims(site):
+            elements *= sizes[dim]
+        total += 4 * elements
+    if lens is not None:
+        total += (4 + 8) * len(residual_sites(config)) * tokens * min(lens, config.vocab_size)
+    return total

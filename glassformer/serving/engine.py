@@ -34,8 +34,9 @@ from ..model.transformer import Transformer
 from .adapters import Adapters
 from .beam import BeamGroup
 from .block_manager import BlockManager
-from .capture import captured, check_capture, new_rows
+from .capture import captured, check_capture, lens_of, new_rows
 from .handle import Event, RequestHandle, TokenLogprobs
+from .interventions import check_edits
 from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION
 from .runner import CAPABILITIES, ModelRunner
@@ -144,6 +145,7 @@ class Engine:
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be integers in 0..{mc.vocab_size - 1}")
         check_capture(mc, params.capture)
+        check_edits(mc, params)
         if params.logprobs is not None and params.logprobs > mc.vocab_size:
             raise ValueError(f"logprobs: at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")
         slots = self.config.sink.capacity if self.config.sink else mc.context_length
@@ -368,6 +370,7 @@ class Engine:
             decode_steps=max(len(seq.generated) - 1, 0),
             stop_string=None if seq.text is None else seq.text.stop_string,
             captured=captured(seq),
+            lens=lens_of(seq),
         )
 
 

@@ -36,7 +36,8 @@ from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters, itself
-from .capture import capture_hooks
+from .capture import LensRows, capture_hooks
+from .interventions import edit_hooks, uses_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView, Part, slots_of
 from .row_tiles import row_invariant
@@ -105,7 +106,7 @@ class ModelRunner:
         self.pool.reserve(1 + max((b for seq, _ in plan.scheduled for b in seq.block_table), default=-1))
         self.pool.copy_blocks(plan.copies)
         fused = self._fused()
-        fast = [fused is not None and n == 1 and not seq.params.capture and seq.params.adapter is None
+        fast = [fused is not None and n == 1 and not uses_hooks(seq.params) and seq.params.adapter is None
                 for seq, n in plan.scheduled]
         decoding = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
         others = [part for part, ok in zip(plan.scheduled, fast, strict=True) if not ok]
@@ -140,7 +141,7 @@ class ModelRunner:
             context = seq.num_computed + n
             slots = self._slots(seq, context)  # (L,) what its queries see, new ones last
             parts.append(Part(len(ids), n, slots))
-            if seq.params.capture:
+            if uses_hooks(seq.params):  # it captures, reads the lens, steers or ablates
                 capturing.append((seq, len(ids), n, seq.num_computed))
             if seq.params.adapter is not None:
                 adapted.setdefault(seq.params.adapter, []).extend(range(len(ids), len(ids) + n))
@@ -155,10 +156,15 @@ class ModelRunner:
         rope = None
         if self.rope is not None:  # (1, 1, N, d_head) each
             rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
-        with self.layers.hooks.installed(capture_hooks(capturing)), self._adapted(adapted):
+        lens, hooks = LensRows(self.model.config, capturing), self.layers.hooks
+        # the edits first: a site's capture and lens keep what the next module reads
+        with hooks.installed(edit_hooks(self.model.config, capturing)), \
+                hooks.installed(capture_hooks(capturing)), hooks.installed(lens.hooks()), \
+                self._adapted(adapted):
             x = self.layers.embed(ids_t, pos_t)  # (1, N, d)
             for block in self.layers.blocks:
                 x = block(x, None, rope, view)
+        lens.read(self.model)
         return {key: x[0, row] for key, row in ends.items()}
 
     def _slots(self, seq: Sequence, context: int) -> torch.Tensor:

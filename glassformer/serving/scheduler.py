@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ..model.sink import SinkPolicy
 from .block_manager import BlockManager
+from .interventions import changes, uses_hooks
 from .sequence import Sequence, Status
 
 
@@ -111,7 +112,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_batch and not plan.preempted:
             seq = self.waiting[0]
-            if not seq.block_table and not seq.params.capture:  # a capture sees every row
+            if not seq.block_table and not uses_hooks(seq.params):  # a hook sees every row
                 self.blocks.match_prefix(seq)
             n = self._chunk(seq, budget)
             if not self._reserve(seq, n, plan):
@@ -136,7 +137,8 @@ class Scheduler:
         ready = []
         for seq, n in plan.scheduled:
             seq.num_computed += n
-            self.blocks.register(seq)
+            if not changes(seq.params):  # steered or ablated keys are that request's own
+                self.blocks.register(seq)
             if seq.num_computed == seq.num_tokens:
                 ready.append(seq)
         return ready

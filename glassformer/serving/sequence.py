@@ -52,6 +52,8 @@ class Sequence:
         self.group = None  # the BeamGroup this sequence is a member of
         # capture: site -> position -> the site's tensor for that row (its token axis removed)
         self.captured: dict[str, dict[int, torch.Tensor]] = {site: {} for site in params.capture}
+        # lens: position -> the top-k token ids and probabilities there, (sites, k) each
+        self.lens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def num_tokens(self) -> int:

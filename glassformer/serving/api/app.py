@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import sys
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
@@ -18,13 +19,15 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ...accel.threads import ThreadPolicy
+from ...interpret.steer import SteeringVector
 from ...language_model import LanguageModel
 from .. import EngineConfig
 from . import errors, lora, ui, ui_live
 from .errors import APIError
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, SteeringVectorUpload
 from .server import Server, ServerConfig
+from .steering import uploaded
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -35,10 +38,11 @@ SWITCH_INTERVAL_S = 5e-4
 
 
 def create_app(language_model: LanguageModel, config: ServerConfig, engine: EngineConfig | None = None,
-               threads: ThreadPolicy | None = None) -> FastAPI:
+               threads: ThreadPolicy | None = None,
+               steering: Mapping[str, SteeringVector] | None = None) -> FastAPI:
     """`threads`: the process's thread policy, revisited by the engine's loop (none: torch's
-    thread count is left alone)."""
-    server = Server(language_model, engine or EngineConfig(), config, threads)
+    thread count is left alone). `steering`: named vectors requests may steer with."""
+    server = Server(language_model, engine or EngineConfig(), config, threads, steering)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -104,11 +108,26 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
         authorize(request)
         return await server.answer(request, await server.parse(request, ChatCompletionRequest), chat=True)
 
+    @app.get("/v1/steering_vectors")
+    async def steering_vectors(request: Request) -> dict:
+        authorize(request)
+        return {"object": "list", "data": server.steering.listing()}
+
+    @app.post("/v1/steering_vectors")
+    async def upload_steering_vector(request: Request) -> dict:
+        authorize(request)
+        body = await server.parse(request, SteeringVectorUpload)
+        try:
+            server.steering.add(body.name, uploaded(body.name, body.site, body.vector))
+        except ValueError as error:
+            raise APIError(400, str(error), str(error).split(":")[0], "invalid_value") from None
+        return {"object": "steering_vector", "id": body.name, "site": body.site, "width": len(body.vector)}
+
     return app
 
 
 ROUTES = ("/health", "/metrics", "/ui", "/ui/state", "/ui/requests", "/v1/models", "/v1/completions",
-          "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+          "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/steering_vectors")
 
 
 def host_name(value: str) -> str:

@@ -25,12 +25,37 @@ class StreamOptions(Strict):
     include_usage: StrictBool = False
 
 
+class SteerField(Strict):
+    """α × a named steering vector added at a site (the vector's own by default)."""
+
+    vector: str = Field(min_length=1)
+    site: str | None = None
+    alpha: Annotated[float, Field(allow_inf_nan=False)]
+
+
+class LensField(Strict):
+    top_k: Annotated[StrictInt, Field(ge=1, le=20)] = 5
+
+
 class Glassformer(Strict):
     """Settings beyond OpenAI's, under the request's `glassformer` key."""
 
     ignore_eos: StrictBool = False
     trace: Annotated[list[str], Field(max_length=8)] = []  # hook sites returned for this request
     ui: StrictBool = False  # watched on the live page (/ui): captures its residuals, queries and keys
+    steer: Annotated[list[SteerField], Field(max_length=8)] = []  # for this request's rows only
+    ablate: Annotated[list[str], Field(max_length=64)] = []  # heads zeroed: blocks.3.attn.head.2
+    lens: LensField | None = None  # each layer's top-k tokens per position, returned at the end
+
+
+class SteeringVectorUpload(Strict):
+    """POST /v1/steering_vectors: a vector for the served model, under a name requests use."""
+
+    model: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=64)
+    site: str = Field(min_length=1)
+    vector: Annotated[list[Annotated[float, Field(allow_inf_nan=False)]],
+                      Field(min_length=1, max_length=65536)]
 
 
 class SamplingFields(Strict):
@@ -81,6 +106,8 @@ class SamplingFields(Strict):
             eos_ids=() if self.glassformer.ignore_eos or eos_id is None else (eos_id,),
             logprobs=self.logprob_count,
             capture=tuple(site for site in self.glassformer.trace if token_axis(site) is not None),
+            ablate=tuple(self.glassformer.ablate),
+            lens=None if self.glassformer.lens is None else self.glassformer.lens.top_k,
         )
 
     @property

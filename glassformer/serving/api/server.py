@@ -11,7 +11,7 @@ the next step. A shutdown past its grace ends every running request in OpenAI's 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import jinja2
@@ -21,14 +21,19 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from ...accel.threads import ThreadPolicy
+from ...generation.config import GenerationResult
+from ...interpret.lens import Lens, residual_sites
+from ...interpret.lens_page import lens_data
+from ...interpret.steer import SteeringVector
 from ...language_model import LanguageModel
 from .. import Engine, EngineConfig, Event, RequestHandle
-from ..capture import token_axis
+from ..capture import capture_bytes, token_axis
 from ..engine import CapacityError
 from . import errors, responses
 from .errors import APIError
 from .metrics import ServerMetrics
 from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, SamplingFields, Usage, new_id, now
+from .steering import SteeringVectors
 from .tracing import Tracer
 from .ui_live import Live, Watch, live_sites
 
@@ -48,13 +53,14 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins beyond the allowed hosts' ("*": any)
     metrics_need_key: bool = False  # whether /metrics also needs the API key
     header_timeout_s: float = 10.0  # headers not whole by then get 408 and the connection closes
+    max_capture_mb: float = 64.0  # most one request's trace sites and lens may hold; more get 400
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_tokens", "max_body_bytes"):
             value, low = getattr(self, name), 0 if name == "max_queue" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
-        for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s"):
+        for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s", "max_capture_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
@@ -77,8 +83,10 @@ class Server:
     """The app's state: the engine, the limits and the requests admitted."""
 
     def __init__(self, language_model: LanguageModel, engine: EngineConfig, config: ServerConfig,
-                 threads: ThreadPolicy | None = None) -> None:
+                 threads: ThreadPolicy | None = None,
+                 steering: Mapping[str, SteeringVector] | None = None) -> None:
         self.language_model, self.config = language_model, config
+        self.steering = SteeringVectors(language_model.config, steering)
         self.engine = Engine(language_model.model, language_model.tokenizer, engine, threads,
                              language_model.source or None)
         self.metrics = ServerMetrics(self.engine)
@@ -144,6 +152,7 @@ class Server:
             raise APIError(429, "the server is busy; retry shortly", code="queue_full",
                            headers={"Retry-After": "1"})
         limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
+        self.check_capture_size(fields, min(len(ids) + limit, context))
         try:
             params = fields.params(limit, self.language_model.tokenizer.eos_id)
             if fields.glassformer.ui:
@@ -151,6 +160,7 @@ class Server:
                 params = replace(params, capture=tuple(dict.fromkeys(params.capture + watched)))
             if fields.model != self.config.model_name:  # one of the LoRA adapters (parse)
                 params = replace(params, adapter=fields.model)
+            params = replace(params, steer=self.steering.steers(fields.glassformer.steer))
             handle = self.engine.submit(ids, params)
         except CapacityError as error:
             message = str(error).replace("the engine holds", "the server holds")
@@ -163,6 +173,18 @@ class Server:
         self._guards.add(guard)
         guard.add_done_callback(self._guards.discard)
         return handle, admission
+
+    def check_capture_size(self, fields: SamplingFields, tokens: int) -> None:
+        """400 for a request whose trace sites and lens would hold more than max_capture_mb."""
+        asked = fields.glassformer
+        lens = None if asked.lens is None else asked.lens.top_k
+        size = capture_bytes(self.language_model.config, tuple(asked.trace), lens, tokens)
+        most = self.config.max_capture_mb
+        if size > most * 2**20:
+            raise APIError(400, f"glassformer: the trace and lens would hold {size / 2**20:.1f} MB over "
+                                f"{tokens} tokens; this server allows {most:g} MB per request "
+                                "(--max-capture-mb): ask fewer sites or tokens", "glassformer",
+                           "capture_too_large")
 
     async def _guard(self, handle: RequestHandle, request: Request, admission: Admission) -> None:
         """Holds the request's admission until its reader is done; cancels it in the engine as
@@ -252,16 +274,20 @@ class Server:
 
         async def extra() -> dict:
             """The trace sites' tensors for this request's tokens, once it has finished: those
-            the engine kept in its steps, and the rest from a run of the request alone."""
-            if not sites or handle.result is None:
+            the engine kept in its steps, and the rest from a run of the request alone; the
+            lens the engine read in its steps."""
+            if handle.result is None:
                 return {}
+            lens = {} if handle.result.lens is None else {"lens": self.lens_json(handle.result)}
+            if not sites:
+                return {"glassformer": lens} if lens else {}
             kept = {site: t for site, t in (handle.result.captured or {}).items() if site in sites}
             trace = {site: tensor[0].float().tolist() for site, tensor in kept.items()}
             rest = [site for site in sites if site not in kept]
             if rest:
                 read = handle.result.prompt_ids + handle.result.generated_ids[:-1]
                 trace |= await asyncio.to_thread(self.tracer.run, read, rest)
-            return {"glassformer": {"trace": trace}}
+            return {"glassformer": {"trace": trace, **lens}}
 
         def usage() -> dict:
             generated = len(handle.result.generated_ids) if handle.result is not None else 0
@@ -297,6 +323,16 @@ class Server:
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+
+    def lens_json(self, result: GenerationResult) -> dict:
+        """The request's lens as `glassformer lens --json` prints one: per residual stream and
+        position (the tokens the model read), the top-k tokens and their probabilities."""
+        ids, probs = result.lens  # (sites, T, k) each
+        read = result.prompt_ids + result.generated_ids[:-1]
+        lens = Lens(tuple(residual_sites(self.language_model.config)), ids[:, None], probs[:, None])
+        decode = self.language_model.tokenizer.decode
+        return lens_data(lens, read, lambda i: decode([i]), tuned=False)
 
 
 async def _read(request: Request, limit: int) -> bytes:

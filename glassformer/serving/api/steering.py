@@ -1,0 +1,65 @@
+"""The server's named steering vectors: registered at start (`serve --steer NAME=PATH`) or
+uploaded behind the API key (`POST /v1/steering_vectors`). A request names one
+(`"glassformer": {"steer": [{"vector": NAME, "alpha": 4.0}]}`, at the vector's own site unless
+it names another) and the engine adds α × vector to that request's rows only."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping
+
+import torch
+
+from ...generation.config import Steer
+from ...interpret.steer import SteeringVector, check_steer
+from ...model.config import ModelConfig
+from .protocol import SteerField
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MOST = 256  # vectors one server keeps
+
+
+class SteeringVectors:
+    def __init__(self, config: ModelConfig, vectors: Mapping[str, SteeringVector] | None = None) -> None:
+        self.config = config
+        self._vectors: dict[str, SteeringVector] = {}
+        self._lock = threading.Lock()
+        for name, vector in (vectors or {}).items():
+            self.add(name, vector)
+
+    def add(self, name: str, vector: SteeringVector) -> None:
+        """Register (or replace) a vector; ValueError naming the field for one this model cannot take."""
+        if not NAME.fullmatch(name):
+            raise ValueError(f"name: {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        check_steer(self.config, [vector.steer(1.0, name)])
+        with self._lock:
+            if name not in self._vectors and len(self._vectors) >= MOST:
+                raise ValueError(f"name: this server keeps at most {MOST} steering vectors")
+            self._vectors[name] = vector
+
+    def steers(self, fields: list[SteerField]) -> tuple[Steer, ...]:
+        """The request's steers, each vector looked up by name."""
+        with self._lock:
+            known = dict(self._vectors)
+        steers = []
+        for field in fields:
+            if field.vector not in known:
+                raise ValueError(f"steer: no steering vector named {field.vector!r} on this server "
+                                 f"(GET /v1/steering_vectors lists {len(known)})")
+            vector = known[field.vector]
+            steers.append(Steer(field.site or vector.site, vector.vector, field.alpha, field.vector))
+        return tuple(steers)
+
+    def listing(self) -> list[dict]:
+        with self._lock:
+            return [{"object": "steering_vector", "id": name, "site": v.site, "width": v.vector.shape[0],
+                     "model": v.model} for name, v in self._vectors.items()]
+
+
+def uploaded(name: str, site: str, values: list[float]) -> SteeringVector:
+    """A vector sent as numbers; ValueError naming `vector` for a non-finite one."""
+    vector = torch.tensor(values, dtype=torch.float32)  # (d,)
+    if not bool(torch.isfinite(vector).all()):
+        raise ValueError("vector: every value must be finite (also in float32)")
+    return SteeringVector(vector, site, "uploaded")
