@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import build_model
+from .chat_tokenizer import ChatTokenizer
 from .files import read_json_object
 from .tokenizers import load_tokenizer
 from .validate import check_model
@@ -223,7 +224,12 @@ class Checkpoint:
             raise ValueError(f"{folder / 'config.json'}: {error}") from None
 
     def tokenizer(self):
-        return load_tokenizer(self.folder / "tokenizer.json")
+        """The run's tokenizer; a chat model's keeps its template (ChatTokenizer)."""
+        path = self.folder / "tokenizer.json"
+        side = self.folder / "tokenizer_config.json"
+        if side.is_file() and isinstance(read_json_object(side).get("chat_template"), str):
+            return ChatTokenizer.load(path)
+        return load_tokenizer(path)
 
     def load_weights(self, model: torch.nn.Module, device: str | torch.device = "cpu") -> None:
         load_weights(model, self.folder / "model.safetensors", device)

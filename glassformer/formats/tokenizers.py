@@ -207,10 +207,6 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None,
     side = path.with_name("tokenizer_config.json")
     if side.is_file():
         config = read_json_object(side)
-        if isinstance(config.get("chat_template"), str) and not (eos_token or bos_token):
-            from .chat_tokenizer import ChatTokenizer  # it builds on this module
-
-            return ChatTokenizer.load(path)  # a chat model keeps its template
         eos_token = eos_token or token_text(config.get("eos_token"))
         bos_token = bos_token or token_text(config.get("bos_token"))
     return HFTokenizer.load(path, eos_token, bos_token)

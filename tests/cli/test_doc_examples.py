@@ -41,6 +41,7 @@ SKIPPED = (
                                             "tests/interpret/test_compare.py"),
     ("glassformer export --model smollm2", "writes 540 MB: tests/formats/test_export_bert.py"),
     ("from openai import", "a client of a running server: tests/serving/api"),
+    ("curl ", "a client of a running server: tests/serving/api calls the same routes"),
 )
 # What each command is given beyond the example, to stay small (later flags win).
 SMALL = {
