@@ -2,7 +2,8 @@
 
 A secret number (recall_tasks.py) is hidden at depths 0–100% of Shakespeare, in prompts of
 L tokens (the answer's tokens included) from 256 up to 8× the model's window; the question
-comes last, and the answer counts when the number appears in the greedy continuation.
+comes last, and the answer counts when the number appears in the first line of the greedy
+continuation (a multi-key answer often goes on to list the other needles).
 Multi-key hides four needles and asks for one. Each (model, task, reading, KV dtype, L) is
 one cell over every depth, run through the serving engine with that KV dtype. A reading is
 how a text longer than the window is read:
@@ -155,7 +156,7 @@ def answers(model: Transformer, tokenizer, prompt_ids: list[list[int]], kv_dtype
     engine = Engine(model, tokenizer, EngineConfig(
         kv_dtype=kv_dtype, n_blocks=-(-longest // 16) + 1, block_size=16, max_batch=1,
         token_budget=512, prefix_caching=False, batch_invariant=False))
-    params = RequestParams(max_new_tokens=ANSWER_TOKENS, eos_ids=None)
+    params = RequestParams(max_new_tokens=ANSWER_TOKENS, stop=("\n",))  # the answer's first line
     handles = [engine.submit(p, params) for p in prompt_ids]
     engine.run_until_done()
     return [h.wait(0).text for h in handles]

@@ -8,7 +8,7 @@ The needle asked for starts at token k = round(depth · (n_document − n_needle
 document (depth 0: its first token, 1: it ends the document). Multi-key prompts hide several
 needles (other cities, other numbers) at seeded depths and ask for one. Pieces are joined as
 token ids, so the length is exact for any tokenizer. A model answers correctly when the
-number appears in its greedy continuation. A vocabulary without digits (the character
+number appears in its answer. A vocabulary without digits (the character
 models' Shakespeare has only '3') gets the number spelled digit by digit.
 """
 

@@ -6,12 +6,12 @@ chunks that answer the question.
         prompt = c_(i1) … c_(ik) + q          i1 < … < ik, |prompt| ≤ the window
 
 Two rankings, and their fusion:
-- BM25 (the `bm25s` library) over the chunks' words. For a query word t in chunk c,
-      score(c) = Σ_t idf(t) · f(t, c) · (k1 + 1) / (f(t, c) + k1 · (1 − b + b · |c| / avgdl))
+- BM25 (the `bm25s` library, its Lucene variant) over the chunks' words (lower-cased runs of
+  two or more letters or digits, English stop words dropped). Over the query's words t,
+      score(c) = Σ_t idf(t) · f(t, c) / (f(t, c) + k1 · (1 − b + b · |c| / avgdl))
   with f(t, c) the count of t in c, |c| the chunk's words, avgdl their mean over the chunks,
-  k1 = 1.5, b = 0.75 and idf(t) = ln(1 + (n − n_t + 0.5) / (n_t + 0.5)), n_t the chunks
-  holding t: rare words that recur in a chunk count most; common words (and stop words,
-  dropped) count little.
+  k1 = 1.5, b = 0.75 and idf(t) = ln(1 + (n − n_t + 0.5) / (n_t + 0.5)), n_t of the n chunks
+  holding t: rare words that recur in a chunk count most, common words little.
 - The model's own embedding: the final hidden states of a text, mean-pooled over its
   tokens, e(x) = (1/T) Σ_t h_t(x) (d,), and the chunk's score is the cosine
       cos(c, q) = e(c) · e(q) / (‖e(c)‖ ‖e(q)‖).
