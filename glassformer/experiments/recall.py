@@ -60,7 +60,7 @@ def settings(budget: float, data: Path, models=tuple(MODELS), max_length: int | 
     if max_length is not None and max_length < 256:
         raise ValueError(f"max_length: at least 256 tokens, got {max_length}")
     return {"budget": budget, "data": str(data), "models": list(models), "max_length": max_length,
-            "depths": 11 if budget >= 3600 else 5, "kv_dtypes": list(KV_DTYPES),
+            "depths": 11 if budget >= 3600 else 5 if budget >= 60 else 3, "kv_dtypes": list(KV_DTYPES),
             "train_seconds": round(max(SMALL_SHARE * budget / 2, 1.0), 2)}
 
 

@@ -33,7 +33,7 @@ from ..model.transformer import Transformer
 
 RANKINGS = ("bm25", "embedding", "both")
 FUSION_K = 60  # reciprocal-rank fusion's damping: how much the first ranks outweigh the rest
-SEPARATOR = "\n…\n"  # between chunks that were not neighbours in the document
+SEPARATOR = "\n...\n"  # between chunks that were not neighbours (ASCII: any vocabulary writes it)
 
 
 @dataclass(frozen=True)
