@@ -41,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add(train, "--data", "--out")  # one text file (its last tenth measures); the lens's folder
     train.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {defaults.steps})")
     train.add_argument("--batch", type=positive_int, help=f"windows per step (default {defaults.batch})")
-    train.add_argument("--context", type=positive_int,
+    train.add_argument("--lens-context", type=positive_int, dest="context",
                        help=f"tokens per window (default {defaults.context})")
     train.add_argument("--lens-lr", type=finite, dest="lr",
                        help=f"Adam's learning rate for the lens (default {defaults.lr})")

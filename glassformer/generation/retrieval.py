@@ -1,9 +1,12 @@
 """Retrieval as the fallback for a document longer than the window: attend only to the
 chunks that answer the question.
 
-    document ─tokenizer─▶ ids ─cut─▶ chunks c_1 … c_n of `chunk_tokens` tokens each
+    document ─tokenizer─▶ ids ─cut─▶ chunks c_1 … c_n of `chunk_tokens` tokens each, each
+        starting `chunk_tokens − overlap` after the last (a fact of up to overlap + 1 tokens
+        lies whole in some chunk)
     rank the chunks against the question q, keep the best that fit, in document order:
-        prompt = c_(i1) … c_(ik) + q          i1 < … < ik, |prompt| ≤ the window
+        prompt = c_(i1) ∪ … ∪ c_(ik) + q      i1 < … < ik, |prompt| ≤ the window
+    (kept neighbours are joined without repeating their overlap; gaps are marked)
 
 Two rankings, and their fusion:
 - BM25 (the `bm25s` library, its Lucene variant) over the chunks' words (lower-cased runs of
@@ -18,7 +21,8 @@ Two rankings, and their fusion:
 - "both": reciprocal-rank fusion, score(c) = 1 / (60 + rank_bm25(c)) + 1 / (60 + rank_emb(c))
   (ranks from 1): a chunk either ranking puts near the top rises, whatever the scales.
 Chunks are taken best first while their tokens fit the room the window leaves; the prompt is
-then built and checked, and the lowest-ranked chunk dropped until it fits.
+then built and checked, and the lowest-ranked chunk dropped until it fits (a kept
+neighbour's overlap is counted twice until then).
 """
 
 from __future__ import annotations
@@ -44,11 +48,15 @@ class Retrieved:
     order: list[int]  # every chunk, best first
 
 
-def cut(ids: Sequence[int], chunk_tokens: int) -> list[list[int]]:
-    """The document's token ids in consecutive chunks of `chunk_tokens` (the last may be shorter)."""
+def spans(n_tokens: int, chunk_tokens: int, overlap: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of a document of `n_tokens`: `chunk_tokens` long (the last
+    may be shorter), each sharing `overlap` tokens with the one before."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens: must be at least 1, got {chunk_tokens}")
-    return [list(ids[i : i + chunk_tokens]) for i in range(0, len(ids), chunk_tokens)]
+    if not 0 <= overlap < chunk_tokens:
+        raise ValueError(f"overlap: must be in [0, chunk_tokens), got {overlap}")
+    stride = chunk_tokens - overlap
+    return [(i, min(i + chunk_tokens, n_tokens)) for i in range(0, max(n_tokens - overlap, 1), stride)]
 
 
 def bm25_scores(chunks: Sequence[str], question: str) -> np.ndarray:
@@ -106,31 +114,38 @@ def retrieve(model: Transformer, tokenizer, document: str, question: str,
              build: Callable[[str], list[int]], limit: int, chunk_tokens: int = 256,
              ranking: str = "both") -> Retrieved:
     """The prompt `build(context)` whose context is the document's best chunks (in document
-    order) and whose length is at most `limit` tokens. `build` writes the question after the
-    context (and any chat template around both)."""
+    order, neighbours overlapping by a quarter) and whose length is at most `limit` tokens.
+    `build` writes the question after the context (and any chat template around both)."""
     if not document.strip():
         raise ValueError("document: empty; retrieval needs text to cut into chunks")
-    chunks = cut(tokenizer.encode(document), chunk_tokens)
-    order = rank(model, tokenizer, chunks, question, ranking)
     room = limit - len(build(""))
     if room < 1:
         raise ValueError(f"limit: {limit} tokens leave no room for the document beside the question")
+    if chunk_tokens > room:
+        raise ValueError(f"chunk_tokens: {chunk_tokens} exceed the {room} tokens the window "
+                         "leaves for the document")
+    ids = tokenizer.encode(document)
+    cuts = spans(len(ids), chunk_tokens, chunk_tokens // 4)
+    chunks = [ids[a:b] for a, b in cuts]
+    order = rank(model, tokenizer, chunks, question, ranking)
     kept, used = [], 0
     for i in order:
         if used + len(chunks[i]) <= room:
             kept.append(i)
             used += len(chunks[i])
     while True:  # decoded and encoded again, the text may count a few tokens more
-        ids = build(_context(tokenizer, chunks, sorted(kept)))
-        if len(ids) <= limit:
-            return Retrieved(ids, sorted(kept), len(chunks), order)
+        prompt = build(_context(tokenizer, ids, [cuts[i] for i in sorted(kept)]))
+        if len(prompt) <= limit:
+            return Retrieved(prompt, sorted(kept), len(chunks), order)
         kept.pop()
 
 
-def _context(tokenizer, chunks: Sequence[Sequence[int]], kept: list[int]) -> str:
-    parts = []
-    for n, i in enumerate(kept):
-        if n and kept[n - 1] != i - 1:
-            parts.append(SEPARATOR)
-        parts.append(tokenizer.decode(chunks[i]))
-    return "".join(parts)
+def _context(tokenizer, ids: Sequence[int], kept: list[tuple[int, int]]) -> str:
+    """The kept spans' text: overlapping or touching spans as one run, runs apart marked."""
+    runs: list[list[int]] = []
+    for start, end in kept:
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = end
+        else:
+            runs.append([start, end])
+    return SEPARATOR.join(tokenizer.decode(ids[a:b]) for a, b in runs)

@@ -172,7 +172,7 @@ def test_cli_trains_a_tuned_lens_and_reads_with_it(checkpoint, tmp_path, capsys)
     data.write_text(TEXT[:3000], encoding="utf-8")
     out = tmp_path / "tuned"
     argv = ["lens", "train", "--model", str(checkpoint), "--data", str(data), "--out", str(out),
-            "--steps", "3", "--context", "16", "--json"]
+            "--steps", "3", "--lens-context", "16", "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["kl"]["tuned_lens"]) == 3 and report["training"]["steps"] == 3
