@@ -45,6 +45,7 @@ TITLE = "Recall: finding a fact in a long context"
 MODELS = {"smollm2-135m-instruct": (8192, 256), "shakespeare-rope": (512, 512)}
 SMALL = "shakespeare-rope"  # the length experiment's RoPE model, trained here at a 512 window
 SMALL_SHARE = 0.1  # of the budget, its training included
+MAX_TRAIN_SECONDS = 600.0
 TASKS = {"needle": 1, "multikey": 4}  # needles hidden per prompt
 READINGS = (*typing.get_args(RopeScaling), "window", "retrieve")
 FACTORS = (2, 4, 8)  # lengths past the window, in windows
@@ -61,7 +62,7 @@ def settings(budget: float, data: Path, models=tuple(MODELS), max_length: int | 
         raise ValueError(f"max_length: at least 256 tokens, got {max_length}")
     return {"budget": budget, "data": str(data), "models": list(models), "max_length": max_length,
             "depths": 11 if budget >= 3600 else 5 if budget >= 60 else 3, "kv_dtypes": list(KV_DTYPES),
-            "train_seconds": round(max(SMALL_SHARE * budget / 2, 1.0), 2)}
+            "train_seconds": round(min(max(SMALL_SHARE * budget / 2, 1.0), MAX_TRAIN_SECONDS), 2)}
 
 
 def native(name: str) -> int:
@@ -274,11 +275,10 @@ def summarize(config: dict, results: dict, out: Path) -> Summary:
     for name in config["models"]:
         grid = lengths(name, config["max_length"])
         for task in TASKS:
-            for reading, kv in _readings(config):
-                values = [recall_at(results, name, task, reading, kv, L) if L in grid else None
-                          for L in union]
-                if any(v is not None for v in values):
-                    rows.append([name, task, f"{reading} {kv}", *values])
+            for reading, kv in _readings(config, results, name):
+                rows.append([name, task, f"{reading} {kv}",
+                             *(recall_at(results, name, task, reading, kv, L) if L in grid else None
+                               for L in union)])
             file = save_figure(out, f"recall_{name}_{task}.png",
                                lambda fig, n=name, t=task: _draw(fig, config, results, n, t),
                                size=(12, 6.5))
@@ -293,14 +293,19 @@ def summarize(config: dict, results: dict, out: Path) -> Summary:
     return Summary(tables=[table], figures=figures, claims=claims(config, results))
 
 
-def _readings(config: dict) -> list[tuple[str, str]]:
-    return [(r, "fp32") for r in READINGS] + [("none", kv) for kv in config["kv_dtypes"] if kv != "fp32"]
+def _readings(config: dict, results: dict, name: str) -> list[tuple[str, str]]:
+    """The readings of `name` measured in cells of their own (within the window all are none's)."""
+    planned = [(r, "fp32") for r in READINGS] + [("none", kv) for kv in config["kv_dtypes"] if kv != "fp32"]
+    return [(r, kv) for r, kv in planned if any(
+        c.get("model") == name and c.get("reading") == r and c.get("kv") == kv and not c["skipped"]
+        for c in results.values())]
 
 
 def _draw(fig, config: dict, results: dict, name: str, task: str) -> None:
     grid, rows = lengths(name, config["max_length"]), depths(config)
-    readings = _readings(config)
-    axes = fig.subplots(2, -(-len(readings) // 2), squeeze=False).ravel()
+    readings = _readings(config, results, name) or [("none", "fp32")]
+    axes = fig.subplots(1 + (len(readings) > 3), -(-len(readings) // 2) if len(readings) > 3
+                        else len(readings), squeeze=False).ravel()
     for ax, (reading, kv) in zip(axes, readings, strict=False):
         image = np.full((len(rows), len(grid)), np.nan)
         for j, L in enumerate(grid):
@@ -316,6 +321,6 @@ def _draw(fig, config: dict, results: dict, name: str, task: str) -> None:
         ax.axvline(window, color="black", linestyle=":")
         ax.set_title(f"{reading} {kv}", fontsize=8)
     for ax in axes[len(readings):]:
-        ax.set_visible(False)
+        ax.set_visible(False)  # an odd count leaves one
     fig.supxlabel("prompt length (tokens)", fontsize=8)
     fig.supylabel("needle depth", fontsize=8)
