@@ -11,7 +11,6 @@ from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.retrieval import retrieve
 from glassformer.model.presets import get_preset
 
-pytest.importorskip("bm25s")
 WORDS = "the quick brown fox jumps over a lazy dog while the cat sat on a warm mat"
 NEEDLE = "The secret number of Verona is 4821."
 QUESTION = "What is the secret number of Verona?"

@@ -10,7 +10,6 @@ from glassformer.experiments.recall import ANSWER_TOKENS, SMALL, claims, key, na
 from glassformer.experiments.recall_tasks import recalled
 from glassformer.generation.generate import GenerationConfig, generate
 
-pytest.importorskip("bm25s")
 SMOL = "smollm2-135m-instruct"
 
 

@@ -17,8 +17,6 @@ from glassformer.generation.retrieval import (
     spans,
 )
 
-pytest.importorskip("bm25s")
-
 SHAKESPEARE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 NEEDLE = "The secret number of Verona is 4821."
 QUESTION = "What is the secret number of Verona?"
