@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import add, add_threads, positive
+from .options import add, add_threads, positive, positive_int
 
-NAMES = ("ablation", "length", "cache", "explain")
+NAMES = ("ablation", "length", "cache", "explain", "recall")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +25,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--equal", choices=("time", "steps"), default=None,
                         help="ablation: give every run equal training time (default) or, on a busy "
                              "machine, as many steps as the base run made in its time")
+    parser.add_argument("--models", nargs="+", metavar="NAME", default=None,
+                        help="recall: which models (default: smollm2-135m-instruct and the "
+                             "length experiment's RoPE model, shakespeare-rope)")
+    parser.add_argument("--max-length", type=positive_int, default=None,
+                        help="recall: the longest prompt in tokens (default: 8x each model's window)")
     add(parser, "--no-progress", "--json")
     add_threads(parser)
     parser.set_defaults(run=run)
@@ -40,7 +45,12 @@ def run(args: argparse.Namespace) -> int:
         if args.name != "ablation":
             raise ValueError("--equal: applies to the ablation experiment only")
         options["equal"] = args.equal
-    if args.data is not None and args.name not in ("ablation", "length"):
+    for flag, value in (("--models", args.models), ("--max-length", args.max_length)):
+        if value is not None:
+            if args.name != "recall":
+                raise ValueError(f"{flag}: applies to the recall experiment only")
+            options[flag[2:].replace("-", "_")] = tuple(value) if flag == "--models" else value
+    if args.data is not None and args.name not in ("ablation", "length", "recall"):
         raise ValueError(f"--data: the {args.name} experiment reads no training text")
     if args.data is not None and len(args.data) > 1:
         raise ValueError(f"--data: the {args.name} experiment reads one file or folder")

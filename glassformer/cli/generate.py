@@ -13,6 +13,7 @@ from ..accel.quantize import quantize_format, quantize_model
 from ..generation.config import Steer
 from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
+from ..generation.retrieval import RANKINGS, retrieve
 from ..interpret.steer import SteeringVector, steered
 from ..language_model import LanguageModel, load
 from ..serving import RequestParams
@@ -64,6 +65,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
     add(parser, "--json", "--steer")
+    context = parser.add_argument_group("a document longer than the window (--context retrieve)")
+    context.add_argument("--question", help="retrieve: the question asked after the chunks")
+    context.add_argument("--ranking", choices=RANKINGS, default="both",
+                         help="retrieve: rank chunks by BM25, by the model's mean-pooled hidden "
+                              "states, or both fused by rank (default both)")
+    context.add_argument("--chunk-tokens", type=positive_int, default=256,
+                         help="retrieve: tokens per chunk (default 256)")
     add_computing(parser)
     parser.set_defaults(run=run)
 
@@ -91,9 +99,24 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
 
 
+def _retrieved_ids(args: argparse.Namespace, model, tokenizer, document: str, limit: int) -> list[int]:
+    """The document's chunks that best match --question and fit in `limit` tokens, then the question."""
+    question = args.question
+
+    def build(context: str) -> list[int]:
+        return _prompt_ids(tokenizer, f"{context}\n\n{question}" if context else question, args.chat)
+
+    return retrieve(model, tokenizer, document, question, build, limit, args.chunk_tokens,
+                    args.ranking).ids
+
+
 def run(args: argparse.Namespace) -> int:
     if args.prompts_file is not None and (args.prompt is not None or args.prompt_file is not None):
         raise ValueError("give a prompt or --prompts-file, not both")
+    if (args.context == "retrieve") != (args.question is not None):
+        raise ValueError("--question: give it with --context retrieve, and only then")
+    if args.context == "retrieve" and args.prompts_file is not None:
+        raise ValueError("--context retrieve: one document at a time, not with --prompts-file")
     prompt = None if args.prompts_file is not None else read_prompt(args)
     config = GenerationConfig(
         max_new_tokens=or_default(args.max_new_tokens, MAX_NEW_TOKENS),
@@ -107,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         truncate=args.truncate,
         overflow="slide" if args.slide else "stop",
         kv_dtype=args.kv_dtype,
-        sink=sink_policy(args),
+        sink=sink_policy(args, retrieve=True),
     )
     extend = args.rope_scaling not in (None, "none")  # a new window first, then the weights converted
     quantize = or_default(args.quantize, "none")
@@ -135,7 +158,11 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str | None,
               config: GenerationConfig) -> int:
     if args.prompts_file is not None:
         return _run_many(args, LanguageModel(model, tokenizer), config)
-    prompt_ids = _prompt_ids(tokenizer, prompt, args.chat)
+    if args.context == "retrieve":
+        prompt_ids = _retrieved_ids(args, model, tokenizer, prompt,
+                                    model.config.context_length - config.max_new_tokens)
+    else:
+        prompt_ids = _prompt_ids(tokenizer, prompt, args.chat)
     if args.json or config.beams > 1:
         result = generate(model, prompt_ids, config, tokenizer)
         if not args.json:

@@ -206,9 +206,11 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
     _flag("--rope-factor", type=positive, default=None,
           help="new context / original context (default: generate 2; train: the run's)"),
     _flag("--prompt-file", default=None, help="read the prompt from this UTF-8 file"),
-    _flag("--context", choices=("full", "sink"), default="full",
-          help="what the KV cache keeps: full = every token up to the window (default), sink = "
-               "the first --sink-tokens and the last --window tokens, streaming past the window"),
+    _flag("--context", choices=("full", "sink", "retrieve"), default="full",
+          help="what the model attends to: full = every token up to the window (default), sink = "
+               "the first --sink-tokens and the last --window tokens, streaming past the window; "
+               "retrieve (generate) = the prompt is a document cut into chunks, and only the "
+               "chunks that best match --question and fit the window go before it"),
     _flag("--sink-tokens", type=non_negative_int, default=4,
           help="--context sink: the first tokens kept forever (default 4; 0: window only)"),
     _flag("--window", type=positive_int, default=None,
@@ -256,11 +258,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{name: getattr(args, name) for name in ENGINE_HELP}, sink=sink_policy(args))
 
 
-def sink_policy(args: argparse.Namespace) -> SinkPolicy | None:
-    """The CONTEXT flags' SinkPolicy, or None for the full context."""
-    if args.context == "full":
+def sink_policy(args: argparse.Namespace, retrieve: bool = False) -> SinkPolicy | None:
+    """The CONTEXT flags' SinkPolicy, or None for the full context (or, where the command
+    takes it, `retrieve`)."""
+    if args.context != "sink":
         if args.window is not None:
             raise ValueError("--window: only with --context sink")
+        if args.context == "retrieve" and not retrieve:
+            raise ValueError("--context retrieve: generate's (a document, chunks and a --question)")
         return None
     if args.window is None:
         raise ValueError("--window: --context sink needs the number of latest tokens to keep")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import ablation, decode_cache, explain, length
+from . import ablation, decode_cache, explain, length, recall
 from .report import write_html
 from .runner import Runner
 
-EXPERIMENTS = {"ablation": ablation, "length": length, "cache": decode_cache, "explain": explain}
+EXPERIMENTS = {"ablation": ablation, "length": length, "cache": decode_cache, "explain": explain,
+               "recall": recall}
 # tinyshakespeare where the repository's checkout keeps it: ../shared/data beside the clone
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 

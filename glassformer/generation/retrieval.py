@@ -1,0 +1,151 @@
+"""Retrieval as the fallback for a document longer than the window: attend only to the
+chunks that answer the question.
+
+    document ─tokenizer─▶ ids ─cut─▶ chunks c_1 … c_n of `chunk_tokens` tokens each, each
+        starting `chunk_tokens − overlap` after the last (a fact of up to overlap + 1 tokens
+        lies whole in some chunk)
+    rank the chunks against the question q, keep the best that fit, in document order:
+        prompt = c_(i1) ∪ … ∪ c_(ik) + q      i1 < … < ik, |prompt| ≤ the window
+    (kept neighbours are joined without repeating their overlap; gaps are marked)
+
+Two rankings, and their fusion:
+- BM25 (the `bm25s` library, its Lucene variant) over the chunks' words (lower-cased runs of
+  two or more letters or digits, English stop words dropped). Over the query's words t,
+      score(c) = Σ_t idf(t) · f(t, c) / (f(t, c) + k1 · (1 − b + b · |c| / avgdl))
+  with f(t, c) the count of t in c, |c| the chunk's words, avgdl their mean over the chunks,
+  k1 = 1.5, b = 0.75 and idf(t) = ln(1 + (n − n_t + 0.5) / (n_t + 0.5)), n_t of the n chunks
+  holding t: rare words that recur in a chunk count most, common words little.
+- The model's own embedding: the final hidden states of a text, mean-pooled over its
+  tokens, e(x) = (1/T) Σ_t h_t(x) (d,), and the chunk's score is the cosine
+      cos(c, q) = e(c) · e(q) / (‖e(c)‖ ‖e(q)‖).
+- "both": reciprocal-rank fusion, score(c) = 1 / (60 + rank_bm25(c)) + 1 / (60 + rank_emb(c))
+  (ranks from 1): a chunk either ranking puts near the top rises, whatever the scales.
+Chunks are taken best first while their tokens fit the room the window leaves; the prompt is
+then built and checked, and the lowest-ranked chunk dropped until it fits (a kept
+neighbour's overlap is counted twice until then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..model.transformer import Transformer
+
+RANKINGS = ("bm25", "embedding", "both")
+FUSION_K = 60  # reciprocal-rank fusion's damping: how much the first ranks outweigh the rest
+SEPARATOR = "\n...\n"  # between chunks that were not neighbours (ASCII: any vocabulary writes it)
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    ids: list[int]  # the prompt's token ids
+    chunks: list[int]  # the chunks kept, in document order
+    n_chunks: int  # the chunks the document was cut into
+    order: list[int]  # every chunk, best first
+
+
+def spans(n_tokens: int, chunk_tokens: int, overlap: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of a document of `n_tokens`: `chunk_tokens` long (the last
+    may be shorter), each sharing `overlap` tokens with the one before."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens: must be at least 1, got {chunk_tokens}")
+    if not 0 <= overlap < chunk_tokens:
+        raise ValueError(f"overlap: must be in [0, chunk_tokens), got {overlap}")
+    stride = chunk_tokens - overlap
+    return [(i, min(i + chunk_tokens, n_tokens)) for i in range(0, max(n_tokens - overlap, 1), stride)]
+
+
+def bm25_scores(chunks: Sequence[str], question: str) -> np.ndarray:
+    """BM25 score (n,) of each chunk's text for the question's words."""
+    import bm25s
+
+    index = bm25s.BM25()
+    index.index(bm25s.tokenize(list(chunks), stopwords="en", show_progress=False),
+                show_progress=False)
+    words = bm25s.tokenize([question], stopwords="en", return_ids=False, show_progress=False)[0]
+    return np.asarray(index.get_scores(words), dtype=np.float64)
+
+
+@torch.no_grad()
+def embed(model: Transformer, ids: Sequence[int]) -> torch.Tensor:
+    """The mean of the model's final hidden states over the tokens of `ids`: (d,)."""
+    device = model.embed.tokens.weight.device
+    hidden = model.forward_hidden(torch.tensor([list(ids)], device=device))  # (1, T, d)
+    return hidden[0].float().mean(dim=0)
+
+
+def embedding_scores(model: Transformer, chunks: Sequence[Sequence[int]],
+                     question: Sequence[int]) -> np.ndarray:
+    """Cosine (n,) between each chunk's mean-pooled hidden state and the question's."""
+    q = embed(model, question)  # (d,)
+    c = torch.stack([embed(model, chunk) for chunk in chunks])  # (n, d)
+    return torch.nn.functional.cosine_similarity(c, q[None], dim=-1).double().numpy()
+
+
+def fused(*scores: np.ndarray) -> np.ndarray:
+    """Reciprocal-rank fusion of several score vectors (n,) each (higher is better)."""
+    total = np.zeros(len(scores[0]))
+    for score in scores:
+        rank = np.empty(len(score))
+        rank[np.argsort(-score, kind="stable")] = np.arange(1, len(score) + 1)
+        total += 1.0 / (FUSION_K + rank)
+    return total
+
+
+def rank(model: Transformer, tokenizer, chunks: Sequence[Sequence[int]], question: str,
+         ranking: str) -> list[int]:
+    """Chunk indices, best first, by `ranking` (one of RANKINGS)."""
+    if ranking not in RANKINGS:
+        raise ValueError(f"ranking: choose one of {', '.join(RANKINGS)}, got {ranking!r}")
+    scores = []
+    if ranking in ("bm25", "both"):
+        scores.append(bm25_scores([tokenizer.decode(c) for c in chunks], question))
+    if ranking in ("embedding", "both"):
+        scores.append(embedding_scores(model, chunks, tokenizer.encode(question)))
+    score = scores[0] if len(scores) == 1 else fused(*scores)
+    return np.argsort(-score, kind="stable").tolist()
+
+
+def retrieve(model: Transformer, tokenizer, document: str, question: str,
+             build: Callable[[str], list[int]], limit: int, chunk_tokens: int = 256,
+             ranking: str = "both") -> Retrieved:
+    """The prompt `build(context)` whose context is the document's best chunks (in document
+    order, neighbours overlapping by a quarter) and whose length is at most `limit` tokens.
+    `build` writes the question after the context (and any chat template around both)."""
+    if not document.strip():
+        raise ValueError("document: empty; retrieval needs text to cut into chunks")
+    room = limit - len(build(""))
+    if room < 1:
+        raise ValueError(f"limit: {limit} tokens leave no room for the document beside the question")
+    if chunk_tokens > room:
+        raise ValueError(f"chunk_tokens: {chunk_tokens} exceed the {room} tokens the window "
+                         "leaves for the document")
+    ids = tokenizer.encode(document)
+    cuts = spans(len(ids), chunk_tokens, chunk_tokens // 4)
+    chunks = [ids[a:b] for a, b in cuts]
+    order = rank(model, tokenizer, chunks, question, ranking)
+    kept, used = [], 0
+    for i in order:
+        if used + len(chunks[i]) <= room:
+            kept.append(i)
+            used += len(chunks[i])
+    while True:  # decoded and encoded again, the text may count a few tokens more
+        prompt = build(_context(tokenizer, ids, [cuts[i] for i in sorted(kept)]))
+        if len(prompt) <= limit:
+            return Retrieved(prompt, sorted(kept), len(chunks), order)
+        kept.pop()
+
+
+def _context(tokenizer, ids: Sequence[int], kept: list[tuple[int, int]]) -> str:
+    """The kept spans' text: overlapping or touching spans as one run, runs apart marked."""
+    runs: list[list[int]] = []
+    for start, end in kept:
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = end
+        else:
+            runs.append([start, end])
+    return SEPARATOR.join(tokenizer.decode(ids[a:b]) for a, b in runs)

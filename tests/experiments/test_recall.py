@@ -1,0 +1,159 @@
+import json
+import re
+
+import pytest
+import torch
+
+from glassformer.cli import main
+from glassformer.experiments import recall, run_experiment
+from glassformer.experiments.recall import ANSWER_TOKENS, SMALL, claims, key, native
+from glassformer.experiments.recall_tasks import recalled
+from glassformer.generation.generate import GenerationConfig, generate
+
+SMOL = "smollm2-135m-instruct"
+
+
+def _config(depths=11, kv=("fp32", "bf16", "int8")):
+    return {"models": [SMOL], "depths": depths, "kv_dtypes": list(kv)}
+
+
+def _cell(hits: int, depths: int = 11) -> dict:
+    return {"skipped": False, "depths": [i / (depths - 1) for i in range(depths)],
+            "hits": [i < hits for i in range(depths)]}
+
+
+def _judged(results: dict, config=None) -> dict[str, bool | None]:
+    return {c["claim"].split(" (held")[0]: c["held"] for c in claims(config or _config(), results)}
+
+
+N = native(SMOL)
+NATIVE = f"{SMOL}: the needle is found at the native window ({N} tokens), no scaling, fp32 KV"
+
+
+@pytest.mark.parametrize("hits, held", [(11, True), (10, True), (9, False), (None, None)])
+def test_native_claim_is_held_at_90_percent_of_the_depths(hits, held):
+    results = {} if hits is None else {key(SMOL, "needle", "none", "fp32", N): _cell(hits)}
+    assert _judged(results)[NATIVE] is held
+
+
+@pytest.mark.parametrize("fp32, int8, held", [((11, 11), (11, 10), True), ((11, 11), (10, 10), False),
+                                              ((11, 10), (10, 10), True), ((3, 3), (0, 0), None)])
+def test_quantized_kv_is_held_within_5_points_of_fp32_pooled_over_both_tasks(fp32, int8, held):
+    results = {}
+    for kv, hits in (("fp32", fp32), ("int8", int8)):
+        for task, n in zip(("needle", "multikey"), hits, strict=True):
+            results[key(SMOL, task, "none", kv, N)] = _cell(n)
+    judged, claim = _judged(results), f"{SMOL}: the {{}} KV cache keeps recall within 5 points of fp32"
+    assert judged[claim.format("int8") + " at the native window"] is held
+    assert judged[claim.format("bf16") + " at the native window"] is None
+
+
+def test_a_reading_keeps_recall_when_every_measured_factor_reaches_90_percent_of_native():
+    results = {key(SMOL, t, "none", "fp32", N): _cell(10) for t in ("needle", "multikey")}
+    results |= {key(SMOL, t, "yarn", "fp32", 2 * N): _cell(9) for t in ("needle", "multikey")}
+    results |= {key(SMOL, t, "linear", "fp32", 2 * N): _cell(11) for t in ("needle", "multikey")}
+    results |= {key(SMOL, t, "linear", "fp32", 4 * N): _cell(8) for t in ("needle", "multikey")}
+    results[key(SMOL, "needle", "window", "fp32", 2 * N)] = {"skipped": True}
+    judged = _judged(results)
+    keeps = f"{SMOL}: {{}} keeps recall past the window"
+    assert judged[keeps.format("yarn")] is True  # 9/11 ≥ 0.9 · 10/11
+    assert judged[keeps.format("linear")] is False  # 8/11 at 4× falls short
+    assert judged[keeps.format("window")] is None and judged[keeps.format("retrieve")] is None
+
+
+@pytest.fixture(scope="module")
+def run(corpus, tmp_path_factory):
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("recall") / "run"
+    record = run_experiment("recall", out, budget=12, data=corpus, progress=False, models=(SMALL,),
+                            max_length=1024)
+    return out, record
+
+
+def test_cells_score_their_answers_and_the_report_holds_a_heat_map_per_task(run):
+    out, record = run
+    cells = {k: c for k, c in record["cells"].items() if not k.startswith("train/")}
+    assert next(iter(cells)) == key(SMALL, "needle", "none", "fp32", 512)  # shortest first
+    measured = [c for c in cells.values() if not c["skipped"]]
+    assert measured and all(len(c["hits"]) == record["settings"]["depths"] for c in measured)
+    for c in measured:
+        assert c["hits"] == [e in a for a, e in zip(c["answers"], c["expected"], strict=True)]
+        window = native(SMALL) - ANSWER_TOKENS if c["reading"] == "retrieve" else c["length"] - ANSWER_TOKENS
+        assert all(n <= window for n in c["prompt_tokens"])
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert len(re.findall(r"src='data:image/png;base64,", page)) == 2
+    assert {c["claim"].split(":")[0] for c in record["summary"]["claims"]} == {SMALL}
+
+
+def test_engine_answers_match_greedy_generate_with_the_dense_cache(run):
+    """The first cell again, through generate (the dense fp32 cache) instead of the engine."""
+    out, record = run
+    from glassformer.formats.checkpoint import load_model
+
+    model, tokenizer, _ = load_model(out / "cells" / f"train_{SMALL}")
+    with open(record["settings"]["data"], encoding="utf-8") as text:
+        hay = tokenizer.encode(text.read())
+    grid = recall.depths(record["settings"])
+    asked = recall.prompts(tokenizer, hay, "needle", 512, grid)
+    config = GenerationConfig(max_new_tokens=ANSWER_TOKENS, stop=("\n",))
+    answers = [generate(model.eval(), p.ids, config, tokenizer).text for p in asked[:2]]
+    cell = record["cells"][key(SMALL, "needle", "none", "fp32", 512)]
+    assert answers == cell["answers"][:2]
+    assert cell["expected"] == [p.asked.value for p in asked]
+    assert cell["hits"][:2] == [recalled(a, p.asked) for a, p in zip(answers, asked[:2], strict=True)]
+
+
+def test_resume_skips_finished_cells(run, corpus, monkeypatch):
+    out, record = run
+    first = key(SMALL, "needle", "none", "fp32", 512)
+    saved = json.loads((out / "results.json").read_text())
+    del saved["cells"][first]
+    (out / "results.json").write_text(json.dumps(saved))
+    ran = []
+    real = recall.answers
+    monkeypatch.setattr(recall, "answers", lambda *a: ran.append(a[3]) or real(*a))
+    again = run_experiment("recall", out, budget=12, data=corpus, progress=False, models=(SMALL,),
+                           max_length=1024)
+    assert ran == ["fp32"]  # only the removed cell ran again
+    assert again["cells"][first]["answers"] == record["cells"][first]["answers"]
+    assert set(again["cells"]) == set(record["cells"])
+
+
+def test_every_reading_runs_past_the_window(corpus, tmp_path):
+    """Each reading's cell at twice the window, on a random two-layer model of the small shape."""
+    from glassformer.experiments.runner import Context
+    from glassformer.experiments.timed import base_model
+    from glassformer.formats.tokenizers import CharTokenizer
+    from glassformer.model.transformer import Transformer
+
+    text = corpus.read_text(encoding="utf-8")
+    tokenizer = CharTokenizer.train([text])
+    torch.manual_seed(0)
+    model = Transformer(base_model().replace(position="rope", context_length=native(SMALL), n_layers=2,
+                                             d_model=64, n_heads=4, vocab_size=tokenizer.vocab_size))
+    loaded = {SMALL: (model.eval(), tokenizer, tokenizer.encode(text))}
+    ctx = Context(tmp_path, {"depths": 3, "budget": 1e9, "models": [SMALL]}, {})
+    length = 2 * native(SMALL)
+    for reading in recall.READINGS:
+        cell = recall._recall_cell(SMALL, "multikey", reading, "fp32", length, loaded)(ctx)
+        assert not cell["skipped"] and len(cell["hits"]) == 3
+        if reading == "retrieve":  # whole chunks, as many as fit the window
+            room = native(SMALL) - ANSWER_TOKENS
+            assert all(room - recall.CHUNK_TOKENS < n <= room for n in cell["prompt_tokens"])
+        else:
+            assert cell["prompt_tokens"] == [length - ANSWER_TOKENS] * 3
+    wide = recall.reader(model, "window", length)
+    assert wide.config.sliding_window == native(SMALL) and wide.config.context_length == length
+    assert recall.reader(model, "yarn", length).config.rope_factor == 2
+    assert recall.reader(model, "retrieve", length) is model
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["cache", "--models", "tiny"], "--models: applies to the recall experiment only"),
+    (["recall", "--models", "gpt-9"], "models: choose among"),
+    (["recall", "--max-length", "100"], "max_length: at least 256 tokens"),
+])
+def test_user_mistakes_are_one_line(tmp_path, capsys, extra, message):
+    assert main(["experiment", *extra, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
