@@ -65,7 +65,7 @@ def test_a_reading_keeps_recall_when_every_measured_factor_reaches_90_percent_of
 def run(corpus, tmp_path_factory):
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("recall") / "run"
-    record = run_experiment("recall", out, budget=12, data=corpus, progress=False, models=(SMALL,),
+    record = run_experiment("recall", out, budget=50, data=corpus, progress=False, models=(SMALL,),
                             max_length=1024)
     return out, record
 
@@ -112,7 +112,7 @@ def test_resume_skips_finished_cells(run, corpus, monkeypatch):
     ran = []
     real = recall.answers
     monkeypatch.setattr(recall, "answers", lambda *a: ran.append(a[3]) or real(*a))
-    again = run_experiment("recall", out, budget=12, data=corpus, progress=False, models=(SMALL,),
+    again = run_experiment("recall", out, budget=50, data=corpus, progress=False, models=(SMALL,),
                            max_length=1024)
     assert ran == ["fp32"]  # only the removed cell ran again
     assert again["cells"][first]["answers"] == record["cells"][first]["answers"]
