@@ -3,6 +3,8 @@ with a byte-level BPE tokenizer.json: a pretrained model for fine-tuning tests."
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from glassformer.formats.tokenizers import HFTokenizer
@@ -25,4 +27,12 @@ def llama_folder(folder):
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     HFTokenizer.train_bpe([TEXT] * 4, VOCAB).save(folder / "tokenizer.json")
+    return model
+
+
+def chat_llama_folder(folder, template: str):
+    """llama_folder with a tokenizer_config.json holding an end-of-text token and `template`."""
+    model = llama_folder(folder)
+    config = {"eos_token": "<|endoftext|>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return model

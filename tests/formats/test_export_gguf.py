@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
-from llama_folder import TEXT, llama_folder
+from llama_folder import TEXT, chat_llama_folder
 
 from glassformer.cli import main
 from glassformer.formats.gguf import load_gguf
@@ -46,9 +46,7 @@ def rounded(model: Transformer, dtype: str) -> Transformer:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama")
-    llama_folder(folder)
-    config = {"eos_token": "<|endoftext|>", "chat_template": TEMPLATE}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    chat_llama_folder(folder, TEMPLATE)
     model, tokenizer = load_hf(folder)
     ids = torch.tensor([tokenizer.encode(TEXT[:120])])
     with torch.no_grad():

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from glassformer import Transformer, get_preset
+from glassformer.serving import Engine, EngineConfig
 
 
 @pytest.fixture(autouse=True)
@@ -33,3 +34,21 @@ def prompts():
         return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
     return make
+
+
+@pytest.fixture
+def run_in_turn():
+    """Requests through an engine, each submitted one step after the previous and the prompts'
+    prefill chunked: their results, in order."""
+
+    def run(model, prompts, params, attention="fast"):
+        engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4,
+                                                  attention=attention))
+        handles = []
+        for prompt, p in zip(prompts, params, strict=True):
+            handles.append(engine.submit(prompt, p))
+            engine.step()
+        engine.run_until_done()
+        return [h.wait(0) for h in handles]
+
+    return run

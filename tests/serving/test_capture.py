@@ -13,26 +13,16 @@ from glassformer.serving.capture import token_axis
 SITES = ("embed.out", "blocks.0.attn.q", "blocks.1.attn.k", "blocks.0.mlp.hidden", "blocks.1.resid_post")
 
 
-def _run(model, prompts, params, attention="fast"):
-    """Every request submitted one step after the previous, the prompts' prefill chunked."""
-    engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4,
-                                              attention=attention))
-    handles = []
-    for prompt, p in zip(prompts, params, strict=True):
-        handles.append(engine.submit(prompt, p))
-        engine.step()
-    engine.run_until_done()
-    return [h.wait(0) for h in handles]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
 @pytest.mark.parametrize("attention", ["reference", "fast"])
-def test_captured_sites_equal_run_with_cache_alone(tiny, prompts, name, attention):
+def test_captured_sites_equal_run_with_cache_alone(tiny, prompts, name, attention, run_in_turn):
     model = tiny(name)
     todo = prompts([9, 5, 13])
     plain = RequestParams(max_new_tokens=6, eos_ids=())
     asking = RequestParams(max_new_tokens=6, eos_ids=(), capture=SITES)
-    results = _run(model, todo, [plain, asking, plain], attention)
+    results = run_in_turn(model, todo, [plain, asking, plain], attention)
     result = results[1]
     tokens = result.prompt_ids + result.generated_ids[:-1]
     _, cache = run_with_cache(model, torch.tensor([tokens]), names=SITES)
@@ -42,13 +32,13 @@ def test_captured_sites_equal_run_with_cache_alone(tiny, prompts, name, attentio
     assert results[0].captured is None and results[2].captured is None
 
 
-def test_requests_that_ask_nothing_are_bitwise_unchanged(tiny, prompts, kernels):
+def test_requests_that_ask_nothing_are_bitwise_unchanged(tiny, prompts, kernels, run_in_turn):
     model = quantize_model(tiny(), "int8")
     todo = prompts([9, 5, 13])
     plain = RequestParams(max_new_tokens=8, eos_ids=(), logprobs=2)
     asking = RequestParams(max_new_tokens=8, eos_ids=(), capture=SITES)
-    without = _run(model, todo, [plain, plain, plain])
-    with_capture = _run(model, todo, [plain, asking, plain])
+    without = run_in_turn(model, todo, [plain, plain, plain])
+    with_capture = run_in_turn(model, todo, [plain, asking, plain])
     for i in (0, 2):
         assert with_capture[i].generated_ids == without[i].generated_ids
 

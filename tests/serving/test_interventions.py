@@ -14,16 +14,6 @@ from glassformer.serving import Engine, EngineConfig, RequestParams
 SEEN = ("blocks.1.resid_post",)  # captured to compare the numbers, not only the tokens
 
 
-def _run(model, prompts, params, attention="fast"):
-    """Every request submitted one step after the previous, the prompts' prefill chunked."""
-    engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4,
-                                              attention=attention))
-    handles = []
-    for prompt, p in zip(prompts, params, strict=True):
-        handles.append(engine.submit(prompt, p))
-        engine.step()
-    engine.run_until_done()
-    return [h.wait(0) for h in handles]
 
 
 def _reference(model, result, hooks):
@@ -45,27 +35,27 @@ def _vector(model, seed=3):
 
 
 @pytest.mark.parametrize("attention", ["reference", "fast"])
-def test_steered_rows_equal_the_module_path_with_alpha_v_added(tiny, prompts, attention):
+def test_steered_rows_equal_the_module_path_with_alpha_v_added(tiny, prompts, attention, run_in_turn):
     model = tiny()
     v, alpha = _vector(model), 2.5
     plain = RequestParams(max_new_tokens=6, eos_ids=())
     steering = RequestParams(max_new_tokens=6, eos_ids=(), capture=SEEN,
                              steer=(Steer("blocks.0.resid_post", v, alpha),))
-    result = _run(model, prompts([9, 5, 13]), [plain, steering, plain], attention)[1]
+    result = run_in_turn(model, prompts([9, 5, 13]), [plain, steering, plain], attention)[1]
 
     def add(tensor, site):
         return tensor + alpha * v
 
     _check_against(model, result, {"blocks.0.resid_post": add})
-    unsteered = _run(model, prompts([9, 5, 13]), [plain, plain, plain], attention)[1]
+    unsteered = run_in_turn(model, prompts([9, 5, 13]), [plain, plain, plain], attention)[1]
     assert unsteered.generated_ids != result.generated_ids  # the steer did change the text
 
 
-def test_ablated_head_equals_zeroing_it_by_hand(tiny, prompts):
+def test_ablated_head_equals_zeroing_it_by_hand(tiny, prompts, run_in_turn):
     model = tiny()
     plain = RequestParams(max_new_tokens=6, eos_ids=())
     ablating = RequestParams(max_new_tokens=6, eos_ids=(), capture=SEEN, ablate=("blocks.0.attn.head.1",))
-    result = _run(model, prompts([9, 5, 13]), [plain, ablating, plain])[1]
+    result = run_in_turn(model, prompts([9, 5, 13]), [plain, ablating, plain])[1]
 
     def zero(tensor, site):  # (B, H, T, d_head)
         out = tensor.clone()
@@ -75,11 +65,11 @@ def test_ablated_head_equals_zeroing_it_by_hand(tiny, prompts):
     _check_against(model, result, {"blocks.0.attn.context": zero})
 
 
-def test_lens_per_request_equals_logit_lens_alone(tiny, prompts):
+def test_lens_per_request_equals_logit_lens_alone(tiny, prompts, run_in_turn):
     model = tiny("tiny-gpt2")
     plain = RequestParams(max_new_tokens=5, eos_ids=())
     reading = RequestParams(max_new_tokens=5, eos_ids=(), lens=3)
-    results = _run(model, prompts([9, 5, 13]), [plain, reading, plain])
+    results = run_in_turn(model, prompts([9, 5, 13]), [plain, reading, plain])
     ids, probs = results[1].lens
     tokens = results[1].prompt_ids + results[1].generated_ids[:-1]
     alone = logit_lens(model, torch.tensor([tokens]), top_k=3)
@@ -110,7 +100,7 @@ def test_other_rows_are_bitwise_unchanged_and_alpha_zero_is_no_steer(tiny, promp
 
 
 def _events(model, prompts, params):
-    """Each request's tokens and log-probabilities (exact floats), stepping as _run does."""
+    """Each request's tokens and log-probabilities (exact floats), stepping as run_in_turn does."""
     engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4))
     handles = []
     for prompt, p in zip(prompts, params, strict=True):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from llama_folder import llama_folder
+from llama_folder import chat_llama_folder
 
 from glassformer.accel.fast_training import use_fast_training
 from glassformer.cli import main
@@ -41,9 +41,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat-llama")
-    llama_folder(folder)
-    config = {"eos_token": "<|endoftext|>", "chat_template": TEMPLATE}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    chat_llama_folder(folder, TEMPLATE)
     return folder
 
 
