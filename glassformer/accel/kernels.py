@@ -131,6 +131,15 @@ def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: T
     return ext.DecodeStep(spec, built, alibi_slopes)
 
 
+# ---------------------------------------------------------------- bindings.cpp (OpenMP)
+
+def release_thread_pool() -> bool:
+    """Ends the worker threads of the calling thread's OpenMP team (each thread that runs a
+    parallel region keeps a team of its own); they start again at its next parallel region.
+    False where the OpenMP runtime refused."""
+    return extension().release_thread_pool()
+
+
 # ---------------------------------------------------------------- greedy.cpp
 
 def argmax_rows(logits: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..accel.greedy import argmax_rows
-from ..accel.threads import ThreadPolicy
+from ..accel.threads import ThreadPolicy, hand_over_cores
 from ..generation.config import GenerationResult, RequestParams
 from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
@@ -205,6 +205,7 @@ class Engine:
             raise RuntimeError("engine: closed; start a new Engine")
         if self._thread is None:
             self._stopping = False
+            hand_over_cores()  # the caller's OpenMP threads would make the engine's sleep
             self._thread = threading.Thread(target=self._loop, name="glassformer-engine", daemon=True)
             self._thread.start()
         return self

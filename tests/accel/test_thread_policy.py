@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from glassformer.accel import threads
+from glassformer.accel import kernels, threads
 from glassformer.cli import build_parser, main
 
 
@@ -110,3 +110,25 @@ def test_glassformer_leaves_openmp_wait_policy_to_the_environment(code, env, spi
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**environment, **env, "OMP_DISPLAY_ENV": "VERBOSE"})
     assert f"GOMP_SPINCOUNT = '{spins}'" in done.stderr
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not kernels.available() or not os.path.isdir("/proc/self/task"),
+                    reason="needs the C++ kernels and /proc")
+def test_hand_over_cores_ends_the_callers_openmp_threads():
+    """A parallel region leaves the calling thread's OpenMP workers running; handing the cores
+    over ends them (counted as the process's OS threads), and the next region starts them again
+    with the same result."""
+    torch.set_num_threads(2)  # (the fixture restores the count)
+    a = torch.randn(512, 512)  # (512, 512)
+    expected = a @ a  # a parallel region: this thread's team now has a worker
+    before = _os_threads()
+    threads.hand_over_cores()
+    deadline = time.monotonic() + 5
+    while _os_threads() >= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _os_threads() < before
+    assert torch.equal(a @ a, expected)

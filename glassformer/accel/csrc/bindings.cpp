@@ -1,5 +1,6 @@
 // The Python module: every entry point of the kernel files, under the names Python calls.
 
+#include <omp.h>
 #include <torch/extension.h>
 
 #include "glassformer.h"
@@ -70,5 +71,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("muon_update", &gf::muon_update, NoGil(), "Muon's step in place, float32, a matrix per task");
   module.def("attention", &gf::attention, "attention_forward as a C++ autograd node");
   module.def("transpose", &gf::transpose, "(M, K) -> contiguous (K, M), float32");
+  module.def("release_thread_pool", [] { return omp_pause_resource_all(omp_pause_soft) == 0; },
+             "end the worker threads of the calling thread's OpenMP team (they return at its "
+             "next parallel region); false where the runtime refused");
   module.def("argmax_rows", &gf::argmax_rows, NoGil(), "torch.argmax(logits, -1) of (R, V) float32");
 }
