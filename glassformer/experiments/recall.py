@@ -15,6 +15,10 @@ Within the window every reading is the same computation, so only `none` runs the
 every KV dtype of the pool (KV_DTYPES). Lengths run shortest first; once one cell of a model
 is done, a cell whose expected time (the last one's, grown as L^1.5) would overrun the
 model's share of the budget is skipped and marked so.
+Each cell also records the prefill time of each prompt and the process's peak resident memory
+while it ran (reset before it, where /proc/self/clear_refs allows): prompts grow cell by
+cell, so the peak against L shows how the memory of a long prefill grows (chunked prefill, the
+flash kernel: linearly), and with each KV dtype at the window.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..generation.config import RequestParams
+from ..generation.config import GenerationResult, RequestParams
 from ..generation.context_extension import extend_context
 from ..generation.retrieval import retrieve
 from ..model.config import RopeScaling
@@ -35,6 +39,7 @@ from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from ..serving.engine import Engine, EngineConfig
 from ..serving.kv_pool import KV_DTYPES
+from .memory import peak_memory_mb, reset_peak_memory
 from .recall_tasks import frame, haystack_prompt, needles, recalled, spells_digits
 from .report import save_figure
 from .runner import Cell, Context, Summary
@@ -54,6 +59,7 @@ FACTORS = (2, 4, 8)  # lengths past the window, in windows
 ANSWER_TOKENS = 24  # greedy tokens per answer (a spelled number needs about 20 characters)
 CHUNK_TOKENS = 128
 NATIVE_GOAL, KV_POINTS, KEEP = 0.9, 0.05, 0.9
+MEMORY_GROWTH = 1.5
 
 
 def settings(budget: float, data: Path, models=tuple(MODELS), max_length: int | None = None) -> dict:
@@ -155,7 +161,7 @@ def prompts(tokenizer, hay: list[int], task: str, length: int, grid: list[float]
 
 
 def answers(model: Transformer, tokenizer, prompt_ids: list[list[int]], kv_dtype: str,
-            sink: SinkPolicy | None = None) -> list[str]:
+            sink: SinkPolicy | None = None) -> list[GenerationResult]:
     """Greedy answers, one request at a time through the engine with `kv_dtype` pool (and the
     attention-sink policy `sink`, which reads past the window)."""
     longest = max(len(p) for p in prompt_ids) + ANSWER_TOKENS
@@ -165,7 +171,7 @@ def answers(model: Transformer, tokenizer, prompt_ids: list[list[int]], kv_dtype
     params = RequestParams(max_new_tokens=ANSWER_TOKENS, stop=("\n",))  # the answer's first line
     handles = [engine.submit(p, params) for p in prompt_ids]
     engine.run_until_done()
-    return [h.wait(0).text for h in handles]
+    return [h.wait(0) for h in handles]
 
 
 def _recall_cell(name: str, task: str, reading: str, kv: str, length: int, loaded: dict):
@@ -186,12 +192,16 @@ def _recall_cell(name: str, task: str, reading: str, kv: str, length: int, loade
             ids = [_retrieved(model, tokenizer, p) for p in asked]
         n = model.config.context_length
         sink = SinkPolicy(SINK_TOKENS, n - SINK_TOKENS) if reading == "sink" and length > n else None
+        reset_peak_memory()
         with torch.no_grad():
-            texts = answers(reader(model, reading, length), tokenizer, ids, kv, sink)
+            results = answers(reader(model, reading, length), tokenizer, ids, kv, sink)
+        texts = [r.text for r in results]
         return base | {"skipped": False, "depths": grid, "answers": texts,
                        "expected": [p.asked.value for p in asked],
                        "hits": [recalled(t, p.asked) for t, p in zip(texts, asked, strict=True)],
-                       "prompt_tokens": [len(i) for i in ids]}
+                       "prompt_tokens": [len(i) for i in ids],
+                       "prefill_seconds": [r.prefill_seconds for r in results],
+                       "peak_mb": peak_memory_mb()}
 
     return run
 
@@ -251,7 +261,35 @@ def claims(config: dict, results: dict) -> list[dict]:
                         + ("; inconclusive below 50% with fp32: nothing to lose" if fp32 < 0.5 else "")})
         for reading in READINGS:
             out.append(_keeps(results, name, reading, fp32))
+        out.append(_linear_memory(results, name))
     return out
+
+
+def prefill_memory(results: dict, name: str, kv: str = "fp32") -> list[tuple[int, float, float]]:
+    """(L, peak MB, median prefill seconds) of `name`'s needle cells read as trained (`none`)
+    with `kv`, shortest first; cells without the figures are left out."""
+    out = []
+    for cell in results.values():
+        if (cell.get("model"), cell.get("task"), cell.get("reading"), cell.get("kv")) == \
+                (name, "needle", "none", kv) and not cell["skipped"] and cell.get("peak_mb"):
+            out.append((cell["length"], cell["peak_mb"], float(np.median(cell["prefill_seconds"]))))
+    return sorted(out)
+
+
+def _linear_memory(results: dict, name: str) -> dict:
+    """Held when the peak grows per token between the two longest prompts by at most
+    MEMORY_GROWTH times what it grew between the two before (quadratic attention memory would
+    double it at every doubling of L)."""
+    points = prefill_memory(results, name)
+    claim = (f"{name}: a long prefill's peak memory grows linearly with the prompt (held: the "
+             f"growth per token between the two longest prompts ≤ {MEMORY_GROWTH}× that before)")
+    if len(points) < 3:
+        return {"claim": claim, "held": None, "evidence": "fewer than 3 lengths measured"}
+    (a, ma, _), (b, mb, _), (c, mc, _) = points[-3:]
+    before, last = (mb - ma) / (b - a), (mc - mb) / (c - b)
+    return {"claim": claim, "held": last <= MEMORY_GROWTH * max(before, 0.0),
+            "evidence": f"peak {ma:.0f}, {mb:.0f}, {mc:.0f} MB at {a}, {b}, {c} tokens: "
+                        f"{before * 2**20 / 1e3:.0f} then {last * 2**20 / 1e3:.0f} KB per token"}
 
 
 def _misses(results: dict, name: str, length: int) -> str:
@@ -292,6 +330,12 @@ def summarize(config: dict, results: dict, out: Path) -> Summary:
             figures.append({"file": file, "caption": f"{name}, {task}: recalled (green) or not (red) "
                             f"by depth and length; the dotted line is the {native(name)}-token window, "
                             "grey: not run"})
+    if any(prefill_memory(results, name, kv) for name in config["models"] for kv in config["kv_dtypes"]):
+        figures.append({"file": save_figure(out, "prefill_memory.png",
+                                            lambda fig: _draw_prefill(fig, config, results)),
+                        "caption": "peak resident memory and prefill time against prompt length "
+                                   "(needle prompts, read as trained), per KV dtype; the process "
+                                   "holds the model too"})
     table = {"title": "Recall (share of depths) against prompt length", "rows": rows,
              "columns": ["model", "task", "reading", *(f"L={L}" for L in union)],
              "note": f"{config['depths']} depths per cell; within the window every reading is "
@@ -331,3 +375,19 @@ def _draw(fig, config: dict, results: dict, name: str, task: str) -> None:
         ax.set_visible(False)  # an odd count leaves one
     fig.supxlabel("prompt length (tokens)", fontsize=8)
     fig.supylabel("needle depth", fontsize=8)
+
+
+def _draw_prefill(fig, config: dict, results: dict) -> None:
+    memory, seconds = fig.subplots(1, 2)
+    for name in config["models"]:
+        for kv in config["kv_dtypes"]:
+            points = prefill_memory(results, name, kv)
+            if points:
+                lengths_, peaks, times = zip(*points, strict=True)
+                memory.plot(lengths_, peaks, marker="o", label=f"{name} {kv}")
+                seconds.plot(lengths_, times, marker="o", label=f"{name} {kv}")
+    for ax, label in ((memory, "peak resident memory (MB)"), (seconds, "prefill (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=6)

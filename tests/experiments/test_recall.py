@@ -61,6 +61,22 @@ def test_a_reading_keeps_recall_when_every_measured_factor_reaches_90_percent_of
     assert judged[keeps.format("window")] is None and judged[keeps.format("retrieve")] is None
 
 
+def _memory_cells(peaks: dict[int, float]) -> dict:
+    return {key(SMOL, "needle", "none", "fp32", n): {
+        "model": SMOL, "task": "needle", "reading": "none", "kv": "fp32", "length": n,
+        "skipped": False, "peak_mb": mb, "prefill_seconds": [0.1], "hits": [True], "depths": [0.0]}
+        for n, mb in peaks.items()}
+
+
+@pytest.mark.parametrize("per_token, held", [(lambda n: 0.05 * n, True),  # linear: held
+                                             (lambda n: 1e-5 * n * n, False),  # quadratic
+                                             (None, None)])  # not measured
+def test_prefill_memory_is_judged_linear_from_the_growth_per_token(per_token, held):
+    peaks = {} if per_token is None else {n: 500 + per_token(n) for n in (1024, 2048, 4096, 8192)}
+    claim = f"{SMOL}: a long prefill's peak memory grows linearly with the prompt"
+    assert _judged(_memory_cells(peaks))[claim] is held
+
+
 @pytest.fixture(scope="module")
 def run(corpus, tmp_path_factory):
     torch.manual_seed(0)
@@ -80,8 +96,10 @@ def test_cells_score_their_answers_and_the_report_holds_a_heat_map_per_task(run)
         assert c["hits"] == [e in a for a, e in zip(c["answers"], c["expected"], strict=True)]
         window = native(SMALL) - ANSWER_TOKENS if c["reading"] == "retrieve" else c["length"] - ANSWER_TOKENS
         assert all(n <= window for n in c["prompt_tokens"])
+        assert len(c["prefill_seconds"]) == len(c["hits"]) and all(t > 0 for t in c["prefill_seconds"])
+        assert c["peak_mb"] > 0
     page = (out / "report.html").read_text(encoding="utf-8")
-    assert len(re.findall(r"src='data:image/png;base64,", page)) == 2
+    assert len(re.findall(r"src='data:image/png;base64,", page)) == 3  # two heat maps, the memory
     assert {c["claim"].split(":")[0] for c in record["summary"]["claims"]} == {SMALL}
 
 
