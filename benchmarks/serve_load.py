@@ -54,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,10 +220,6 @@ class Served:
     def reset_peak(self) -> None:
         Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
 
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(60)
-
 
 # One engine, built and warmed up before the clock starts, as the server's is; each line on
 # its stdin runs the anchor requests once and answers with their tokens/s.
@@ -271,49 +266,62 @@ class EngineAlone:
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())["tokens_per_second"]
 
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(60)
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """All at once: each server takes a moment to shut down."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(60)
+
+
+def start(args: argparse.Namespace, mode: str, runs: list[Run], anchor: list[int], folder: Path,
+          record: harness.Record, processes: list[subprocess.Popen]
+          ) -> tuple[dict[str, Served], EngineAlone | None]:
+    """The mode's servers, up and warmed up (each path the runs take: plain, inspecting, on the
+    adapter), and the engine alone if a run is compared with it; their processes in `processes`."""
+    flags = {"base": [], "off": ["--max-capture-mb", "0"],
+             "lora": ["--lora", f"{ADAPTER}={folder / 'adapter'}"]}
+    servers = {}
+    for name in dict.fromkeys(run.server for run in runs):
+        servers[name] = Served(args, mode, flags[name], folder / f"{mode}-{name}.log")
+        processes.append(servers[name].process)
+    alone = None
+    if any(run.label == f"{mode} anchor x{ALONE_CLIENTS}" for run in runs):
+        alone = EngineAlone(args, mode, anchor)
+        processes.append(alone.process)
+    for name, server in servers.items():
+        server.wait_ready()
+        record.figure(f"{mode} server {name}: peak resident memory after loading",
+                      server.memory_mb()["peak_rss_mb"], "MB")
+        warm = [body(anchor, 8), *([body(anchor, 8, inspect=True)] if name == "base" else []),
+                *([body(anchor, 8, adapter=True)] if name == "lora" else [])]
+        asyncio.run(drive(server.url, warm, 1))
+    if "off" in servers:  # the baseline must refuse what the others serve
+        refused = body(anchor, 1, inspect=True) | {"stream": False, "stream_options": None}
+        status = httpx.post(f"{servers['off'].url}/v1/completions", json=refused, timeout=60).status_code
+        if status != 400:
+            raise RuntimeError(f"--max-capture-mb 0 answered an inspecting request with {status}, not 400")
+    if alone is not None:
+        alone.wait_ready()
+    return servers, alone
 
 
 def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[int], folder: Path,
             record: harness.Record) -> list[dict]:
-    """Every run of one mode, in rounds; its rows, figures and ratios."""
+    """Every run of one mode, in rounds: its rows; its figures and ratios in `record`."""
     runs = plan(args, mode)
-    flags = {"base": [], "off": ["--max-capture-mb", "0"],
-             "lora": ["--lora", f"{ADAPTER}={folder / 'adapter'}"]}
-    alone_label = f"{mode} anchor x{ALONE_CLIENTS}"
     rounds: dict[str, list[dict]] = {run.label: [] for run in runs}
-    alone_rounds: list[float] = []
-    with ExitStack() as stack:
-        servers = {}
-        for name in dict.fromkeys(run.server for run in runs):
-            servers[name] = Served(args, mode, flags[name], folder / f"{mode}-{name}.log")
-            stack.callback(servers[name].close)
-        alone = None
-        if alone_label in rounds:
-            alone = EngineAlone(args, mode, anchor)
-            stack.callback(alone.close)
-        for name, server in servers.items():
-            server.wait_ready()
-            record.figure(f"{mode} server {name}: peak resident memory after loading",
-                          server.memory_mb()["peak_rss_mb"], "MB")
-            warm = [body(anchor, 8), *([body(anchor, 8, inspect=True)] if name == "base" else []),
-                    *([body(anchor, 8, adapter=True)] if name == "lora" else [])]
-            asyncio.run(drive(server.url, warm, 1))
-        if "off" in servers:  # the baseline must really refuse what the others serve
-            answer = httpx.post(f"{servers['off'].url}/v1/completions", json=body(anchor, 1, inspect=True) | {
-                "stream": False, "stream_options": None}, timeout=60)
-            if answer.status_code != 400:
-                raise RuntimeError(f"--max-capture-mb 0 answered an inspecting request {answer.status_code}")
-        if alone is not None:
-            alone.wait_ready()
+    alone_label, alone_rounds = f"{mode} anchor x{ALONE_CLIENTS}", []
+    processes: list[subprocess.Popen] = []
+    try:
+        servers, alone = start(args, mode, runs, anchor, folder, record, processes)
         for r in range(args.repeats):
             for i, run in enumerate(runs):
+                cut = requests_for(run.workload, run.clients, ids, anchor, 1000 * r + i, args.new_tokens)
                 requests = [body(prompt, new, inspect=run.half == "inspect" and j % 2 == 1,
                                  adapter=run.half == "adapter" and j % 2 == 1)
-                            for j, (prompt, new) in enumerate(requests_for(
-                                run.workload, run.clients, ids, anchor, 1000 * r + i, args.new_tokens))]
+                            for j, (prompt, new) in enumerate(cut)]
                 server = servers[run.server]
                 server.reset_peak()
                 result = asyncio.run(drive(server.url, requests, run.clients)) | server.memory_mb()
@@ -325,6 +333,19 @@ def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[in
                           flush=True)
                 if run.label == alone_label and alone is not None:
                     alone_rounds.append(alone.round())
+    finally:
+        stop(processes)
+    if alone_rounds:
+        record.figure(f"{alone_label}, engine alone, tokens/s", harness.Timing(tuple(alone_rounds)),
+                      "tokens/s")
+        record.ratio(f"{alone_label}: HTTP cost (1 - server / engine alone)", statistics.median(
+            1 - v["tokens_per_second"] / a for v, a in zip(rounds[alone_label], alone_rounds, strict=True)))
+    return report(args, mode, runs, rounds, record)
+
+
+def report(args: argparse.Namespace, mode: str, runs: list[Run], rounds: dict[str, list[dict]],
+           record: harness.Record) -> list[dict]:
+    """Each run's row (the median of its rounds, key by key) and figures; the ratios."""
     rows = []
     for run in runs:
         values = rounds[run.label]
@@ -351,11 +372,6 @@ def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[in
     for name, (top, bottom) in ratios.items():
         if top in rounds and bottom in rounds:
             record.ratio(name, round_ratio(rounds[top], rounds[bottom]))
-    if alone_rounds:
-        record.figure(f"{alone_label}, engine alone, tokens/s", harness.Timing(tuple(alone_rounds)),
-                      "tokens/s")
-        record.ratio(f"{alone_label}: HTTP cost (1 - server / engine alone)", statistics.median(
-            1 - v["tokens_per_second"] / a for v, a in zip(rounds[alone_label], alone_rounds, strict=True)))
     return rows
 
 
