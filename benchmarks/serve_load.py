@@ -59,6 +59,9 @@ from pathlib import Path
 
 import harness
 import httpx
+from finetune import served_adapter
+
+from glassformer import load
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # --corpus
 ANCHOR = "The meaning of life is"
@@ -407,12 +410,8 @@ def main() -> None:
     harness.add_arguments(parser, repeats=3)
     args = parser.parse_args()
     if min(args.clients + args.compare_clients) < 1 or args.new_tokens < 0 or args.repeats < 1:
-        sys.exit("--clients and --compare-clients must be at least 1, --new-tokens at least 0, --repeats 1")
+        sys.exit("--clients, --compare-clients and --repeats must be at least 1, --new-tokens at least 0")
     record = harness.start("serve_load", args, json_mode=args.json)
-    from finetune import served_adapter
-
-    from glassformer import load
-
     language_model = load(args.model, progress=False)  # its tokenizer cuts the prompts
     encode = language_model.tokenizer.encode
     ids, anchor = encode(args.corpus.read_text(encoding="utf-8")[:400_000]), encode(ANCHOR)
