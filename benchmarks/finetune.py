@@ -199,13 +199,11 @@ def quality(args: argparse.Namespace, record: harness.Record, folder: Path) -> N
     record.notes.update(sample_before=before[1], sample_after=after[1], prompt=args.prompt)
 
 
-def served(args: argparse.Namespace, record: harness.Record, folder: Path) -> None:
-    """The anchor workload with no adapter, and with half its requests on one."""
-    from glassformer import load
-    from glassformer.serving import Engine, EngineConfig, RequestParams
+def served_adapter(language_model, base: str, folder: Path) -> None:
+    """A rank-16 adapter on every linear layer of `language_model` (loaded with no quantize;
+    its model gets the LoRA layers), B random as a trained one's, saved in `folder` for `base`."""
     from glassformer.training.lora import LoRAConfig, add_lora, save_adapter
 
-    language_model = load(args.model)
     config = LoRAConfig(16, 32.0)
     add_lora(language_model.model, config)
     generator = torch.Generator().manual_seed(0)
@@ -213,7 +211,15 @@ def served(args: argparse.Namespace, record: harness.Record, folder: Path) -> No
         for name, param in language_model.model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 1e-3)
-    save_adapter(folder, language_model.model, config, args.model)
+    save_adapter(folder, language_model.model, config, base)
+
+
+def served(args: argparse.Namespace, record: harness.Record, folder: Path) -> None:
+    """The anchor workload with no adapter, and with half its requests on one."""
+    from glassformer import load
+    from glassformer.serving import Engine, EngineConfig, RequestParams
+
+    served_adapter(load(args.model), args.model, folder)
     served_model = load(args.model, quantize="none")
     engine = Engine(served_model.model, served_model.tokenizer, EngineConfig(), base=args.model)
     engine.load_adapter("adapter", str(folder))

@@ -1,19 +1,44 @@
-"""`glassformer serve` under load over HTTP on loopback: 1 / 4 / 8 / 16 concurrent streaming
-clients, and the same anchor requests through the engine alone (no HTTP) for comparison.
+"""`glassformer serve` under load over HTTP on loopback: workloads at 1 / 4 / 8 / 16 concurrent
+streaming clients, the cost of capture and the lens, and the cost of a served LoRA adapter, in
+each weight mode (--modes: the servers' --quantize), side by side in one run.
 
-Workloads:
-  anchor  "The meaning of life is", 64 new tokens, greedy (max(8, clients) requests)
-  mixed   distinct tinyshakespeare passages of about 32-512 tokens, 64 new tokens, greedy
-          (2 x clients requests, at least 8)
-For each: total generated tokens/s, time to first token (TTFT) p50/p95, end-to-end latency
-p50/p95, and the server process's peak and current resident memory (/proc); each row is the
-median of --repeats rounds. At the anchor's 8 clients, each round is followed by one of the
-same requests through the engine alone (built and warmed up once, on as many threads as the
-server's engine: --threads, default the cores less one, as `glassformer serve` does), so
-their ratio, round by round, is the cost of HTTP.
+Workloads (every request greedy with ignore_eos, so it generates exactly its new tokens; the
+prompts are sent as token ids of the model's tokenizer):
+  anchor  "The meaning of life is", 64 new tokens (max(8, clients) requests)
+  mixed   16 distinct prompts of 32-512 tokens cut from tinyshakespeare, 16-128 new tokens each
+  shared  16 requests: one 512-token system prompt and 12 tokens of their own, 32 new tokens
+A client sends its next request when its last one has finished. The prompts' lengths and new
+tokens are the same in every run, but each run cuts its prompts from its own places in the
+text, so no run finds an earlier one's prompts in its server's prefix cache.
 
-    .venv/bin/python benchmarks/serve_load.py [--model smollm2-135m-instruct] [--quantize none]
-        [--clients 1 4 8 16] [--workloads anchor mixed] [--threads N] [--repeats 3] [--json]
+For each run: total generated tokens/s, time to first token (TTFT, from the moment its client
+sends the request) p50/p95, time per output token (TPOT, first to last token) p50/p95,
+end-to-end latency p50/p95, and the server's peak resident memory during the run (its
+high-water mark is reset before the run through /proc/PID/clear_refs; the peak of loading is
+reported once per server). Ratios:
+  load     each run's tokens/s against one client (same mode and workload); at the anchor's
+           8 clients, the HTTP cost against one round of the same requests through the engine
+           alone (no HTTP, built and warmed up once, on the server engine's --threads)
+  inspect  the anchor workload at --compare-clients on three servers of the same mode: off (a
+           server started with --max-capture-mb 0: no trace or lens), none (capture on, no
+           request asks), half (every other request asks for the trace of blocks.0.attn.out
+           and blocks.0.resid_post and the lens, top 5): none / off and half / off
+  adapter  the anchor workload at --compare-clients on a server started with --lora: a rank-16
+           adapter on every linear layer (made at start, B random as a trained one's): half
+           (every other request names it in `model`) / base (no request names it)
+The servers of a mode stay up side by side (idle when not measured); every round runs each
+configuration once, in turn, so a change in the machine's load falls on all of them; with
+--repeats N each figure is the median of its N rounds (min and max in the record) and each
+ratio the median of the rounds' ratios. The CPU line comes first (benchmarks/harness.py).
+
+    python benchmarks/serve_load.py      # int4: the three workloads, inspect, adapter; 3 rounds
+    python benchmarks/serve_load.py --modes none int8 int4 gguf --inspect --adapter
+    python benchmarks/serve_load.py --workloads --inspect off none half --adapter --repeats 5
+    python benchmarks/serve_load.py --workloads --inspect --adapter base half --repeats 5
+        [--model smollm2-135m-instruct] [--clients 1 4 8 16] [--compare-clients 8]
+        [--threads N] [--new-tokens N] [--corpus PATH] [--json]
+
+(`--workloads`, `--inspect` or `--adapter` with no values leaves that part out.)
 """
 
 from __future__ import annotations
@@ -27,86 +52,176 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import harness
 import httpx
+from finetune import served_adapter
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+from glassformer import load
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # --corpus
 ANCHOR = "The meaning of life is"
-NAME = "bench"
+NAME, ADAPTER = "bench", "bench-lora"
+SITES = ("blocks.0.attn.out", "blocks.0.resid_post")  # what an inspecting request traces
+INSPECT = {"trace": list(SITES), "lens": {"top_k": 5}}
+WORKLOADS = ("anchor", "mixed", "shared")
+ALONE_CLIENTS = 8  # the anchor run compared with the engine alone
 
 
-def requests_for(workload: str, clients: int) -> list[str]:
+@dataclass(frozen=True)
+class Run:
+    """One configuration, measured once per round: a workload at a number of clients on one of
+    the mode's servers ("base"; "off": --max-capture-mb 0; "lora": --lora), with every other
+    request inspecting or on the adapter (`half`)."""
+
+    label: str
+    workload: str
+    clients: int
+    server: str = "base"
+    half: str | None = None  # "inspect" or "adapter"
+
+
+def plan(args: argparse.Namespace, mode: str) -> list[Run]:
+    runs = [Run(f"{mode} {w} x{c}", w, c) for w in args.workloads for c in args.clients]
+    for c in args.compare_clients:
+        runs += [Run(f"{mode} anchor x{c} inspect {v}", "anchor", c, "off" if v == "off" else "base",
+                     "inspect" if v == "half" else None) for v in args.inspect]
+        runs += [Run(f"{mode} anchor x{c} adapter {v}", "anchor", c, "lora",
+                     "adapter" if v == "half" else None) for v in args.adapter]
+    return runs
+
+
+def requests_for(workload: str, clients: int, ids: list[int], anchor: list[int], seed: int,
+                 cap: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, new tokens) of each request: the lengths and new tokens are the workload's
+    own; where the prompts are cut from `ids` depends on `seed` (`cap`: at most that many new
+    tokens each, for short trials)."""
+    cuts = random.Random(seed)
     if workload == "anchor":
-        return [ANCHOR] * max(8, clients)
-    rng, text = random.Random(clients), CORPUS.read_text(encoding="utf-8")
-    prompts = []
-    for _ in range(max(8, 2 * clients)):
-        length = rng.randint(128, 2048)  # characters: about 32-512 tokens
-        start = rng.randrange(len(text) - length)
-        prompts.append(text[start : start + length])
-    return prompts
+        requests = [(anchor, 64)] * max(8, clients)
+    elif workload == "mixed":
+        shape, requests = random.Random(0), []
+        for _ in range(16):
+            length, new = shape.randint(32, 512), shape.randint(16, 128)
+            start = cuts.randrange(len(ids) - length)
+            requests.append((ids[start : start + length], new))
+    else:
+        start = cuts.randrange(len(ids) - 512)
+        system = ids[start : start + 512]
+        own = [cuts.randrange(len(ids) - 12) for _ in range(16)]
+        requests = [(system + ids[o : o + 12], 32) for o in own]
+    return [(prompt, min(new, cap or new)) for prompt, new in requests]
 
 
-async def one(http: httpx.AsyncClient, prompt: str) -> dict:
-    body = {"model": NAME, "prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    start, first, usage = time.perf_counter(), None, None
-    async with http.stream("POST", "/v1/completions", json=body) as reply:
-        reply.raise_for_status()
+def body(prompt: list[int], new: int, inspect: bool = False, adapter: bool = False) -> dict:
+    return {"model": ADAPTER if adapter else NAME, "prompt": prompt, "max_tokens": new, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "glassformer": {"ignore_eos": True, **(INSPECT if inspect else {})}}
+
+
+async def one(http: httpx.AsyncClient, request: dict) -> dict:
+    """One streamed request: its times, and whether its last chunk brought the trace and lens."""
+    start, first, last, usage, extra = time.perf_counter(), None, None, None, {}
+    async with http.stream("POST", "/v1/completions", json=request) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"the server answered {reply.status_code}: {(await reply.aread())[:300]!r}")
         async for line in reply.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                first = time.perf_counter()
+            if "error" in chunk:
+                raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            if choice.get("text"):
+                last = time.perf_counter()
+                first = first or last
+            if choice.get("finish_reason"):
+                extra = chunk.get("glassformer", {})
             usage = chunk.get("usage") or usage
     end = time.perf_counter()
-    return {"ttft": (first or end) - start, "latency": end - start, "tokens": usage["completion_tokens"],
-            "prompt_tokens": usage["prompt_tokens"]}
+    tokens = usage["completion_tokens"]
+    if tokens != request["max_tokens"]:
+        raise RuntimeError(f"a request generated {tokens} tokens, not {request['max_tokens']}")
+    return {"ttft": (first or end) - start, "latency": end - start, "tokens": tokens,
+            "tpot": (last - first) / (tokens - 1) if first and tokens > 1 else None,
+            "inspected": set(extra.get("trace", {})) == set(SITES) and "lens" in extra}
 
 
-async def load(url: str, prompts: list[str], clients: int) -> dict:
-    queue = list(enumerate(prompts))
-    results = [None] * len(prompts)
+async def drive(url: str, requests: list[dict], clients: int) -> dict:
+    """`requests` from `clients` concurrent clients, each sending its next when its last ended."""
+    queue, results = list(enumerate(requests)), [None] * len(requests)
 
-    async def client():
+    async def client() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
             while queue:
-                i, prompt = queue.pop(0)
-                results[i] = await one(http, prompt)
+                i, request = queue.pop(0)
+                results[i] = await one(http, request)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
     wall = time.perf_counter() - start
-    return {
-        "requests": len(prompts),
-        "tokens_per_second": sum(r["tokens"] for r in results) / wall,
-        "ttft_p50": percentile([r["ttft"] for r in results], 0.5),
-        "ttft_p95": percentile([r["ttft"] for r in results], 0.95),
-        "latency_p50": percentile([r["latency"] for r in results], 0.5),
-        "latency_p95": percentile([r["latency"] for r in results], 0.95),
-        "prompt_tokens_mean": sum(r["prompt_tokens"] for r in results) / len(results),
-    }
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
+    inspecting = ["trace" in r["glassformer"] for r in requests]
+    if [r["inspected"] for r in results] != inspecting:
+        raise RuntimeError("the trace and lens came back for other requests than those that asked")
+    return {"tokens_per_second": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
+            "ttft_p50": percentile([r["ttft"] for r in results], 0.5),
+            "ttft_p95": percentile([r["ttft"] for r in results], 0.95),
+            "tpot_p50": percentile(tpot, 0.5), "tpot_p95": percentile(tpot, 0.95),
+            "latency_p50": percentile([r["latency"] for r in results], 0.5),
+            "latency_p95": percentile([r["latency"] for r in results], 0.95),
+            "requests": len(results), "tokens": sum(r["tokens"] for r in results),
+            "inspected": sum(inspecting), "adapted": sum(r["model"] == ADAPTER for r in requests)}
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def memory_mb(pid: int) -> dict:
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    kb = {name: int(fields[name].split()[0]) for name in ("VmHWM", "VmRSS")}
-    return {"peak_rss_mb": kb["VmHWM"] / 1024, "rss_mb": kb["VmRSS"] / 1024}
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class Served:
+    """`glassformer serve` in its own process on a free loopback port, its output in `log`."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, flags: list[str], log: Path) -> None:
+        self.url, self.log = f"http://127.0.0.1:{free_port()}", log
+        command = [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())",
+                   "serve", "--model", args.model, "--quantize", mode, "--name", NAME,
+                   "--port", self.url.split(":")[-1], "--max-queue", "256", "--threads", str(args.threads),
+                   *flags]
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                if self.process.poll() is not None:
+                    break
+                time.sleep(0.5)
+        raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-2000:]}")
+
+    def memory_mb(self) -> dict:
+        """The peak resident memory since the last reset (or the start), and now."""
+        status = Path(f"/proc/{self.process.pid}/status").read_text().splitlines()
+        kb = {name: int(value.split()[0]) for name, value in (line.split(":", 1) for line in status)
+              if name in ("VmHWM", "VmRSS")}
+        return {"peak_rss_mb": kb["VmHWM"] / 1024, "rss_mb": kb["VmRSS"] / 1024}
+
+    def reset_peak(self) -> None:
+        Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
 
 
 # One engine, built and warmed up before the clock starts, as the server's is; each line on
@@ -116,110 +231,207 @@ import json, sys, time
 import torch
 import glassformer
 from glassformer.serving import Engine, EngineConfig, RequestParams
-torch.set_num_threads(int(sys.argv[3]))
-lm = glassformer.load(sys.argv[1], quantize=sys.argv[2])
+model, mode, threads, anchor, new = sys.argv[1:]
+anchor = json.loads(anchor)
+torch.set_num_threads(int(threads))
+lm = glassformer.load(model, quantize=mode)
 engine = Engine(lm.model, lm.tokenizer, EngineConfig())
-params = RequestParams.from_fields(max_new_tokens=64, temperature=0.0)
+params = RequestParams.from_fields(max_new_tokens=int(new), temperature=0.0, eos_ids=())
 def run(prompts):
-    handles = [engine.submit(lm.encode(p), params) for p in prompts]
+    handles = [engine.submit(p, params) for p in prompts]
     engine.run_until_done()
     return [h.result for h in handles]
-run(["warm up"] * 8)
+run([anchor] * 8)
 print("ready", flush=True)
 for _ in sys.stdin:
     start = time.perf_counter()
-    results = run([{anchor!r}] * 8)
+    results = run([anchor] * 8)
     wall = time.perf_counter() - start
-    print(json.dumps({{"tokens_per_second": sum(r.n_generated for r in results) / wall}}), flush=True)
+    print(json.dumps({"tokens_per_second": sum(r.n_generated for r in results) / wall}), flush=True)
 """
+
+
+class EngineAlone:
+    """The anchor requests at 8 clients through the engine alone, in its own process."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, anchor: list[int]) -> None:
+        new = min(64, args.new_tokens or 64)
+        command = [sys.executable, "-c", ENGINE_ALONE, args.model, mode, str(args.threads),
+                   json.dumps(anchor), str(new)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def wait_ready(self) -> None:
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError("the engine alone did not start")
+
+    def round(self) -> float:
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())["tokens_per_second"]
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """All at once: each server takes a moment to shut down."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait(60)
+
+
+def start(args: argparse.Namespace, mode: str, runs: list[Run], anchor: list[int], folder: Path,
+          record: harness.Record, processes: list[subprocess.Popen]
+          ) -> tuple[dict[str, Served], EngineAlone | None]:
+    """The mode's servers, up and warmed up (each path the runs take: plain, inspecting, on the
+    adapter), and the engine alone if a run is compared with it; their processes in `processes`."""
+    flags = {"base": [], "off": ["--max-capture-mb", "0"],
+             "lora": ["--lora", f"{ADAPTER}={folder / 'adapter'}"]}
+    servers = {}
+    for name in dict.fromkeys(run.server for run in runs):
+        servers[name] = Served(args, mode, flags[name], folder / f"{mode}-{name}.log")
+        processes.append(servers[name].process)
+    alone = None
+    if any(run.label == f"{mode} anchor x{ALONE_CLIENTS}" for run in runs):
+        alone = EngineAlone(args, mode, anchor)
+        processes.append(alone.process)
+    for name, server in servers.items():
+        server.wait_ready()
+        record.figure(f"{mode} server {name}: peak resident memory after loading",
+                      server.memory_mb()["peak_rss_mb"], "MB")
+        warm = [body(anchor, 8), *([body(anchor, 8, inspect=True)] if name == "base" else []),
+                *([body(anchor, 8, adapter=True)] if name == "lora" else [])]
+        asyncio.run(drive(server.url, warm, 1))
+    if "off" in servers:  # the baseline must refuse what the others serve
+        refused = body(anchor, 1, inspect=True) | {"stream": False, "stream_options": None}
+        status = httpx.post(f"{servers['off'].url}/v1/completions", json=refused, timeout=60).status_code
+        if status != 400:
+            raise RuntimeError(f"--max-capture-mb 0 answered an inspecting request with {status}, not 400")
+    if alone is not None:
+        alone.wait_ready()
+    return servers, alone
+
+
+def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[int], folder: Path,
+            record: harness.Record) -> list[dict]:
+    """Every run of one mode, in rounds: its rows; its figures and ratios in `record`."""
+    runs = plan(args, mode)
+    rounds: dict[str, list[dict]] = {run.label: [] for run in runs}
+    alone_label, alone_rounds = f"{mode} anchor x{ALONE_CLIENTS}", []
+    processes: list[subprocess.Popen] = []
+    try:
+        servers, alone = start(args, mode, runs, anchor, folder, record, processes)
+        for r in range(args.repeats):
+            for i, run in enumerate(runs):
+                cut = requests_for(run.workload, run.clients, ids, anchor, 1000 * r + i, args.new_tokens)
+                requests = [body(prompt, new, inspect=run.half == "inspect" and j % 2 == 1,
+                                 adapter=run.half == "adapter" and j % 2 == 1)
+                            for j, (prompt, new) in enumerate(cut)]
+                server = servers[run.server]
+                server.reset_peak()
+                result = asyncio.run(drive(server.url, requests, run.clients)) | server.memory_mb()
+                rounds[run.label].append(result)
+                if not args.json:
+                    print(f"round {r + 1} {run.label:<28} {result['tokens_per_second']:7.1f} tok/s  TTFT p50 "
+                          f"{result['ttft_p50']:.3f} p95 {result['ttft_p95']:.3f} s  TPOT p50 "
+                          f"{1e3 * result['tpot_p50']:.1f} ms  peak RSS {result['peak_rss_mb']:.0f} MB",
+                          flush=True)
+                if run.label == alone_label and alone is not None:
+                    alone_rounds.append(alone.round())
+    finally:
+        stop(processes)
+    if alone_rounds:
+        record.figure(f"{alone_label}, engine alone, tokens/s", harness.Timing(tuple(alone_rounds)),
+                      "tokens/s")
+        record.ratio(f"{alone_label}: HTTP cost (1 - server / engine alone)", statistics.median(
+            1 - v["tokens_per_second"] / a for v, a in zip(rounds[alone_label], alone_rounds, strict=True)))
+    return report(args, mode, runs, rounds, record)
+
+
+def report(args: argparse.Namespace, mode: str, runs: list[Run], rounds: dict[str, list[dict]],
+           record: harness.Record) -> list[dict]:
+    """Each run's row (the median of its rounds, key by key) and figures; the ratios."""
+    rows = []
+    for run in runs:
+        values = rounds[run.label]
+        row = {"label": run.label, "mode": mode, "workload": run.workload, "clients": run.clients,
+               "server": run.server, "half": run.half,
+               **{k: statistics.median(v[k] for v in values) for k in values[0]},
+               "rounds_tokens_per_second": [v["tokens_per_second"] for v in values]}
+        rows.append(row)
+        record.figure(f"{run.label}, tokens/s", harness.Timing(tuple(row["rounds_tokens_per_second"])),
+                      "tokens/s")
+        for key, unit in (("ttft_p50", "s"), ("ttft_p95", "s"), ("tpot_p50", "s"), ("tpot_p95", "s"),
+                          ("peak_rss_mb", "MB")):
+            record.figure(f"{run.label}, {key}", harness.Timing(tuple(v[key] for v in values)), unit)
+    ratios = {}
+    for run in runs:
+        if run.label == f"{mode} {run.workload} x{run.clients}" and run.clients != 1:  # a load run
+            ratios[f"{run.label} / x1 tokens/s"] = (run.label, f"{mode} {run.workload} x1")
+    for c in args.compare_clients:
+        base = f"{mode} anchor x{c}"
+        for over in ("none", "half"):
+            ratios[f"{base} inspect {over} / off tokens/s"] = (f"{base} inspect {over}",
+                                                               f"{base} inspect off")
+        ratios[f"{base} adapter half / base tokens/s"] = (f"{base} adapter half", f"{base} adapter base")
+    for name, (top, bottom) in ratios.items():
+        if top in rounds and bottom in rounds:
+            record.ratio(name, round_ratio(rounds[top], rounds[bottom]))
+    return rows
+
+
+def round_ratio(top: list[dict], bottom: list[dict]) -> float:
+    """The median over rounds of one run's tokens/s over another's in the same round."""
+    return statistics.median(a["tokens_per_second"] / b["tokens_per_second"]
+                             for a, b in zip(top, bottom, strict=True))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--quantize", default="none")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--workloads", nargs="+", default=["anchor", "mixed"], choices=["anchor", "mixed"])
+    parser.add_argument("--modes", nargs="+", default=["int4"],
+                        choices=["none", "bf16", "int8", "int4", "gguf"],
+                        help="the servers' --quantize, one after another (default int4)")
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS,
+                        help="the load runs' workloads (none: no load runs)")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16],
+                        help="the load runs' concurrent clients")
+    parser.add_argument("--inspect", nargs="*", default=["off", "none", "half"],
+                        choices=["off", "none", "half"],
+                        help="the capture and lens configurations compared (none given: no comparison)")
+    parser.add_argument("--adapter", nargs="*", default=["base", "half"], choices=["base", "half"],
+                        help="the served-adapter configurations compared (none given: no comparison)")
+    parser.add_argument("--compare-clients", type=int, nargs="+", default=[8],
+                        help="the clients of the inspect and adapter comparisons (anchor workload)")
     parser.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0)) - 1),
-                        help="the engine's threads, in the server and alone")
+                        help="the engine's threads, in the servers and alone (default: the cores less one)")
+    parser.add_argument("--new-tokens", type=int, default=0,
+                        help="cap every request's new tokens (0: the workloads' own; short trials)")
+    parser.add_argument("--corpus", type=Path, default=CORPUS, help="tinyshakespeare.txt (mixed, shared)")
     parser.add_argument("--json", action="store_true")
     harness.add_arguments(parser, repeats=3)
     args = parser.parse_args()
+    if min(args.clients + args.compare_clients) < 1 or args.new_tokens < 0 or args.repeats < 1:
+        sys.exit("--clients, --compare-clients and --repeats must be at least 1, --new-tokens at least 0")
     record = harness.start("serve_load", args, json_mode=args.json)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())", "serve",
-               "--model", args.model, "--quantize", args.quantize, "--name", NAME, "--port", str(port),
-               "--max-queue", "256", "--threads", str(args.threads)]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    alone = subprocess.Popen([sys.executable, "-c", ENGINE_ALONE.format(anchor=ANCHOR), args.model,
-                              args.quantize, str(args.threads)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-
-    def engine_alone() -> float:
-        """One round of the anchor requests through the engine alone: tokens/s."""
-        alone.stdin.write("go\n")
-        alone.stdin.flush()
-        return json.loads(alone.stdout.readline())["tokens_per_second"]
-
+    language_model = load(args.model, progress=False)  # its tokenizer cuts the prompts
+    encode = language_model.tokenizer.encode
+    ids, anchor = encode(args.corpus.read_text(encoding="utf-8")[:400_000]), encode(ANCHOR)
     rows = []
-    try:
-        if alone.stdout.readline().strip() != "ready":
-            sys.exit("the engine alone did not start")
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if server.poll() is not None:
-                    sys.exit("the server did not start")
-                time.sleep(0.5)
-        asyncio.run(load(url, [ANCHOR], 1))  # warm up
-        for workload in args.workloads:
-            for clients in args.clients:
-                # Repeated rounds; at the anchor's 8 clients each one is followed by a round of
-                # the engine alone, so both see the same machine (the other process idles).
-                rounds, alone_rounds = [], []
-                for _ in range(args.repeats):
-                    rounds.append(asyncio.run(load(url, requests_for(workload, clients), clients)))
-                    if workload == "anchor" and clients == 8:
-                        alone_rounds.append(engine_alone())
-                measured = sorted(rounds, key=lambda r: r["tokens_per_second"])[len(rounds) // 2]
-                row = {"workload": workload, "clients": clients, **measured, **memory_mb(server.pid),
-                       "rounds_tokens_per_second": [r["tokens_per_second"] for r in rounds]}
-                if alone_rounds:
-                    row["engine_alone_tokens_per_second"] = statistics.median(alone_rounds)
-                    row["http_cost"] = statistics.median(
-                        1 - r["tokens_per_second"] / a for r, a in zip(rounds, alone_rounds, strict=True))
-                rows.append(row)
-                label = f"{workload}, {clients} clients"
-                record.figure(f"{label}, tokens/s", harness.Timing(tuple(row["rounds_tokens_per_second"])),
-                              "tokens/s")
-                record.figure(f"{label}, TTFT p95 (median round)", row["ttft_p95"], "s")
-                record.figure(f"{label}, server peak resident memory", row["peak_rss_mb"], "MB")
-                if alone_rounds:
-                    record.figure(f"{label}, engine alone", harness.Timing(tuple(alone_rounds)), "tokens/s")
-                    record.ratio(f"{label}: HTTP cost (1 - server / engine alone, median of rounds)",
-                                 row["http_cost"])
-                if not args.json:
-                    print(f"{workload:6} {clients:2} clients: {row['tokens_per_second']:6.1f} tok/s  "
-                          f"TTFT p50 {row['ttft_p50']:.3f} p95 {row['ttft_p95']:.3f} s  "
-                          f"latency p50 {row['latency_p50']:.2f} p95 {row['latency_p95']:.2f} s  "
-                          f"RSS peak {row['peak_rss_mb']:.0f} now {row['rss_mb']:.0f} MB  (median of "
-                          f"{', '.join(f'{r:.0f}' for r in row['rounds_tokens_per_second'])})",
-                          flush=True)
-                    if alone_rounds:
-                        print(f"       engine alone: {row['engine_alone_tokens_per_second']:.1f} tok/s "
-                              f"(rounds {', '.join(f'{a:.0f}' for a in alone_rounds)}); HTTP costs "
-                              f"{row['http_cost']:.1%} (median of the rounds' ratios)", flush=True)
-    finally:
-        server.terminate()
-        alone.terminate()
-        server.wait(60)
-        alone.wait(60)
+    with tempfile.TemporaryDirectory(prefix="glassformer-serve-load-") as folder:
+        if args.adapter:
+            (Path(folder) / "adapter").mkdir()
+            served_adapter(language_model, args.model, Path(folder) / "adapter")
+        del language_model
+        try:
+            for mode in args.modes:
+                rows += measure(args, mode, ids, anchor, Path(folder), record)
+        except RuntimeError as error:
+            sys.exit(f"serve_load: {error}")
     record.write()
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"runs": rows, "ratios": record.ratios}, indent=1))
+        return
+    for name, value in record.ratios.items():
+        print(f"{name:<52} {value:.3f}")
 
 
 if __name__ == "__main__":

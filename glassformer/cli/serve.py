@@ -44,9 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "the allowed hosts' pages (others get 403; '*': any)")
     add(parser.add_argument_group("the serving engine"), *ENGINE, *CONTEXT)
     add(parser, "--steer")
-    parser.add_argument("--max-capture-mb", type=positive, default=64.0,
+    parser.add_argument("--max-capture-mb", type=non_negative, default=64.0,
                         help="the most one request's trace sites and lens may hold, counted at "
-                             "their full length (more: 400 before it runs)")
+                             "their full length (more: 400 before it runs; 0: no trace or lens)")
     parser.add_argument("--max-queue", type=non_negative_int, default=64,
                         help="requests waiting beyond the batch (then 429)")
     parser.add_argument("--max-request-tokens", type=positive_int, default=1024,

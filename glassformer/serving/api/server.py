@@ -53,17 +53,20 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins beyond the allowed hosts' ("*": any)
     metrics_need_key: bool = False  # whether /metrics also needs the API key
     header_timeout_s: float = 10.0  # headers not whole by then get 408 and the connection closes
-    max_capture_mb: float = 64.0  # most one request's trace sites and lens may hold; more get 400
+    max_capture_mb: float = 64.0  # most one request's trace sites and lens may hold; more get 400 (0: none)
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_tokens", "max_body_bytes"):
             value, low = getattr(self, name), 0 if name == "max_queue" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
-        for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s", "max_capture_mb"):
+        for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
+        size = self.max_capture_mb
+        if isinstance(size, bool) or not isinstance(size, int | float) or not 0 <= size < float("inf"):
+            raise ValueError(f"max_capture_mb: must be a finite number of MB >= 0, got {size!r}")
         for name in ("allowed_hosts", "allowed_origins"):
             values = getattr(self, name)
             if not isinstance(values, tuple) or any(not isinstance(v, str) or not v for v in values):
@@ -175,11 +178,15 @@ class Server:
         return handle, admission
 
     def check_capture_size(self, fields: SamplingFields, tokens: int) -> None:
-        """400 for a request whose trace sites and lens would hold more than max_capture_mb."""
+        """400 for a request whose trace sites and lens would hold more than max_capture_mb
+        (at 0, any trace or lens)."""
         asked = fields.glassformer
         lens = None if asked.lens is None else asked.lens.top_k
         size = capture_bytes(self.language_model.config, tuple(asked.trace), lens, tokens)
         most = self.config.max_capture_mb
+        if size and not most:
+            raise APIError(400, "glassformer: this server keeps no trace or lens (--max-capture-mb 0)",
+                           "glassformer", "capture_disabled")
         if size > most * 2**20:
             raise APIError(400, f"glassformer: the trace and lens would hold {size / 2**20:.1f} MB over "
                                 f"{tokens} tokens; this server allows {most:g} MB per request "

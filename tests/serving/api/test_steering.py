@@ -110,7 +110,23 @@ def test_bad_steering_lens_and_capture_requests_get_4xx(language_model):
         assert reply.status_code == 200 and "lens" in reply.json()["glassformer"]
 
 
-@pytest.mark.parametrize("size", [0.0, float("inf")])
-def test_max_capture_mb_is_a_positive_finite_size(size):
+@pytest.mark.parametrize("size", [-1.0, float("inf"), True])
+def test_max_capture_mb_is_a_finite_size_of_at_least_zero(size):
     with pytest.raises(ValueError, match="^max_capture_mb: "):
         ServerConfig(MODEL, max_capture_mb=size)
+
+
+def test_max_capture_mb_zero_refuses_every_trace_and_lens(language_model):
+    config = ServerConfig(MODEL, max_tokens=64, max_capture_mb=0)
+    with serving(language_model, config) as (url, _), httpx.Client(base_url=url, timeout=30) as http:
+        def ask(**glassformer):
+            return http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                      "glassformer": glassformer})
+
+        for refused in (ask(trace=["blocks.0.resid_post"]), ask(lens={"top_k": 1}),
+                        ask(trace=["embed.out"], lens={"top_k": 5})):
+            _refused(refused, 400, "glassformer")
+            assert refused.json()["error"]["code"] == "capture_disabled"
+        plain = ask(ignore_eos=True)
+        assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 2
+        assert "glassformer" not in plain.json()
