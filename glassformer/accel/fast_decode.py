@@ -9,7 +9,8 @@ a model whose config it refuses keeps the module path. The model owns its step
 (`Transformer.fused_step`), built by `FastDecoder.build` and dropped whenever its tensors
 change; `why_not` says why a model cannot take it. `rows` is the same
 step for one new token of each of several sequences whose keys and values sit in a paged
-pool (the serving engine's decode steps); each row's numbers are those `__call__` gives it.
+pool (the serving engine's decode steps); each row's numbers are those `__call__` gives it,
+plus, for a row on a LoRA adapter (`fused_adapter`), that adapter's updates of its products.
 """
 
 from __future__ import annotations
@@ -60,6 +61,29 @@ CAPABILITIES = CapabilityTable("fused decode step", {
 })
 
 
+# A block's products as the C++ layers name them: the only ones an adapter's update can go to.
+_PRODUCTS = {"attn.qkv": "qkv", "attn.out": "out", "mlp.up": "up", "mlp.down": "down"}
+
+LoRAFactors = tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]  # (A stacked, [(start, scale·B)])
+
+
+def fused_adapter(n_layers: int, updates: dict[tuple[int, str], LoRAFactors]):
+    """A LoRA adapter as `rows` takes it, holding these tensors: `updates` maps (layer, product
+    path in a block) -> A (n·r, d_in), the n targets' stacked, and per target its first output
+    row and scale · B (rows, r). None where the step cannot add it as the module path does (a
+    product the C++ layers do not have, tensors other than float32 on the CPU, no kernels):
+    the adapter's rows then keep the module path."""
+    tensors = [t for a, ups in updates.values() for t in (a, *(b for _, b in ups))]
+    if (any(path not in _PRODUCTS for _, path in updates) or not kernels.available()
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors)):
+        return None
+    layers: list[dict[str, kernels.LoRAUpdate]] = [{} for _ in range(n_layers)]
+    for (i, path), (a, ups) in updates.items():
+        layers[i][_PRODUCTS[path]] = kernels.LoRAUpdate(
+            a.contiguous(), [(start, b.contiguous()) for start, b in ups])
+    return kernels.adapter_weights(layers)
+
+
 def why_not(model: Transformer) -> str | None:
     """The reason `model` cannot use the fused step now, or None when it can."""
     if model.training or torch.is_grad_enabled():
@@ -67,6 +91,12 @@ def why_not(model: Transformer) -> str | None:
     if model.hooks:
         return "hooks are installed: the module path shows every site"
     return _static_reason(model)
+
+
+def can_build(model: Transformer) -> bool:
+    """Whether `model`'s tensors and the kernels allow the step (why_not adds the run-time
+    conditions: eval mode, no grad, no hooks)."""
+    return _static_reason(model) is None
 
 
 def _static_reason(model: Transformer) -> str | None:
@@ -89,7 +119,7 @@ class FastDecoder:
     @classmethod
     def build(cls, model: Transformer) -> FastDecoder | None:
         """The step for `model`, or None where it does not apply to it."""
-        return None if _static_reason(model) is not None else cls(model)
+        return cls(model) if can_build(model) else None
 
     def __init__(self, model: Transformer) -> None:
         config = model.config
@@ -108,6 +138,7 @@ class FastDecoder:
         self.step_fn = kernels.decode_step(
             config, layers, None if slopes is None else slopes.float().contiguous())
         self.empty = torch.empty(0)
+        self.no_adapters = torch.empty(0, dtype=torch.long)
 
     def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Next-token logits (1, V) for `token` (1,) at position cache.length. A cache that
@@ -139,14 +170,18 @@ class FastDecoder:
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              cos: torch.Tensor | None, sin: torch.Tensor | None,
-             keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+             keys: list[torch.Tensor], values: list[torch.Tensor],
+             adapter_of: torch.Tensor | None = None, adapters: list = ()) -> torch.Tensor:
         """The residual streams (B, d) after every layer for the embedded tokens x (B, d) at
         positions (B,); row b's token t sits at pool slot slots[b, t] (B, S), its new one at
         slots[b, positions[b]]; cos, sin (B, d_head) its angles (None without RoPE); keys,
-        values per layer (n_slots, KV, d_head) float32, written at the new slots."""
+        values per layer (n_slots, KV, d_head) float32, written at the new slots. Row b adds
+        the updates of adapters[adapter_of[b]] (fused_adapter's), none where it is -1 or
+        adapter_of is None (B,)."""
         cos = self.empty if cos is None else cos.contiguous()
         sin = self.empty if sin is None else sin.contiguous()
-        return self.step_fn.step_paged(x, positions, slots, cos, sin, keys, values)
+        rows = self.no_adapters if adapter_of is None else adapter_of.contiguous()
+        return self.step_fn.step_paged(x, positions, slots, cos, sin, keys, values, rows, list(adapters))
 
 
 def _norm(norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -110,7 +110,8 @@ class LayerWeights(NamedTuple):
 def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: Tensor | None):
     """The C++ DecodeStep of a pre-norm causal decoder of `config` with these layers: its
     `step` (one sequence, a dense cache) and `step_paged` (one token of each of several
-    sequences, a paged pool). fast_decode.py refuses the configurations it does not compute
+    sequences, a paged pool, each row with its LoRA adapter or none: `adapter_weights`).
+    fast_decode.py refuses the configurations it does not compute
     (its capability table); this passes each field by name."""
     ext = extension()
     spec = ext.DecodeConfig()
@@ -129,6 +130,32 @@ def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: T
                               ext.NormWeights(*layer.norm2), linear(layer.up), linear(layer.down))
              for layer in layers]
     return ext.DecodeStep(spec, built, alibi_slopes)
+
+
+class LoRAUpdate(NamedTuple):
+    """A LoRA adapter's update of one product in one layer as the decode step reads it:
+    `down` (n·r, d_in) float32, the n targets' A stacked, then per target its first output row
+    and scale · B (rows, r) float32."""
+
+    down: Tensor
+    ups: list[tuple[int, Tensor]]
+
+
+LORA_PRODUCTS = ("qkv", "out", "up", "down")  # a LayerWeights' products an adapter may update
+
+
+def adapter_weights(layers: list[dict[str, LoRAUpdate]]):
+    """One adapter for `step_paged`, built once and passed to each step by reference: per
+    layer, product name (LORA_PRODUCTS) -> its update; a product absent is left as it is."""
+    ext = extension()
+
+    def update(lora: LoRAUpdate | None):
+        if lora is None:
+            return ext.LoRAUpdate()
+        return ext.LoRAUpdate(lora.down, [start for start, _ in lora.ups], [b for _, b in lora.ups])
+
+    return ext.AdapterWeights([ext.LoRALayer(*(update(layer.get(p)) for p in LORA_PRODUCTS))
+                               for layer in layers])
 
 
 # ---------------------------------------------------------------- bindings.cpp (OpenMP)

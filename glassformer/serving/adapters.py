@@ -7,10 +7,15 @@ adapter used in the step, only its rows get their update
 
     y[rows_i, s_t:e_t] += (α_i / r_i) · (x[rows_i] A_tᵀ) B_tᵀ      for each target t of adapter i
 
-(training/lora.py's LoRALinear, its dropout off). Rows without an adapter are never written,
-so they are bitwise those of an engine without adapters. The low-rank products go through the
-view's own wrap (row tiles), so an adapter row does not depend on what shares its step either.
-Rows with an adapter never take the fused C++ decode step (it knows only the base weights).
+(training/lora.py's LoRALinear, its dropout off; α/r is LoRAConfig.scale, folded into B once
+at load). Rows without an adapter are never written, so they are bitwise those of an engine
+without adapters. The low-rank products go through the view's own wrap (row tiles), so an
+adapter row does not depend on what shares its step either.
+
+Where the engine's decoding rows take the fused C++ step, an adapter is also built for it at
+load (accel/fast_decode.py `fused_adapter`): the same A and scaled B tensors, which the step
+adds per row after each base product, as above. Where the step cannot (`fused` None), the
+adapter's rows keep the module path.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..accel.fast_decode import fused_adapter
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from ..training.lora import AdapterTensors, LoRAConfig, check_targets, read_lora, target_slices
@@ -53,6 +59,7 @@ class ServedAdapter:
     config: LoRAConfig
     key: tuple  # the prefix cache's root for its requests: unique per load (block_manager.py)
     updates: dict[tuple[int, str], Update]  # (layer, product path) -> its update
+    fused: object | None  # the adapter as the fused step adds it (fused_adapter), or None
 
 
 def check_tensors(model: ModelConfig, config: LoRAConfig, tensors: AdapterTensors, where: str) -> None:
@@ -92,6 +99,7 @@ class Adapters:
         """`base`: the served model's source, checked against an adapter's base name."""
         self.config, self.base, self.dtype, self.device = config, base, dtype, device
         self.wrap: Callable[[nn.Module], nn.Module] = itself  # the view's own (install)
+        self.fused_step = False  # whether decoding rows may take the fused step (install)
         self._by_name: dict[str, ServedAdapter] = {}
         self._loads = itertools.count()
         self.step: list[tuple[ServedAdapter, torch.Tensor]] = []  # (adapter, its rows (m,)) now
@@ -116,19 +124,23 @@ class Adapters:
         check_targets(self.config, config)
         check_tensors(self.config, config, tensors, str(folder))
         slices = target_slices(self.config)
-        updates = {}
+        updates, factors = {}, {}
         for i in range(self.config.n_layers):
             for path in PRODUCTS:
                 targets = [t for t in config.targets if slices[t][0] == path]
                 if not targets:
                     continue
                 a = torch.cat([tensors[(i, t)][0] for t in targets])  # (n·r, d_in)
-                ups = []
+                a = a.to(self.device, self.dtype)
+                ups, scaled = [], []
                 for t in targets:
                     b = tensors[(i, t)][1].to(self.device, self.dtype) * config.scale  # (e - s, r)
                     ups.append((*slices[t][1], self.wrap(_linear(b))))
-                updates[(i, path)] = Update(self.wrap(_linear(a.to(self.device, self.dtype))), tuple(ups))
-        return ServedAdapter(name, str(folder), config, ("lora", name, next(self._loads)), updates)
+                    scaled.append((slices[t][1][0], b))
+                updates[(i, path)] = Update(self.wrap(_linear(a)), tuple(ups))
+                factors[(i, path)] = (a, scaled)
+        fused = fused_adapter(self.config.n_layers, factors) if self.fused_step else None
+        return ServedAdapter(name, str(folder), config, ("lora", name, next(self._loads)), updates, fused)
 
     def add(self, adapter: ServedAdapter) -> None:
         if adapter.name in self._by_name:
@@ -140,10 +152,12 @@ class Adapters:
             raise KeyError(f"lora_name: no adapter named {name!r} is loaded")
         del self._by_name[name]
 
-    def install(self, view: Transformer, wrap: Callable[[nn.Module], nn.Module]) -> None:
+    def install(self, view: Transformer, wrap: Callable[[nn.Module], nn.Module],
+                fused_step: bool = False) -> None:
         """Wrap each targeted product of the runner's view (a copy: the model is untouched);
-        `wrap` is what the view does to each product (row tiles), done to the updates too."""
-        self.wrap = wrap
+        `wrap` is what the view does to each product (row tiles), done to the updates too;
+        `fused_step`: decoding rows may take the fused step, so adapters are built for it too."""
+        self.wrap, self.fused_step = wrap, fused_step
         for i, block in enumerate(view.blocks):
             for path in PRODUCTS:
                 block.set_submodule(path, AdapterRows(block.get_submodule(path), (i, path), self))

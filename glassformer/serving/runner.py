@@ -19,9 +19,12 @@ step, whatever else the step holds: one call runs every layer for every such row
 over each row's own block table in the pool. Each row's numbers are those of `generate`'s
 fused step for that sequence alone, so they too are independent of what shares the step.
 
-A request may name a LoRA adapter (RequestParams.adapter): its rows take the module path, where
-the view's products add that adapter's update to those rows alone (adapters.py); every other
-row is computed as in an engine without adapters, on the fused step or not.
+A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
+each product it targets, on those rows alone (adapters.py), on the module path (the view's
+wrapped products) or, for decoding rows, on the fused step, which takes a row -> adapter index
+per call and the adapters' factors as built at load; an adapter the fused step cannot add
+(ServedAdapter.fused None) keeps its rows on the module path. Every other row is computed as in
+an engine without adapters, on the fused step or not.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import contextlib
 import torch
 
 from ..accel.capabilities import CapabilityTable, any_value, only
-from ..accel.fast_decode import FastDecoder
+from ..accel.fast_decode import FastDecoder, can_build
 from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
@@ -90,7 +93,8 @@ class ModelRunner:
             wrap = row_invariant if invariant else itself
             if not invariant:  # a view to wrap, so the model itself stays as it is
                 self.layers = model.with_products(wrap)
-            adapters.install(self.layers, wrap)
+            fused = attention == "fast" and pool.kv_dtype == "fp32" and sink is None and can_build(model)
+            adapters.install(self.layers, wrap, fused)
         self.device = model.embed.tokens.weight.device
         self.rope = None
         if config.position == "rope":  # computed once: (context, d_head) each
@@ -106,7 +110,7 @@ class ModelRunner:
         self.pool.reserve(1 + max((b for seq, _ in plan.scheduled for b in seq.block_table), default=-1))
         self.pool.copy_blocks(plan.copies)
         fused = self._fused()
-        fast = [fused is not None and n == 1 and not uses_hooks(seq.params) and seq.params.adapter is None
+        fast = [fused is not None and n == 1 and not uses_hooks(seq.params) and self._fused_adapter(seq)
                 for seq, n in plan.scheduled]
         decoding = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
         others = [part for part, ok in zip(plan.scheduled, fast, strict=True) if not ok]
@@ -131,6 +135,10 @@ class ModelRunner:
             return None  # (the fused step keeps every key at its text position)
         step = self.model.fused_step()
         return step if isinstance(step, FastDecoder) else None
+
+    def _fused_adapter(self, seq: Sequence) -> bool:
+        """Whether seq's adapter, if it names one, is built for the fused step."""
+        return seq.params.adapter is None or self.adapters[seq.params.adapter].fused is not None
 
     def _run_blocks(self, scheduled: Scheduled) -> dict[int, torch.Tensor]:
         """The scheduled tokens through the model's blocks; the last row of each request
@@ -197,5 +205,10 @@ class ModelRunner:
         cos = sin = None
         if self.rope is not None:
             cos, sin = self.rope[0][positions], self.rope[1][positions]  # (B, d_head) each
-        h = fused.rows(x, positions, slots, cos, sin, self.pool.keys, self.pool.values)  # (B, d)
+        names = list(dict.fromkeys(seq.params.adapter for seq in seqs if seq.params.adapter is not None))
+        adapter_of = torch.tensor([-1 if seq.params.adapter is None else names.index(seq.params.adapter)
+                                   for seq in seqs])  # (B,)
+        adapters = [self.adapters[name].fused for name in names]
+        h = fused.rows(x, positions, slots, cos, sin, self.pool.keys, self.pool.values,
+                       adapter_of if names else None, adapters)  # (B, d)
         return {id(seq): h[b] for b, seq in enumerate(seqs) if seq.num_computed + 1 == seq.num_tokens}

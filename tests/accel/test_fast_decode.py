@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from glassformer import KVCache, Transformer, get_preset
-from glassformer.accel.fast_decode import FastDecoder, why_not
+from glassformer.accel.fast_decode import FastDecoder, fused_adapter, why_not
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.model.layers.positions import rope_cos_sin
@@ -95,6 +95,50 @@ def test_rows_refuse_a_slot_outside_the_pool():
         angles = torch.zeros(1, config.head_dim)
         with pytest.raises(RuntimeError, match="outside the pool"):
             step.rows(x, torch.tensor([1]), torch.tensor([[0, 9]]), angles, angles, keys, keys)
+
+
+def test_rows_add_each_row_s_adapter_alone_and_refuse_what_they_cannot_add():
+    """(The engine's tests hold the adapter rows against the module path.) Here: a row's update
+    leaves the other rows bitwise as they were and does not depend on them; an update of zero
+    changes nothing; an adapter on a product the step lacks, or not float32, is not built; bad
+    shapes and indices raise."""
+    model = _converted("tiny-llama", "int8")
+    config = model.config
+    g = torch.Generator().manual_seed(0)
+    d, inner, rank = config.d_model, config.n_heads * config.head_dim, 2
+
+    def adapter(a_scale: float):  # updates of every layer's out and down products
+        widths = {"attn.out": inner, "mlp.down": config.ff_dim}
+        return fused_adapter(config.n_layers, {
+            (i, path): (torch.randn(rank, width, generator=g) * a_scale,
+                        [(0, torch.randn(d, rank, generator=g))])
+            for i in range(config.n_layers) for path, width in widths.items()})
+
+    with torch.no_grad():
+        step = model.fused_step()
+        keys = [torch.zeros(8, config.kv_heads, config.head_dim) for _ in model.blocks]
+        values = [torch.zeros_like(k) for k in keys]
+        x = torch.randn(3, d, generator=g)  # (B, d)
+        positions, slots = torch.zeros(3, dtype=torch.long), torch.arange(3)[:, None]  # (B,), (B, 1)
+        cos, sin = torch.ones(3, config.head_dim), torch.zeros(3, config.head_dim)
+
+        def rows(index, adapters, b=slice(None)):
+            return step.rows(x[b], positions[b], slots[b], cos[b], sin[b], keys, values,
+                             None if index is None else torch.tensor(index), adapters)
+
+        base, some, none = rows(None, []), adapter(1.0), adapter(0.0)
+        mixed = rows([-1, 0, 1], [some, none])
+        assert torch.equal(mixed[0], base[0]) and torch.equal(mixed[2], base[2])
+        assert not torch.allclose(mixed[1], base[1], atol=1e-3)
+        assert torch.equal(rows([0], [some], slice(1, 2))[0], mixed[1])
+        a, b = torch.zeros(rank, inner), torch.zeros(d, rank)
+        assert fused_adapter(config.n_layers, {(0, "attn.q"): (a, [(0, b)])}) is None
+        assert fused_adapter(config.n_layers, {(0, "attn.out"): (a.double(), [(0, b.double())])}) is None
+        wrong = fused_adapter(config.n_layers, {(0, "attn.out"): (torch.zeros(rank, inner + 1), [(0, b)])})
+        with pytest.raises(RuntimeError, match="LoRA down"):
+            rows([0, -1, -1], [wrong])
+        with pytest.raises(RuntimeError, match="names adapter 1 of 1"):
+            rows([0, 1, -1], [some])
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -77,6 +77,51 @@ def test_adapter_rows_equal_the_merged_model_and_base_rows_stay_bitwise(tiny, pr
             torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+def test_fused_adapter_rows_equal_the_module_path_s(tiny, prompts, tmp_path, monkeypatch, mode):
+    """Adapter rows on the fused step against the same engine with its adapters refused by the
+    fused step (the module path, the oracle): two adapters and base rows share each step."""
+    from glassformer.accel.fast_decode import FastDecoder
+    from glassformer.serving import adapters as served_adapters
+
+    model = tiny()
+    first, _ = adapter_folder(model, tmp_path / "a", 1)
+    second, _ = adapter_folder(model, tmp_path / "b", 2, targets=("q", "v", "down"), rank=3)
+    served = quantize_model(copy.deepcopy(model), mode)
+    p = prompts([9, 5, 7, 6])
+    requests = [(p[0], "a"), (p[1], None), (p[2], "b"), (p[3], "a"), (p[1], "b"), (p[2], None)]
+
+    def results(fused: bool):
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(served_adapters, "fused_adapter", lambda *_: None)
+            engine = Engine(served, config=ENGINE)
+            engine.load_adapter("a", str(first))
+            engine.load_adapter("b", str(second))
+            assert all((engine.adapters[n].fused is not None) == fused for n in "ab")
+            return run(engine, requests)
+
+    steps = []  # each fused call's row -> adapter index
+    original = FastDecoder.rows
+
+    def rows(self, *args, **kwargs):
+        adapter_of = args[7] if len(args) > 7 else kwargs.get("adapter_of")
+        steps.append(None if adapter_of is None else adapter_of.tolist())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FastDecoder, "rows", rows)
+    fused = results(True)
+    assert any(s is not None and -1 in s and 0 in s and 1 in s for s in steps)  # all kinds in one step
+    steps.clear()
+    module = results(False)
+    assert all(s is None for s in steps)  # the oracle's adapter rows never took the fused step
+    alone = run(Engine(served, config=ENGINE), [r for r in requests if r[1] is None])
+    assert [t for t, (_, a) in zip(fused, requests, strict=True) if a is None] == alone  # bitwise
+    for (tokens, logprobs), (expected_tokens, expected) in zip(fused, module, strict=True):
+        assert tokens == expected_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
 def test_without_row_tiles_adapter_rows_still_equal_the_merged_model(tiny, prompts, tmp_path):
     model = tiny()
     folder, merged = adapter_folder(model, tmp_path / "a", 3)

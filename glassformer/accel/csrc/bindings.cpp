@@ -50,12 +50,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           gf::LinearWeights, gf::LinearWeights>(),
            pybind11::arg("norm1"), pybind11::arg("qkv"), pybind11::arg("out"),
            pybind11::arg("norm2"), pybind11::arg("up"), pybind11::arg("down"));
+  pybind11::class_<gf::LoRAUpdate>(module, "LoRAUpdate", pybind11::module_local())
+      .def(pybind11::init<>())
+      .def(pybind11::init<torch::Tensor, std::vector<int64_t>, std::vector<torch::Tensor>>(),
+           pybind11::arg("down"), pybind11::arg("starts"), pybind11::arg("ups"));
+  pybind11::class_<gf::LoRALayer>(module, "LoRALayer", pybind11::module_local())
+      .def(pybind11::init<gf::LoRAUpdate, gf::LoRAUpdate, gf::LoRAUpdate, gf::LoRAUpdate>(),
+           pybind11::arg("qkv"), pybind11::arg("out"), pybind11::arg("up"), pybind11::arg("down"));
+  // held by a shared pointer: a step's list of adapters passes pointers, not copies
+  pybind11::class_<gf::AdapterWeights, std::shared_ptr<gf::AdapterWeights>>(
+      module, "AdapterWeights", pybind11::module_local())
+      .def(pybind11::init<std::vector<gf::LoRALayer>>(), pybind11::arg("layers"));
   pybind11::class_<gf::DecodeStep>(module, "DecodeStep", pybind11::module_local())
       .def(pybind11::init<gf::DecodeConfig, std::vector<gf::LayerWeights>, gf::Bias>(),
            pybind11::arg("config"), pybind11::arg("layers"), pybind11::arg("alibi_slopes"))
       .def("step", &gf::DecodeStep::step, NoGil(), "one token through every layer (decode_step.cpp)")
       .def("step_paged", &gf::DecodeStep::step_paged, NoGil(),
-           "one token of each of B sequences through every layer, caches in a paged pool");
+           "one token of each of B sequences through every layer, caches in a paged pool, "
+           "each row with its LoRA adapter or none");
   module.def("dequantize", &gf::dequantize, "q8 (mins None) or q4 blocks -> (N, K) float32");
   module.def("try_f32", &gf::try_f32, NoGil(), "linear_f32 for a small batch, else None");
   module.def("try_bf16", &gf::try_bf16, NoGil(), "linear_bf16 for a small batch, else None");

@@ -9,9 +9,13 @@
 // final norm and head after, and refuses the configurations this does not compute. step_paged does the
 // same for one new token of each of B sequences, their caches in a paged pool (the serving
 // engine's): each row with its own position and block table, never mixed with another row.
+// There a row may carry a LoRA adapter: each product's output gets that adapter's low-rank
+// update on that row alone, y += scale B (A x) per target slice (serving/adapters.py), after
+// the base product, so a row without one is computed exactly as without adapters.
 
 #include <cmath>
 #include <cstring>
+#include <tuple>
 
 #include "glassformer.h"
 
@@ -27,6 +31,42 @@ size_t tensors_of(WeightFormat format) {
     case WeightFormat::int4: return 3;
   }
   TORCH_CHECK(false, "decode step: unknown weight format ", static_cast<int>(format));
+}
+
+// y[b] += the update of `product` in layer l of row b's adapter, x[b] its input, for each row
+// with an adapter (LoRAUpdate). The rows of one adapter go together, so each of its factors is
+// read once per step (they outweigh the arithmetic); each row's sums are in one fixed order.
+// One thread: the work is too small to pay for a parallel region's barrier, 4 per layer.
+void add_updates(const int64_t* adapter_of, const Adapters& adapters, size_t l,
+                 LoRAUpdate LoRALayer::*product, const torch::Tensor& x, torch::Tensor& y) {
+  if (adapter_of == nullptr) return;
+  const int64_t B = x.size(0), K = x.size(1), N = y.size(1);
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous(), "decode step: LoRA rows must be contiguous");
+  const float* x0 = x.data_ptr<float>();
+  float* y0 = y.data_ptr<float>();
+  for (size_t a = 0; a < adapters.size(); ++a) {
+    const LoRAUpdate& update = adapters[a]->layers[l].*product;
+    std::vector<int64_t> rows;  // (m): the rows on this adapter
+    for (int64_t b = 0; b < B; ++b) {
+      if (adapter_of[b] == static_cast<int64_t>(a)) rows.push_back(b);
+    }
+    if (update.ups.empty() || rows.empty()) continue;
+    const int64_t m = static_cast<int64_t>(rows.size()), nr = update.down.size(0);
+    const int64_t n = static_cast<int64_t>(update.ups.size()), r = nr / n;
+    const float* down = update.down.data_ptr<float>();
+    std::vector<float> t(m * nr);  // (m, n r): each row through every target's A
+    for (int64_t i = 0; i < nr; ++i) {
+      for (int64_t j = 0; j < m; ++j) t[j * nr + i] = dot(down + i * K, x0 + rows[j] * K, K);
+    }
+    for (int64_t target = 0; target < n; ++target) {
+      const float* up = update.ups[target].data_ptr<float>();
+      float* out = y0 + update.starts[target];
+      for (int64_t o = 0; o < update.ups[target].size(0); ++o) {
+        for (int64_t j = 0; j < m; ++j)
+          out[rows[j] * N + o] += dot(up + o * r, t.data() + j * nr + target * r, r);
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -73,14 +113,15 @@ torch::Tensor DecodeStep::step(torch::Tensor x, int64_t pos, const torch::Tensor
     return KVView{keys[l].data_ptr<float>(), values[l].data_ptr<float>(), S * D, D, nullptr};
   };
   return layers(x, &pos, config_.rope ? cos.data_ptr<float>() : nullptr,
-                config_.rope ? sin.data_ptr<float>() : nullptr, view_of);
+                config_.rope ? sin.data_ptr<float>() : nullptr, view_of, nullptr, {});
 }
 
 torch::Tensor DecodeStep::step_paged(torch::Tensor x, const torch::Tensor& positions,
                                      const torch::Tensor& slots, const torch::Tensor& cos,
                                      const torch::Tensor& sin,
                                      const std::vector<torch::Tensor>& keys,
-                                     const std::vector<torch::Tensor>& values) {
+                                     const std::vector<torch::Tensor>& values,
+                                     const torch::Tensor& adapter_of, const Adapters& adapters) {
   const int64_t KV = config_.n_kv_heads, D = config_.d_head;
   TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(),
               "decode step: one pool tensor per layer");
@@ -113,19 +154,62 @@ torch::Tensor DecodeStep::step_paged(torch::Tensor x, const torch::Tensor& posit
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D &&
                     sin.numel() == B * D, "decode step: cos, sin must be (B, d_head)");
   }
+  const int64_t* adapter = nullptr;  // null: no row has an adapter
+  if (adapter_of.numel() > 0) {
+    TORCH_CHECK(adapter_of.dtype() == torch::kInt64 && adapter_of.is_contiguous() &&
+                    adapter_of.numel() == B, "decode step: adapter_of must be (B,) int64");
+    const int64_t* of = adapter_of.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(of[b] >= -1 && of[b] < static_cast<int64_t>(adapters.size()),
+                  "decode step: row ", b, " names adapter ", of[b], " of ", adapters.size());
+      if (of[b] >= 0) adapter = of;
+    }
+    for (const auto& weights : adapters) check(*weights);
+  }
   auto view_of = [&](size_t l, int64_t b) {  // (slots, KV, d_head): heads d_head apart
     return KVView{keys[l].data_ptr<float>(), values[l].data_ptr<float>(), D, KV * D,
                   table + b * S};
   };
   return layers(x, pos, config_.rope ? cos.data_ptr<float>() : nullptr,
-                config_.rope ? sin.data_ptr<float>() : nullptr, view_of);
+                config_.rope ? sin.data_ptr<float>() : nullptr, view_of, adapter, adapters);
+}
+
+// Every product of every layer: the widths an adapter's updates read and write, and their
+// tensors float32, contiguous, one rank for all targets.
+void DecodeStep::check(const AdapterWeights& adapter) const {
+  const int64_t d = config_.d_model, HD = config_.n_heads * config_.d_head;
+  const int64_t qkv = (config_.n_heads + 2 * config_.n_kv_heads) * config_.d_head;
+  const int64_t ff = config_.d_ff, up = config_.gated ? 2 * ff : ff;
+  TORCH_CHECK(adapter.layers.size() == layers_.size(), "decode step: an adapter has ",
+              adapter.layers.size(), " layers, the model ", layers_.size());
+  for (const LoRALayer& layer : adapter.layers) {
+    for (const auto& [update, in, out] : {std::tuple{&layer.qkv, d, qkv}, std::tuple{&layer.out, HD, d},
+                                          std::tuple{&layer.up, d, up}, std::tuple{&layer.down, ff, d}}) {
+      const size_t n = update->ups.size();
+      if (n == 0) continue;
+      const auto& a = update->down;
+      TORCH_CHECK(update->starts.size() == n && a.dtype() == torch::kFloat32 && a.is_contiguous() &&
+                      a.dim() == 2 && a.size(1) == in && a.size(0) % static_cast<int64_t>(n) == 0,
+                  "decode step: a LoRA down must be float32 (n r, ", in, ")");
+      const int64_t r = a.size(0) / static_cast<int64_t>(n);
+      for (size_t j = 0; j < n; ++j) {
+        const auto& b = update->ups[j];
+        TORCH_CHECK(b.dtype() == torch::kFloat32 && b.is_contiguous() && b.dim() == 2 &&
+                        b.size(1) == r && update->starts[j] >= 0 &&
+                        update->starts[j] + b.size(0) <= out,
+                    "decode step: a LoRA up must be float32 (rows, ", r, ") inside ", out, " rows");
+      }
+    }
+  }
 }
 
 // Every layer for the B rows of x; row b at position pos[b], its angles at cos + b * d_head,
-// its cache in layer l at view_of(l, b).
+// its cache in layer l at view_of(l, b), its adapter adapters[adapter_of[b]] (none where -1,
+// or where adapter_of is null).
 template <typename ViewOf>
 torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const float* cos,
-                                 const float* sin, ViewOf view_of) {
+                                 const float* sin, ViewOf view_of, const int64_t* adapter_of,
+                                 const Adapters& adapters) {
   const int64_t H = config_.n_heads, KV = config_.n_kv_heads, D = config_.d_head;
   const int64_t B = x.size(0), width = (H + 2 * KV) * D;
   x = x.contiguous().clone();  // (B, d): updated in place layer by layer
@@ -136,6 +220,7 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
     const LayerWeights& layer = layers_[l];
     normalize(x, layer.norm1, h);
     auto qkv = layer.qkv(h);  // (B, (H + 2 KV) d_head)
+    add_updates(adapter_of, adapters, l, &LoRALayer::qkv, h, qkv);
     for (int64_t b = 0; b < B; ++b) {
       float* q = static_cast<float*>(qkv.data_ptr()) + b * width;
       float* k = q + H * D;
@@ -154,9 +239,16 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
       const int64_t b = i / H, head = i % H;
       attend(q0 + b * width + head * D, views[b], head, pos[b], c0 + (b * H + head) * D);
     }
-    x.add_(layer.out(context));
+    auto attended = layer.out(context);  // (B, d)
+    add_updates(adapter_of, adapters, l, &LoRALayer::out, context, attended);
+    x.add_(attended);
     normalize(x, layer.norm2, h);
-    x.add_(layer.down(activate(layer.up(h))));
+    auto up = layer.up(h);  // (B, d_ff or 2 d_ff)
+    add_updates(adapter_of, adapters, l, &LoRALayer::up, h, up);
+    auto hidden = activate(up);  // (B, d_ff)
+    auto down = layer.down(hidden);  // (B, d)
+    add_updates(adapter_of, adapters, l, &LoRALayer::down, hidden, down);
+    x.add_(down);
   }
   return x;
 }

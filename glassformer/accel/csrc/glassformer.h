@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 // The row tile is defined once, in Python (glassformer/accel/build.py ROW_TILE), and compiled
@@ -416,6 +417,25 @@ struct LayerWeights {
   LinearWeights up, down;
 };
 
+// A LoRA adapter's update of one product in one layer: for an input row x, t = down x, then
+// y[starts[j] + o] += ups[j][o] · t[j r : (j + 1) r] for each target j, its scale folded into
+// ups[j]. No targets: the adapter leaves the product as it is.
+struct LoRAUpdate {
+  torch::Tensor down;              // (n r, d_in) float32: the n targets' A stacked
+  std::vector<int64_t> starts;     // (n): each target's first output row
+  std::vector<torch::Tensor> ups;  // (n) of (rows_j, r) float32: scale · B_j
+};
+
+struct LoRALayer {
+  LoRAUpdate qkv, out, up, down;
+};
+
+// One adapter as the decode step reads it: built once when it is loaded, passed by reference.
+struct AdapterWeights {
+  std::vector<LoRALayer> layers;
+};
+using Adapters = std::vector<std::shared_ptr<AdapterWeights>>;
+
 // What the decode step computes, by name (fast_decode.py fills it from a ModelConfig).
 struct DecodeConfig {
   int64_t d_model = 0, n_heads = 0, n_kv_heads = 0, d_head = 0, d_ff = 0;
@@ -458,16 +478,20 @@ class DecodeStep {
 
   // x (B, d) the embedded tokens; slots (B, S) int64: row b's token t is at pool slot
   // slots[b, t] for t <= positions[b], its new token's slot last; cos, sin (B, d_head);
-  // keys, values per layer (n_slots, KV, d_head) float32. Returns the residual streams (B, d).
+  // keys, values per layer (n_slots, KV, d_head) float32. adapter_of (B,) int64 (or empty:
+  // none): row b adds the updates of adapters[adapter_of[b]], -1 none. Returns the residual
+  // streams (B, d).
   torch::Tensor step_paged(torch::Tensor x, const torch::Tensor& positions,
                            const torch::Tensor& slots, const torch::Tensor& cos,
                            const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
-                           const std::vector<torch::Tensor>& values);
+                           const std::vector<torch::Tensor>& values,
+                           const torch::Tensor& adapter_of, const Adapters& adapters);
 
  private:
   template <typename ViewOf>
   torch::Tensor layers(torch::Tensor x, const int64_t* pos, const float* cos, const float* sin,
-                       ViewOf view_of);
+                       ViewOf view_of, const int64_t* adapter_of, const Adapters& adapters);
+  void check(const AdapterWeights& adapter) const;
   void normalize(const torch::Tensor& x, const NormWeights& norm, torch::Tensor& out) const;
   void store(const KVView& kv, const float* k, const float* v, int64_t pos) const;
   void attend(const float* q, const KVView& kv, int64_t head, int64_t pos, float* out) const;
