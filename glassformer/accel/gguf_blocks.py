@@ -33,22 +33,22 @@ def from_gguf_blocks(
     if k % 32:
         raise ValueError(f"GGUF {name} rows must hold whole blocks of 32, got {k} columns")
     nb, size = k // 32, BLOCK_BYTES[name]
-    raw = np.ascontiguousarray(data, dtype=np.uint8)
+    raw = np.asarray(data, dtype=np.uint8)  # a view where it can be
     if raw.size != n * nb * size:
         raise ValueError(f"{name} data of {raw.size} bytes does not fit a ({n}, {k}) matrix")
-    blocks = torch.from_numpy(raw.reshape(n, nb, size).copy())  # (N, nb, bytes)
+    blocks = raw.reshape(n, nb, size)
 
-    def half(offset: int) -> torch.Tensor:  # (N, nb) fp16 from two bytes per block
-        return blocks[:, :, offset : offset + 2].contiguous().view(torch.float16).squeeze(-1)
+    def field(start: int, stop: int) -> torch.Tensor:  # (N, nb, stop - start) bytes, copied once
+        return torch.from_numpy(np.ascontiguousarray(blocks[:, :, start:stop]))
 
-    d = half(0)
+    d = field(0, 2).view(torch.float16).squeeze(-1)  # (N, nb)
     if name == "Q8_0":
-        q = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n, -1)  # (N, K)
+        q = field(2, size).view(torch.int8).reshape(n, -1)  # (N, K)
         return WeightFormat.INT8, {"qweight": q, "scales": d}
     if name == "Q4_0":
         m = d * -8  # exact in fp16: a power of two
-        nibbles = blocks[:, :, 2:]
+        nibbles = field(2, size)
     else:
-        m = half(2)
-        nibbles = blocks[:, :, 4:]
-    return WeightFormat.INT4, {"qweight": nibbles.reshape(n, -1).contiguous(), "scales": d, "mins": m}
+        m = field(2, 4).view(torch.float16).squeeze(-1)  # (N, nb)
+        nibbles = field(4, size)
+    return WeightFormat.INT4, {"qweight": nibbles.reshape(n, -1), "scales": d, "mins": m}

@@ -1,7 +1,9 @@
 """GGUF files (llama.cpp's format) -> ModelConfig + Transformer weights + tokenizer.
 
 Tensors are dequantized to float32 with `gguf.quants.dequantize`, a block of rows at a time,
-straight into the model's parameters, so memory never holds a second copy of the model.
+straight into the model's parameters, so memory never holds a second copy of the model; each
+tensor's pages of the file are dropped once it is read. With keep_blocks the blocks the
+kernels read are copied as they are (no float32 copy of any of them, the token table included).
 
 llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (like Hugging Face
 Llama) rotates halves (x_i, x_i+d/2). Its converter therefore permutes the rows of W_Q and W_K
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from ..model.config import ModelConfig
@@ -152,7 +155,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
     By default every tensor is dequantized (exactly what transformers computes);
     keep_blocks=True keeps Q8_0 / Q4_0 / Q4_1 matrices in their blocks as QuantizedLinear
     layers (glassformer.accel): the same weights in a quarter of the memory, multiplied by
-    the int8 / int4 decode kernels (which round the activations to int8, like llama.cpp).
+    the int8 / int4 decode kernels (which round the activations to int8, like llama.cpp);
+    a token table in such blocks becomes a QuantizedEmbedding, whose lookups give exactly
+    the dequantized rows.
     """
     path = Path(path)
     if not path.is_file():
@@ -163,6 +168,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
             tokenizer = from_gguf_metadata(file.metadata)
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
+        file.metadata.clear()  # the vocabulary as Python strings (~12 MB for 49k tokens), now read
         targets = tensor_map(config)
         _check_tensors(file, config, targets)
         if tokenizer.vocab_size != config.vocab_size:
@@ -187,10 +193,13 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
 
 def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target]) -> set[str]:
     """Swap each linear layer whose GGUF tensors all share a block type the kernels read for
-    a QuantizedLinear built from those blocks; returns the tensor names so consumed. Blocks
+    a QuantizedLinear built from those blocks, and the token table, when in such blocks, for a
+    QuantizedEmbedding (sharing a tied head's blocks): no float32 copy of either. Returns the
+    tensor names so consumed; their pages of the file are dropped as each is copied. Blocks
     hold whole rows, so fusing (q; k; v) and un-permuting rows work on the bytes."""
     from ..accel import QuantizedLinear
     from ..accel.gguf_blocks import BLOCK_BYTES
+    from ..accel.quantized_embedding import QuantizedEmbedding
 
     linear = model.linear_layers()
     layers: dict[str, list[str]] = {}
@@ -198,7 +207,10 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
         layer = target.param.removesuffix(".weight")
         if layer in linear:
             layers.setdefault(layer, []).append(name)
-    layers.setdefault("lm_head", ["token_embd.weight"])  # tied: the head reads the embedding
+    if model.config.tie_embeddings:  # the head reads the embedding
+        layers["lm_head"] = ["token_embd.weight"]
+    elif file.tensors["token_embd.weight"].qtype.name in BLOCK_BYTES:
+        layers["embed.tokens"] = ["token_embd.weight"]  # its own table, built like a head
     done: set[str] = set()
     for layer, names in layers.items():
         types = {file.tensors[n].qtype.name for n in names}
@@ -211,8 +223,14 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
             rows.append(unpermute_rows(raw, heads) if heads else raw)
         raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
         shape = (sum(file.tensors[n].shape[0] for n in names), file.tensors[names[0]].shape[1])
-        model.set_submodule(layer, QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape))
-        done.update(n for n in names if n != "token_embd.weight")  # the embedding stays fp32
+        table = QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape)
+        if layer != "embed.tokens":
+            model.set_submodule(layer, table)
+        if "token_embd.weight" in names:
+            model.embed.tokens = QuantizedEmbedding(table)
+        for n in names:
+            file.release(n)
+        done.update(names)
     return done
 
 
@@ -235,10 +253,14 @@ def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Targe
         if info.shape != (rows, *cols):
             raise ValueError(f"{file.path}: tensor {name} has shape {info.shape}, "
                              f"expected {(rows, *cols)}")
+    first = {}  # each type and the first tensor of it
+    for name in targets:
+        first.setdefault(file.tensors[name].qtype, name)
+    for qtype, name in first.items():  # one block of zeros each: no page of the file is read
         try:  # integer types (I8 ... I64) have no dequantization: never cast to float
-            dequantize(file.raw(name, slice(0, 1)), info.qtype)
+            dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
         except NotImplementedError:
-            raise ValueError(f"{file.path}: unsupported quantization type {info.qtype.name} "
+            raise ValueError(f"{file.path}: unsupported quantization type {qtype.name} "
                              f"(tensor {name})") from None
 
 

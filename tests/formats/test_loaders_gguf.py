@@ -213,12 +213,13 @@ def test_not_a_file(tmp_path):
         load_gguf(tmp_path / "absent.gguf")
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
-def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
+def test_blocks_kept_for_the_kernels(source, tmp_path, qtype, tied):
     from glassformer.accel import QuantizedLinear
 
     path = tmp_path / "k.gguf"
-    write_gguf(path, source, qtype)
+    write_gguf(path, source, qtype, omit=("output.weight",) if tied else ())
     exact, _ = load_gguf(path)
     compact, _ = load_gguf(path, keep_blocks=True)
     layers = [compact.blocks[0].attn.qkv, compact.blocks[1].mlp.up, compact.lm_head]
@@ -232,6 +233,35 @@ def test_blocks_kept_for_the_kernels(source, tmp_path, qtype):
         torch.testing.assert_close(compact(ids[:, :1]), exact(ids[:, :1]), atol=0.15, rtol=0.05)
         # twelve positions: each attends over rounded rows of the others, so the error adds up
         torch.testing.assert_close(compact(ids), exact(ids), atol=0.3, rtol=0.05)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_blocks_kept_hold_no_float_copy(source, tmp_path, qtype, tied):
+    from glassformer.accel.quantized_embedding import QuantizedEmbedding
+
+    path = tmp_path / "k.gguf"
+    write_gguf(path, source, qtype, omit=("output.weight",) if tied else ())
+    exact, _ = load_gguf(path)
+    compact, _ = load_gguf(path, keep_blocks=True)
+    assert compact.config.tie_embeddings == tied
+    tensors = {id(t): (name, t) for name, t in [*compact.named_parameters(), *compact.named_buffers()]}
+    floats = [name for name, t in tensors.values() if t.dtype == torch.float32 and t.dim() > 1]
+    assert floats == []  # float32 holds norm gains and RoPE frequencies only
+    held = sum(t.numel() * t.element_size() for _, t in tensors.values())
+    stored = sum(info.n_bytes for info in GGUFFile(path).tensors.values())
+    if qtype == Q.Q4_0:  # its minimum (-8 d) is held beside each block's scale: 2 bytes in 18
+        stored += stored // 9
+    rope = compact.rope_inv_freq  # the one tensor not read from the file
+    assert held <= stored + rope.numel() * rope.element_size()  # each block once, none as float
+    table = compact.embed.tokens
+    assert isinstance(table, QuantizedEmbedding)
+    assert (table.qweight.data_ptr() == compact.lm_head.qweight.data_ptr()) == tied
+    ids = torch.tensor([[5, 0, VOCAB - 1], [7, 7, 3]])
+    expected = exact.embed.tokens.weight
+    torch.testing.assert_close(table(ids), expected[ids], atol=0, rtol=0)  # the rows, exactly
+    torch.testing.assert_close(table.dequantized_weight(), expected, atol=0, rtol=0)
+    assert table.weight.dtype == expected.dtype and table.weight.device == expected.device
 
 
 def test_cli_reports_a_bad_file_in_one_line(f32_file, tmp_path, capsys):
