@@ -5,9 +5,11 @@ Glassformer runs once per weight mode of `glassformer.load(path, quantize=...)`:
 decode kernels and the fused C++ step), `bf16`, `int8`, `int4` (converted once) and `gguf` (the
 file's Q4_1 / Q8_0 blocks as they are). Each run is its own subprocess, so load time and peak
 memory (ru_maxrss) are its own: load the GGUF; greedy 128 tokens after "The meaning of life
-is"; one 512-token prefill. Decode speed excludes the prompt: (128 - 1) / (time for 128 tokens
-- time for 1), over --repeats rounds (median, min and max). Prefill is what generation does
-with a prompt: every position through the model, the head on the last one only (transformers:
+is"; one 512-token prefill. Peak resident memory is read after the load, after the load and
+the 128-token generations (what a user of `generate` holds), and at the end (the prefill
+too). Decode speed excludes the prompt: (128 - 1) / (time for 128 tokens - time for 1), over
+--repeats rounds (median, min and max). Prefill is what generation does with a prompt: every
+position through the model, the head on the last one only (transformers:
 logits_to_keep=1). Load is reported as wall time and as CPU time (user + system), which a busy
 machine inflates less. llama.cpp runs the same file through llama-cpp-python when that package
 is installed (`pip install llama-cpp-python`, which builds llama.cpp for this CPU); it is not a
@@ -122,6 +124,7 @@ def _measure(load_s, load_cpu, load_peak, run, forward, encode, repeats: int) ->
             one, _ = run(1)
             full, tokens = run(NEW_TOKENS)
             decode.append((NEW_TOKENS - 1) / (full - one))
+        decode_peak = peak_mb()  # load + 128 tokens
         ids = torch.tensor([(encode(PROMPT + " ") * PREFILL)[:PREFILL]])
         forward(ids[:, :64])  # warm-up
         prefill = []
@@ -129,7 +132,8 @@ def _measure(load_s, load_cpu, load_peak, run, forward, encode, repeats: int) ->
             start = time.perf_counter()
             forward(ids)
             prefill.append(PREFILL / (time.perf_counter() - start))
-    return {"load_s": load_s, "load_cpu_s": load_cpu, "load_peak_mb": load_peak, "peak_mb": peak_mb(),
+    return {"load_s": load_s, "load_cpu_s": load_cpu, "load_peak_mb": load_peak,
+            "decode_peak_mb": decode_peak, "peak_mb": peak_mb(),
             "decode_tok_s": decode, "prefill_tok_s": prefill, "tokens": tokens,
             "threads": torch.get_num_threads()}
 
@@ -191,6 +195,7 @@ def main() -> None:
         record.figure(f"{name}, decode (greedy {NEW_TOKENS})", decode, "tokens/s")
         record.figure(f"{name}, prefill ({PREFILL})", prefill, "tokens/s")
         record.figure(f"{name}, load", r["load_s"], "s", cpu_seconds=r["load_cpu_s"])
+        record.figure(f"{name}, peak memory (load + {NEW_TOKENS} tokens)", r["decode_peak_mb"], "MB")
         record.figure(f"{name}, peak memory", r["peak_mb"], "MB")
         record.notes[f"{name}: greedy tokens equal to transformers'"] = r["same_prefix"]
         if name != "transformers":
@@ -207,7 +212,9 @@ def main() -> None:
     rows = [("decode tokens/s (greedy 128)", "decode_tok_s", True),
             (f"prefill tokens/s ({PREFILL})", "prefill_tok_s", True),
             ("load wall seconds", "load_s", False), ("load CPU seconds", "load_cpu_s", False),
-            ("peak MB after load", "load_peak_mb", False), ("peak MB overall", "peak_mb", False),
+            ("peak MB after load", "load_peak_mb", False),
+            (f"peak MB after load + {NEW_TOKENS} tokens", "decode_peak_mb", False),
+            ("peak MB overall", "peak_mb", False),
             ("greedy tokens equal to transformers'", "same_prefix", None)]
     names = list(results)
     print(f"SmolLM2-135M-Instruct Q4_1, {theirs['threads']} threads; (x): transformers / glassformer, "

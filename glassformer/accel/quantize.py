@@ -59,7 +59,9 @@ def quantize_model(model: Transformer, mode: WeightFormat | str) -> Transformer:
     if reason is not None:
         raise ValueError(f"quantize: {reason}")
     model.eval().requires_grad_(False)
-    for name, layer in model.linear_layers().items():
+    layers = model.linear_layers()
+    for name in list(layers):  # popped: each float weight is freed once converted
+        layer = layers.pop(name)
         if isinstance(layer, nn.Linear):
             model.set_submodule(name, QuantizedLinear.from_linear(layer, mode))
     model.install_fused_step(FastDecoder.build)  # drops any step built on the old layers

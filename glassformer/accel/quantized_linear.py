@@ -82,9 +82,9 @@ class QuantizedLinear(nn.Module):
         elif mode == WeightFormat.BF16:
             tensors = {"weight": w.to(torch.bfloat16)}
         elif mode == WeightFormat.INT8:
-            tensors = dict(zip(("qweight", "scales"), quant.quantize_int8(w), strict=True))
+            tensors = dict(zip(("qweight", "scales"), _by_rows(quant.quantize_int8, w), strict=True))
         else:
-            tensors = dict(zip(("qweight", "scales", "mins"), quant.quantize_int4(w), strict=True))
+            tensors = dict(zip(("qweight", "scales", "mins"), _by_rows(quant.quantize_int4, w), strict=True))
         return cls(w.shape[1], w.shape[0], mode, tensors, bias, backend)
 
     @classmethod
@@ -167,6 +167,13 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+
+
+def _by_rows(quantize, w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, ...]:
+    """`quantize(w)` a block of rows at a time (each row's blocks are its own), so that its
+    float temporaries stay a few MB for a (49152, 576) head instead of several times its size."""
+    parts = [quantize(w[start:start + rows]) for start in range(0, w.shape[0], rows)]
+    return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
 def _shapes(mode: WeightFormat, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

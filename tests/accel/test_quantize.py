@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from glassformer import KVCache, Transformer, get_preset
-from glassformer.accel import QuantizedLinear, WeightFormat
+from glassformer.accel import QuantizedLinear, WeightFormat, quantize_int4, quantize_int8
 from glassformer.accel.quantize import QUANTIZE_CHOICES, quantize_format, quantize_model
 
 # How far each mode's logits may drift from float32 on a tiny random model.
@@ -86,3 +86,35 @@ def test_load_and_the_cli_convert_once(tmp_path, capsys):
     assert main(["generate", "--model", str(folder), "Hi", "-n", "3", "--quantize", "int8",
                  "--ignore-eos", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["n_generated"] == 3
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_tall_matrix_is_quantized_by_rows_as_a_whole(mode):
+    weight = torch.randn(9000, 64, generator=torch.Generator().manual_seed(0))  # three row blocks
+    whole = {"int8": quantize_int8, "int4": quantize_int4}[mode](weight)
+    layer = QuantizedLinear.from_weight(weight, mode)
+    names = ["qweight", "scales"] + (["mins"] if mode == "int4" else [])
+    for name, expected in zip(names, whole, strict=True):
+        assert torch.equal(getattr(layer, name), expected), name
+
+
+def test_quantize_model_frees_each_float_layer_once_converted():
+    import weakref
+
+    config = get_preset("tiny-llama").replace(d_model=64, d_ff=96, vocab_size=128, n_layers=3)
+    model = Transformer(config)
+    weights = [weakref.ref(block.mlp.up.weight) for block in model.blocks]
+    freed = []
+    original = QuantizedLinear.from_linear.__func__
+
+    def convert(cls, layer, mode, backend="auto"):
+        freed.append([w() is None for w in weights])
+        return original(cls, layer, mode, backend)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(QuantizedLinear, "from_linear", classmethod(convert))
+        quantize_model(model, "int8")
+    up = [name for name in model.linear_layers() if name.endswith("mlp.up")]
+    order = list(model.linear_layers())
+    at_last = freed[order.index(up[-1])]  # when the last block's up is converted
+    assert at_last[:-1] == [True, True] and all(w() is None for w in weights)

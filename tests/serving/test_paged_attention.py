@@ -113,8 +113,11 @@ def test_the_pool_grows_with_the_blocks_used_and_keeps_what_it_holds(kv_dtype):
     pool.reserve(3)
     pool.write(1, torch.arange(8, 12), x, -x)  # block 2
     before = pool.read(1, torch.arange(8, 12))
-    pool.reserve(5)  # doubles: 6 blocks
-    assert pool.allocated == 6 and pool.nbytes() == 6 * bytes_per_block(config, 4, kv_dtype)
+    pool.reserve(5)  # a quarter of 3 blocks is less than one: what is asked
+    assert pool.allocated == 5 and pool.nbytes() == 5 * bytes_per_block(config, 4, kv_dtype)
+    pool.reserve(20)
+    pool.reserve(21)  # grows by a quarter: 25 blocks
+    assert pool.allocated == 25 and pool.nbytes() == 25 * bytes_per_block(config, 4, kv_dtype)
     for got, want in zip(pool.read(1, torch.arange(8, 12)), before, strict=True):
         assert torch.equal(got, want)
     pool.copy_blocks([(2, 30)])  # a copy past the held blocks grows the pool first
