@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from glassformer.accel import kernels
 from glassformer.accel import weight_formats as quant
 
-SHAPES = ((576, 1536), (49152, 576))  # (out, in): a feed-forward's down product, the LM head
+SHAPES = ((576, 1536), (960, 576), (49152, 576))  # (out, in): down, qkv (K = 18 blocks), LM head
 
 
 def load_build(path: Path):
@@ -46,7 +46,7 @@ def products(ext, fmt: str, weight: torch.Tensor):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 300])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 300])
     parser.add_argument("--formats", nargs="+", default=["int8", "int4"], choices=["int8", "int4"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compare-build", type=Path, default=None,
@@ -63,7 +63,7 @@ def main() -> None:
         record.notes["compared build"] = str(args.compare_build)
     g = torch.Generator().manual_seed(0)
     print(f"{'shape':<13}{'format':<7}{'M':>5}" + "".join(f"{n + ' ms':>20}" for n in builds)
-          + f"{'F.linear ms':>13}{'kernel / M=1':>14}{'F.linear / kernel':>19}")
+          + f"{'F.linear ms':>13}{'kernel / M=1':>14}{'µs per row':>12}{'F.linear / kernel':>19}")
     with torch.no_grad():
         for n, k in SHAPES:
             weight = torch.randn(n, k, generator=g) * 0.02  # (N, K)
@@ -81,6 +81,11 @@ def main() -> None:
                     for name, timing in timings.items():
                         record.figure(f"{name} {fmt} {shape} M={m}", timing.scaled(1e3), "ms")
                     growth = ms["kernel"] / one_row if one_row else float("nan")
+                    per_row = (ms["kernel"] - one_row) * 1e3 / (m - 1) if one_row and m > 1 \
+                        else float("nan")
+                    if m > 1:
+                        record.figure(f"kernel {fmt} {shape}: µs per row past the first at M={m}",
+                                      per_row, "us")
                     record.ratio(f"kernel {fmt} {shape}: M={m} / M=1 time", growth)
                     record.ratio(f"F.linear / kernel {fmt} {shape} M={m} time",
                                  ms["F.linear"] / ms["kernel"])
@@ -88,7 +93,7 @@ def main() -> None:
                         record.ratio(f"compared build / kernel {fmt} {shape} M={m} time",
                                      ms["compared build"] / ms["kernel"])
                     print(f"{shape:<13}{fmt:<7}{m:>5}" + "".join(f"{ms[b]:>20.3f}" for b in builds)
-                          + f"{ms['F.linear']:>13.3f}{growth:>14.2f}"
+                          + f"{ms['F.linear']:>13.3f}{growth:>14.2f}{per_row:>12.1f}"
                           f"{ms['F.linear'] / ms['kernel']:>19.2f}", flush=True)
     record.write()
 

@@ -104,3 +104,19 @@ def test_int_layers_take_many_rows_in_one_call_as_in_tiles(fmt):
     with torch.no_grad():
         tiles = torch.cat([layer(t) for t in x.split(ROW_TILE)])  # (M, N) tile by tile
         torch.testing.assert_close(layer(x), tiles, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ("int8", "int4"))
+@pytest.mark.parametrize("k", (576, 1536, 1000, 650, 200))
+def test_every_tile_shape_computes_each_row_as_the_lone_row(fmt, k):
+    """Every row count from 1 to 17 (whole tiles of rows and each size of the rest) on
+    block counts with whole chunks of 16 blocks, a short tail, a longer tail and part blocks
+    (K = 1000, 650, 200), against the row computed alone, bit for bit."""
+    gen = torch.Generator().manual_seed(k)
+    layer = QuantizedLinear.from_weight(torch.randn(26, k, generator=gen), fmt)
+    x = torch.randn(17, k, generator=gen)  # (M_max, K)
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])  # (M_max, N)
+        for m in range(2, x.shape[0] + 1):
+            torch.testing.assert_close(layer(x[:m]), alone[:m], rtol=0, atol=0,
+                                       msg=f"{fmt}, K = {k}: rows of a batch of {m}")

@@ -12,12 +12,21 @@
 // activation tail is padded with zeros.
 //
 // Many rows (a batched decode step, a prefill) are one GEMM: weight rows are walked in groups
-// of kRows as in matvec.cpp (for_row_groups); a group's scales and minimums are widened to
-// float once, and its blocks, while in the L1 cache, meet every activation row in register
-// tiles of kTileRows rows, each block load and unpacking shared by the tile. A call thus
-// reads the weights from memory once whatever the number of rows. Each row's accumulators see
-// the same operations in the same order in any tile, so its result is bitwise the same
-// whatever the number of rows and its place among them.
+// of kRows as in matvec.cpp (for_row_groups), and a group's blocks, while in the L1 cache,
+// meet every activation row in tiles of rows, each block load and unpacking shared by the
+// tile. A call thus reads the weights from memory once whatever the number of rows.
+//   AVX-512 VNNI: blocks go in chunks of 16, one per 32-bit lane. A chunk of a weight row is
+//     loaded and regrouped once per tile (kWideTileRows = 8 rows, then one tile of the rest)
+//     so that lane j holds block j's bytes 4t..4t+3 in the t-th register; the activations are
+//     laid out alike when quantized. Each row of the tile then takes 8 vpdpbusd (exact integer
+//     sums), one conversion and one scale multiply and FMA (q4: one more for the minimum) per
+//     chunk of 16 blocks, not per block. A tail of up to one 64-byte load (4 q4 or 2 q8 blocks)
+//     is taken as loaded, 4 or 8 lanes per block.
+//   AVX2: kTileRows rows a tile, the group's scales widened to float once, maddubs/madd per
+//     block (q4: per pair of blocks).
+// Each row's float operations are the same in any tile and at any place in it (the integer
+// sums are exact whatever their order), so its result is bitwise the same whatever the
+// number of rows and its place among them.
 
 #include <cstring>
 
@@ -88,7 +97,7 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8
 
 // n blocks of 32 from p reordered as [elements 0..15 of each block][elements 16..31 of each].
 inline void interleave_halves(int8_t* p, int n) {
-  alignas(32) int8_t tmp[4 * 32];
+  alignas(32) int8_t tmp[2 * 32];
   for (int i = 0; i < n; ++i) {
     std::memcpy(tmp + i * 16, p + i * 32, 16);
     std::memcpy(tmp + (n + i) * 16, p + i * 32 + 16, 16);
@@ -96,61 +105,307 @@ inline void interleave_halves(int8_t* p, int n) {
   std::memcpy(p, tmp, n * 32);
 }
 
+// Quantized activations. AVX2: q (M, nb * 32) in block order (q4: pairs interleaved), d and s
+// (M, nb). AVX-512 (kWide): rows in chunks of 16 blocks (kChunk), the rows of a chunk side by
+// side: q (chunks, M, 8, 16, 4) holds element 4t + i of the chunk's block j at [t][j][i], so
+// that 32-bit lane j of the t-th 64 bytes belongs to block j; d, s and, for q8's unsigned
+// weights, c = -128 sum(q) are (chunks, M, 16), lane j block j's. A last chunk of at most one
+// 64-byte weight load (tail_blocks) is laid out as that load: lane l of its 64-byte part p
+// holds dword 4p + l % 4 of block l / 4 (q4, 4 blocks) or dword l % 8 of block l / 8 (q8, 2
+// blocks); d spread over the block's lanes, s and c in its first lane, zeros elsewhere. The
+// rest of a last chunk is zero blocks.
 struct Activations {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> c;
+  int64_t rows = 0;
 };
 
+constexpr int64_t kChunk = 16;  // blocks per chunk of the AVX-512 kernels: one per 32-bit lane
+
+// The blocks past the last whole chunk when one 64-byte weight load holds them (q4: up to 4,
+// q8: up to 2), else 0 (then they make a chunk padded with zero blocks).
+inline int64_t tail_blocks(int64_t nb, bool q4) {
+  const int64_t tail = nb % kChunk;
+  return tail <= (q4 ? 4 : 2) ? tail : 0;
+}
+
 // Quantized activations in buffers reused across calls (no allocation per call). With
-// `paired` (for q4 weights), a group of 2 blocks (4 with kWide, from block 0 while whole
-// groups fit, then at most one pair) is stored as [elements 0..15 of each block]
-// [elements 16..31 of each block], the order in which one load of q4 nibbles unpacks.
+// `paired` (for q4 weights, AVX2), blocks are interleaved in pairs ([elements 0..15 of each
+// block][elements 16..31 of each block], the order in which one load of q4 nibbles unpacks).
 const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64_t nb,
-                            bool paired) {
+                             bool paired) {
   thread_local Activations a;
+  if constexpr (kWide) {
+    thread_local Activations rows;  // the row layout, relaid in chunks below
+    rows.q.resize(M * nb * 32);
+    rows.d.resize(M * nb);
+    rows.s.resize(M * nb);
+    quantize_activations(x.data_ptr<float>(), M, K, nb, rows.q.data(), rows.d.data(),
+                         rows.s.data());
+    const int64_t stride = (nb + kChunk - 1) / kChunk * kChunk;  // blocks per padded row
+    a.rows = M;
+    a.q.assign(M * stride * 32, 0);
+    a.d.assign(M * stride, 0.0f);
+    a.s.assign(M * stride, 0.0f);
+    a.c.assign(M * stride, 0);
+    const int64_t tail = tail_blocks(nb, paired), lanes = paired ? 4 : 8;  // lanes per block
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* src = rows.q.data() + (m * nb + b) * 32;
+        const int64_t first = (b / kChunk * M + m) * kChunk;  // [chunk][m] lane 0
+        int8_t* chunk = a.q.data() + first * 32;
+        const int64_t j = b % kChunk;
+        const bool in_tail = b >= nb - tail;
+        int32_t sum = 0;
+        for (int t = 0; t < 8; ++t) {
+          const int64_t lane = in_tail ? j * lanes + t % lanes : j;
+          const int64_t part = in_tail ? t / lanes : t;  // the 64-byte part
+          std::memcpy(chunk + part * 64 + lane * 4, src + 4 * t, 4);
+          for (int i = 0; i < 4; ++i) sum += src[4 * t + i];
+        }
+        const int64_t at = first + (in_tail ? j * lanes : j);
+        for (int64_t l = 0; l < (in_tail ? lanes : 1); ++l) a.d[at + l] = rows.d[m * nb + b];
+        a.s[at] = rows.s[m * nb + b];
+        a.c[at] = -128 * sum;
+      }
+    return a;
+  }
   a.q.resize(M * nb * 32);
   a.d.resize(M * nb);
   a.s.resize(M * nb);
   quantize_activations(x.data_ptr<float>(), M, K, nb, a.q.data(), a.d.data(), a.s.data());
   if (paired) {
-    const int64_t quads = kWide ? nb / 4 * 4 : 0;  // blocks in whole groups of 4
     for (int64_t m = 0; m < M; ++m) {
       int8_t* row = a.q.data() + m * nb * 32;
-      for (int64_t b = 0; b < quads; b += 4) interleave_halves(row + b * 32, 4);
-      for (int64_t b = quads; b + 2 <= nb; b += 2) interleave_halves(row + b * 32, 2);
+      for (int64_t b = 0; b + 2 <= nb; b += 2) interleave_halves(row + b * 32, 2);
     }
   }
   return a;
 }
 
+#ifdef GLASSFORMER_WIDE
+// The first n <= 64 bytes of a 64-byte load.
+inline __mmask64 first_bytes(int64_t n) {
+  return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << std::max<int64_t>(n, 0)) - 1;
+}
+
+// Weight row w's chunk of `len` <= 16 blocks from block b0 in the activations' chunk layout:
+// out[t] has dword t of block j (bytes 4t..4t+3) in 32-bit lane j, zeros past `len`. The
+// loads hold 4 (q4: 16 bytes a block) or 2 (q8: 32) whole blocks; permutes regroup them.
+template <bool Q4>
+inline void chunk_dwords(const uint8_t* w, int64_t b0, int len, __m512i (&out)[Q4 ? 4 : 8]) {
+  constexpr int kBytes = Q4 ? 16 : 32, kLoads = Q4 ? 4 : 8;
+  __m512i v[kLoads];
+  for (int i = 0; i < kLoads; ++i) {
+    const uint8_t* p = w + b0 * kBytes + i * 64;
+    prefetch(p);
+    v[i] = len == kChunk ? _mm512_loadu_si512(p)
+                         : _mm512_maskz_loadu_epi8(first_bytes(len * kBytes - i * 64), p);
+  }
+  if constexpr (Q4) {
+    // v[i]: blocks 4i + (lane / 4), dword lane % 4. q[k][u]: dwords 2u, 2u + 1 of the blocks
+    // 8k + lane % 8 (lanes 0-7, 8-15); then halves of q[0][u] and q[1][u] make out[2u + h].
+    __m512i q[2][2];
+    for (int k = 0; k < 2; ++k)
+      for (int u = 0; u < 2; ++u) {
+        alignas(64) int32_t idx[16];
+        for (int l = 0; l < 16; ++l) {
+          const int bb = l % 8, tt = l / 8;
+          idx[l] = 16 * (bb / 4) + 4 * (bb % 4) + 2 * u + tt;
+        }
+        q[k][u] = _mm512_permutex2var_epi32(v[2 * k], _mm512_load_si512(idx), v[2 * k + 1]);
+      }
+    for (int u = 0; u < 2; ++u) {
+      out[2 * u] = _mm512_shuffle_i64x2(q[0][u], q[1][u], 0x44);
+      out[2 * u + 1] = _mm512_shuffle_i64x2(q[0][u], q[1][u], 0xEE);
+    }
+  } else {
+    // v[i]: blocks 2i + (lane / 8), dword lane % 8. a[g][h]: dwords 4h..4h+3 of blocks
+    // 4g..4g+3 (lane 4 tt + bb); b[k][h][u]: dwords 4h + 2u + tt of blocks 8k + bb (lane
+    // 8 tt + bb); halves of b[0][h][u] and b[1][h][u] make out[4h + 2u + tt].
+    __m512i a[4][2], b[2][2][2];
+    for (int g = 0; g < 4; ++g)
+      for (int h = 0; h < 2; ++h) {
+        alignas(64) int32_t idx[16];
+        for (int l = 0; l < 16; ++l) {
+          const int bb = l % 4, tt = l / 4;
+          idx[l] = 16 * (bb / 2) + 8 * (bb % 2) + 4 * h + tt;
+        }
+        a[g][h] = _mm512_permutex2var_epi32(v[2 * g], _mm512_load_si512(idx), v[2 * g + 1]);
+      }
+    for (int k = 0; k < 2; ++k)
+      for (int h = 0; h < 2; ++h)
+        for (int u = 0; u < 2; ++u) {
+          alignas(64) int32_t idx[16];
+          for (int l = 0; l < 16; ++l) {
+            const int bb = l % 8, tt = l / 8;
+            idx[l] = 16 * (bb / 4) + 4 * (2 * u + tt) + bb % 4;
+          }
+          b[k][h][u] = _mm512_permutex2var_epi32(a[2 * k][h], _mm512_load_si512(idx),
+                                                 a[2 * k + 1][h]);
+        }
+    for (int h = 0; h < 2; ++h)
+      for (int u = 0; u < 2; ++u) {
+        out[4 * h + 2 * u] = _mm512_shuffle_i64x2(b[0][h][u], b[1][h][u], 0x44);
+        out[4 * h + 2 * u + 1] = _mm512_shuffle_i64x2(b[0][h][u], b[1][h][u], 0xEE);
+      }
+  }
+}
+
+// The `len` <= 16 fp16 values from p as floats, zeros after.
+inline __m512 load_halves16(const uint16_t* p, int len) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << len) - 1), p));
+}
+
+// y[m, r ld] = sum_b dw[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
+// mw[r, b] sx[m, b]) for R weight rows ld rows apart and MB activation rows from m0, in
+// chunks of 16 blocks: lane j of a row pair's accumulator takes block j of each chunk. The
+// chunk's weights are regrouped once for the tile (chunk_dwords); each row pair then needs
+// 8 vpdpbusd for the chunk's exact integer products (q4: nibbles times x; q8: w + 128 times
+// x, started from -128 sum(x)), one conversion, one multiply of the scales and one or two FMAs.
+// A short tail (tail_blocks) is one weight load as it is, its blocks 4 (q4) or 8 (q8) lanes
+// each: 2 or 1 vpdpbusd. Integer sums are exact and each row's float operations are the same
+// in any tile, so a row's result does not depend on MB or its place in the tile.
+template <bool Q4, int R, int MB>
+inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                      int64_t ld, const Activations& a, int64_t m0, float* y, int64_t ldy,
+                      const float* bias) {
+  constexpr int kChains = MB >= 8 ? 1 : 2;  // independent vpdpbusd sums per row
+  const int64_t row_bytes = nb * (Q4 ? 16 : 32);
+  const int64_t tail = tail_blocks(nb, Q4), body = nb - tail;
+  __m512 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), shift = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b0 = 0; b0 < body; b0 += kChunk) {
+    const int len = static_cast<int>(std::min<int64_t>(kChunk, body - b0));
+    const int64_t at = (b0 / kChunk * a.rows + m0) * kChunk;  // the tile's rows in the chunk
+    const int8_t* xq = a.q.data() + at * 32;
+    const float* dx = a.d.data() + at;
+    const float* sx = a.s.data() + at;
+    const int32_t* cx = a.c.data() + at;
+    for (int r = 0; r < R; ++r) {
+      __m512i wv[8];  // q4: low nibbles of dwords 0-3, then high; q8: w + 128
+      if constexpr (Q4) {
+        __m512i raw[4];
+        chunk_dwords<true>(w + r * ld * row_bytes, b0, len, raw);
+        for (int t = 0; t < 4; ++t) {
+          wv[t] = _mm512_and_si512(raw[t], low4);
+          wv[t + 4] = _mm512_and_si512(_mm512_srli_epi16(raw[t], 4), low4);
+        }
+      } else {
+        chunk_dwords<false>(w + r * ld * row_bytes, b0, len, wv);
+        for (int t = 0; t < 8; ++t) wv[t] = _mm512_xor_si512(wv[t], shift);
+      }
+      // the rows' sums interleaved, each in kChains parts: short dependency chains
+      __m512i dot[MB][kChains];
+      for (int m = 0; m < MB; ++m)
+        for (int h = 0; h < kChains; ++h)
+          dot[m][h] = Q4 || h ? _mm512_setzero_si512() : _mm512_loadu_si512(cx + m * kChunk);
+      for (int t = 0; t < 8 / kChains; ++t)
+        for (int m = 0; m < MB; ++m)
+          for (int h = 0; h < kChains; ++h) {
+            const int u = h * (8 / kChains) + t;
+            dot[m][h] = _mm512_dpbusd_epi32(dot[m][h], wv[u],
+                                            _mm512_loadu_si512(xq + m * 512 + u * 64));
+          }
+      const __m512 wd = load_halves16(dw + r * ld * nb + b0, len);
+      const __m512 wm = Q4 ? load_halves16(mw + r * ld * nb + b0, len) : wd;
+      for (int m = 0; m < MB; ++m) {
+        const __m512i sum = kChains == 1 ? dot[m][0] : _mm512_add_epi32(dot[m][0], dot[m][kChains - 1]);
+        const __m512 scale = _mm512_mul_ps(wd, _mm512_loadu_ps(dx + m * kChunk));
+        acc[m][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[m][r]);
+        if constexpr (Q4)
+          acc[m][r] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(sx + m * kChunk), acc[m][r]);
+      }
+    }
+  }
+  if (tail) {
+    const int64_t at = (body / kChunk * a.rows + m0) * kChunk;
+    const int8_t* xq = a.q.data() + at * 32;
+    const float* dx = a.d.data() + at;
+    const float* sx = a.s.data() + at;
+    const int32_t* cx = a.c.data() + at;
+    // lane l belongs to block l / 4 (q4) or l / 8 (q8): the weight scales spread so
+    const __m512i idx = Q4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                           : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = w + r * ld * row_bytes + body * (Q4 ? 16 : 32);
+      const __m512i raw = _mm512_maskz_loadu_epi8(first_bytes(tail * (Q4 ? 16 : 32)), p);
+      const int len = static_cast<int>(tail);
+      const __m512 wd = _mm512_permutexvar_ps(idx, load_halves16(dw + r * ld * nb + body, len));
+      const __m512 wm =
+          Q4 ? _mm512_permutexvar_ps(idx, load_halves16(mw + r * ld * nb + body, len)) : wd;
+      for (int m = 0; m < MB; ++m) {
+        __m512i dot;
+        if constexpr (Q4) {
+          dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(raw, low4),
+                                    _mm512_loadu_si512(xq + m * 512));
+          dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                                    _mm512_loadu_si512(xq + m * 512 + 64));
+        } else {
+          dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(cx + m * kChunk),
+                                    _mm512_xor_si512(raw, shift), _mm512_loadu_si512(xq + m * 512));
+        }
+        const __m512 scale = _mm512_mul_ps(wd, _mm512_loadu_ps(dx + m * kChunk));
+        acc[m][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[m][r]);
+        if constexpr (Q4)
+          acc[m][r] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(sx + m * kChunk), acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r)
+      y[m * ldy + r * ld] = _mm512_reduce_add_ps(acc[m][r]) + (bias ? bias[r * ld] : 0.0f);
+}
+
+// Activation rows per tile of the AVX-512 kernels: a weight chunk's regrouping is shared by
+// more rows than the float kernels' kTileRows (the rows' sums live in memory, not registers).
+constexpr int kWideTileRows = 8;
+
+// The M activation rows from m0 against R weight rows ld rows apart (y: output row m0), in
+// tiles of kWideTileRows rows and one tile of the rest.
+template <bool Q4, int R, int MB = kWideTileRows>
+inline void rows_rest(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                      int64_t ld, const Activations& a, int64_t m0, int64_t M, float* y,
+                      int64_t N, const float* bias) {
+  if constexpr (MB > 0) {
+    if (M == MB) return tile_wide<Q4, R, MB>(w, dw, mw, nb, ld, a, m0, y, N, bias);
+    rows_rest<Q4, R, MB - 1>(w, dw, mw, nb, ld, a, m0, M, y, N, bias);
+  }
+}
+
+template <bool Q4, int R>
+inline void rows_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                       int64_t ld, const Activations& a, int64_t m0, int64_t M, float* y,
+                       int64_t N, const float* bias) {
+  int64_t m = 0;
+  for (; m + kWideTileRows <= M; m += kWideTileRows)
+    tile_wide<Q4, R, kWideTileRows>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
+  rows_rest<Q4, R>(w, dw, mw, nb, ld, a, m0 + m, M - m, y + m * N, N, bias);
+}
+#else
 // Sum over 8 int32 lanes of the 32 products of signed int8 w and x, as float.
 inline __m256 dot_q8(__m256i w, __m256i x) {
   const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-// The first len <= 8 values from p as floats, zeros after: masked loads where the CPU has
-// them, else an element-wise copy (copying through memcpy costs a call and a stalled load).
+// The first len <= 8 values from p as floats, zeros after: an element-wise copy (copying
+// through memcpy costs a call and a stalled load).
 inline __m256 load_floats(const float* p, int len) {
-#ifdef GLASSFORMER_WIDE
-  return _mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << len) - 1), p);
-#else
   if (len == 8) return _mm256_loadu_ps(p);
   alignas(32) float v[8] = {};
   for (int i = 0; i < len; ++i) v[i] = p[i];
   return _mm256_load_ps(v);
-#endif
 }
 
 inline __m256 load_halves(const uint16_t* p, int len) {  // fp16 values
-#ifdef GLASSFORMER_WIDE
-  return _mm256_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << len) - 1), p));
-#else
   if (len == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   alignas(16) uint16_t v[8] = {};
   for (int i = 0; i < len; ++i) v[i] = p[i];
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(v)));
-#endif
 }
 
 // Scales as stored (fp16) or widened once per weight group (float): the same values.
@@ -246,64 +501,6 @@ inline void step_q4_single(__m256 (&acc)[MB][R], const uint8_t* w, const int8_t*
   }
 }
 
-#ifdef GLASSFORMER_WIDE
-// The scales s[m][r][j..j+n) spread over 16 lanes, 16 / n lanes each (n = 2 or 4 blocks).
-inline __m512 spread_scales(const float* s, int j, __m512i lanes) {
-  return _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(j)),
-                               _mm512_castps256_ps512(_mm256_load_ps(s)));
-}
-
-// acc[m][r] += scale * (q8 blocks b, b + 1 of row r · activation blocks b, b + 1 of row m),
-// in one vpdpbusd per activation row: x + 128 (unsigned) times w, started from
-// -128 · (the sums of w), which vpdpbusd computes once per weight row for the whole tile. The
-// integer lanes are exactly the dot products of x and w.
-template <int R, int MB>
-inline void step_q8_wide(__m512 (&acc)[MB][R], const int8_t* w, const int8_t* xq, int64_t nb,
-                         int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
-  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
-  __m512i xv[MB];  // x + 128 as unsigned bytes
-  for (int m = 0; m < MB; ++m)
-    xv[m] = _mm512_xor_si512(_mm512_loadu_si512(xq + (m * nb + b) * 32), shift);
-  for (int r = 0; r < R; ++r) {
-    prefetch(w + (r * ld * nb + b) * 32);
-    const __m512i wv = _mm512_loadu_si512(w + (r * ld * nb + b) * 32);
-    const __m512i start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, shift, wv));
-    for (int m = 0; m < MB; ++m) {
-      const __m512i dot = _mm512_dpbusd_epi32(start, xv[m], wv);
-      acc[m][r] = _mm512_fmadd_ps(spread_scales(s[m][r], j, lanes), _mm512_cvtepi32_ps(dot),
-                                  acc[m][r]);
-    }
-  }
-}
-
-// The same for the q4 blocks b .. b + 3: one 64-byte load holds their nibbles, one 128-bit
-// lane per block, and the grouped activation layout matches the low and the high nibbles.
-template <int R, int MB>
-inline void step_q4_wide(__m512 (&acc)[MB][R], const uint8_t* w, const int8_t* xq, int64_t nb,
-                         int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
-  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512i xlo[MB], xhi[MB];
-  for (int m = 0; m < MB; ++m) {
-    xlo[m] = _mm512_loadu_si512(xq + (m * nb + b) * 32);
-    xhi[m] = _mm512_loadu_si512(xq + (m * nb + b) * 32 + 64);
-  }
-  for (int r = 0; r < R; ++r) {
-    prefetch(w + (r * ld * nb + b) * 16);
-    const __m512i raw = _mm512_loadu_si512(w + (r * ld * nb + b) * 16);
-    const __m512i lo = _mm512_and_si512(raw, low4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-    for (int m = 0; m < MB; ++m) {
-      const __m512i dot = _mm512_dpbusd_epi32(
-          _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[m]), hi, xhi[m]);
-      acc[m][r] = _mm512_fmadd_ps(spread_scales(s[m][r], j, lanes), _mm512_cvtepi32_ps(dot),
-                                  acc[m][r]);
-    }
-  }
-}
-#endif
-
 // y[m, r] = sum_b d[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
 // sum_b m[r, b] dx[m, b] sum(qx[m, b])) for R weight rows ld rows apart and MB activation rows
 // from m0; the scales and minimums of weight row r start at r * stride. Blocks go in chunks
@@ -320,41 +517,19 @@ inline void tile_quant(const uint8_t* w, const S* dw, const S* mw, int64_t strid
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   alignas(32) float s[MB][R][8];
-#ifdef GLASSFORMER_WIDE
-  constexpr int kGroup = Q4 ? 4 : 2;  // blocks per wide step
-  __m512 wide[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) wide[m][r] = _mm512_setzero_ps();
-  auto wide_step = [&](int64_t b, int j) {
-    if constexpr (Q4) step_q4_wide<R, MB>(wide, w, xq, nb, ld, b, s, j);
-    else step_q8_wide<R, MB>(wide, wq, xq, nb, ld, b, s, j);
-  };
-  // the minimum's term joins the wide accumulators: acc then lives only in the last chunk
-  auto add = [&](int m, int r, __m256 term) {
-    wide[m][r] = _mm512_add_ps(wide[m][r], _mm512_zextps256_ps512(term));
-  };
-#else
   auto add = [&](int m, int r, __m256 term) { acc[m][r] = _mm256_add_ps(acc[m][r], term); };
-#endif
   int64_t b0 = 0;
   for (; b0 + 8 <= nb; b0 += 8) {
     block_scales<Q4, R, MB>(dw, mw, stride, dx, sx, nb, b0, 8, s, add);
-#ifdef GLASSFORMER_WIDE
-    for (int j = 0; j < 8; j += kGroup) wide_step(b0 + j, j);
-#else
     for (int j = 0; j < 8; j += Q4 ? 2 : 1) {
       if constexpr (Q4) step_q4_pair<R, MB>(acc, w, xq, nb, ld, b0 + j, s, j);
       else step_q8<R, MB>(acc, wq, xq, nb, ld, b0 + j, s, j);
     }
-#endif
   }
   if (b0 < nb) {  // the last chunk of fewer than 8 blocks
     const int len = static_cast<int>(nb - b0);
     block_scales<Q4, R, MB>(dw, mw, stride, dx, sx, nb, b0, len, s, add);
     int j = 0;
-#ifdef GLASSFORMER_WIDE
-    for (; j + kGroup <= len; j += kGroup) wide_step(b0 + j, j);
-#endif
     for (; Q4 && j + 2 <= len; j += 2) step_q4_pair<R, MB>(acc, w, xq, nb, ld, b0 + j, s, j);
     for (; j < len; ++j) {
       if constexpr (Q4) step_q4_single<R, MB>(acc, w, xq, nb, ld, b0 + j, s, j);
@@ -362,13 +537,7 @@ inline void tile_quant(const uint8_t* w, const S* dw, const S* mw, int64_t strid
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) {
-      float v = hsum(acc[m][r]) + (bias ? bias[r * ld] : 0.0f);
-#ifdef GLASSFORMER_WIDE
-      v += _mm512_reduce_add_ps(wide[m][r]);
-#endif
-      y[m * ldy + r * ld] = v;
-    }
+    for (int r = 0; r < R; ++r) y[m * ldy + r * ld] = hsum(acc[m][r]) + (bias ? bias[r * ld] : 0.0f);
 }
 
 // The M activation rows from m0 against R weight rows ld rows apart (y: output row m0): tiles
@@ -401,6 +570,8 @@ inline void rows_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
   for (; m < M; ++m)
     tile_quant<Q4, R, 1>(w, dwf, mwf, stride, nb, ld, a, m0 + m, y + m * N, N, bias);
 }
+
+#endif
 
 // The rows go in panels of kPanel, each a pass over the weights (for_row_groups).
 template <bool Q4>
