@@ -28,18 +28,11 @@ from pathlib import Path
 
 import harness
 
+from glassformer.experiments.memory import peak_memory_mb, reset_peak_memory, resident_mb
 from glassformer.model.kv_formats import KV_DTYPES
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
-
-
-def _status_mb(field: str) -> float:
-    """A memory line of /proc/self/status (VmRSS: resident now, VmHWM: its peak), in MB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise OSError(f"/proc/self/status has no {field}")
 
 
 def _prompt(tokenizer, text: str, n: int) -> list[int]:
@@ -80,17 +73,17 @@ def worker(args: argparse.Namespace) -> dict:
                 logits = prefill(model, ids[:, start : start + args.chunk], cache)  # (1, V)
         return int(logits.argmax(-1))
 
-    model_mb = _status_mb("VmRSS")
+    model_mb = resident_mb("VmRSS")
     with torch.inference_mode():  # warm the kernels up on one chunk
         prefill(model, ids[:, : args.chunk], KVCache(model.config, 1, max_length=args.chunk))
-    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
+    reset_peak_memory()  # the peak (VmHWM) starts again from here
     start = time.perf_counter()
     ttft = harness.timed(run, args.repeats, warmup=0)
     wall = time.perf_counter() - start
     config = model.config
     kv_per_token = 2 * config.n_layers * config.kv_heads * bytes_per_vector(args.kv_dtype, config.head_dim)
     return {"n": n, "ttft_s": list(ttft.samples), "wall_s": wall, "model_mb": model_mb,
-            "peak_mb": _status_mb("VmHWM"), "kv_bytes_per_token": kv_per_token, "factor": factor,
+            "peak_mb": peak_memory_mb(), "kv_bytes_per_token": kv_per_token, "factor": factor,
             "kernel": config.attention_kernel, "threads": torch.get_num_threads()}
 
 

@@ -93,8 +93,7 @@ class ModelRunner:
             wrap = row_invariant if invariant else itself
             if not invariant:  # a view to wrap, so the model itself stays as it is
                 self.layers = model.with_products(wrap)
-            fused = attention == "fast" and pool.kv_dtype == "fp32" and sink is None and can_build(model)
-            adapters.install(self.layers, wrap, fused)
+            adapters.install(self.layers, wrap, self._pool_takes_fused() and can_build(model))
         self.device = model.embed.tokens.weight.device
         self.rope = None
         if config.position == "rope":  # computed once: (context, d_head) each
@@ -131,10 +130,15 @@ class ModelRunner:
     def _fused(self) -> FastDecoder | None:
         """The model's fused step where it can run decoding rows: fast attention, a float32
         pool, and a step the model accepts now; else None."""
-        if not self.fast or self.pool.kv_dtype != "fp32" or self.sink is not None:
-            return None  # (the fused step keeps every key at its text position)
+        if not self._pool_takes_fused():
+            return None
         step = self.model.fused_step()
         return step if isinstance(step, FastDecoder) else None
+
+    def _pool_takes_fused(self) -> bool:
+        """Fast attention over a float32 pool without the sink policy (the fused step keeps
+        every key at its text position)."""
+        return self.fast and self.pool.kv_dtype == "fp32" and self.sink is None
 
     def _fused_adapter(self, seq: Sequence) -> bool:
         """Whether seq's adapter, if it names one, is built for the fused step."""
