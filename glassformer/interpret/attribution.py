@@ -128,6 +128,7 @@ def token_baseline(model: Transformer, ids: torch.Tensor, token_id: int, keep: i
     """
     with torch.no_grad():
         x = model.embed.tokens(ids.reshape(-1))  # (T, d)
-        baseline = model.embed.tokens.weight[token_id].expand_as(x).clone()
+        row = model.embed.tokens(torch.tensor([token_id], device=ids.device))  # (1, d)
+        baseline = row.expand_as(x).clone()
         baseline[:keep] = x[:keep]
     return baseline

@@ -117,3 +117,16 @@ def test_a_token_baseline_holds_the_first_position_and_stays_complete():
     result = integrated_gradients(model, ids, target=7, baseline=baseline, steps=4, edges=TENTHS)
     assert result.attributions[0] == 0
     assert abs(result.baseline_logit) > 0 and abs(result.completeness_gap) < 1e-3
+
+
+def test_a_token_baseline_reads_a_table_kept_in_blocks():
+    from glassformer.accel.quantized_embedding import QuantizedEmbedding
+    from glassformer.accel.quantized_linear import QuantizedLinear
+
+    model = sharp_model()
+    ids = ids_for(model)
+    model.embed.tokens = QuantizedEmbedding(QuantizedLinear.from_weight(model.embed.tokens.weight, "int4"))
+    baseline = token_baseline(model, ids, token_id=5)  # no float table to index: a lookup
+    table = model.embed.tokens.dequantized_weight()
+    torch.testing.assert_close(baseline[1:], table[5].expand(5, -1), atol=0, rtol=0)
+    torch.testing.assert_close(baseline[0], table[ids[0, 0]], atol=0, rtol=0)
