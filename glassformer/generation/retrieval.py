@@ -21,8 +21,11 @@ Two rankings, and their fusion:
   Chunks of one length are embedded together, EMBED_BATCH per forward pass. A chunk's
   embedding depends on its token ids alone, so a caller that asks about the same text again
   (the same document under other questions) passes a dict that keeps them by their ids.
-- "both": reciprocal-rank fusion, score(c) = 1 / (60 + rank_bm25(c)) + 1 / (60 + rank_emb(c))
-  (ranks from 1): a chunk either ranking puts near the top rises, whatever the scales.
+- "both": the two orders interleaved, BM25's first, the embedding's first, BM25's second ...
+  (a chunk met again is skipped), so each ranking's best chunks are kept whatever the other
+  makes of them. (Fusing ranks, 1 / (60 + rank_bm25) + 1 / (60 + rank_emb), lets chunks both
+  rank middling pass the one BM25 puts first: a small model's mean-pooled states rank a
+  needle's chunk anywhere, and a prompt of a few chunks then loses it.)
 Chunks are taken best first while their tokens fit the room the window leaves; the prompt is
 then built and checked, and the lowest-ranked chunk dropped until it fits (a kept
 neighbour's overlap is counted twice until then).
@@ -40,7 +43,6 @@ import torch
 from ..model.transformer import Transformer
 
 RANKINGS = ("bm25", "embedding", "both")
-FUSION_K = 60  # reciprocal-rank fusion's damping: how much the first ranks outweigh the rest
 EMBED_BATCH = 16  # chunks of one length embedded per forward pass
 SEPARATOR = "\n...\n"  # between chunks that were not neighbours (ASCII: any vocabulary writes it)
 
@@ -100,14 +102,12 @@ def embedding_scores(model: Transformer, chunks: Sequence[Sequence[int]], questi
     return torch.nn.functional.cosine_similarity(c, q, dim=-1).double().numpy()
 
 
-def fused(*scores: np.ndarray) -> np.ndarray:
-    """Reciprocal-rank fusion of several score vectors (n,) each (higher is better)."""
-    total = np.zeros(len(scores[0]))
-    for score in scores:
-        rank = np.empty(len(score))
-        rank[np.argsort(-score, kind="stable")] = np.arange(1, len(score) + 1)
-        total += 1.0 / (FUSION_K + rank)
-    return total
+def interleaved(*orders: Sequence[int]) -> list[int]:
+    """The orders' first items, then their second ..., each item once (orders of one set)."""
+    out: dict[int, None] = {}
+    for tier in zip(*orders, strict=True):
+        out.update(dict.fromkeys(tier))
+    return list(out)
 
 
 def rank(model: Transformer, tokenizer, chunks: Sequence[Sequence[int]], question: str,
@@ -120,8 +120,7 @@ def rank(model: Transformer, tokenizer, chunks: Sequence[Sequence[int]], questio
         scores.append(bm25_scores([tokenizer.decode(c) for c in chunks], question))
     if ranking in ("embedding", "both"):
         scores.append(embedding_scores(model, chunks, tokenizer.encode(question), cache))
-    score = scores[0] if len(scores) == 1 else fused(*scores)
-    return np.argsort(-score, kind="stable").tolist()
+    return interleaved(*(np.argsort(-score, kind="stable").tolist() for score in scores))
 
 
 def retrieve(model: Transformer, tokenizer, document: str, question: str,

@@ -13,7 +13,7 @@ from glassformer.generation.retrieval import (
     bm25_scores,
     embedding_scores,
     embeddings,
-    fused,
+    interleaved,
     rank,
     retrieve,
     spans,
@@ -150,10 +150,31 @@ def test_the_cache_keeps_the_ranking_across_questions_over_the_same_document(mod
     assert len(cache) == len({tuple(c) for c in chunks})
 
 
-def test_fusion_adds_reciprocal_ranks():
-    a, b = np.array([3.0, 2.0, 1.0]), np.array([1.0, 3.0, 2.0])
-    expected = [1 / 61 + 1 / 63, 1 / 62 + 1 / 61, 1 / 63 + 1 / 62]
-    np.testing.assert_allclose(fused(a, b), expected)
+def test_interleaving_takes_each_orders_next_item_in_turn():
+    assert interleaved([2, 0, 1, 3], [3, 2, 1, 0]) == [2, 3, 0, 1]
+    assert interleaved([1, 0, 2]) == [1, 0, 2]
+
+
+def test_both_keeps_bm25s_first_chunk_whatever_the_embedding_makes_of_it(model, tokenizer, document,
+                                                                         monkeypatch):
+    from glassformer.generation import retrieval
+
+    question = tokenizer.encode(f"\n\n{QUESTION}")
+
+    def build(context: str) -> list[int]:
+        return tokenizer.encode(context) + question
+
+    def against_bm25(model, chunks, question_ids, cache=None):  # the embedding ranks BM25's best last
+        return -bm25_scores([tokenizer.decode(c) for c in chunks], QUESTION)
+
+    monkeypatch.setattr(retrieval, "embedding_scores", against_bm25)
+    limit = 3 * CHUNK + len(question)
+    got = retrieve(model, tokenizer, tokenizer.decode(document), QUESTION, build, limit, CHUNK, "both")
+    assert 40 in got.chunks and len(got.ids) <= limit and NEEDLE in tokenizer.decode(got.ids)
+    ids = tokenizer.encode(tokenizer.decode(document))
+    chunks = [ids[a:b] for a, b in spans(len(ids), CHUNK, CHUNK // 4)]
+    embedding_first = int(np.argmax(against_bm25(model, chunks, None)))
+    assert got.order[:2] == [40, embedding_first]
 
 
 @pytest.mark.parametrize("ranking", ["bm25", "embedding", "both"])
