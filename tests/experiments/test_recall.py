@@ -196,6 +196,7 @@ def test_past_the_window_three_depths_and_retrieval_first_from_min_length(tmp_pa
     rest = planned[8:]
     assert len(rest) == 3 * 2 * (len(recall.READINGS) - 1) and "/retrieve/" not in "".join(rest)
     assert [int(k.rsplit("/", 1)[1]) for k in rest] == sorted(int(k.rsplit("/", 1)[1]) for k in rest)
+    assert ["/sink/" in k for k in rest[:12]] == [False] * 10 + [True] * 2  # sink last at each length
 
 
 def _done(reading: str, length: int, seconds: float, depths: int = 3) -> dict:
@@ -210,6 +211,9 @@ def test_expected_time_grows_from_the_last_cell_of_its_kind():
     assert recall._expected(results, planned | {"reading": "linear"}) == pytest.approx(300 * 8)
     assert recall._expected(results, planned | {"reading": "retrieve"}) == pytest.approx(120)
     assert recall._expected({"a": results["a"]}, planned | {"reading": "retrieve"}) is None
+    results["c"] = _done("sink", 2 * N, 3000.0)  # a reading of its own past the window: its own rate
+    assert recall._expected(results, planned | {"reading": "sink"}) == pytest.approx(3000 * 2**1.5)
+    assert recall._expected(results, planned | {"reading": "none"}) == pytest.approx(300 * 8)
 
 
 def test_a_cheap_retrieve_cell_runs_where_a_prefill_would_overrun_the_budget(tmp_path, monkeypatch):
