@@ -72,6 +72,7 @@ ANSWER_TOKENS = 24  # greedy tokens per answer (a spelled number needs about 20 
 CHUNK_TOKENS = 128
 RETRIEVE_TOKENS = 1024  # retrieve's prompt at most (SmolLM2 finds a needle at 5 of 5 depths up to 1,024)
 FAR_DEPTHS = 3  # depths per cell past the window
+SINK_STEP = 80  # a sink step past the window takes ~80 prefill tokens' time (SmolLM2, 8k keys: 1 s, 13 ms)
 NATIVE_GOAL, KV_POINTS, KEEP = 0.9, 0.05, 0.9
 MEMORY_GROWTH = 1.5
 
@@ -214,7 +215,8 @@ def _retrieves(cell: dict) -> bool:
 def _expected(results: dict, planned: dict) -> float | None:
     """Seconds the `planned` cell should take, from the last finished cell of its model with its
     reading past the window, else of its kind: retrieval (grown as L per depth), or a full
-    prefill other than sink's, which reads a token a step (as L^1.5). None: no such cell yet."""
+    prefill other than sink's (as L^1.5; sink's first: a prefill of the window, then a step of
+    SINK_STEP tokens' time per token past it). None: no such cell yet."""
     done = [r for r in results.values() if r.get("model") == planned["model"] and "reading" in r
             and not r["skipped"]]
     alike = [r for r in done if r["reading"] == planned["reading"] and r["length"] > native(r["model"])]
@@ -223,7 +225,11 @@ def _expected(results: dict, planned: dict) -> float | None:
         return None
     last, power = (alike or kind)[-1], 1.0 if _retrieves(planned) else 1.5
     per_depth = last["cell_seconds"] / len(last["depths"])
-    return per_depth * len(planned["depths"]) * max(planned["length"] / last["length"], 1.0) ** power
+    length, n = planned["length"], native(planned["model"])
+    if planned["reading"] == "sink" and not alike and length > n:
+        window = per_depth * (n / last["length"]) ** power  # a prefill of the window
+        return len(planned["depths"]) * window * (1 + SINK_STEP * (length - n) / n)
+    return per_depth * len(planned["depths"]) * max(length / last["length"], 1.0) ** power
 
 
 def _recall_cell(name: str, task: str, reading: str, kv: str, length: int, loaded: dict):

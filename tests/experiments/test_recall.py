@@ -211,6 +211,9 @@ def test_expected_time_grows_from_the_last_cell_of_its_kind():
     assert recall._expected(results, planned | {"reading": "linear"}) == pytest.approx(300 * 8)
     assert recall._expected(results, planned | {"reading": "retrieve"}) == pytest.approx(120)
     assert recall._expected({"a": results["a"]}, planned | {"reading": "retrieve"}) is None
+    # sink's first cell: a prefill of the window (100 s), then 3N tokens at SINK_STEP tokens' time each
+    assert recall._expected(results, planned | {"reading": "sink"}) == pytest.approx(
+        3 * 100 * (1 + recall.SINK_STEP * 3))
     results["c"] = _done("sink", 2 * N, 3000.0)  # a reading of its own past the window: its own rate
     assert recall._expected(results, planned | {"reading": "sink"}) == pytest.approx(3000 * 2**1.5)
     assert recall._expected(results, planned | {"reading": "none"}) == pytest.approx(300 * 8)
