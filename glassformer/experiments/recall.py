@@ -23,8 +23,9 @@ Cells run shortest first, past the window the retrieve cells (the cheapest) firs
 (which reads a token a step once its cache is full) last at each length; once one cell of a
 kind (a full prefill, or retrieval) is done, a cell of that kind whose expected time (the last
 one's per depth, of the same reading where one ran past the window, grown as L^1.5 for a
-prefill, as L for retrieval, which embeds the document chunk by chunk) would overrun the
-model's share of the budget is skipped and marked so. (Prefix caching across the depths is
+prefill, as L for retrieval, which embeds the document chunk by chunk; sink's first from a
+prefill's, SINK_STEP times dearer per token past the window) would overrun the model's
+share of the budget is skipped and marked so. (Prefix caching across the depths is
 left off: the depth-0 prompt shares nothing, multi-key's other needles cut the shared part
 short, and the cells' peak memory would read the cache's.)
 Each cell also records the prefill time of each prompt and the process's peak resident memory
