@@ -30,6 +30,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "length experiment's RoPE model, shakespeare-rope)")
     parser.add_argument("--max-length", type=positive_int, default=None,
                         help="recall: the longest prompt in tokens (default: 8x each model's window)")
+    parser.add_argument("--min-length", type=positive_int, default=None,
+                        help="recall: the shortest prompt in tokens besides the window's own, which "
+                             "the readings past it are judged against (default: each model's shortest)")
+    parser.add_argument("--retrieve-tokens", type=positive_int, default=None,
+                        help="recall: the longest prompt the retrieve reading builds (default 1024)")
     add(parser, "--no-progress", "--json")
     add_threads(parser)
     parser.set_defaults(run=run)
@@ -45,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         if args.name != "ablation":
             raise ValueError("--equal: applies to the ablation experiment only")
         options["equal"] = args.equal
-    for flag, value in (("--models", args.models), ("--max-length", args.max_length)):
+    for flag, value in (("--models", args.models), ("--max-length", args.max_length),
+                        ("--min-length", args.min_length), ("--retrieve-tokens", args.retrieve_tokens)):
         if value is not None:
             if args.name != "recall":
                 raise ValueError(f"{flag}: applies to the recall experiment only")

@@ -69,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     context.add_argument("--question", help="retrieve: the question asked after the chunks")
     context.add_argument("--ranking", choices=RANKINGS, default="both",
                          help="retrieve: rank chunks by BM25, by the model's mean-pooled hidden "
-                              "states, or both fused by rank (default both)")
+                              "states, or both interleaved (default both)")
     context.add_argument("--chunk-tokens", type=positive_int, default=256,
                          help="retrieve: tokens per chunk (default 256)")
     add_computing(parser)

@@ -9,12 +9,25 @@ one cell over every depth, run through the serving engine with that KV dtype. A 
 how a text longer than the window is read:
 - none: RoPE as trained, positions past the window; linear, ntk, yarn: RoPE rescaled by L/N;
 - window: sliding-window attention over the last N tokens (N: the model's window);
-- retrieve: the best chunks that fit the window, by BM25 and the model's embedding
-  (generation/retrieval.py).
+- retrieve: the best chunks by BM25 and the model's embedding (generation/retrieval.py) in a
+  prompt of at most `retrieve_tokens` (default RETRIEVE_TOKENS, or the window if shorter), as a
+  retrieval system puts its top chunks, not a whole window, before the question: a small model
+  recalls best in a short prompt. The chunks' embeddings are kept by their token ids for the
+  whole run, so the depths and lengths that share the haystack read most of it once.
 Within the window every reading is the same computation, so only `none` runs there, with
-every KV dtype of the pool (KV_DTYPES). Lengths run shortest first; once one cell of a model
-is done, a cell whose expected time (the last one's, grown as L^1.5) would overrun the
-model's share of the budget is skipped and marked so.
+every KV dtype of the pool (KV_DTYPES); past it, every reading with fp32 KV over FAR_DEPTHS
+depths (0, 50, 100%: each prompt is a prefill of L tokens, which costs about L^1.5).
+`min_length` leaves out the shorter lengths but the window's own `none` fp32 cells, the
+figure each reading past the window is judged against.
+Cells run shortest first, past the window the retrieve cells (the cheapest) first and sink
+(which reads a token a step once its cache is full) last at each length; once one cell of a
+kind (a full prefill, or retrieval) is done, a cell of that kind whose expected time (the last
+one's per depth, of the same reading where one ran past the window, grown as L^1.5 for a
+prefill, as L for retrieval, which embeds the document chunk by chunk; sink's first from a
+prefill's, SINK_STEP times dearer per token past the window) would overrun the model's
+share of the budget is skipped and marked so. (Prefix caching across the depths is
+left off: the depth-0 prompt shares nothing, multi-key's other needles cut the shared part
+short, and the cells' peak memory would read the cache's.)
 Each cell also records the prefill time of each prompt and the process's peak resident memory
 while it ran (reset before it, where /proc/self/clear_refs allows): prompts grow cell by
 cell, so the peak against L shows how the memory of a long prefill grows (chunked prefill, the
@@ -58,17 +71,26 @@ SINK_TOKENS = 4  # sink: the first 4 tokens kept, and the latest (window - 4)
 FACTORS = (2, 4, 8)  # lengths past the window, in windows
 ANSWER_TOKENS = 24  # greedy tokens per answer (a spelled number needs about 20 characters)
 CHUNK_TOKENS = 128
+RETRIEVE_TOKENS = 1024  # retrieve's prompt at most (SmolLM2 finds a needle at 5 of 5 depths up to 1,024)
+FAR_DEPTHS = 3  # depths per cell past the window
+SINK_STEP = 80  # a sink step past the window takes ~80 prefill tokens' time (SmolLM2, 8k keys: 1 s, 13 ms)
 NATIVE_GOAL, KV_POINTS, KEEP = 0.9, 0.05, 0.9
 MEMORY_GROWTH = 1.5
 
 
-def settings(budget: float, data: Path, models=tuple(MODELS), max_length: int | None = None) -> dict:
+def settings(budget: float, data: Path, models=tuple(MODELS), max_length: int | None = None,
+             min_length: int | None = None, retrieve_tokens: int = RETRIEVE_TOKENS) -> dict:
     unknown = sorted(set(models) - set(MODELS))
     if unknown or not models:
         raise ValueError(f"models: choose among {', '.join(MODELS)}; got {unknown or 'none'}")
     if max_length is not None and max_length < 256:
         raise ValueError(f"max_length: at least 256 tokens, got {max_length}")
+    if min_length is not None and not 256 <= min_length <= (max_length or min_length):
+        raise ValueError(f"min_length: from 256 tokens up to max_length, got {min_length}")
+    if retrieve_tokens < 2 * CHUNK_TOKENS:
+        raise ValueError(f"retrieve_tokens: at least {2 * CHUNK_TOKENS} (two chunks), got {retrieve_tokens}")
     return {"budget": budget, "data": str(data), "models": list(models), "max_length": max_length,
+            "min_length": min_length, "retrieve_tokens": retrieve_tokens,
             "depths": 11 if budget >= 3600 else 5 if budget >= 60 else 3, "kv_dtypes": list(KV_DTYPES),
             "train_seconds": round(min(max(SMALL_SHARE * budget / 2, 1.0), MAX_TRAIN_SECONDS), 2)}
 
@@ -77,27 +99,37 @@ def native(name: str) -> int:
     return MODELS[name][0]
 
 
-def lengths(name: str, max_length: int | None) -> list[int]:
-    """Powers of two from the model's shortest prompt up to 8× its window (at most `max_length`)."""
+def lengths(name: str, max_length: int | None, min_length: int | None = None) -> list[int]:
+    """Powers of two from the model's shortest prompt up to 8× its window (at most `max_length`;
+    from `min_length` on, the window itself kept)."""
     n, first = MODELS[name]
     out = [2**k for k in range(int(math.log2(first)), int(math.log2(n * FACTORS[-1])) + 1)]
-    return [L for L in out if max_length is None or L <= max_length]
+    return [L for L in out if (max_length is None or L <= max_length)
+            and (min_length is None or L >= min_length or L == n)]
 
 
-def depths(config: dict) -> list[float]:
-    return [i / (config["depths"] - 1) for i in range(config["depths"])]
+def depths(config: dict, past_window: bool = False) -> list[float]:
+    count = min(FAR_DEPTHS, config["depths"]) if past_window else config["depths"]
+    return [i / (count - 1) for i in range(count)]
 
 
 def cells(config: dict) -> list[Cell]:
-    loaded: dict[str, tuple] = {}  # each model (and its haystack) loaded once per process
+    loaded: dict[str, tuple] = {}  # each model, its haystack and its chunks' embeddings, once per process
     out = [Cell(f"train/{SMALL}", _train_cell, f"train {SMALL}")] if SMALL in config["models"] else []
     for name in config["models"]:
-        for length in lengths(name, config["max_length"]):
-            for task in TASKS:
-                readings = [(r, "fp32") for r in READINGS] if length > native(name) else \
-                           [("none", kv) for kv in config["kv_dtypes"]]
-                out += [Cell(key(name, task, r, kv, length), _recall_cell(name, task, r, kv, length, loaded),
-                             f"{name} {task} {r} {kv} at {length}") for r, kv in readings]
+        planned = []  # (length, task, reading, kv)
+        for length in lengths(name, config["max_length"], config["min_length"]):
+            if length > native(name):
+                readings = [(r, "fp32") for r in READINGS]
+            elif config["min_length"] and length < config["min_length"]:
+                readings = [("none", "fp32")]  # the figure the readings past the window are judged against
+            else:
+                readings = [("none", kv) for kv in config["kv_dtypes"]]
+            planned += [(length, task, r, kv) for task in TASKS for r, kv in readings]
+        # past the window retrieval first, then by length, sink (a token a step) last at each
+        planned.sort(key=lambda c: (c[0] > native(name), c[2] != "retrieve", c[0], c[2] == "sink"))
+        out += [Cell(key(name, task, r, kv, length), _recall_cell(name, task, r, kv, length, loaded),
+                     f"{name} {task} {r} {kv} at {length}") for length, task, r, kv in planned]
     return out
 
 
@@ -116,7 +148,7 @@ def _train_cell(ctx: Context) -> dict:
 
 
 def _model(ctx: Context, name: str, loaded: dict) -> tuple:
-    """(model, tokenizer, haystack ids) of `name`, loaded once."""
+    """(model, tokenizer, haystack ids, chunk embeddings by token ids) of `name`, loaded once."""
     if name not in loaded:
         if name == SMALL:
             from ..formats.checkpoint import load_model
@@ -129,7 +161,7 @@ def _model(ctx: Context, name: str, loaded: dict) -> tuple:
             model, tokenizer = language_model.model, language_model.tokenizer
         longest = native(name) * FACTORS[-1]
         text = Path(ctx.settings["data"]).read_text(encoding="utf-8")[: 6 * longest]
-        loaded[name] = (model.eval(), tokenizer, tokenizer.encode(text))
+        loaded[name] = (model.eval(), tokenizer, tokenizer.encode(text), {})
     return loaded[name]
 
 
@@ -169,28 +201,56 @@ def answers(model: Transformer, tokenizer, prompt_ids: list[list[int]], kv_dtype
         kv_dtype=kv_dtype, n_blocks=-(-longest // 16) + 1, block_size=16, max_batch=1,
         token_budget=512, prefix_caching=False, batch_invariant=False, sink=sink))
     params = RequestParams(max_new_tokens=ANSWER_TOKENS, stop=("\n",))  # the answer's first line
-    handles = [engine.submit(p, params) for p in prompt_ids]
-    engine.run_until_done()
-    return [h.wait(0) for h in handles]
+    out = []
+    for p in prompt_ids:  # each submitted alone, so its prefill time holds no queueing
+        handle = engine.submit(p, params)
+        engine.run_until_done()
+        out.append(handle.wait(0))
+    return out
+
+
+def _retrieves(cell: dict) -> bool:
+    return cell["reading"] == "retrieve" and cell["length"] > native(cell["model"])
+
+
+def _expected(results: dict, planned: dict) -> float | None:
+    """Seconds the `planned` cell should take, from the last finished cell of its model with its
+    reading past the window, else of its kind: retrieval (grown as L per depth), or a full
+    prefill other than sink's (as L^1.5; sink's first: a prefill of the window, then a step of
+    SINK_STEP tokens' time per token past it). None: no such cell yet."""
+    done = [r for r in results.values() if r.get("model") == planned["model"] and "reading" in r
+            and not r["skipped"]]
+    alike = [r for r in done if r["reading"] == planned["reading"] and r["length"] > native(r["model"])]
+    kind = [r for r in done if _retrieves(r) == _retrieves(planned) and r["reading"] != "sink"]
+    if not alike and not kind:
+        return None
+    last, power = (alike or kind)[-1], 1.0 if _retrieves(planned) else 1.5
+    per_depth = last["cell_seconds"] / len(last["depths"])
+    length, n = planned["length"], native(planned["model"])
+    if planned["reading"] == "sink" and not alike and length > n:
+        window = per_depth * (n / last["length"]) ** power  # a prefill of the window
+        return len(planned["depths"]) * window * (1 + SINK_STEP * (length - n) / n)
+    return per_depth * len(planned["depths"]) * max(length / last["length"], 1.0) ** power
 
 
 def _recall_cell(name: str, task: str, reading: str, kv: str, length: int, loaded: dict):
     def run(ctx: Context) -> dict:
-        done = [r for k, r in ctx.results.items() if k.startswith(f"{name}/") and not r["skipped"]]
         spent = sum(r["cell_seconds"] for k, r in ctx.results.items() if k.startswith(f"{name}/"))
         base = {"model": name, "task": task, "reading": reading, "kv": kv, "length": length}
-        if done:
-            last = done[-1]
-            expected = last["cell_seconds"] * max(length / last["length"], 1.0) ** 1.5
-            if spent + expected > _share(ctx.settings, name):
-                return base | {"skipped": True}
-        model, tokenizer, hay = _model(ctx, name, loaded)
-        grid = depths(ctx.settings)
+        n = native(name)
+        grid = depths(ctx.settings, past_window=length > n)
+        expected = _expected(ctx.results, base | {"depths": grid})
+        if expected is not None and spent + expected > _share(ctx.settings, name):
+            return base | {"skipped": True}
+        model, tokenizer, hay, embedded = _model(ctx, name, loaded)
         asked = prompts(tokenizer, hay, task, length, grid)
         ids = [p.ids for p in asked]
-        if reading == "retrieve" and length > model.config.context_length:
-            ids = [_retrieved(model, tokenizer, p) for p in asked]
-        n = model.config.context_length
+        found = {}
+        if reading == "retrieve" and length > n:
+            limit = min(ctx.settings["retrieve_tokens"], n) - ANSWER_TOKENS
+            ids = [_retrieved(model, tokenizer, p, limit, embedded) for p in asked]
+            found = {"in_prompt": [p.asked.sentence in tokenizer.decode(i) for p, i in
+                                   zip(asked, ids, strict=True)]}  # did retrieval keep the needle?
         sink = SinkPolicy(SINK_TOKENS, n - SINK_TOKENS) if reading == "sink" and length > n else None
         reset_peak_memory()
         with torch.no_grad():
@@ -201,17 +261,17 @@ def _recall_cell(name: str, task: str, reading: str, kv: str, length: int, loade
                        "hits": [recalled(t, p.asked) for t, p in zip(texts, asked, strict=True)],
                        "prompt_tokens": [len(i) for i in ids],
                        "prefill_seconds": [r.prefill_seconds for r in results],
-                       "peak_mb": peak_memory_mb()}
+                       "peak_mb": peak_memory_mb()} | found
 
     return run
 
 
-def _retrieved(model: Transformer, tokenizer, prompt) -> list[int]:
+def _retrieved(model: Transformer, tokenizer, prompt, limit: int, embedded: dict) -> list[int]:
     head, tail = frame(tokenizer, prompt.asked)
     document = tokenizer.decode(prompt.ids[slice(*prompt.document)])
     return retrieve(model, tokenizer, document, prompt.asked.question,
                     lambda context: head + tokenizer.encode(context) + tail,
-                    model.config.context_length - ANSWER_TOKENS, CHUNK_TOKENS, "both").ids
+                    limit, CHUNK_TOKENS, "both", embedded).ids
 
 
 def _share(config: dict, name: str) -> float:
@@ -259,8 +319,8 @@ def claims(config: dict, results: dict) -> list[dict]:
                         "evidence": "not measured within the budget" if other is None or fp32 is None
                         else f"{other:.0%} against {fp32:.0%} (needle and multi-key pooled)"
                         + ("; inconclusive below 50% with fp32: nothing to lose" if fp32 < 0.5 else "")})
-        for reading in READINGS:
-            out.append(_keeps(results, name, reading, fp32))
+        out += [_keeps(results, name, reading) for reading in READINGS]
+        out += [_at_factor(results, name, f) for f in FACTORS]
         out.append(_linear_memory(results, name))
     return out
 
@@ -298,27 +358,58 @@ def _misses(results: dict, name: str, length: int) -> str:
     return f"; missed at depths {', '.join(missed)}" if missed else ""
 
 
-def _keeps(results: dict, name: str, reading: str, at_native: float | None) -> dict:
+def _against_native(results: dict, name: str, reading: str, length: int) -> tuple[float, float] | None:
+    """(recall at `length` read by `reading`, recall at the window read as trained), each pooled
+    over the tasks measured at both, fp32 KV. None: no such pair measured."""
+    pairs = [(recall_at(results, name, t, reading, "fp32", length),
+              recall_at(results, name, t, "none", "fp32", native(name))) for t in TASKS]
+    pairs = [pair for pair in pairs if None not in pair]
+    return tuple(float(np.mean(v)) for v in zip(*pairs, strict=True)) if pairs else None
+
+
+def verdict(results: dict, name: str, reading: str, factor: int) -> str:
+    """kept (≥ KEEP of the native recall), lost, inconclusive (native below 50%) or not measured."""
+    pair = _against_native(results, name, reading, factor * native(name))
+    if pair is None:
+        return "not measured"
+    far, near = pair
+    return "inconclusive" if near < 0.5 else "kept" if far >= KEEP * near else "lost"
+
+
+def _keeps(results: dict, name: str, reading: str) -> dict:
     n = native(name)
-    far = {f: _pooled(results, name, reading, "fp32", f * n) for f in FACTORS}
-    measured = {f: v for f, v in far.items() if v is not None}
+    far = {f: _against_native(results, name, reading, f * n) for f in FACTORS}
+    measured = {f: pair for f, pair in far.items() if pair is not None}
     claim = (f"{name}: {reading} keeps recall past the window (held: at every measured 2×/4×/8×, "
              f"≥ {KEEP:.0%} of the native recall)")
-    if at_native is None or at_native < 0.5 or not measured:
+    if not measured:
+        return {"claim": claim, "held": None, "evidence": "not measured within the budget"}
+    judged = {f: verdict(results, name, reading, f) for f in measured}
+    evidence = ", ".join(f"{a:.0%} at {f}× against {b:.0%}" for f, (a, b) in measured.items())
+    if "inconclusive" in judged.values():
         return {"claim": claim, "held": None,
-                "evidence": "not measured within the budget" if not measured or at_native is None
-                else f"native recall {at_native:.0%} is below 50%: nothing to keep"}
-    held = all(v >= KEEP * at_native for v in measured.values())
+                "evidence": f"{evidence}; native recall below 50%: nothing to keep"}
+    return {"claim": claim, "held": all(v == "kept" for v in judged.values()),
+            "evidence": f"{evidence} at the window"}
+
+
+def _at_factor(results: dict, name: str, factor: int) -> dict:
+    """Which readings keep recall at `factor` windows, which lose it, which were not measured."""
+    judged = {r: verdict(results, name, r, factor) for r in READINGS}
+    groups = {v: [r for r in READINGS if judged[r] == v] for v in
+              ("kept", "lost", "inconclusive", "not measured")}
+    claim = (f"{name}: at {factor}× the window ({factor * native(name)} tokens) a reading keeps recall "
+             f"(held: ≥ {KEEP:.0%} of the native recall, the tasks measured at both pooled)")
+    held = True if groups["kept"] else False if groups["lost"] else None
     return {"claim": claim, "held": held,
-            "evidence": ", ".join(f"{v:.0%} at {f}×" for f, v in measured.items())
-                        + f" against {at_native:.0%} at the window"}
+            "evidence": "; ".join(f"{v}: {', '.join(rs)}" for v, rs in groups.items() if rs)}
 
 
 def summarize(config: dict, results: dict, out: Path) -> Summary:
     rows, figures = [], []
-    union = sorted({L for n in config["models"] for L in lengths(n, config["max_length"])})
+    union = sorted({L for n in config["models"] for L in _lengths(config, n)})
     for name in config["models"]:
-        grid = lengths(name, config["max_length"])
+        grid = _lengths(config, name)
         for task in TASKS:
             for reading, kv in _readings(config, results, name):
                 rows.append([name, task, f"{reading} {kv}",
@@ -341,7 +432,25 @@ def summarize(config: dict, results: dict, out: Path) -> Summary:
              "note": f"{config['depths']} depths per cell; within the window every reading is "
                      "'none' with that KV dtype; a dash: not run (past the budget, or no such "
                      "length for the model)"}
-    return Summary(tables=[table], figures=figures, claims=claims(config, results))
+    verdicts = {"title": f"Past the window: recall kept (≥ {KEEP:.0%} of the native) or lost",
+                "columns": ["model", "reading", *(f"{f}×" for f in FACTORS)],
+                "rows": [[name, reading, *(_judged(results, name, reading, f) for f in FACTORS)]
+                         for name in config["models"] for reading in READINGS],
+                "note": "fp32 KV; recall pooled over the tasks measured both there and at the window "
+                        f"(read as trained); {min(FAR_DEPTHS, config['depths'])} depths per cell past "
+                        f"the window; retrieve's prompt holds at most {config['retrieve_tokens']} "
+                        "tokens (or the window)"}
+    return Summary(tables=[table, verdicts], figures=figures, claims=claims(config, results))
+
+
+def _judged(results: dict, name: str, reading: str, factor: int) -> str:
+    pair = _against_native(results, name, reading, factor * native(name))
+    word = verdict(results, name, reading, factor)
+    return word if pair is None else f"{word} ({pair[0]:.0%} against {pair[1]:.0%})"
+
+
+def _lengths(config: dict, name: str) -> list[int]:
+    return lengths(name, config["max_length"], config["min_length"])
 
 
 def _readings(config: dict, results: dict, name: str) -> list[tuple[str, str]]:
@@ -353,7 +462,7 @@ def _readings(config: dict, results: dict, name: str) -> list[tuple[str, str]]:
 
 
 def _draw(fig, config: dict, results: dict, name: str, task: str) -> None:
-    grid, rows = lengths(name, config["max_length"]), depths(config)
+    grid, rows = _lengths(config, name), depths(config)
     readings = _readings(config, results, name) or [("none", "fp32")]
     axes = fig.subplots(1 + (len(readings) > 3), -(-len(readings) // 2) if len(readings) > 3
                         else len(readings), squeeze=False).ravel()
@@ -361,8 +470,9 @@ def _draw(fig, config: dict, results: dict, name: str, task: str) -> None:
         image = np.full((len(rows), len(grid)), np.nan)
         for j, L in enumerate(grid):
             cell = results.get(key(name, task, "none" if L <= native(name) else reading, kv, L))
-            if cell and not cell["skipped"]:
-                image[:, j] = cell["hits"]
+            if cell and not cell["skipped"]:  # past the window, fewer depths: the rest grey
+                at = [int(np.argmin(np.abs(np.asarray(rows) - d))) for d in cell["depths"]]
+                image[at, j] = cell["hits"]
         ax.imshow(image, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
         ax.set_facecolor("#ccc")
         ax.set_xticks(range(len(grid)), [f"{L // 1024}k" if L >= 1024 else str(L) for L in grid],

@@ -18,8 +18,14 @@ Two rankings, and their fusion:
 - The model's own embedding: the final hidden states of a text, mean-pooled over its
   tokens, e(x) = (1/T) Σ_t h_t(x) (d,), and the chunk's score is the cosine
       cos(c, q) = e(c) · e(q) / (‖e(c)‖ ‖e(q)‖).
-- "both": reciprocal-rank fusion, score(c) = 1 / (60 + rank_bm25(c)) + 1 / (60 + rank_emb(c))
-  (ranks from 1): a chunk either ranking puts near the top rises, whatever the scales.
+  Chunks of one length are embedded together, EMBED_BATCH per forward pass. A chunk's
+  embedding depends on its token ids alone, so a caller that asks about the same text again
+  (the same document under other questions) passes a dict that keeps them by their ids.
+- "both": the two orders interleaved, BM25's first, the embedding's first, BM25's second ...
+  (a chunk met again is skipped), so each ranking's best chunks are kept whatever the other
+  makes of them. (Fusing ranks, 1 / (60 + rank_bm25) + 1 / (60 + rank_emb), lets chunks both
+  rank middling pass the one BM25 puts first: a small model's mean-pooled states rank a
+  needle's chunk anywhere, and a prompt of a few chunks then loses it.)
 Chunks are taken best first while their tokens fit the room the window leaves; the prompt is
 then built and checked, and the lowest-ranked chunk dropped until it fits (a kept
 neighbour's overlap is counted twice until then).
@@ -27,6 +33,7 @@ neighbour's overlap is counted twice until then).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,7 +43,7 @@ import torch
 from ..model.transformer import Transformer
 
 RANKINGS = ("bm25", "embedding", "both")
-FUSION_K = 60  # reciprocal-rank fusion's damping: how much the first ranks outweigh the rest
+EMBED_BATCH = 16  # chunks of one length embedded per forward pass
 SEPARATOR = "\n...\n"  # between chunks that were not neighbours (ASCII: any vocabulary writes it)
 
 
@@ -71,51 +78,59 @@ def bm25_scores(chunks: Sequence[str], question: str) -> np.ndarray:
 
 
 @torch.no_grad()
-def embed(model: Transformer, ids: Sequence[int]) -> torch.Tensor:
-    """The mean of the model's final hidden states over the tokens of `ids`: (d,)."""
+def embeddings(model: Transformer, chunks: Sequence[Sequence[int]],
+               cache: dict[tuple[int, ...], torch.Tensor] | None = None) -> torch.Tensor:
+    """The mean of the model's final hidden states over each chunk's tokens, each chunk read
+    alone: (n, d). `cache` (token ids → (d,)) keeps them for the next call with this model."""
+    cache = {} if cache is None else cache
+    missing = sorted({tuple(c) for c in chunks} - cache.keys(), key=len)
     device = model.embed.tokens.weight.device
-    hidden = model.forward_hidden(torch.tensor([list(ids)], device=device))  # (1, T, d)
-    return hidden[0].float().mean(dim=0)
+    for _, same in itertools.groupby(missing, key=len):
+        same = list(same)
+        for i in range(0, len(same), EMBED_BATCH):
+            batch = same[i:i + EMBED_BATCH]
+            hidden = model.forward_hidden(torch.tensor(batch, device=device))  # (b, T, d)
+            cache.update(zip(batch, hidden.float().mean(dim=1).cpu(), strict=True))  # (b, d)
+    return torch.stack([cache[tuple(c)] for c in chunks])  # (n, d)
 
 
-def embedding_scores(model: Transformer, chunks: Sequence[Sequence[int]],
-                     question: Sequence[int]) -> np.ndarray:
+def embedding_scores(model: Transformer, chunks: Sequence[Sequence[int]], question: Sequence[int],
+                     cache: dict[tuple[int, ...], torch.Tensor] | None = None) -> np.ndarray:
     """Cosine (n,) between each chunk's mean-pooled hidden state and the question's."""
-    q = embed(model, question)  # (d,)
-    c = torch.stack([embed(model, chunk) for chunk in chunks])  # (n, d)
-    return torch.nn.functional.cosine_similarity(c, q[None], dim=-1).double().numpy()
+    q = embeddings(model, [question])  # (1, d)
+    c = embeddings(model, chunks, cache)  # (n, d)
+    return torch.nn.functional.cosine_similarity(c, q, dim=-1).double().numpy()
 
 
-def fused(*scores: np.ndarray) -> np.ndarray:
-    """Reciprocal-rank fusion of several score vectors (n,) each (higher is better)."""
-    total = np.zeros(len(scores[0]))
-    for score in scores:
-        rank = np.empty(len(score))
-        rank[np.argsort(-score, kind="stable")] = np.arange(1, len(score) + 1)
-        total += 1.0 / (FUSION_K + rank)
-    return total
+def interleaved(*orders: Sequence[int]) -> list[int]:
+    """The orders' first items, then their second ..., each item once (orders of one set)."""
+    out: dict[int, None] = {}
+    for tier in zip(*orders, strict=True):
+        out.update(dict.fromkeys(tier))
+    return list(out)
 
 
 def rank(model: Transformer, tokenizer, chunks: Sequence[Sequence[int]], question: str,
-         ranking: str) -> list[int]:
-    """Chunk indices, best first, by `ranking` (one of RANKINGS)."""
+         ranking: str, cache: dict[tuple[int, ...], torch.Tensor] | None = None) -> list[int]:
+    """Chunk indices, best first, by `ranking` (one of RANKINGS); `cache`: embeddings'."""
     if ranking not in RANKINGS:
         raise ValueError(f"ranking: choose one of {', '.join(RANKINGS)}, got {ranking!r}")
     scores = []
     if ranking in ("bm25", "both"):
         scores.append(bm25_scores([tokenizer.decode(c) for c in chunks], question))
     if ranking in ("embedding", "both"):
-        scores.append(embedding_scores(model, chunks, tokenizer.encode(question)))
-    score = scores[0] if len(scores) == 1 else fused(*scores)
-    return np.argsort(-score, kind="stable").tolist()
+        scores.append(embedding_scores(model, chunks, tokenizer.encode(question), cache))
+    return interleaved(*(np.argsort(-score, kind="stable").tolist() for score in scores))
 
 
 def retrieve(model: Transformer, tokenizer, document: str, question: str,
              build: Callable[[str], list[int]], limit: int, chunk_tokens: int = 256,
-             ranking: str = "both") -> Retrieved:
+             ranking: str = "both", cache: dict[tuple[int, ...], torch.Tensor] | None = None,
+             ) -> Retrieved:
     """The prompt `build(context)` whose context is the document's best chunks (in document
     order, neighbours overlapping by a quarter) and whose length is at most `limit` tokens.
-    `build` writes the question after the context (and any chat template around both)."""
+    `build` writes the question after the context (and any chat template around both);
+    `cache` keeps the chunks' embeddings across calls with the same model (see embeddings)."""
     if not document.strip():
         raise ValueError("document: empty; retrieval needs text to cut into chunks")
     room = limit - len(build(""))
@@ -127,7 +142,7 @@ def retrieve(model: Transformer, tokenizer, document: str, question: str,
     ids = tokenizer.encode(document)
     cuts = spans(len(ids), chunk_tokens, chunk_tokens // 4)
     chunks = [ids[a:b] for a, b in cuts]
-    order = rank(model, tokenizer, chunks, question, ranking)
+    order = rank(model, tokenizer, chunks, question, ranking, cache)
     kept, used = [], 0
     for i in order:
         if used + len(chunks[i]) <= room:

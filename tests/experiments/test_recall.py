@@ -8,6 +8,7 @@ from glassformer.cli import main
 from glassformer.experiments import recall, run_experiment
 from glassformer.experiments.recall import ANSWER_TOKENS, SMALL, claims, key, native
 from glassformer.experiments.recall_tasks import recalled
+from glassformer.experiments.runner import Context
 from glassformer.generation.generate import GenerationConfig, generate
 
 SMOL = "smollm2-135m-instruct"
@@ -91,7 +92,8 @@ def test_cells_score_their_answers_and_the_report_holds_a_heat_map_per_task(run)
     cells = {k: c for k, c in record["cells"].items() if not k.startswith("train/")}
     assert next(iter(cells)) == key(SMALL, "needle", "none", "fp32", 512)  # shortest first
     measured = [c for c in cells.values() if not c["skipped"]]
-    assert measured and all(len(c["hits"]) == record["settings"]["depths"] for c in measured)
+    assert measured and all(c["depths"] == recall.depths(record["settings"], c["length"] > native(SMALL))
+                            and len(c["hits"]) == len(c["depths"]) for c in measured)
     for c in measured:
         assert c["hits"] == [e in a for a, e in zip(c["answers"], c["expected"], strict=True)]
         window = native(SMALL) - ANSWER_TOKENS if c["reading"] == "retrieve" else c["length"] - ANSWER_TOKENS
@@ -100,6 +102,7 @@ def test_cells_score_their_answers_and_the_report_holds_a_heat_map_per_task(run)
         assert c["peak_mb"] > 0
     page = (out / "report.html").read_text(encoding="utf-8")
     assert len(re.findall(r"src='data:image/png;base64,", page)) == 3  # two heat maps, the memory
+    assert "Past the window: recall kept" in page
     assert {c["claim"].split(":")[0] for c in record["summary"]["claims"]} == {SMALL}
 
 
@@ -149,15 +152,17 @@ def test_every_reading_runs_past_the_window(corpus, tmp_path):
     torch.manual_seed(0)
     model = Transformer(base_model().replace(position="rope", context_length=native(SMALL), n_layers=2,
                                              d_model=64, n_heads=4, vocab_size=tokenizer.vocab_size))
-    loaded = {SMALL: (model.eval(), tokenizer, tokenizer.encode(text))}
-    ctx = Context(tmp_path, {"depths": 3, "budget": 1e9, "models": [SMALL]}, {})
+    embedded = {}
+    loaded = {SMALL: (model.eval(), tokenizer, tokenizer.encode(text), embedded)}
+    ctx = Context(tmp_path, {"depths": 5, "budget": 1e9, "models": [SMALL], "retrieve_tokens": 384}, {})
     length = 2 * native(SMALL)
     for reading in recall.READINGS:
         cell = recall._recall_cell(SMALL, "multikey", reading, "fp32", length, loaded)(ctx)
-        assert not cell["skipped"] and len(cell["hits"]) == 3
-        if reading == "retrieve":  # whole chunks, as many as fit the window
-            room = native(SMALL) - ANSWER_TOKENS
+        assert not cell["skipped"] and cell["depths"] == [0.0, 0.5, 1.0] and len(cell["hits"]) == 3
+        if reading == "retrieve":  # whole chunks, as many as fit retrieve's budget
+            room = 384 - ANSWER_TOKENS
             assert all(room - recall.CHUNK_TOKENS < n <= room for n in cell["prompt_tokens"])
+            assert len(cell["in_prompt"]) == 3 and embedded  # the chunks' embeddings kept for the run
         else:
             assert cell["prompt_tokens"] == [length - ANSWER_TOKENS] * 3
     wide = recall.reader(model, "window", length)
@@ -170,8 +175,79 @@ def test_every_reading_runs_past_the_window(corpus, tmp_path):
     (["cache", "--models", "tiny"], "--models: applies to the recall experiment only"),
     (["recall", "--models", "gpt-9"], "models: choose among"),
     (["recall", "--max-length", "100"], "max_length: at least 256 tokens"),
+    (["recall", "--min-length", "4096", "--max-length", "1024"], "min_length: from 256 tokens up to"),
+    (["recall", "--retrieve-tokens", "200"], "retrieve_tokens: at least 256 (two chunks)"),
+    (["cache", "--retrieve-tokens", "512"], "--retrieve-tokens: applies to the recall experiment only"),
 ])
 def test_user_mistakes_are_one_line(tmp_path, capsys, extra, message):
     assert main(["experiment", *extra, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_past_the_window_three_depths_and_retrieval_first_from_min_length(tmp_path):
+    config = recall.settings(7200, tmp_path, models=(SMOL,), min_length=2 * N)
+    assert recall.depths(config) == [i / 10 for i in range(11)]
+    assert recall.depths(config, past_window=True) == [0.0, 0.5, 1.0]
+    planned = [c.key for c in recall.cells(config)]
+    within = [key(SMOL, t, "none", "fp32", N) for t in recall.TASKS]  # the reference, no other dtype
+    assert planned[:2] == within
+    assert planned[2:8] == [key(SMOL, t, "retrieve", "fp32", f * N) for f in (2, 4, 8) for t in recall.TASKS]
+    rest = planned[8:]
+    assert len(rest) == 3 * 2 * (len(recall.READINGS) - 1) and "/retrieve/" not in "".join(rest)
+    assert [int(k.rsplit("/", 1)[1]) for k in rest] == sorted(int(k.rsplit("/", 1)[1]) for k in rest)
+    assert ["/sink/" in k for k in rest[:12]] == [False] * 10 + [True] * 2  # sink last at each length
+
+
+def _done(reading: str, length: int, seconds: float, depths: int = 3) -> dict:
+    return {"model": SMOL, "task": "needle", "reading": reading, "kv": "fp32", "length": length,
+            "skipped": False, "depths": [0.0] * depths, "cell_seconds": seconds}
+
+
+def test_expected_time_grows_from_the_last_cell_of_its_kind():
+    results = {"a": _done("none", N, 500.0, depths=5), "b": _done("retrieve", 2 * N, 60.0)}
+    planned = {"model": SMOL, "length": 4 * N, "depths": [0.0, 0.5, 1.0]}
+    # a prefill: 100 s per depth at N, grown as 4^1.5; retrieval: 20 s per depth at 2N, grown as 2
+    assert recall._expected(results, planned | {"reading": "linear"}) == pytest.approx(300 * 8)
+    assert recall._expected(results, planned | {"reading": "retrieve"}) == pytest.approx(120)
+    assert recall._expected({"a": results["a"]}, planned | {"reading": "retrieve"}) is None
+    # sink's first cell: a prefill of the window (100 s), then 3N tokens at SINK_STEP tokens' time each
+    assert recall._expected(results, planned | {"reading": "sink"}) == pytest.approx(
+        3 * 100 * (1 + recall.SINK_STEP * 3))
+    results["c"] = _done("sink", 2 * N, 3000.0)  # a reading of its own past the window: its own rate
+    assert recall._expected(results, planned | {"reading": "sink"}) == pytest.approx(3000 * 2**1.5)
+    assert recall._expected(results, planned | {"reading": "none"}) == pytest.approx(300 * 8)
+
+
+def test_a_cheap_retrieve_cell_runs_where_a_prefill_would_overrun_the_budget(tmp_path, monkeypatch):
+    results = {key(SMOL, "needle", "none", "fp32", N): _done("none", N, 500.0),
+               key(SMOL, "needle", "retrieve", "fp32", 2 * N): _done("retrieve", 2 * N, 10.0)}
+    ctx = Context(tmp_path, {"depths": 5, "budget": 1000.0, "models": [SMOL], "retrieve_tokens": 1024},
+                  results)
+    loads = []
+
+    def load(ctx, name, loaded):  # the point where a cell that runs starts its work
+        loads.append(name)
+        raise LookupError(name)
+
+    monkeypatch.setattr(recall, "_model", load)
+    cell = recall._recall_cell(SMOL, "needle", "yarn", "fp32", 2 * N, {})(ctx)
+    assert cell["skipped"] and not loads  # 500 s · 2^1.5 ≫ the 490 s left
+    with pytest.raises(LookupError):  # 10 s · 2 fits: it runs
+        recall._recall_cell(SMOL, "needle", "retrieve", "fp32", 4 * N, {})(ctx)
+    assert loads == [SMOL]
+
+
+def test_each_factor_says_which_readings_keep_recall():
+    results = {key(SMOL, t, "none", "fp32", N): _cell(10) for t in ("needle", "multikey")}
+    results |= {key(SMOL, t, "retrieve", "fp32", 2 * N): _cell(10) for t in ("needle", "multikey")}
+    results |= {key(SMOL, t, "yarn", "fp32", 2 * N): _cell(4) for t in ("needle", "multikey")}
+    results[key(SMOL, "needle", "none", "fp32", 4 * N)] = _cell(2)
+    claims_ = {c["claim"].split(" (held")[0]: c for c in claims(_config(), results)}
+    at = f"{SMOL}: at {{}}× the window ({{}} tokens) a reading keeps recall"
+    two, four, eight = (claims_[at.format(f, f * N)] for f in (2, 4, 8))
+    assert two["held"] is True
+    assert two["evidence"].startswith("kept: retrieve; lost: yarn; not measured: none")
+    assert four["held"] is False and four["evidence"].startswith("lost: none; not measured")
+    assert eight["held"] is None and eight["evidence"] == f"not measured: {', '.join(recall.READINGS)}"
+    assert recall.verdict(results, SMOL, "none", 4) == "lost"  # needle alone: 2/11 against 10/11

@@ -9,9 +9,11 @@ import torch
 from glassformer import ModelConfig, Transformer
 from glassformer.formats.tokenizers import HFTokenizer
 from glassformer.generation.retrieval import (
+    EMBED_BATCH,
     bm25_scores,
     embedding_scores,
-    fused,
+    embeddings,
+    interleaved,
     rank,
     retrieve,
     spans,
@@ -119,10 +121,60 @@ def test_embedding_is_the_cosine_of_mean_pooled_hidden_states(model, tokenizer, 
     assert rank(model, tokenizer, chunks, QUESTION, "embedding")[0] == 30
 
 
-def test_fusion_adds_reciprocal_ranks():
-    a, b = np.array([3.0, 2.0, 1.0]), np.array([1.0, 3.0, 2.0])
-    expected = [1 / 61 + 1 / 63, 1 / 62 + 1 / 61, 1 / 63 + 1 / 62]
-    np.testing.assert_allclose(fused(a, b), expected)
+def test_batched_embeddings_match_each_chunk_read_alone_and_the_cache_skips_the_model(tokenizer, document):
+    """A random model (attention at work): chunks of two lengths, more than one batch of each."""
+    torch.manual_seed(1)
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, context_length=128, d_model=32, n_layers=2,
+                         n_heads=4, position="rope", norm="rmsnorm", activation="silu", gated=True)
+    model = Transformer(config).eval()
+    chunks = cut(document[: 20 * EMBED_BATCH + 7], 20)  # 16 + 1 of 20 tokens, the last of 7
+    chunks.append(chunks[3])  # a repeat is read once
+    with torch.no_grad():
+        alone = torch.stack([model.forward_hidden(torch.tensor([c]))[0].mean(0) for c in chunks])
+    cache = {}
+    torch.testing.assert_close(embeddings(model, chunks, cache), alone, rtol=1e-4, atol=1e-5)
+    assert len(cache) == len(chunks) - 1
+
+    def unused(*args, **kwargs):
+        raise AssertionError("a cached chunk was read again")
+
+    model.forward_hidden = unused
+    torch.testing.assert_close(embeddings(model, chunks[::-1], cache), alone.flip(0), rtol=0, atol=0)
+
+
+def test_the_cache_keeps_the_ranking_across_questions_over_the_same_document(model, tokenizer, document):
+    chunks, cache = cut(document, CHUNK), {}
+    for question in (QUESTION, "Who is the king of Verona?", QUESTION):
+        assert rank(model, tokenizer, chunks, question, "both", cache) == \
+            rank(model, tokenizer, chunks, question, "both")
+    assert len(cache) == len({tuple(c) for c in chunks})
+
+
+def test_interleaving_takes_each_orders_next_item_in_turn():
+    assert interleaved([2, 0, 1, 3], [3, 2, 1, 0]) == [2, 3, 0, 1]
+    assert interleaved([1, 0, 2]) == [1, 0, 2]
+
+
+def test_both_keeps_bm25s_first_chunk_whatever_the_embedding_makes_of_it(model, tokenizer, document,
+                                                                         monkeypatch):
+    from glassformer.generation import retrieval
+
+    question = tokenizer.encode(f"\n\n{QUESTION}")
+
+    def build(context: str) -> list[int]:
+        return tokenizer.encode(context) + question
+
+    def against_bm25(model, chunks, question_ids, cache=None):  # the embedding ranks BM25's best last
+        return -bm25_scores([tokenizer.decode(c) for c in chunks], QUESTION)
+
+    monkeypatch.setattr(retrieval, "embedding_scores", against_bm25)
+    limit = 3 * CHUNK + len(question)
+    got = retrieve(model, tokenizer, tokenizer.decode(document), QUESTION, build, limit, CHUNK, "both")
+    assert 40 in got.chunks and len(got.ids) <= limit and NEEDLE in tokenizer.decode(got.ids)
+    ids = tokenizer.encode(tokenizer.decode(document))
+    chunks = [ids[a:b] for a, b in spans(len(ids), CHUNK, CHUNK // 4)]
+    embedding_first = int(np.argmax(against_bm25(model, chunks, None)))
+    assert got.order[:2] == [40, embedding_first]
 
 
 @pytest.mark.parametrize("ranking", ["bm25", "embedding", "both"])
@@ -139,6 +191,18 @@ def test_prompt_fits_the_window_with_the_needle_and_chunks_in_order(model, token
     assert got.chunks == sorted(got.chunks) and len(got.chunks) >= 5
     assert NEEDLE in tokenizer.decode(got.ids)
     assert got.n_chunks == len(spans(len(tokenizer.encode(text)), CHUNK, CHUNK // 4))
+
+
+def test_a_budget_of_one_chunk_holds_the_best_chunk_alone(model, tokenizer, document):
+    question = tokenizer.encode(f"\n\n{QUESTION}")
+    limit = CHUNK + len(question) + 8  # room for one chunk, not two
+
+    def build(context: str) -> list[int]:
+        return tokenizer.encode(context) + question
+
+    got = retrieve(model, tokenizer, tokenizer.decode(document), QUESTION, build, limit, CHUNK, "bm25")
+    assert got.chunks == [got.order[0]] == [40] and len(got.ids) <= limit
+    assert NEEDLE in tokenizer.decode(got.ids)
 
 
 def test_bad_input_is_one_line_naming_the_field(model, tokenizer):
