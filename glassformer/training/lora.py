@@ -92,12 +92,11 @@ class LoRALinear(nn.Module):
 
     def stacked_B(self) -> torch.Tensor:
         """B̂ (d_out, n_t · r): B_t at its output rows and its r columns of u, zero elsewhere."""
-        blocks, row = [], 0
+        gap, blocks, row = self.base.weight.new_zeros, [], 0
         for t, (start, stop) in self.slices.items():
-            blocks += [self.lora_B[t].new_zeros(start - row, 0), self.lora_B[t]]  # gap, B_t
+            blocks += [gap(start - row, 0), self.lora_B[t]]  # rows no target holds, then B_t
             row = stop
-        blocks.append(self.lora_B[t].new_zeros(self.base.out_features - row, 0))
-        return torch.block_diag(*blocks)
+        return torch.block_diag(*blocks, gap(self.base.out_features - row, 0))
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:
