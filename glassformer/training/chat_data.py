@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..formats.tokenizers import HFTokenizer
+from .head_loss import language_model_loss
 from .masking import IGNORE
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -181,9 +182,4 @@ class ChatSFT:
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
              reduction: str = "mean") -> torch.Tensor:
         x, positions, documents, y = batch
-        logits = model(x, positions=positions, documents=documents)  # (B, T, vocab)
-        total = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(),
-                                                  ignore_index=IGNORE, reduction="sum")
-        if reduction == "sum":
-            return total
-        return total / (y != IGNORE).sum().clamp(min=1)
+        return language_model_loss(model, x, y, reduction, positions=positions, documents=documents)

@@ -59,12 +59,16 @@ class LoRALinear(nn.Module):
 
     with A_t (r, d_in) drawn like nn.Linear's weight and B_t (e_t - s_t, r) zero, so training
     starts from the base model. Only A_t and B_t learn; merged, W[s_t:e_t] += (α / r) B_t A_t.
+    Computed as two products whatever the number of targets: u = x [A_1; A_2; …]ᵀ (every A at
+    once), then y + (α / r) · u B̂ᵀ with B̂ the B_t set block-diagonally at their rows (zero
+    rows between targets), one addmm that writes y's rows once.
     """
 
     def __init__(self, base: nn.Linear, slices: dict[str, tuple[int, int]], config: LoRAConfig):
         super().__init__()
         self.base = base.requires_grad_(False)
-        self.slices, self.scale = dict(slices), config.scale
+        self.slices = dict(sorted(slices.items(), key=lambda item: item[1]))  # by row
+        self.scale = config.scale
         self.dropout = nn.Dropout(config.dropout)
         d_in, weight = base.in_features, base.weight
         self.lora_A = nn.ParameterDict({
@@ -78,11 +82,21 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (..., d_out)
+        if self.dropout.p:  # a mask of its own per target, as in PEFT
+            u = torch.cat([F.linear(self.dropout(x), self.lora_A[t]) for t in self.slices], -1)
+        else:
+            u = F.linear(x, torch.cat([self.lora_A[t] for t in self.slices]))  # (..., n_t · r)
+        rows = torch.addmm(y.flatten(0, -2), u.flatten(0, -2), self.stacked_B().t(),
+                           alpha=self.scale)  # (N, d_out)
+        return rows.view(y.shape)
+
+    def stacked_B(self) -> torch.Tensor:
+        """B̂ (d_out, n_t · r): B_t at its output rows and its r columns of u, zero elsewhere."""
+        gap, blocks, row = self.base.weight.new_zeros, [], 0
         for t, (start, stop) in self.slices.items():
-            h = self.dropout(x)  # a mask of its own per target, as in PEFT
-            update = F.linear(F.linear(h, self.lora_A[t]), self.lora_B[t])  # (..., stop - start)
-            y[..., start:stop] += self.scale * update
-        return y
+            blocks += [gap(start - row, 0), self.lora_B[t]]  # rows no target holds, then B_t
+            row = stop
+        return torch.block_diag(*blocks, gap(self.base.out_features - row, 0))
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ..model.config import ModelConfig
-from .masking import IGNORE, apply_masks, draw_choices, with_mask_token
+from .head_loss import language_model_loss
+from .masking import apply_masks, draw_choices, with_mask_token
 from .span import corrupt, noise_mask, sentinel_ids, span_counts, with_sentinels
 
 Batch = tuple[torch.Tensor, ...]
@@ -48,7 +49,7 @@ class CausalLM:
 
     def loss(self, model: torch.nn.Module, batch: Batch, reduction: str = "mean") -> torch.Tensor:
         x, y = batch
-        return cross_entropy(model(x), y, reduction)  # logits (B, T, vocab)
+        return language_model_loss(model, x, y, reduction)  # the head fused with the loss
 
 
 class SpanCorruption:
@@ -103,11 +104,8 @@ class MaskedLM:
         return apply_masks(x, masks, tokenizer.mask_id, tokenizer.vocab_size)
 
     def loss(self, model: torch.nn.Module, batch: Batch, reduction: str = "mean") -> torch.Tensor:
-        inputs, targets = batch
-        total = cross_entropy(model(inputs), targets, "sum")  # IGNORE targets count for nothing
-        if reduction == "sum":
-            return total
-        return total / (targets != IGNORE).sum().clamp(min=1)  # a batch may choose no position
+        inputs, targets = batch  # IGNORE targets count for nothing; a batch may choose none
+        return language_model_loss(model, inputs, targets, reduction)
 
 
 OBJECTIVES = {"clm": CausalLM(), "span": SpanCorruption(), "mlm": MaskedLM()}
