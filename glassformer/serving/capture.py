@@ -90,6 +90,11 @@ def new_rows(seq: Sequence) -> dict[str, torch.Tensor] | None:
 def _stacked(site: str, rows: dict[int, torch.Tensor], positions) -> torch.Tensor:
     """The rows at `positions` on the site's token axis, with a batch of 1."""
     return torch.stack([rows[p] for p in positions], dim=token_axis(site) - 1)[None]
+# Lens rows read out per call: one pass over the head's weights (the kernels' panel of rows),
+# and a few MB of logits at a time whatever the number of rows (a long prompt's prefill).
+LENS_ROWS = 64
+
+
 class LensRows:
     """The residual rows of the step's requests that read the lens, kept while the blocks run
     (`hooks`: one copy per site of every lens request's rows), then read out together through
@@ -114,19 +119,29 @@ class LensRows:
     def read(self, model: Transformer) -> None:
         """Each lens request's top-k per site of its layers for this step's positions, kept on
         the request. `model` computes each row on its own (the runner's row-invariant view), so
-        a request reads the same numbers whoever else reads the lens in its step."""
+        a request reads the same numbers whoever else reads the lens in its step, and however
+        its rows fall into the calls of LENS_ROWS."""
         if not self.parts:
             return
-        chunks, offset = [], 0
-        for (_, _, n, _), sites in zip(self.parts, self.sites, strict=True):
+        chunks, offset, tops = [], 0, []
+        for (seq, _, n, _), sites in zip(self.parts, self.sites, strict=True):
             chunks += [self.kept[site][offset : offset + n] for site in sites]  # (n, d) each
             offset += n
-        logits = read_out(model, torch.cat(chunks))  # (R, V): R = Σ sites × rows
-        first = 0
-        for (seq, _, n, position), sites in zip(self.parts, self.sites, strict=True):
-            rows = logits[first : first + len(sites) * n].view(len(sites), n, -1)  # (sites, n, V)
-            first += len(sites) * n
-            ids, probs = top_of(rows, min(seq.params.lens, logits.shape[-1]))  # (sites, n, k) each
+            k = min(seq.params.lens, model.config.vocab_size)
+            tops.append((torch.empty(len(sites) * n, k, dtype=torch.long),
+                         torch.empty(len(sites) * n, k)))  # (sites × n, k): ids, probabilities
+        rows = torch.cat(chunks)  # (R, d): R = Σ sites × rows
+        for c0 in range(0, rows.shape[0], LENS_ROWS):
+            logits = read_out(model, rows[c0 : c0 + LENS_ROWS])  # (≤ LENS_ROWS, V)
+            first = 0
+            for ids, probs in tops:  # each request's rows in this call
+                lo, hi = max(first, c0), min(first + ids.shape[0], c0 + logits.shape[0])
+                if lo < hi:
+                    ids[lo - first : hi - first], probs[lo - first : hi - first] = top_of(
+                        logits[lo - c0 : hi - c0], ids.shape[1])
+                first += ids.shape[0]
+        for (seq, _, n, position), sites, (ids, probs) in zip(self.parts, self.sites, tops, strict=True):
+            ids, probs = ids.view(len(sites), n, -1), probs.view(len(sites), n, -1)  # (sites, n, k)
             for i in range(n):  # by position: a request recomputed after preemption overwrites
                 seq.lens[position + i] = (ids[:, i], probs[:, i])  # (sites, k) each
         self.kept.clear()

@@ -9,7 +9,7 @@ import torch
 from glassformer.accel.quantize import quantize_model
 from glassformer.interpret.lens import logit_lens, residual_sites
 from glassformer.interpret.trace import run_with_cache
-from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving import Engine, EngineConfig, RequestParams, capture
 from glassformer.serving.capture import capture_bytes
 
 
@@ -45,6 +45,17 @@ def test_a_request_reads_the_same_lens_whoever_else_reads_it(tiny, prompts, requ
     for other, result in zip(others, shared[::2], strict=True):  # the others read their own k and layers
         assert result.lens[0].shape == (len(other.lens_layers or residual_sites(model.config)),
                                         len(result.prompt_ids) + len(result.generated_ids) - 1, other.lens)
+
+
+def test_the_lens_is_the_same_however_its_rows_fall_into_calls(tiny, prompts, monkeypatch):
+    model = tiny()
+    params = [RequestParams(max_new_tokens=5, eos_ids=(), lens=k) for k in (2, 3, 1)]
+    todo = prompts([9, 5, 13])
+    whole = _lens(model, todo, params)
+    monkeypatch.setattr(capture, "LENS_ROWS", 3)  # calls that split requests and sites
+    split = _lens(model, todo, params)
+    for a, b in zip(whole, split, strict=True):
+        assert torch.equal(a.lens[0], b.lens[0]) and torch.equal(a.lens[1], b.lens[1])
 
 
 def test_chosen_layers_are_those_rows_of_the_all_layer_lens(tiny, prompts):
