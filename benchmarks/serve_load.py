@@ -22,7 +22,9 @@ reported once per server). Ratios:
   inspect  the anchor workload at --compare-clients on three servers of the same mode: off (a
            server started with --max-capture-mb 0: no trace or lens), none (capture on, no
            request asks), half (every other request asks for the trace of blocks.0.attn.out
-           and blocks.0.resid_post and the lens, top 5): none / off and half / off
+           and blocks.0.resid_post and the lens, top 5, of every layer), layers (the same
+           requests with the lens of every 8th layer and the last only): none / off,
+           half / off and layers / off
   adapter  the anchor workload at --compare-clients on a server started with --lora: a rank-16
            adapter on every linear layer (made at start, B random as a trained one's): half
            (every other request names it in `model`) / base (no request names it)
@@ -33,7 +35,7 @@ ratio the median of the rounds' ratios. The CPU line comes first (benchmarks/har
 
     python benchmarks/serve_load.py      # int4: the three workloads, inspect, adapter; 3 rounds
     python benchmarks/serve_load.py --modes none int8 int4 gguf --inspect --adapter
-    python benchmarks/serve_load.py --workloads --inspect off none half --adapter --repeats 5
+    python benchmarks/serve_load.py --workloads --inspect off none half layers --adapter --repeats 5
     python benchmarks/serve_load.py --workloads --inspect --adapter base half --repeats 5
         [--model smollm2-135m-instruct] [--clients 1 4 8 16] [--compare-clients 8]
         [--threads N] [--new-tokens N] [--corpus PATH] [--json]
@@ -68,6 +70,7 @@ ANCHOR = "The meaning of life is"
 NAME, ADAPTER = "bench", "bench-lora"
 SITES = ("blocks.0.attn.out", "blocks.0.resid_post")  # what an inspecting request traces
 INSPECT = {"trace": list(SITES), "lens": {"top_k": 5}}
+LENS_EVERY = 8  # inspect "layers": the lens of every 8th residual and the last
 WORKLOADS = ("anchor", "mixed", "shared")
 ALONE_CLIENTS = 8  # the anchor run compared with the engine alone
 
@@ -82,14 +85,14 @@ class Run:
     workload: str
     clients: int
     server: str = "base"
-    half: str | None = None  # "inspect" or "adapter"
+    half: str | None = None  # "inspect", "inspect-layers" or "adapter"
 
 
 def plan(args: argparse.Namespace, mode: str) -> list[Run]:
     runs = [Run(f"{mode} {w} x{c}", w, c) for w in args.workloads for c in args.clients]
     for c in args.compare_clients:
         runs += [Run(f"{mode} anchor x{c} inspect {v}", "anchor", c, "off" if v == "off" else "base",
-                     "inspect" if v == "half" else None) for v in args.inspect]
+                     {"half": "inspect", "layers": "inspect-layers"}.get(v)) for v in args.inspect]
         runs += [Run(f"{mode} anchor x{c} adapter {v}", "anchor", c, "lora",
                      "adapter" if v == "half" else None) for v in args.adapter]
     return runs
@@ -117,10 +120,16 @@ def requests_for(workload: str, clients: int, ids: list[int], anchor: list[int],
     return [(prompt, min(new, cap or new)) for prompt, new in requests]
 
 
-def body(prompt: list[int], new: int, inspect: bool = False, adapter: bool = False) -> dict:
+def inspecting(n_layers: int) -> dict[str, dict]:
+    """What an inspecting request asks under `glassformer`, by its run's `half`."""
+    layers = sorted({*range(0, n_layers + 1, LENS_EVERY), n_layers})
+    return {"inspect": INSPECT, "inspect-layers": INSPECT | {"lens": {"top_k": 5, "layers": layers}}}
+
+
+def body(prompt: list[int], new: int, inspect: dict | None = None, adapter: bool = False) -> dict:
     return {"model": ADAPTER if adapter else NAME, "prompt": prompt, "max_tokens": new, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
-            "glassformer": {"ignore_eos": True, **(INSPECT if inspect else {})}}
+            "glassformer": {"ignore_eos": True, **(inspect or {})}}
 
 
 async def one(http: httpx.AsyncClient, request: dict) -> dict:
@@ -297,11 +306,11 @@ def start(args: argparse.Namespace, mode: str, runs: list[Run], anchor: list[int
         server.wait_ready()
         record.figure(f"{mode} server {name}: peak resident memory after loading",
                       server.memory_mb()["peak_rss_mb"], "MB")
-        warm = [body(anchor, 8), *([body(anchor, 8, inspect=True)] if name == "base" else []),
+        warm = [body(anchor, 8), *([body(anchor, 8, inspect=INSPECT)] if name == "base" else []),
                 *([body(anchor, 8, adapter=True)] if name == "lora" else [])]
         asyncio.run(drive(server.url, warm, 1))
     if "off" in servers:  # the baseline must refuse what the others serve
-        refused = body(anchor, 1, inspect=True) | {"stream": False, "stream_options": None}
+        refused = body(anchor, 1, inspect=INSPECT) | {"stream": False, "stream_options": None}
         status = httpx.post(f"{servers['off'].url}/v1/completions", json=refused, timeout=60).status_code
         if status != 400:
             raise RuntimeError(f"--max-capture-mb 0 answered an inspecting request with {status}, not 400")
@@ -311,7 +320,7 @@ def start(args: argparse.Namespace, mode: str, runs: list[Run], anchor: list[int
 
 
 def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[int], folder: Path,
-            record: harness.Record) -> list[dict]:
+            record: harness.Record, inspects: dict[str, dict]) -> list[dict]:
     """Every run of one mode, in rounds: its rows; its figures and ratios in `record`."""
     runs = plan(args, mode)
     rounds: dict[str, list[dict]] = {run.label: [] for run in runs}
@@ -322,7 +331,7 @@ def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[in
         for r in range(args.repeats):
             for i, run in enumerate(runs):
                 cut = requests_for(run.workload, run.clients, ids, anchor, 1000 * r + i, args.new_tokens)
-                requests = [body(prompt, new, inspect=run.half == "inspect" and j % 2 == 1,
+                requests = [body(prompt, new, inspect=inspects.get(run.half) if j % 2 == 1 else None,
                                  adapter=run.half == "adapter" and j % 2 == 1)
                             for j, (prompt, new) in enumerate(cut)]
                 server = servers[run.server]
@@ -368,7 +377,7 @@ def report(args: argparse.Namespace, mode: str, runs: list[Run], rounds: dict[st
             ratios[f"{run.label} / x1 tokens/s"] = (run.label, f"{mode} {run.workload} x1")
     for c in args.compare_clients:
         base = f"{mode} anchor x{c}"
-        for over in ("none", "half"):
+        for over in ("none", "half", "layers"):
             ratios[f"{base} inspect {over} / off tokens/s"] = (f"{base} inspect {over}",
                                                                f"{base} inspect off")
         ratios[f"{base} adapter half / base tokens/s"] = (f"{base} adapter half", f"{base} adapter base")
@@ -394,8 +403,8 @@ def main() -> None:
                         help="the load runs' workloads (none: no load runs)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16],
                         help="the load runs' concurrent clients")
-    parser.add_argument("--inspect", nargs="*", default=["off", "none", "half"],
-                        choices=["off", "none", "half"],
+    parser.add_argument("--inspect", nargs="*", default=["off", "none", "half", "layers"],
+                        choices=["off", "none", "half", "layers"],
                         help="the capture and lens configurations compared (none given: no comparison)")
     parser.add_argument("--adapter", nargs="*", default=["base", "half"], choices=["base", "half"],
                         help="the served-adapter configurations compared (none given: no comparison)")
@@ -415,6 +424,7 @@ def main() -> None:
     language_model = load(args.model, progress=False)  # its tokenizer cuts the prompts
     encode = language_model.tokenizer.encode
     ids, anchor = encode(args.corpus.read_text(encoding="utf-8")[:400_000]), encode(ANCHOR)
+    inspects = inspecting(language_model.config.n_layers)
     rows = []
     with tempfile.TemporaryDirectory(prefix="glassformer-serve-load-") as folder:
         if args.adapter:
@@ -423,7 +433,7 @@ def main() -> None:
         del language_model
         try:
             for mode in args.modes:
-                rows += measure(args, mode, ids, anchor, Path(folder), record)
+                rows += measure(args, mode, ids, anchor, Path(folder), record, inspects)
         except RuntimeError as error:
             sys.exit(f"serve_load: {error}")
     record.write()

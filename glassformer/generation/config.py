@@ -71,6 +71,7 @@ class RequestParams:
     steer: tuple[Steer, ...] = ()  # the engine: vectors added at sites, this request's rows only
     ablate: tuple[str, ...] = ()  # the engine: heads zeroed for this request ("blocks.3.attn.head.2")
     lens: int | None = None  # the engine: the logit lens's top-k per residual and position
+    lens_layers: tuple[int, ...] | None = None  # the engine: the lens's layers (i: after i blocks); None: all
 
     def __post_init__(self) -> None:
         _integer("max_new_tokens", self.max_new_tokens, 1)
@@ -109,6 +110,12 @@ class RequestParams:
             raise ValueError(f"ablate: a tuple of head names (blocks.3.attn.head.2), got {self.ablate!r}")
         if self.lens is not None:
             _integer("lens", self.lens, 1)
+        if self.lens_layers is not None:
+            if self.lens is None or not isinstance(self.lens_layers, tuple) or not self.lens_layers:
+                raise ValueError("lens_layers: a non-empty tuple of layers, with lens; "
+                                 f"got {self.lens_layers!r}")
+            for layer in self.lens_layers:
+                _integer("lens_layers", layer, 0)
         for name in ("steer", "ablate", "lens"):
             if getattr(self, name) not in ((), None) and self.beams > 1:
                 raise ValueError(f"{name}: not with beams (each beam computes other rows)")
@@ -124,7 +131,7 @@ class RequestParams:
             raise ValueError(f"{unknown[0]}: unknown setting; use {sorted(own | sampling)}")
         if isinstance(fields.get("stop"), str):
             fields["stop"] = (fields["stop"],)
-        for name in ("stop", "eos_ids", "ablate"):
+        for name in ("stop", "eos_ids", "ablate", "lens_layers"):
             if isinstance(fields.get(name), list):
                 fields[name] = tuple(fields[name])
         fields.setdefault("temperature", 0.0)
@@ -167,7 +174,7 @@ class GenerationConfig(RequestParams):
                              "to the model (training.lora.apply_adapter)")
         if self.capture:
             raise ValueError("capture: the serving engine's; generate's sites are glassformer.trace's")
-        for name in ("steer", "ablate", "lens"):
+        for name in ("steer", "ablate", "lens", "lens_layers"):
             if getattr(self, name) not in ((), None):
                 raise ValueError(f"{name}: the serving engine's; generate steers with "
                                  "glassformer.interpret.steer.steered (the whole batch)")
@@ -189,7 +196,7 @@ class GenerationResult:
     # prompt + generated[:-1] along the site's token axis (glassformer.trace's layout, batch 1)
     captured: dict[str, torch.Tensor] | None = None
     # the engine's lens (RequestParams.lens): token ids and probabilities, each (sites, T, k),
-    # sites as interpret.lens.residual_sites, positions as `captured`'s
+    # sites as interpret.lens.lens_sites (RequestParams.lens_layers), positions as `captured`'s
     lens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property

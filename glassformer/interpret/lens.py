@@ -45,6 +45,21 @@ def residual_sites(config: ModelConfig) -> list[str]:
     return ["embed.out"] + [f"{prefix}blocks.{i}.resid_post" for i in range(config.n_layers)]
 
 
+def lens_sites(config: ModelConfig, layers: tuple[int, ...] | None = None) -> list[str]:
+    """The residual sites of `layers` in their order (layer i: the residual after i blocks, 0
+    the embedding's output), or all of residual_sites; ValueError naming `lens_layers` for a
+    layer the model lacks or one named twice."""
+    sites = residual_sites(config)
+    if layers is None:
+        return sites
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(sites):
+            raise ValueError(f"lens_layers: layers are 0 (the embedding) to {len(sites) - 1}, got {layer!r}")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"lens_layers: each layer once, got {list(layers)}")
+    return [sites[layer] for layer in layers]
+
+
 def read_out(model: Transformer | EncoderDecoder, resid: torch.Tensor) -> torch.Tensor:
     """Logits (…, vocab) of a residual stream (…, d) through the model's final norm and head."""
     stack = model.decoder if isinstance(model, EncoderDecoder) else model
@@ -130,6 +145,12 @@ def _read(model, residuals: list[torch.Tensor], tuned: TunedLens | None) -> Iter
         yield read_out(model, resid).float()
 
 
+def top_of(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most probable tokens of lens logits (…, vocab): ids and probabilities (…, k)."""
+    top = logits.float().softmax(dim=-1).topk(k)
+    return top.indices, top.values
+
+
 def lens_logits(model: Transformer | EncoderDecoder, residuals: list[torch.Tensor],
                 tuned: TunedLens | None = None) -> list[torch.Tensor]:
     """Float32 logits (B, T, vocab) read out of each residual (one per residual_sites site)."""
@@ -143,9 +164,9 @@ def top_tokens(model: Transformer | EncoderDecoder, residuals: list[torch.Tensor
         raise ValueError(f"top_k: must be a positive integer, got {top_k!r}")
     k = min(top_k, model.config.vocab_size)
     with torch.no_grad():
-        tops = [logits.softmax(dim=-1).topk(k) for logits in _read(model, residuals, tuned)]
-    return Lens(tuple(residual_sites(model.config)), torch.stack([t.indices for t in tops]),
-                torch.stack([t.values for t in tops]))
+        tops = [top_of(logits, k) for logits in _read(model, residuals, tuned)]
+    return Lens(tuple(residual_sites(model.config)), torch.stack([ids for ids, _ in tops]),
+                torch.stack([probs for _, probs in tops]))
 
 
 def _residuals(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -8,17 +8,19 @@ hooks (a hook that returns None changes nothing), and a step where no request as
 none. The sites with a token axis are captured (glassformer.trace lists them with their
 dimensions); the attention weights, the final norm and the logits are not.
 
-The lens (`RequestParams.lens`, top-k) keeps a request's residual rows (interpret/lens.py's
-residual_sites) for the length of one step and reads them out after the blocks through
-interpret/lens.py's top_tokens: each layer's top-k tokens and probabilities per position,
-computed from the residuals the step produced for that request.
+The lens (`RequestParams.lens`, top-k, over `lens_layers` or every residual: interpret/lens.py's
+lens_sites) keeps the lens requests' residual rows for the length of one step, one copy per site,
+and reads them out after the blocks in one call of the final norm and head over every request's
+rows of every site it asked (the head's weights read once per tile of rows, not once per request
+and site): each layer's top-k tokens and probabilities per position, computed from the
+residuals the step produced for that request.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..interpret.lens import residual_sites, top_tokens
+from ..interpret.lens import lens_sites, read_out, top_of
 from ..interpret.trace import EMBED_SITES, LAYER_SITES, site_dims, site_names
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
@@ -44,6 +46,11 @@ def check_capture(config: ModelConfig, sites: tuple[str, ...]) -> None:
                              "(attention weights, the final norm and the logits are not kept)")
 
 
+def check_lens(config: ModelConfig, layers: tuple[int, ...] | None) -> None:
+    """Raises ValueError naming `lens_layers` for a layer this model lacks or one named twice."""
+    lens_sites(config, layers)
+
+
 def capture_hooks(parts: list[tuple[Sequence, int, int, int]]) -> dict[str, HookFn]:
     """Hooks that store, for each (request, first row, rows, first position) of the step that
     asked for sites, those rows of every site it named."""
@@ -53,8 +60,9 @@ def capture_hooks(parts: list[tuple[Sequence, int, int, int]]) -> dict[str, Hook
         axis = token_axis(site)
         for seq, start, n, position in parts:
             if site in seq.captured:
-                for i in range(n):
-                    seq.captured[site][position + i] = tensor.select(axis, start + i)[0].clone()
+                rows = tensor.narrow(axis, start, n)[0].clone()  # one copy of the request's rows
+                for i, row in enumerate(rows.unbind(axis - 1)):
+                    seq.captured[site][position + i] = row
         return None
 
     return dict.fromkeys(sites, keep)
@@ -82,43 +90,74 @@ def new_rows(seq: Sequence) -> dict[str, torch.Tensor] | None:
 def _stacked(site: str, rows: dict[int, torch.Tensor], positions) -> torch.Tensor:
     """The rows at `positions` on the site's token axis, with a batch of 1."""
     return torch.stack([rows[p] for p in positions], dim=token_axis(site) - 1)[None]
+# Lens rows read out per call: one pass over the head's weights (the kernels' panel of rows),
+# and a few MB of logits at a time whatever the number of rows (a long prompt's prefill).
+LENS_ROWS = 64
+
+
 class LensRows:
     """The residual rows of the step's requests that read the lens, kept while the blocks run
-    (`hooks`), then read out through the model's final norm and head (`read`)."""
+    (`hooks`: one copy per site of every lens request's rows), then read out together through
+    the final norm and head in one call over every request and site (`read`)."""
 
     def __init__(self, config: ModelConfig, parts: list[tuple[Sequence, int, int, int]]) -> None:
         self.parts = [part for part in parts if part[0].params.lens is not None]
-        self.sites = residual_sites(config)
-        self.rows: dict[tuple[int, str], torch.Tensor] = {}  # (id(request), site) -> (1, n, d)
+        self.sites = [lens_sites(config, seq.params.lens_layers) for seq, *_ in self.parts]
+        rows = [torch.arange(start, start + n) for _, start, n, _ in self.parts]
+        self.index = torch.cat(rows) if rows else None  # (M,) the lens requests' rows in the step
+        self.kept: dict[str, torch.Tensor] = {}  # site -> (M, d)
 
     def hooks(self) -> dict[str, HookFn]:
         if not self.parts:
             return {}
 
         def keep(tensor: torch.Tensor, site: str) -> None:
-            for seq, start, n, _ in self.parts:
-                self.rows[id(seq), site] = tensor[:, start : start + n].clone()  # (1, n, d)
+            self.kept[site] = tensor[0].index_select(0, self.index.to(tensor.device))  # (M, d)
 
-        return dict.fromkeys(self.sites, keep)
+        return dict.fromkeys(set().union(*self.sites), keep)
 
     def read(self, model: Transformer) -> None:
-        """Each lens request's top-k per site for this step's positions, kept on the request."""
-        for seq, _, n, position in self.parts:
-            lens = top_tokens(model, [self.rows[id(seq), site] for site in self.sites], seq.params.lens)
+        """Each lens request's top-k per site of its layers for this step's positions, kept on
+        the request. `model` computes each row on its own (the runner's row-invariant view), so
+        a request reads the same numbers whoever else reads the lens in its step, and however
+        its rows fall into the calls of LENS_ROWS."""
+        if not self.parts:
+            return
+        chunks, offset, tops = [], 0, []
+        for (seq, _, n, _), sites in zip(self.parts, self.sites, strict=True):
+            chunks += [self.kept[site][offset : offset + n] for site in sites]  # (n, d) each
+            offset += n
+            k = min(seq.params.lens, model.config.vocab_size)
+            tops.append((torch.empty(len(sites) * n, k, dtype=torch.long),
+                         torch.empty(len(sites) * n, k)))  # (sites × n, k): ids, probabilities
+        rows = torch.cat(chunks)  # (R, d): R = Σ sites × rows
+        for c0 in range(0, rows.shape[0], LENS_ROWS):
+            logits = read_out(model, rows[c0 : c0 + LENS_ROWS])  # (≤ LENS_ROWS, V)
+            first = 0
+            for ids, probs in tops:  # each request's rows in this call
+                lo, hi = max(first, c0), min(first + ids.shape[0], c0 + logits.shape[0])
+                if lo < hi:
+                    ids[lo - first : hi - first], probs[lo - first : hi - first] = top_of(
+                        logits[lo - c0 : hi - c0], ids.shape[1])
+                first += ids.shape[0]
+        for (seq, _, n, position), sites, (ids, probs) in zip(self.parts, self.sites, tops, strict=True):
+            ids, probs = ids.view(len(sites), n, -1), probs.view(len(sites), n, -1)  # (sites, n, k)
             for i in range(n):  # by position: a request recomputed after preemption overwrites
-                seq.lens[position + i] = (lens.ids[:, 0, i], lens.probs[:, 0, i])  # (sites, k) each
-        self.rows.clear()
+                seq.lens[position + i] = (ids[:, i], probs[:, i])  # (sites, k) each
+        self.kept.clear()
 
 
 def lens_of(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The request's lens in position order: token ids and probabilities, (sites, T, k) each."""
+    """The request's lens in position order: token ids and probabilities, (sites, T, k) each,
+    sites as lens_sites(config, params.lens_layers)."""
     if seq.params.lens is None:
         return None
     rows = [seq.lens[p] for p in sorted(seq.lens)]
     return torch.stack([ids for ids, _ in rows], dim=1), torch.stack([probs for _, probs in rows], dim=1)
 
 
-def capture_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None, tokens: int) -> int:
+def capture_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None, tokens: int,
+                  lens_layers: tuple[int, ...] | None = None) -> int:
     """An upper bound on what a request's capture and lens hold over `tokens` positions, as
     float32 (token ids as int64): every site's tensor at full length."""
     sizes = {"batch": 1, "pos": tokens, "query": tokens, "key": tokens, "head": config.n_heads,
@@ -131,5 +170,6 @@ def capture_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None,
             elements *= sizes[dim]
         total += 4 * elements
     if lens is not None:
-        total += (4 + 8) * len(residual_sites(config)) * tokens * min(lens, config.vocab_size)
+        n_sites = config.n_layers + 1 if lens_layers is None else len(lens_layers)
+        total += (4 + 8) * n_sites * tokens * min(lens, config.vocab_size)
     return total

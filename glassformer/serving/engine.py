@@ -34,7 +34,7 @@ from ..model.transformer import Transformer
 from .adapters import Adapters
 from .beam import BeamGroup
 from .block_manager import BlockManager
-from .capture import captured, check_capture, lens_of, new_rows
+from .capture import captured, check_capture, check_lens, lens_of, new_rows
 from .handle import Event, RequestHandle, TokenLogprobs
 from .interventions import check_edits
 from .kv_pool import KVPool, bytes_per_block
@@ -145,6 +145,7 @@ class Engine:
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be integers in 0..{mc.vocab_size - 1}")
         check_capture(mc, params.capture)
+        check_lens(mc, params.lens_layers)
         check_edits(mc, params)
         if params.logprobs is not None and params.logprobs > mc.vocab_size:
             raise ValueError(f"logprobs: at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")

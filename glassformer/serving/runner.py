@@ -176,7 +176,7 @@ class ModelRunner:
             x = self.layers.embed(ids_t, pos_t)  # (1, N, d)
             for block in self.layers.blocks:
                 x = block(x, None, rope, view)
-        lens.read(self.model)
+        lens.read(self.layers)  # the row-invariant view: each lens row as if alone
         return {key: x[0, row] for key, row in ends.items()}
 
     def _slots(self, seq: Sequence, context: int) -> torch.Tensor:

@@ -35,6 +35,9 @@ class SteerField(Strict):
 
 class LensField(Strict):
     top_k: Annotated[StrictInt, Field(ge=1, le=20)] = 5
+    # the residuals read (i: after i blocks, 0 the embedding's output); None: every one
+    layers: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
+                      Field(min_length=1, max_length=1024)] | None = None
 
 
 class Glassformer(Strict):
@@ -108,6 +111,8 @@ class SamplingFields(Strict):
             capture=tuple(site for site in self.glassformer.trace if token_axis(site) is not None),
             ablate=tuple(self.glassformer.ablate),
             lens=None if self.glassformer.lens is None else self.glassformer.lens.top_k,
+            lens_layers=None if self.glassformer.lens is None or self.glassformer.lens.layers is None
+            else tuple(self.glassformer.lens.layers),
         )
 
     @property

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from ...accel.threads import ThreadPolicy
 from ...generation.config import GenerationResult
-from ...interpret.lens import Lens, residual_sites
+from ...interpret.lens import Lens, lens_sites
 from ...interpret.lens_page import lens_data
 from ...interpret.steer import SteeringVector
 from ...language_model import LanguageModel
@@ -181,8 +181,9 @@ class Server:
         """400 for a request whose trace sites and lens would hold more than max_capture_mb
         (at 0, any trace or lens)."""
         asked = fields.glassformer
-        lens = None if asked.lens is None else asked.lens.top_k
-        size = capture_bytes(self.language_model.config, tuple(asked.trace), lens, tokens)
+        lens, layers = (None, None) if asked.lens is None else (asked.lens.top_k, asked.lens.layers)
+        size = capture_bytes(self.language_model.config, tuple(asked.trace), lens, tokens,
+                             None if layers is None else tuple(layers))
         most = self.config.max_capture_mb
         if size and not most:
             raise APIError(400, "glassformer: this server keeps no trace or lens (--max-capture-mb 0)",
@@ -285,7 +286,8 @@ class Server:
             lens the engine read in its steps."""
             if handle.result is None:
                 return {}
-            lens = {} if handle.result.lens is None else {"lens": self.lens_json(handle.result)}
+            lens = {} if handle.result.lens is None else {
+                "lens": self.lens_json(handle.result, body.glassformer.lens.layers)}
             if not sites:
                 return {"glassformer": lens} if lens else {}
             kept = {site: t for site, t in (handle.result.captured or {}).items() if site in sites}
@@ -332,12 +334,13 @@ class Server:
                                  headers={"Cache-Control": "no-cache"})
 
 
-    def lens_json(self, result: GenerationResult) -> dict:
+    def lens_json(self, result: GenerationResult, layers: list[int] | None) -> dict:
         """The request's lens as `glassformer lens --json` prints one: per residual stream and
         position (the tokens the model read), the top-k tokens and their probabilities."""
         ids, probs = result.lens  # (sites, T, k) each
         read = result.prompt_ids + result.generated_ids[:-1]
-        lens = Lens(tuple(residual_sites(self.language_model.config)), ids[:, None], probs[:, None])
+        sites = lens_sites(self.language_model.config, None if layers is None else tuple(layers))
+        lens = Lens(tuple(sites), ids[:, None], probs[:, None])
         decode = self.language_model.tokenizer.decode
         return lens_data(lens, read, lambda i: decode([i]), tuned=False)
 
