@@ -15,14 +15,16 @@
 // of kRows as in matvec.cpp (for_row_groups), and a group's blocks, while in the L1 cache,
 // meet every activation row in tiles of rows, each block load and unpacking shared by the
 // tile. A call thus reads the weights from memory once whatever the number of rows.
-//   AVX-512 VNNI: blocks go in chunks of 16, one per 32-bit lane. A chunk of a weight row is
-//     loaded and regrouped once per tile (kWideTileRows = 8 rows, then one tile of the rest)
-//     so that lane j holds block j's bytes 4t..4t+3 in the t-th register; the activations are
-//     laid out alike when quantized. Each row of the tile then takes 8 vpdpbusd (exact integer
-//     sums), one conversion and one scale multiply and FMA (q4: one more for the minimum) per
-//     chunk of 16 blocks, not per block. A tail of up to one 64-byte load (4 q4 or 2 q8 blocks)
-//     is taken as loaded, 4 or 8 lanes per block.
-//   AVX2: kTileRows rows a tile, the group's scales widened to float once, maddubs/madd per
+//   AVX-512 VNNI: blocks go in chunks of 16, one per 32-bit lane, and the weight rows are
+//     stored in chunk order (weight_formats.to_chunk_order, done once when a layer is built):
+//     the t-th 64 bytes of a chunk hold bytes 4t..4t+3 of each of its 16 blocks, so that one
+//     plain load puts block j's in lane j; the activations are laid out alike when quantized.
+//     A chunk of a weight row is loaded once per tile (kWideTileRows = 16 rows, then tiles of
+//     8, 4, 2, 1). Each row of the tile then takes 8 vpdpbusd (exact integer sums), one
+//     conversion and one scale multiply and FMA (q4: one more for the minimum) per chunk of
+//     16 blocks, not per block. A tail of up to one 64-byte load (4 q4 or 2 q8 blocks) stays
+//     in block order and is taken as loaded, 4 or 8 lanes per block.
+//   AVX2: weight rows in block order (GGUF's), kTileRows rows a tile, the group's scales widened to float once, maddubs/madd per
 //     block (q4: per pair of blocks).
 // Each row's float operations are the same in any tile and at any place in it (the integer
 // sums are exact whatever their order), so its result is bitwise the same whatever the
@@ -190,66 +192,17 @@ inline __mmask64 first_bytes(int64_t n) {
   return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << std::max<int64_t>(n, 0)) - 1;
 }
 
-// Weight row w's chunk of `len` <= 16 blocks from block b0 in the activations' chunk layout:
-// out[t] has dword t of block j (bytes 4t..4t+3) in 32-bit lane j, zeros past `len`. The
-// loads hold 4 (q4: 16 bytes a block) or 2 (q8: 32) whole blocks; permutes regroup them.
+// Weight row w's chunk of `len` <= 16 blocks from block b0, stored in chunk order (bytes
+// [t][j][4]: dword t of the chunk's block j at 4 (t len + j)), as registers: out[t] holds
+// dword t of block j in 32-bit lane j, zeros past `len`. Plain loads, one per dword index.
 template <bool Q4>
 inline void chunk_dwords(const uint8_t* w, int64_t b0, int len, __m512i (&out)[Q4 ? 4 : 8]) {
-  constexpr int kBytes = Q4 ? 16 : 32, kLoads = Q4 ? 4 : 8;
-  __m512i v[kLoads];
-  for (int i = 0; i < kLoads; ++i) {
-    const uint8_t* p = w + b0 * kBytes + i * 64;
-    prefetch(p);
-    v[i] = len == kChunk ? _mm512_loadu_si512(p)
-                         : _mm512_maskz_loadu_epi8(first_bytes(len * kBytes - i * 64), p);
-  }
-  if constexpr (Q4) {
-    // v[i]: blocks 4i + (lane / 4), dword lane % 4. q[k][u]: dwords 2u, 2u + 1 of the blocks
-    // 8k + lane % 8 (lanes 0-7, 8-15); then halves of q[0][u] and q[1][u] make out[2u + h].
-    __m512i q[2][2];
-    for (int k = 0; k < 2; ++k)
-      for (int u = 0; u < 2; ++u) {
-        alignas(64) int32_t idx[16];
-        for (int l = 0; l < 16; ++l) {
-          const int bb = l % 8, tt = l / 8;
-          idx[l] = 16 * (bb / 4) + 4 * (bb % 4) + 2 * u + tt;
-        }
-        q[k][u] = _mm512_permutex2var_epi32(v[2 * k], _mm512_load_si512(idx), v[2 * k + 1]);
-      }
-    for (int u = 0; u < 2; ++u) {
-      out[2 * u] = _mm512_shuffle_i64x2(q[0][u], q[1][u], 0x44);
-      out[2 * u + 1] = _mm512_shuffle_i64x2(q[0][u], q[1][u], 0xEE);
-    }
-  } else {
-    // v[i]: blocks 2i + (lane / 8), dword lane % 8. a[g][h]: dwords 4h..4h+3 of blocks
-    // 4g..4g+3 (lane 4 tt + bb); b[k][h][u]: dwords 4h + 2u + tt of blocks 8k + bb (lane
-    // 8 tt + bb); halves of b[0][h][u] and b[1][h][u] make out[4h + 2u + tt].
-    __m512i a[4][2], b[2][2][2];
-    for (int g = 0; g < 4; ++g)
-      for (int h = 0; h < 2; ++h) {
-        alignas(64) int32_t idx[16];
-        for (int l = 0; l < 16; ++l) {
-          const int bb = l % 4, tt = l / 4;
-          idx[l] = 16 * (bb / 2) + 8 * (bb % 2) + 4 * h + tt;
-        }
-        a[g][h] = _mm512_permutex2var_epi32(v[2 * g], _mm512_load_si512(idx), v[2 * g + 1]);
-      }
-    for (int k = 0; k < 2; ++k)
-      for (int h = 0; h < 2; ++h)
-        for (int u = 0; u < 2; ++u) {
-          alignas(64) int32_t idx[16];
-          for (int l = 0; l < 16; ++l) {
-            const int bb = l % 8, tt = l / 8;
-            idx[l] = 16 * (bb / 4) + 4 * (2 * u + tt) + bb % 4;
-          }
-          b[k][h][u] = _mm512_permutex2var_epi32(a[2 * k][h], _mm512_load_si512(idx),
-                                                 a[2 * k + 1][h]);
-        }
-    for (int h = 0; h < 2; ++h)
-      for (int u = 0; u < 2; ++u) {
-        out[4 * h + 2 * u] = _mm512_shuffle_i64x2(b[0][h][u], b[1][h][u], 0x44);
-        out[4 * h + 2 * u + 1] = _mm512_shuffle_i64x2(b[0][h][u], b[1][h][u], 0xEE);
-      }
+  constexpr int kDwords = Q4 ? 4 : 8;
+  const uint8_t* p = w + b0 * 4 * kDwords;
+  for (int t = 0; t < kDwords; ++t) {
+    prefetch(p + t * 64);
+    out[t] = len == kChunk ? _mm512_loadu_si512(p + t * 64)
+                           : _mm512_maskz_loadu_epi8(first_bytes(4 * len), p + t * 4 * len);
   }
 }
 
@@ -260,18 +213,18 @@ inline __m512 load_halves16(const uint16_t* p, int len) {
 
 // y[m, r ld] = sum_b dw[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
 // mw[r, b] sx[m, b]) for R weight rows ld rows apart and MB activation rows from m0, in
-// chunks of 16 blocks: lane j of a row pair's accumulator takes block j of each chunk. The
-// chunk's weights are regrouped once for the tile (chunk_dwords); each row pair then needs
-// 8 vpdpbusd for the chunk's exact integer products (q4: nibbles times x; q8: w + 128 times
-// x, started from -128 sum(x)), one conversion, one multiply of the scales and one or two FMAs.
-// A short tail (tail_blocks) is one weight load as it is, its blocks 4 (q4) or 8 (q8) lanes
-// each: 2 or 1 vpdpbusd. Integer sums are exact and each row's float operations are the same
-// in any tile, so a row's result does not depend on MB or its place in the tile.
+// chunks of 16 blocks: lane j of a row pair's accumulator takes block j of each chunk. A
+// weight row's chunk is loaded once for the tile (q4: its nibbles split once); each row pair
+// then needs 8 vpdpbusd for the chunk's exact integer products (q4: nibbles times x; q8:
+// w + 128 times x, started from -128 sum(x)), one conversion, one multiply of the scales
+// and one or two FMAs. A short tail (tail_blocks) is one weight load as it is, its blocks 4
+// (q4) or 8 (q8) lanes each: 2 or 1 vpdpbusd. Integer sums are exact and each row's float
+// operations are the same in any tile, so a row's result does not depend on MB or its place.
 template <bool Q4, int R, int MB>
 inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
                       int64_t ld, const Activations& a, int64_t m0, float* y, int64_t ldy,
                       const float* bias) {
-  constexpr int kChains = MB >= 8 ? 1 : 2;  // independent vpdpbusd sums per row
+  constexpr int kChains = MB * R >= 4 ? 1 : 2;  // independent vpdpbusd sums per row pair
   const int64_t row_bytes = nb * (Q4 ? 16 : 32);
   const int64_t tail = tail_blocks(nb, Q4), body = nb - tail;
   __m512 acc[MB][R];
@@ -298,22 +251,18 @@ inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
         chunk_dwords<false>(w + r * ld * row_bytes, b0, len, wv);
         for (int t = 0; t < 8; ++t) wv[t] = _mm512_xor_si512(wv[t], shift);
       }
-      // the rows' sums interleaved, each in kChains parts: short dependency chains
-      __m512i dot[MB][kChains];
-      for (int m = 0; m < MB; ++m)
-        for (int h = 0; h < kChains; ++h)
-          dot[m][h] = Q4 || h ? _mm512_setzero_si512() : _mm512_loadu_si512(cx + m * kChunk);
-      for (int t = 0; t < 8 / kChains; ++t)
-        for (int m = 0; m < MB; ++m)
-          for (int h = 0; h < kChains; ++h) {
-            const int u = h * (8 / kChains) + t;
-            dot[m][h] = _mm512_dpbusd_epi32(dot[m][h], wv[u],
-                                            _mm512_loadu_si512(xq + m * 512 + u * 64));
-          }
       const __m512 wd = load_halves16(dw + r * ld * nb + b0, len);
       const __m512 wm = Q4 ? load_halves16(mw + r * ld * nb + b0, len) : wd;
       for (int m = 0; m < MB; ++m) {
-        const __m512i sum = kChains == 1 ? dot[m][0] : _mm512_add_epi32(dot[m][0], dot[m][kChains - 1]);
+        __m512i dot[kChains];  // kChains parts: short dependency chains where rows are few
+        for (int h = 0; h < kChains; ++h)
+          dot[h] = Q4 || h ? _mm512_setzero_si512() : _mm512_loadu_si512(cx + m * kChunk);
+        for (int t = 0; t < 8 / kChains; ++t)
+          for (int h = 0; h < kChains; ++h) {
+            const int u = h * (8 / kChains) + t;
+            dot[h] = _mm512_dpbusd_epi32(dot[h], wv[u], _mm512_loadu_si512(xq + m * 512 + u * 64));
+          }
+        const __m512i sum = kChains == 1 ? dot[0] : _mm512_add_epi32(dot[0], dot[kChains - 1]);
         const __m512 scale = _mm512_mul_ps(wd, _mm512_loadu_ps(dx + m * kChunk));
         acc[m][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[m][r]);
         if constexpr (Q4)
@@ -360,30 +309,49 @@ inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
       y[m * ldy + r * ld] = _mm512_reduce_add_ps(acc[m][r]) + (bias ? bias[r * ld] : 0.0f);
 }
 
-// Activation rows per tile of the AVX-512 kernels: a weight chunk's regrouping is shared by
-// more rows than the float kernels' kTileRows (the rows' sums live in memory, not registers).
-constexpr int kWideTileRows = 8;
+// Activation rows per tile of the AVX-512 kernels: 16 rows' accumulators beside a weight
+// chunk's 8 registers fill the 32 vector registers. Tiles of 8 or more rows take the weight
+// rows one at a time (their accumulators would not fit beside R rows'); smaller tiles all R
+// rows at once (more independent sums in flight).
+constexpr int kWideTileRows = 16;
 
-// The M activation rows from m0 against R weight rows ld rows apart (y: output row m0), in
-// tiles of kWideTileRows rows and one tile of the rest.
-template <bool Q4, int R, int MB = kWideTileRows>
-inline void rows_rest(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
-                      int64_t ld, const Activations& a, int64_t m0, int64_t M, float* y,
-                      int64_t N, const float* bias) {
-  if constexpr (MB > 0) {
-    if (M == MB) return tile_wide<Q4, R, MB>(w, dw, mw, nb, ld, a, m0, y, N, bias);
-    rows_rest<Q4, R, MB - 1>(w, dw, mw, nb, ld, a, m0, M, y, N, bias);
+// One tile of MB rows from m0 against the R weight rows.
+template <bool Q4, int R, int MB>
+inline void tile_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                      int64_t ld, const Activations& a, int64_t m0, float* y, int64_t N,
+                      const float* bias) {
+  if constexpr (MB < 8) {
+    tile_wide<Q4, R, MB>(w, dw, mw, nb, ld, a, m0, y, N, bias);
+  } else {
+    const int64_t row_bytes = nb * (Q4 ? 16 : 32);
+    for (int r = 0; r < R; ++r)
+      tile_wide<Q4, 1, MB>(w + r * ld * row_bytes, dw + r * ld * nb, Q4 ? mw + r * ld * nb : mw,
+                           nb, ld, a, m0, y + r * ld, N, bias ? bias + r * ld : nullptr);
   }
 }
 
+// The M activation rows from m0 against R weight rows ld rows apart (y: output row m0): tiles
+// of kWideTileRows rows, then the rest in tiles of 8, 4, 2 and 1 (its binary digits).
 template <bool Q4, int R>
 inline void rows_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
                        int64_t ld, const Activations& a, int64_t m0, int64_t M, float* y,
                        int64_t N, const float* bias) {
   int64_t m = 0;
   for (; m + kWideTileRows <= M; m += kWideTileRows)
-    tile_wide<Q4, R, kWideTileRows>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
-  rows_rest<Q4, R>(w, dw, mw, nb, ld, a, m0 + m, M - m, y + m * N, N, bias);
+    tile_rows<Q4, R, kWideTileRows>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
+  if (M - m >= 8) {
+    tile_rows<Q4, R, 8>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
+    m += 8;
+  }
+  if (M - m >= 4) {
+    tile_rows<Q4, R, 4>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
+    m += 4;
+  }
+  if (M - m >= 2) {
+    tile_rows<Q4, R, 2>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
+    m += 2;
+  }
+  if (M - m >= 1) tile_rows<Q4, R, 1>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
 }
 #else
 // Sum over 8 int32 lanes of the 32 products of signed int8 w and x, as float.
@@ -629,6 +597,8 @@ void dequantize_row(const uint8_t* q, const uint16_t* d, const uint16_t* m, int6
 }  // namespace
 
 // ------------------------------------------------------------------------ entry points
+
+bool chunk_order() { return kWide; }
 
 torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qs,
                         const torch::Tensor& d, const c10::optional<torch::Tensor>& bias) {
