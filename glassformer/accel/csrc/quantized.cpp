@@ -211,6 +211,42 @@ inline __m512 load_halves16(const uint16_t* p, int len) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << len) - 1), p));
 }
 
+// The sum of v's 16 lanes in a fixed order: lanes i and i + 8, then i and i + 4 of those,
+// i and i + 2, then the last two (the order of _mm512_reduce_add_ps, written out so that
+// lane_sums below repeats it exactly).
+inline float lane_sum(__m512 v) {
+  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // lanes 0, 1: c0 + c2, c1 + c3
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+// out[i] = lane_sum(v[i]) for the n <= 16 vectors v, bit for bit, the 16 sums computed side
+// by side (15 adds instead of 4 per vector): each level adds the same lanes as lane_sum,
+// moving the rows' partial sums together.
+inline void lane_sums(const __m512* v, int n, float (&out)[16]) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 b[8];  // rows 2k, 2k + 1: lanes i + (i + 8), in the lower and upper 8 lanes
+  for (int k = 0; k < 8; ++k) {
+    const __m512 p = 2 * k < n ? v[2 * k] : zero, q = 2 * k + 1 < n ? v[2 * k + 1] : zero;
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x44), _mm512_shuffle_f32x4(p, q, 0xEE));
+  }
+  __m512 c[4];  // rows 4k..4k + 3, one per 128-bit block: lanes i + (i + 4)
+  for (int k = 0; k < 4; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+  __m512 d[2];  // block j: lanes i + (i + 2) of row j of c[2k], then of c[2k + 1]
+  for (int k = 0; k < 2; ++k)
+    d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(64) float t[16];  // lane 4 j + k: row 4 k + j
+  _mm512_store_ps(t, s);
+  for (int i = 0; i < 16; ++i) out[i] = t[4 * (i % 4) + i / 4];
+}
+
 // y[m, r ld] = sum_b dw[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
 // mw[r, b] sx[m, b]) for R weight rows ld rows apart and MB activation rows from m0, in
 // chunks of 16 blocks: lane j of a row pair's accumulator takes block j of each chunk. A
@@ -304,9 +340,17 @@ inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
       }
     }
   }
+  alignas(64) float sums[16];  // lane_sum(acc[m][r]) at m R + r
+  if constexpr (MB * R >= 8) {
+    static_assert(MB * R <= 16, "one lane_sums call per tile");
+    lane_sums(&acc[0][0], MB * R, sums);
+  } else {
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) sums[m * R + r] = lane_sum(acc[m][r]);
+  }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r)
-      y[m * ldy + r * ld] = _mm512_reduce_add_ps(acc[m][r]) + (bias ? bias[r * ld] : 0.0f);
+      y[m * ldy + r * ld] = sums[m * R + r] + (bias ? bias[r * ld] : 0.0f);
 }
 
 // Activation rows per tile of the AVX-512 kernels: 16 rows' accumulators beside a weight
