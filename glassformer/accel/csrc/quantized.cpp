@@ -51,9 +51,10 @@ inline float half(const uint16_t* p) { return _cvtsh_ss(*p); }
 // ------------------------------------------------------------ activation quantization (Q8)
 
 // Quantizes each row of x (M, K) in blocks of 32: q = round(x * 127 / amax), d = amax / 127,
-// s = d * sum(q) (used by the q4 minimum term). The tail past K is zero.
+// s = d * sum(q) (used by the q4 minimum term) and, where `sums` is given, sum(q) itself. The
+// tail past K is zero.
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8_t* q, float* d,
-                          float* s) {
+                          float* s, int32_t* sums = nullptr) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(at::get_num_threads())
@@ -93,6 +94,7 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (m * nb + b) * 32), p);
       d[m * nb + b] = dm;
       s[m * nb + b] = dm * static_cast<float>(_mm_cvtsi128_si32(s4));
+      if (sums) sums[m * nb + b] = _mm_cvtsi128_si32(s4);
     }
   }
 }
@@ -140,18 +142,27 @@ const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64
   thread_local Activations a;
   if constexpr (kWide) {
     thread_local Activations rows;  // the row layout, relaid in chunks below
+    thread_local std::vector<int32_t> sums;
     rows.q.resize(M * nb * 32);
     rows.d.resize(M * nb);
     rows.s.resize(M * nb);
+    sums.resize(M * nb);
     quantize_activations(x.data_ptr<float>(), M, K, nb, rows.q.data(), rows.d.data(),
-                         rows.s.data());
+                         rows.s.data(), sums.data());
     const int64_t stride = (nb + kChunk - 1) / kChunk * kChunk;  // blocks per padded row
     a.rows = M;
-    a.q.assign(M * stride * 32, 0);
-    a.d.assign(M * stride, 0.0f);
-    a.s.assign(M * stride, 0.0f);
-    a.c.assign(M * stride, 0);
+    a.q.resize(M * stride * 32);
+    a.d.resize(M * stride);
+    a.s.resize(M * stride);
+    a.c.resize(M * stride);
+    // only the last chunk has lanes that no block fills: zeros there
+    const int64_t last = (stride - kChunk) * M;  // its first lane
+    std::fill(a.q.begin() + last * 32, a.q.end(), 0);
+    std::fill(a.d.begin() + last, a.d.end(), 0.0f);
+    std::fill(a.s.begin() + last, a.s.end(), 0.0f);
+    std::fill(a.c.begin() + last, a.c.end(), 0);
     const int64_t tail = tail_blocks(nb, paired), lanes = paired ? 4 : 8;  // lanes per block
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(at::get_num_threads())
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < nb; ++b) {
         const int8_t* src = rows.q.data() + (m * nb + b) * 32;
@@ -159,17 +170,15 @@ const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64
         int8_t* chunk = a.q.data() + first * 32;
         const int64_t j = b % kChunk;
         const bool in_tail = b >= nb - tail;
-        int32_t sum = 0;
         for (int t = 0; t < 8; ++t) {
           const int64_t lane = in_tail ? j * lanes + t % lanes : j;
           const int64_t part = in_tail ? t / lanes : t;  // the 64-byte part
           std::memcpy(chunk + part * 64 + lane * 4, src + 4 * t, 4);
-          for (int i = 0; i < 4; ++i) sum += src[4 * t + i];
         }
         const int64_t at = first + (in_tail ? j * lanes : j);
         for (int64_t l = 0; l < (in_tail ? lanes : 1); ++l) a.d[at + l] = rows.d[m * nb + b];
         a.s[at] = rows.s[m * nb + b];
-        a.c[at] = -128 * sum;
+        a.c[at] = -128 * sums[m * nb + b];
       }
     return a;
   }
