@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from glassformer.accel import kernels
 from glassformer.accel import weight_formats as quant
+from glassformer.accel.chunk_order import to_chunk_order
 
 SHAPES = ((576, 1536), (960, 576), (49152, 576))  # (out, in): down, qkv (K = 18 blocks), LM head
 
@@ -36,11 +37,16 @@ def load_build(path: Path):
 
 
 def products(ext, fmt: str, weight: torch.Tensor):
-    """x -> x @ weightᵀ through `ext`'s kernel for `fmt`."""
+    """x -> x @ weightᵀ through `ext`'s kernel for `fmt`, the weight in the order it reads
+    (a build from before chunk order has no `chunk_order` and reads block order)."""
     if fmt == "int8":
         qweight, scales = quant.quantize_int8(weight)
+    else:
+        qweight, scales, mins = quant.quantize_int4(weight)
+    if getattr(ext, "chunk_order", lambda: False)():
+        qweight = to_chunk_order(qweight, scales.shape[1])
+    if fmt == "int8":
         return lambda x: ext.linear_q8(x, qweight, scales, None)
-    qweight, scales, mins = quant.quantize_int4(weight)
     return lambda x: ext.linear_q4(x, qweight, scales, mins, None)
 
 

@@ -5,7 +5,8 @@ GGUF stores a quantized (N, K) matrix as N rows of K / 32 blocks (what `gguf` re
   Q8_0  fp16 d, 32 × int8 q                 w = d · q
   Q4_0  fp16 d, 16 bytes of nibbles         w = d · (q - 8)   ->  int4 with m = -8 d
   Q4_1  fp16 d, fp16 m, 16 bytes            w = d · q + m
-The nibble order is already the kernels' (element j low, element j + 16 high). The scales
+The nibble order is already block order's (element j low, element j + 16 high; a
+QuantizedLinear moves the bytes into chunk order where its kernels read that). The scales
 are copied bit for bit, so the dequantized weights equal `gguf.quants.dequantize` exactly.
 """
 

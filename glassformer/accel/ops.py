@@ -17,6 +17,8 @@ tiles of rows, each row's sums in one fixed order). So an int8 / int4 row's resu
 depends on what shares its call; a float row's does not up to `ROW_TILE` rows, or at any
 number with `any_rows`.
 `backend` is "auto" (C++ when built, else PyTorch), "cpp" or "torch".
+int8 / int4 `qweight` is in block order, or in chunk order with `chunked` (chunk_order.py);
+each path puts it in the order it reads, which costs a copy where they differ.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from . import weight_formats as quant
+from .chunk_order import from_chunk_order, to_chunk_order
 from .kernels import ROW_TILE
 
 BACKENDS = ("auto", "cpp", "torch")
@@ -51,14 +54,25 @@ def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: to
     return (dots * (dx.unsqueeze(1) * dw.unsqueeze(0))).sum(-1)  # (M, N)
 
 
+def _block_order(qweight: torch.Tensor, scales: torch.Tensor, chunked: bool) -> torch.Tensor:
+    return from_chunk_order(qweight, scales.shape[1]) if chunked else qweight
+
+
+def _kernel_order(qweight: torch.Tensor, scales: torch.Tensor, chunked: bool) -> torch.Tensor:
+    if chunked == kernels.chunk_order():
+        return qweight
+    return to_chunk_order(qweight, scales.shape[1]) if not chunked else _block_order(qweight, scales, True)
+
+
 def _straight_through(x: torch.Tensor) -> bool:
     """Inputs that need a gradient (rounding has none) multiply the dequantized weight with
     unquantized activations."""
     return x.requires_grad and torch.is_grad_enabled()
 
 
-def dequantize(qweight, scales, mins, in_features, backend="auto"):
+def dequantize(qweight, scales, mins, in_features, backend="auto", chunked=False):
     """The (N, K) float32 weight of int8 (mins None) or int4 blocks, in C++ where it runs."""
+    qweight = _block_order(qweight, scales, chunked)
     if backend != "torch" and qweight.device.type == "cpu" and kernels.available():
         return kernels.dequantize(qweight, scales, mins, in_features)
     if mins is None:
@@ -80,10 +94,11 @@ def linear_bf16(x, weight, bias=None, backend="auto", any_rows=False):
     return F.linear(x, weight.float(), bias)
 
 
-def linear_int8(x, qweight, scales, bias=None, backend="auto"):
+def linear_int8(x, qweight, scales, bias=None, backend="auto", chunked=False):
     """qweight (N, nb·32) int8, scales (N, nb) fp16 (see quant.quantize_int8)."""
     if _kernels(x, backend, any_rows=True):
-        return kernels.linear_q8(x, qweight, scales, bias)
+        return kernels.linear_q8(x, _kernel_order(qweight, scales, chunked), scales, bias)
+    qweight = _block_order(qweight, scales, chunked)
     if _straight_through(x):
         return F.linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
@@ -92,10 +107,11 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto"):
     return y if bias is None else y + bias
 
 
-def linear_int4(x, qweight, scales, mins, bias=None, backend="auto"):
+def linear_int4(x, qweight, scales, mins, bias=None, backend="auto", chunked=False):
     """qweight (N, nb·16) uint8 nibbles, scales and mins (N, nb) fp16 (quant.quantize_int4)."""
     if _kernels(x, backend, any_rows=True):
-        return kernels.linear_q4(x, qweight, scales, mins, bias)
+        return kernels.linear_q4(x, _kernel_order(qweight, scales, chunked), scales, mins, bias)
+    qweight = _block_order(qweight, scales, chunked)
     if _straight_through(x):
         return F.linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)

@@ -10,18 +10,18 @@ math (weight_formats.py), so every row equals the dequantized table's row bit fo
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from . import weight_formats as quant
+from .chunk_order import ChunkOrdered, from_chunk_order
 from .quantized_linear import QuantizedLinear
 from .weight_formats import WeightFormat
 
 _BLOCK_TENSORS = {WeightFormat.INT8: ("qweight", "scales"), WeightFormat.INT4: ("qweight", "scales", "mins")}
 
 
-class QuantizedEmbedding(nn.Module):
+class QuantizedEmbedding(ChunkOrdered):
     """E_token[ids] for a (V, d) table stored as the int8 / int4 buffers of a QuantizedLinear
-    with V outputs and d inputs (shared with it, not copied)."""
+    with V outputs and d inputs (shared with it, not copied, in the order it holds them)."""
 
     def __init__(self, table: QuantizedLinear) -> None:
         super().__init__()
@@ -29,6 +29,7 @@ class QuantizedEmbedding(nn.Module):
             raise ValueError(f"mode: a quantized embedding takes int8 or int4 blocks, not {table.mode}")
         self.mode = table.mode
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.chunked = table.chunked
         for name in _BLOCK_TENSORS[self.mode]:
             self.register_buffer(name, getattr(table, name))
 
@@ -46,6 +47,8 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)  # (M,)
         rows = [getattr(self, name)[flat] for name in _BLOCK_TENSORS[self.mode]]
+        if self.chunked:
+            rows[0] = from_chunk_order(rows[0], self.scales.shape[1])
         if self.mode == WeightFormat.INT8:
             x = quant.dequantize_int8(*rows, self.embedding_dim)  # (M, d)
         else:

@@ -120,3 +120,16 @@ def test_every_tile_shape_computes_each_row_as_the_lone_row(fmt, k):
         for m in range(2, x.shape[0] + 1):
             torch.testing.assert_close(layer(x[:m]), alone[:m], rtol=0, atol=0,
                                        msg=f"{fmt}, K = {k}: rows of a batch of {m}")
+
+
+@pytest.mark.parametrize("fmt", ("int8", "int4", "Q4_1"))
+def test_a_long_prefill_computes_each_row_as_the_lone_row(fmt):
+    """300 rows (several panels of 64, tiles of 16 and a rest of 8 + 4) on a shape with a
+    whole chunk and a short tail (K = 576), against each row computed alone, bit for bit."""
+    gen = torch.Generator().manual_seed(300)
+    layer = _layer(fmt, torch.randn(24, 576, generator=gen), torch.randn(24, generator=gen))
+    x = torch.randn(300, 576, generator=gen)  # (M, K)
+    with torch.no_grad():
+        alone = torch.cat([layer(row[None]) for row in x])  # (M, N)
+        torch.testing.assert_close(layer(x), alone, rtol=0, atol=0)
+        torch.testing.assert_close(layer(x[:77]), alone[:77], rtol=0, atol=0)

@@ -15,14 +15,16 @@
 // of kRows as in matvec.cpp (for_row_groups), and a group's blocks, while in the L1 cache,
 // meet every activation row in tiles of rows, each block load and unpacking shared by the
 // tile. A call thus reads the weights from memory once whatever the number of rows.
-//   AVX-512 VNNI: blocks go in chunks of 16, one per 32-bit lane. A chunk of a weight row is
-//     loaded and regrouped once per tile (kWideTileRows = 8 rows, then one tile of the rest)
-//     so that lane j holds block j's bytes 4t..4t+3 in the t-th register; the activations are
-//     laid out alike when quantized. Each row of the tile then takes 8 vpdpbusd (exact integer
-//     sums), one conversion and one scale multiply and FMA (q4: one more for the minimum) per
-//     chunk of 16 blocks, not per block. A tail of up to one 64-byte load (4 q4 or 2 q8 blocks)
-//     is taken as loaded, 4 or 8 lanes per block.
-//   AVX2: kTileRows rows a tile, the group's scales widened to float once, maddubs/madd per
+//   AVX-512 VNNI: blocks go in chunks of 16, one per 32-bit lane, and the weight rows are
+//     stored in chunk order (weight_formats.to_chunk_order, done once when a layer is built):
+//     the t-th 64 bytes of a chunk hold bytes 4t..4t+3 of each of its 16 blocks, so that one
+//     plain load puts block j's in lane j; the activations are laid out alike when quantized.
+//     A chunk of a weight row is loaded once per tile (kWideTileRows = 16 rows, then tiles of
+//     8, 4, 2, 1). Each row of the tile then takes 8 vpdpbusd (exact integer sums), one
+//     conversion and one scale multiply and FMA (q4: one more for the minimum) per chunk of
+//     16 blocks, not per block. A tail of up to one 64-byte load (4 q4 or 2 q8 blocks) stays
+//     in block order and is taken as loaded, 4 or 8 lanes per block.
+//   AVX2: weight rows in block order (GGUF's), kTileRows rows a tile, the group's scales widened to float once, maddubs/madd per
 //     block (q4: per pair of blocks).
 // Each row's float operations are the same in any tile and at any place in it (the integer
 // sums are exact whatever their order), so its result is bitwise the same whatever the
@@ -49,9 +51,10 @@ inline float half(const uint16_t* p) { return _cvtsh_ss(*p); }
 // ------------------------------------------------------------ activation quantization (Q8)
 
 // Quantizes each row of x (M, K) in blocks of 32: q = round(x * 127 / amax), d = amax / 127,
-// s = d * sum(q) (used by the q4 minimum term). The tail past K is zero.
+// s = d * sum(q) (used by the q4 minimum term) and, where `sums` is given, sum(q) itself. The
+// tail past K is zero.
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8_t* q, float* d,
-                          float* s) {
+                          float* s, int32_t* sums = nullptr) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(at::get_num_threads())
@@ -91,6 +94,7 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (m * nb + b) * 32), p);
       d[m * nb + b] = dm;
       s[m * nb + b] = dm * static_cast<float>(_mm_cvtsi128_si32(s4));
+      if (sums) sums[m * nb + b] = _mm_cvtsi128_si32(s4);
     }
   }
 }
@@ -138,18 +142,27 @@ const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64
   thread_local Activations a;
   if constexpr (kWide) {
     thread_local Activations rows;  // the row layout, relaid in chunks below
+    thread_local std::vector<int32_t> sums;
     rows.q.resize(M * nb * 32);
     rows.d.resize(M * nb);
     rows.s.resize(M * nb);
+    sums.resize(M * nb);
     quantize_activations(x.data_ptr<float>(), M, K, nb, rows.q.data(), rows.d.data(),
-                         rows.s.data());
+                         rows.s.data(), sums.data());
     const int64_t stride = (nb + kChunk - 1) / kChunk * kChunk;  // blocks per padded row
     a.rows = M;
-    a.q.assign(M * stride * 32, 0);
-    a.d.assign(M * stride, 0.0f);
-    a.s.assign(M * stride, 0.0f);
-    a.c.assign(M * stride, 0);
+    a.q.resize(M * stride * 32);
+    a.d.resize(M * stride);
+    a.s.resize(M * stride);
+    a.c.resize(M * stride);
+    // only the last chunk has lanes that no block fills: zeros there
+    const int64_t last = (stride - kChunk) * M;  // its first lane
+    std::fill(a.q.begin() + last * 32, a.q.end(), 0);
+    std::fill(a.d.begin() + last, a.d.end(), 0.0f);
+    std::fill(a.s.begin() + last, a.s.end(), 0.0f);
+    std::fill(a.c.begin() + last, a.c.end(), 0);
     const int64_t tail = tail_blocks(nb, paired), lanes = paired ? 4 : 8;  // lanes per block
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(at::get_num_threads())
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < nb; ++b) {
         const int8_t* src = rows.q.data() + (m * nb + b) * 32;
@@ -157,17 +170,15 @@ const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64
         int8_t* chunk = a.q.data() + first * 32;
         const int64_t j = b % kChunk;
         const bool in_tail = b >= nb - tail;
-        int32_t sum = 0;
         for (int t = 0; t < 8; ++t) {
           const int64_t lane = in_tail ? j * lanes + t % lanes : j;
           const int64_t part = in_tail ? t / lanes : t;  // the 64-byte part
           std::memcpy(chunk + part * 64 + lane * 4, src + 4 * t, 4);
-          for (int i = 0; i < 4; ++i) sum += src[4 * t + i];
         }
         const int64_t at = first + (in_tail ? j * lanes : j);
         for (int64_t l = 0; l < (in_tail ? lanes : 1); ++l) a.d[at + l] = rows.d[m * nb + b];
         a.s[at] = rows.s[m * nb + b];
-        a.c[at] = -128 * sum;
+        a.c[at] = -128 * sums[m * nb + b];
       }
     return a;
   }
@@ -190,66 +201,17 @@ inline __mmask64 first_bytes(int64_t n) {
   return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << std::max<int64_t>(n, 0)) - 1;
 }
 
-// Weight row w's chunk of `len` <= 16 blocks from block b0 in the activations' chunk layout:
-// out[t] has dword t of block j (bytes 4t..4t+3) in 32-bit lane j, zeros past `len`. The
-// loads hold 4 (q4: 16 bytes a block) or 2 (q8: 32) whole blocks; permutes regroup them.
+// Weight row w's chunk of `len` <= 16 blocks from block b0, stored in chunk order (bytes
+// [t][j][4]: dword t of the chunk's block j at 4 (t len + j)), as registers: out[t] holds
+// dword t of block j in 32-bit lane j, zeros past `len`. Plain loads, one per dword index.
 template <bool Q4>
 inline void chunk_dwords(const uint8_t* w, int64_t b0, int len, __m512i (&out)[Q4 ? 4 : 8]) {
-  constexpr int kBytes = Q4 ? 16 : 32, kLoads = Q4 ? 4 : 8;
-  __m512i v[kLoads];
-  for (int i = 0; i < kLoads; ++i) {
-    const uint8_t* p = w + b0 * kBytes + i * 64;
-    prefetch(p);
-    v[i] = len == kChunk ? _mm512_loadu_si512(p)
-                         : _mm512_maskz_loadu_epi8(first_bytes(len * kBytes - i * 64), p);
-  }
-  if constexpr (Q4) {
-    // v[i]: blocks 4i + (lane / 4), dword lane % 4. q[k][u]: dwords 2u, 2u + 1 of the blocks
-    // 8k + lane % 8 (lanes 0-7, 8-15); then halves of q[0][u] and q[1][u] make out[2u + h].
-    __m512i q[2][2];
-    for (int k = 0; k < 2; ++k)
-      for (int u = 0; u < 2; ++u) {
-        alignas(64) int32_t idx[16];
-        for (int l = 0; l < 16; ++l) {
-          const int bb = l % 8, tt = l / 8;
-          idx[l] = 16 * (bb / 4) + 4 * (bb % 4) + 2 * u + tt;
-        }
-        q[k][u] = _mm512_permutex2var_epi32(v[2 * k], _mm512_load_si512(idx), v[2 * k + 1]);
-      }
-    for (int u = 0; u < 2; ++u) {
-      out[2 * u] = _mm512_shuffle_i64x2(q[0][u], q[1][u], 0x44);
-      out[2 * u + 1] = _mm512_shuffle_i64x2(q[0][u], q[1][u], 0xEE);
-    }
-  } else {
-    // v[i]: blocks 2i + (lane / 8), dword lane % 8. a[g][h]: dwords 4h..4h+3 of blocks
-    // 4g..4g+3 (lane 4 tt + bb); b[k][h][u]: dwords 4h + 2u + tt of blocks 8k + bb (lane
-    // 8 tt + bb); halves of b[0][h][u] and b[1][h][u] make out[4h + 2u + tt].
-    __m512i a[4][2], b[2][2][2];
-    for (int g = 0; g < 4; ++g)
-      for (int h = 0; h < 2; ++h) {
-        alignas(64) int32_t idx[16];
-        for (int l = 0; l < 16; ++l) {
-          const int bb = l % 4, tt = l / 4;
-          idx[l] = 16 * (bb / 2) + 8 * (bb % 2) + 4 * h + tt;
-        }
-        a[g][h] = _mm512_permutex2var_epi32(v[2 * g], _mm512_load_si512(idx), v[2 * g + 1]);
-      }
-    for (int k = 0; k < 2; ++k)
-      for (int h = 0; h < 2; ++h)
-        for (int u = 0; u < 2; ++u) {
-          alignas(64) int32_t idx[16];
-          for (int l = 0; l < 16; ++l) {
-            const int bb = l % 8, tt = l / 8;
-            idx[l] = 16 * (bb / 4) + 4 * (2 * u + tt) + bb % 4;
-          }
-          b[k][h][u] = _mm512_permutex2var_epi32(a[2 * k][h], _mm512_load_si512(idx),
-                                                 a[2 * k + 1][h]);
-        }
-    for (int h = 0; h < 2; ++h)
-      for (int u = 0; u < 2; ++u) {
-        out[4 * h + 2 * u] = _mm512_shuffle_i64x2(b[0][h][u], b[1][h][u], 0x44);
-        out[4 * h + 2 * u + 1] = _mm512_shuffle_i64x2(b[0][h][u], b[1][h][u], 0xEE);
-      }
+  constexpr int kDwords = Q4 ? 4 : 8;
+  const uint8_t* p = w + b0 * 4 * kDwords;
+  for (int t = 0; t < kDwords; ++t) {
+    prefetch(p + t * 64);
+    out[t] = len == kChunk ? _mm512_loadu_si512(p + t * 64)
+                           : _mm512_maskz_loadu_epi8(first_bytes(4 * len), p + t * 4 * len);
   }
 }
 
@@ -258,20 +220,56 @@ inline __m512 load_halves16(const uint16_t* p, int len) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << len) - 1), p));
 }
 
+// The sum of v's 16 lanes in a fixed order: lanes i and i + 8, then i and i + 4 of those,
+// i and i + 2, then the last two (the order of _mm512_reduce_add_ps, written out so that
+// lane_sums below repeats it exactly).
+inline float lane_sum(__m512 v) {
+  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));  // lanes 0, 1: c0 + c2, c1 + c3
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+// out[i] = lane_sum(v[i]) for the n <= 16 vectors v, bit for bit, the 16 sums computed side
+// by side (15 adds instead of 4 per vector): each level adds the same lanes as lane_sum,
+// moving the rows' partial sums together.
+inline void lane_sums(const __m512* v, int n, float (&out)[16]) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 b[8];  // rows 2k, 2k + 1: lanes i + (i + 8), in the lower and upper 8 lanes
+  for (int k = 0; k < 8; ++k) {
+    const __m512 p = 2 * k < n ? v[2 * k] : zero, q = 2 * k + 1 < n ? v[2 * k + 1] : zero;
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x44), _mm512_shuffle_f32x4(p, q, 0xEE));
+  }
+  __m512 c[4];  // rows 4k..4k + 3, one per 128-bit block: lanes i + (i + 4)
+  for (int k = 0; k < 4; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xDD));
+  __m512 d[2];  // block j: lanes i + (i + 2) of row j of c[2k], then of c[2k + 1]
+  for (int k = 0; k < 2; ++k)
+    d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(64) float t[16];  // lane 4 j + k: row 4 k + j
+  _mm512_store_ps(t, s);
+  for (int i = 0; i < 16; ++i) out[i] = t[4 * (i % 4) + i / 4];
+}
+
 // y[m, r ld] = sum_b dw[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
 // mw[r, b] sx[m, b]) for R weight rows ld rows apart and MB activation rows from m0, in
-// chunks of 16 blocks: lane j of a row pair's accumulator takes block j of each chunk. The
-// chunk's weights are regrouped once for the tile (chunk_dwords); each row pair then needs
-// 8 vpdpbusd for the chunk's exact integer products (q4: nibbles times x; q8: w + 128 times
-// x, started from -128 sum(x)), one conversion, one multiply of the scales and one or two FMAs.
-// A short tail (tail_blocks) is one weight load as it is, its blocks 4 (q4) or 8 (q8) lanes
-// each: 2 or 1 vpdpbusd. Integer sums are exact and each row's float operations are the same
-// in any tile, so a row's result does not depend on MB or its place in the tile.
+// chunks of 16 blocks: lane j of a row pair's accumulator takes block j of each chunk. A
+// weight row's chunk is loaded once for the tile (q4: its nibbles split once); each row pair
+// then needs 8 vpdpbusd for the chunk's exact integer products (q4: nibbles times x; q8:
+// w + 128 times x, started from -128 sum(x)), one conversion, one multiply of the scales
+// and one or two FMAs. A short tail (tail_blocks) is one weight load as it is, its blocks 4
+// (q4) or 8 (q8) lanes each: 2 or 1 vpdpbusd. Integer sums are exact and each row's float
+// operations are the same in any tile, so a row's result does not depend on MB or its place.
 template <bool Q4, int R, int MB>
 inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
                       int64_t ld, const Activations& a, int64_t m0, float* y, int64_t ldy,
                       const float* bias) {
-  constexpr int kChains = MB >= 8 ? 1 : 2;  // independent vpdpbusd sums per row
+  constexpr int kChains = MB * R >= 4 ? 1 : 2;  // independent vpdpbusd sums per row pair
   const int64_t row_bytes = nb * (Q4 ? 16 : 32);
   const int64_t tail = tail_blocks(nb, Q4), body = nb - tail;
   __m512 acc[MB][R];
@@ -298,22 +296,18 @@ inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
         chunk_dwords<false>(w + r * ld * row_bytes, b0, len, wv);
         for (int t = 0; t < 8; ++t) wv[t] = _mm512_xor_si512(wv[t], shift);
       }
-      // the rows' sums interleaved, each in kChains parts: short dependency chains
-      __m512i dot[MB][kChains];
-      for (int m = 0; m < MB; ++m)
-        for (int h = 0; h < kChains; ++h)
-          dot[m][h] = Q4 || h ? _mm512_setzero_si512() : _mm512_loadu_si512(cx + m * kChunk);
-      for (int t = 0; t < 8 / kChains; ++t)
-        for (int m = 0; m < MB; ++m)
-          for (int h = 0; h < kChains; ++h) {
-            const int u = h * (8 / kChains) + t;
-            dot[m][h] = _mm512_dpbusd_epi32(dot[m][h], wv[u],
-                                            _mm512_loadu_si512(xq + m * 512 + u * 64));
-          }
       const __m512 wd = load_halves16(dw + r * ld * nb + b0, len);
       const __m512 wm = Q4 ? load_halves16(mw + r * ld * nb + b0, len) : wd;
       for (int m = 0; m < MB; ++m) {
-        const __m512i sum = kChains == 1 ? dot[m][0] : _mm512_add_epi32(dot[m][0], dot[m][kChains - 1]);
+        __m512i dot[kChains];  // kChains parts: short dependency chains where rows are few
+        for (int h = 0; h < kChains; ++h)
+          dot[h] = Q4 || h ? _mm512_setzero_si512() : _mm512_loadu_si512(cx + m * kChunk);
+        for (int t = 0; t < 8 / kChains; ++t)
+          for (int h = 0; h < kChains; ++h) {
+            const int u = h * (8 / kChains) + t;
+            dot[h] = _mm512_dpbusd_epi32(dot[h], wv[u], _mm512_loadu_si512(xq + m * 512 + u * 64));
+          }
+        const __m512i sum = kChains == 1 ? dot[0] : _mm512_add_epi32(dot[0], dot[kChains - 1]);
         const __m512 scale = _mm512_mul_ps(wd, _mm512_loadu_ps(dx + m * kChunk));
         acc[m][r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[m][r]);
         if constexpr (Q4)
@@ -355,35 +349,62 @@ inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
       }
     }
   }
+  alignas(64) float sums[16];  // lane_sum(acc[m][r]) at m R + r
+  if constexpr (MB * R >= 8) {
+    static_assert(MB * R <= 16, "one lane_sums call per tile");
+    lane_sums(&acc[0][0], MB * R, sums);
+  } else {
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) sums[m * R + r] = lane_sum(acc[m][r]);
+  }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r)
-      y[m * ldy + r * ld] = _mm512_reduce_add_ps(acc[m][r]) + (bias ? bias[r * ld] : 0.0f);
+      y[m * ldy + r * ld] = sums[m * R + r] + (bias ? bias[r * ld] : 0.0f);
 }
 
-// Activation rows per tile of the AVX-512 kernels: a weight chunk's regrouping is shared by
-// more rows than the float kernels' kTileRows (the rows' sums live in memory, not registers).
-constexpr int kWideTileRows = 8;
+// Activation rows per tile of the AVX-512 kernels: 16 rows' accumulators beside a weight
+// chunk's 8 registers fill the 32 vector registers. Tiles of 8 or more rows take the weight
+// rows one at a time (their accumulators would not fit beside R rows'); smaller tiles all R
+// rows at once (more independent sums in flight).
+constexpr int kWideTileRows = 16;
 
-// The M activation rows from m0 against R weight rows ld rows apart (y: output row m0), in
-// tiles of kWideTileRows rows and one tile of the rest.
-template <bool Q4, int R, int MB = kWideTileRows>
-inline void rows_rest(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
-                      int64_t ld, const Activations& a, int64_t m0, int64_t M, float* y,
-                      int64_t N, const float* bias) {
-  if constexpr (MB > 0) {
-    if (M == MB) return tile_wide<Q4, R, MB>(w, dw, mw, nb, ld, a, m0, y, N, bias);
-    rows_rest<Q4, R, MB - 1>(w, dw, mw, nb, ld, a, m0, M, y, N, bias);
+// One tile of MB rows from m0 against the R weight rows.
+template <bool Q4, int R, int MB>
+inline void tile_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                      int64_t ld, const Activations& a, int64_t m0, float* y, int64_t N,
+                      const float* bias) {
+  if constexpr (MB < 8) {
+    tile_wide<Q4, R, MB>(w, dw, mw, nb, ld, a, m0, y, N, bias);
+  } else {
+    const int64_t row_bytes = nb * (Q4 ? 16 : 32);
+    for (int r = 0; r < R; ++r)
+      tile_wide<Q4, 1, MB>(w + r * ld * row_bytes, dw + r * ld * nb, Q4 ? mw + r * ld * nb : mw,
+                           nb, ld, a, m0, y + r * ld, N, bias ? bias + r * ld : nullptr);
   }
 }
 
+// The M activation rows from m0 against R weight rows ld rows apart (y: output row m0): tiles
+// of kWideTileRows rows, then the rest in tiles of 8, 4, 2 and 1 (its binary digits).
 template <bool Q4, int R>
 inline void rows_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
                        int64_t ld, const Activations& a, int64_t m0, int64_t M, float* y,
                        int64_t N, const float* bias) {
   int64_t m = 0;
   for (; m + kWideTileRows <= M; m += kWideTileRows)
-    tile_wide<Q4, R, kWideTileRows>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
-  rows_rest<Q4, R>(w, dw, mw, nb, ld, a, m0 + m, M - m, y + m * N, N, bias);
+    tile_rows<Q4, R, kWideTileRows>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
+  if (M - m >= 8) {
+    tile_rows<Q4, R, 8>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
+    m += 8;
+  }
+  if (M - m >= 4) {
+    tile_rows<Q4, R, 4>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
+    m += 4;
+  }
+  if (M - m >= 2) {
+    tile_rows<Q4, R, 2>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
+    m += 2;
+  }
+  if (M - m >= 1) tile_rows<Q4, R, 1>(w, dw, mw, nb, ld, a, m0 + m, y + m * N, N, bias);
 }
 #else
 // Sum over 8 int32 lanes of the 32 products of signed int8 w and x, as float.
@@ -629,6 +650,8 @@ void dequantize_row(const uint8_t* q, const uint16_t* d, const uint16_t* m, int6
 }  // namespace
 
 // ------------------------------------------------------------------------ entry points
+
+bool chunk_order() { return kWide; }
 
 torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qs,
                         const torch::Tensor& d, const c10::optional<torch::Tensor>& bias) {
