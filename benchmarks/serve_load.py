@@ -47,9 +47,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -73,6 +75,7 @@ INSPECT = {"trace": list(SITES), "lens": {"top_k": 5}}
 LENS_EVERY = 8  # inspect "layers": the lens of every 8th residual and the last
 WORKLOADS = ("anchor", "mixed", "shared")
 ALONE_CLIENTS = 8  # the anchor run compared with the engine alone
+TEXT = re.compile(rb'"text": "(?!")')  # a chunk with text (in a completion's stream)
 
 
 @dataclass(frozen=True)
@@ -132,26 +135,38 @@ def body(prompt: list[int], new: int, inspect: dict | None = None, adapter: bool
             "glassformer": {"ignore_eos": True, **(inspect or {})}}
 
 
-async def one(http: httpx.AsyncClient, request: dict) -> dict:
-    """One streamed request: its times, and whether its last chunk brought the trace and lens."""
-    start, first, last, usage, extra = time.perf_counter(), None, None, None, {}
-    async with http.stream("POST", "/v1/completions", json=request) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"the server answered {reply.status_code}: {(await reply.aread())[:300]!r}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
-            choice = chunk["choices"][0] if chunk["choices"] else {}
-            if choice.get("text"):
-                last = time.perf_counter()
-                first = first or last
-            if choice.get("finish_reason"):
-                extra = chunk.get("glassformer", {})
-            usage = chunk.get("usage") or usage
+async def one(url: str, request: dict) -> dict:
+    """One streamed request: its times, and whether its last chunk brought the trace and lens.
+    The client shares the cores with the server, so it parses next to nothing while the stream
+    runs: one HTTP/1.1 request on its own connection, the reply's bytes kept with the time each
+    read arrived; the events are parsed once the stream has ended."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(request).encode()
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(data), data))
+    reads = []  # (time, bytes) of each read, chunked framing and all
+    while piece := await reader.read(1 << 16):
+        reads.append((time.perf_counter(), piece))
     end = time.perf_counter()
+    writer.close()
+    head, _, raw = b"".join(piece for _, piece in reads).partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"the server answered {head[:300]!r}: {raw[:300]!r}")
+    events = [json.loads(line[6:]) for line in unchunked(raw).split(b"\n\n") if line.startswith(b"data: {")]
+    if any("error" in event for event in events):
+        raise RuntimeError(f"the stream ended with an error: {events[-1].get('error')}")
+    times, edges, seen = [], [], 0  # the arrival time of each text chunk, by its byte offset
+    for when, piece in reads:
+        seen += len(piece)
+        edges.append(seen)
+        times.append(when)
+    texts = [m.start() for m in TEXT.finditer(b"".join(piece for _, piece in reads))]
+    first = times[bisect.bisect_right(edges, texts[0])] if texts else None
+    last = times[bisect.bisect_right(edges, texts[-1])] if texts else None
+    finish = next((e for e in events if e["choices"] and e["choices"][0].get("finish_reason")), {})
+    extra, usage = finish.get("glassformer", {}), events[-1]["usage"]
     tokens = usage["completion_tokens"]
     if tokens != request["max_tokens"]:
         raise RuntimeError(f"a request generated {tokens} tokens, not {request['max_tokens']}")
@@ -160,19 +175,31 @@ async def one(http: httpx.AsyncClient, request: dict) -> dict:
             "inspected": set(extra.get("trace", {})) == set(SITES) and "lens" in extra}
 
 
+def unchunked(raw: bytes) -> bytes:
+    """The body of a reply in HTTP/1.1's chunked transfer encoding."""
+    body, at = bytearray(), 0
+    while True:
+        line_end = raw.index(b"\r\n", at)
+        size = int(raw[at:line_end].split(b";")[0], 16)
+        if size == 0:
+            return bytes(body)
+        body += raw[line_end + 2 : line_end + 2 + size]
+        at = line_end + 2 + size + 2
+
+
 async def drive(url: str, requests: list[dict], clients: int) -> dict:
-    """`requests` from `clients` concurrent clients, each sending its next when its last ended."""
+    """`requests` from `clients` concurrent clients, each sending its next when its last ended;
+    with the CPU seconds this client took (per generated token)."""
     queue, results = list(enumerate(requests)), [None] * len(requests)
 
     async def client() -> None:
-        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-            while queue:
-                i, request = queue.pop(0)
-                results[i] = await one(http, request)
+        while queue:
+            i, request = queue.pop(0)
+            results[i] = await asyncio.wait_for(one(url, request), 600)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(client() for _ in range(clients)))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
     inspecting = ["trace" in r["glassformer"] for r in requests]
     if [r["inspected"] for r in results] != inspecting:
@@ -184,7 +211,8 @@ async def drive(url: str, requests: list[dict], clients: int) -> dict:
             "latency_p50": percentile([r["latency"] for r in results], 0.5),
             "latency_p95": percentile([r["latency"] for r in results], 0.95),
             "requests": len(results), "tokens": sum(r["tokens"] for r in results),
-            "inspected": sum(inspecting), "adapted": sum(r["model"] == ADAPTER for r in requests)}
+            "inspected": sum(inspecting), "adapted": sum(r["model"] == ADAPTER for r in requests),
+            "client_cpu_s_per_token": cpu / sum(r["tokens"] for r in results)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -341,10 +369,15 @@ def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[in
                 if not args.json:
                     print(f"round {r + 1} {run.label:<28} {result['tokens_per_second']:7.1f} tok/s  TTFT p50 "
                           f"{result['ttft_p50']:.3f} p95 {result['ttft_p95']:.3f} s  TPOT p50 "
-                          f"{1e3 * result['tpot_p50']:.1f} ms  peak RSS {result['peak_rss_mb']:.0f} MB",
-                          flush=True)
+                          f"{1e3 * result['tpot_p50']:.1f} ms  peak RSS {result['peak_rss_mb']:.0f} MB  "
+                          f"client {1e3 * result['client_cpu_s_per_token']:.3f} CPU ms/token", flush=True)
                 if run.label == alone_label and alone is not None:
                     alone_rounds.append(alone.round())
+                    if not args.json:
+                        alone_tps = alone_rounds[-1]
+                        print(f"round {r + 1} {alone_label + ', engine alone':<28} {alone_tps:7.1f} tok/s  "
+                              f"HTTP / engine alone {result['tokens_per_second'] / alone_tps:.3f}",
+                              flush=True)
     finally:
         stop(processes)
     if alone_rounds:
@@ -352,6 +385,8 @@ def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[in
                       "tokens/s")
         record.ratio(f"{alone_label}: HTTP cost (1 - server / engine alone)", statistics.median(
             1 - v["tokens_per_second"] / a for v, a in zip(rounds[alone_label], alone_rounds, strict=True)))
+        record.ratio(f"{alone_label}: HTTP / engine alone tokens/s", statistics.median(
+            v["tokens_per_second"] / a for v, a in zip(rounds[alone_label], alone_rounds, strict=True)))
     return report(args, mode, runs, rounds, record)
 
 
@@ -369,7 +404,7 @@ def report(args: argparse.Namespace, mode: str, runs: list[Run], rounds: dict[st
         record.figure(f"{run.label}, tokens/s", harness.Timing(tuple(row["rounds_tokens_per_second"])),
                       "tokens/s")
         for key, unit in (("ttft_p50", "s"), ("ttft_p95", "s"), ("tpot_p50", "s"), ("tpot_p95", "s"),
-                          ("peak_rss_mb", "MB")):
+                          ("peak_rss_mb", "MB"), ("client_cpu_s_per_token", "s")):
             record.figure(f"{run.label}, {key}", harness.Timing(tuple(v[key] for v in values)), unit)
     ratios = {}
     for run in runs:

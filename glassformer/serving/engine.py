@@ -35,7 +35,7 @@ from .adapters import Adapters
 from .beam import BeamGroup
 from .block_manager import BlockManager
 from .capture import captured, check_capture, check_lens, lens_of, new_rows
-from .handle import Event, RequestHandle, TokenLogprobs
+from .handle import Event, RequestHandle, TokenLogprobs, Wakeups
 from .interventions import check_edits
 from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION
@@ -115,6 +115,7 @@ class Engine:
         self.stats = EngineStats()
         self.trace: deque[StepTrace] = deque(maxlen=config.trace_length)
         self._handles: dict[str, tuple[Sequence, RequestHandle]] = {}
+        self._wakeups = Wakeups()  # the asyncio readers to wake after this step (handle.py)
         self._inbox: list[Sequence] = []
         self._cancels: set[str] = set()
         self._wake = threading.Condition()
@@ -270,6 +271,7 @@ class Engine:
             seq = entry[0].root if isinstance(entry[0], BeamGroup) else entry[0]
             seq.stop_reason, seq.finish_time = "cancelled", time.perf_counter()
             self._finish(entry[0], Event(seq.id, None, "", True, "cancelled"), self._result(seq))
+        self._wakeups.send()
 
     def _finish(self, unit: Sequence | BeamGroup, event: Event, result: GenerationResult) -> None:
         for seq in unit.members if isinstance(unit, BeamGroup) else [unit]:
@@ -278,7 +280,7 @@ class Engine:
             entry = self._handles.pop(unit.id, None)
         if entry is not None:  # (a request that failed while finishing was answered already)
             self.stats.finished += 1
-            entry[1].push(event, result)
+            entry[1].push(event, result, self._wakeups)
 
     def step(self) -> StepTrace | None:
         """One scheduling round and forward pass; None when there was nothing to run. Call it
@@ -312,6 +314,7 @@ class Engine:
                     self._advance_beams(group)
             except Exception as error:
                 self._fail(group, error)
+        self._wakeups.send()  # one wake-up per event loop for the step's events
         trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
                           [(seq.id, n) for seq, n in plan.scheduled], [s.id for s in plan.preempted])
         self.trace.append(trace)
@@ -345,7 +348,7 @@ class Engine:
         if event.finished:
             self._finish(seq, event, self._result(seq))
         else:
-            self._handles[seq.id][1].push(event)
+            self._handles[seq.id][1].push(event, wakeups=self._wakeups)
 
     def _fail(self, unit: Sequence | BeamGroup, error: Exception) -> None:
         """End one request that failed inside a step with an error event; the rest go on."""

@@ -1,5 +1,10 @@
 """A submitted request as seen by its caller: a stream of events, readable from a thread or
-from asyncio, that can be cancelled. The engine thread pushes; any thread may read."""
+from asyncio, that can be cancelled. The engine thread pushes; any thread may read.
+
+An asyncio reader is woken through its event loop. The engine gathers the wake-ups of a step
+in a `Wakeups` and sends them after the step, one callback per loop for all its requests:
+one wake-up of the loop per step, not one per token per request (each would take the GIL
+from the stepping thread). An asyncio reader takes every event queued by then at once."""
 
 from __future__ import annotations
 
@@ -40,6 +45,30 @@ class Event:
     captured: dict[str, torch.Tensor] | None = None
 
 
+class Wakeups:
+    """The asyncio readers to wake once a step's events are pushed (RequestHandle.push)."""
+
+    def __init__(self) -> None:
+        self._events: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
+        self._events.setdefault(loop, []).append(wake)
+
+    def send(self) -> None:
+        """One callback per loop, setting each of its readers' events in push order."""
+        events, self._events = self._events, {}
+        for loop, wakes in events.items():
+            try:
+                loop.call_soon_threadsafe(_set_all, wakes)
+            except RuntimeError:  # the loop closed: nobody is left to read
+                pass
+
+
+def _set_all(wakes: list[asyncio.Event]) -> None:
+    for wake in wakes:
+        wake.set()
+
+
 class RequestHandle:
     def __init__(self, request_id: str, cancel: Callable[[str], None]) -> None:
         self.request_id = request_id
@@ -59,16 +88,20 @@ class RequestHandle:
         'cancelled' (unless it finished first)."""
         self._cancel(self.request_id)
 
-    def push(self, event: Event, result=None) -> None:
-        """Called by the engine."""
+    def push(self, event: Event, result=None, wakeups: Wakeups | None = None) -> None:
+        """Called by the engine: an asyncio reader is woken now, or by `wakeups.send()`."""
         with self._lock:
             self._events.append(event)
             if event.finished:
                 self._finished, self.result = True, result
             self._lock.notify_all()
             waker = self._waker
-        if waker is not None:
+        if waker is None:
+            return
+        if wakeups is None:
             waker[0].call_soon_threadsafe(waker[1].set)
+        else:
+            wakeups.add(*waker)
 
     def get(self, timeout: float | None = None) -> Event:
         """The next event, waiting for it; raises TimeoutError after `timeout` seconds."""
@@ -92,17 +125,25 @@ class RequestHandle:
         return self.result
 
     async def __aiter__(self) -> AsyncIterator[Event]:
+        async for events in self.batches():
+            for event in events:
+                yield event
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """The events from asyncio, every one queued by the time the reader wakes in one list
+        (in order; the last list ends with the finished event)."""
         wake = asyncio.Event()
         with self._lock:
             self._waker = (asyncio.get_running_loop(), wake)
         while True:
             with self._lock:
-                event = self._events.popleft() if self._events else None
-                if event is None:
+                events = list(self._events)
+                self._events.clear()
+                if not events:
                     wake.clear()  # under the lock: a push after this sets it again
-            if event is None:
+            if not events:
                 await wake.wait()
                 continue
-            yield event
-            if event.finished:
+            yield events
+            if events[-1].finished:
                 return

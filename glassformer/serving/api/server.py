@@ -218,13 +218,15 @@ class Server:
 
     @staticmethod
     async def events(handle: RequestHandle, admission: Admission, watch: Watch | None = None
-                     ) -> AsyncIterator[Event]:
-        """The request's events; each shown to its watch on the live page first, if it has one."""
+                     ) -> AsyncIterator[list[Event]]:
+        """The request's events, those that arrived together in one list; each shown to its
+        watch on the live page first, if it has one."""
         try:
-            async for event in handle:
+            async for events in handle.batches():
                 if watch is not None:
-                    await asyncio.to_thread(watch.observe, event)
-                yield event
+                    for event in events:
+                        await asyncio.to_thread(watch.observe, event)
+                yield events
         finally:
             admission.done.set()
 
@@ -304,7 +306,7 @@ class Server:
 
         decode = self.language_model.tokenizer.decode
         if not body.stream:
-            events = [event async for event in self.events(handle, admission, watch)]
+            events = [event async for batch in self.events(handle, admission, watch) for event in batch]
             error = self.stopped(events[-1], admission)
             if error is not None:
                 raise error
@@ -314,21 +316,25 @@ class Server:
         shape = responses.Chunks(head, chat, decode, tuple(sites))
 
         async def stream() -> AsyncIterator[str]:
-            error = None
+            """The events that arrived together go out in one write (one body chunk)."""
+            error, with_usage = None, body.stream_options is not None and body.stream_options.include_usage
             if chat:
                 yield shape.chunk("", None, role=True)
-            async for event in self.events(handle, admission, watch):
-                if event.logprobs is not None or event.text or set(event.captured or ()) & set(sites):
-                    yield shape.token(event)
-                if event.finished:
-                    error = self.stopped(event, admission)
+            async for batch in self.events(handle, admission, watch):
+                out = [shape.token(event) for event in batch if event.logprobs is not None or event.text
+                       or set(event.captured or ()) & set(sites)]
+                last = batch[-1]
+                if last.finished:
+                    error = self.stopped(last, admission)
                     if error is None:
-                        yield shape.chunk(None, FINISH[event.stop_reason], more=await extra())
+                        out.append(shape.chunk(None, FINISH[last.stop_reason], more=await extra()))
                     else:
-                        yield responses.sse(error.payload())
-            if error is None and body.stream_options is not None and body.stream_options.include_usage:
-                yield shape.usage(usage())
-            yield responses.sse("[DONE]")
+                        out.append(responses.sse(error.payload()))
+                    if error is None and with_usage:
+                        out.append(shape.usage(usage()))
+                    out.append(responses.sse("[DONE]"))
+                if out:
+                    yield "".join(out)
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

@@ -44,6 +44,7 @@ def test_serve_load_runs_every_configuration_in_rounds(tmp_path, language_model)
         assert len(row["rounds_tokens_per_second"]) == 2 and row["peak_rss_mb"] >= row["rss_mb"] > 0
         assert row["inspected"] == (4 if label.endswith("inspect half") else 0)
         assert row["adapted"] == (4 if label.endswith("adapter half") else 0)
+        assert 0 < row["client_cpu_s_per_token"] < row["wall_s"], label  # the client's own CPU
     assert {rows[label]["server"] for label in compared} == {"off", "base", "lora"}
 
     def ratio(top, bottom):
@@ -57,7 +58,10 @@ def test_serve_load_runs_every_configuration_in_rounds(tmp_path, language_model)
     expected["none anchor x2 adapter half / base tokens/s"] = ("none anchor x2 adapter half",
                                                                "none anchor x2 adapter base")
     ratios = out["ratios"]
-    assert set(ratios) == set(expected) | {"none anchor x8: HTTP cost (1 - server / engine alone)"}
+    cost = "none anchor x8: HTTP cost (1 - server / engine alone)"
+    share = "none anchor x8: HTTP / engine alone tokens/s"
+    assert set(ratios) == set(expected) | {cost, share}
+    assert abs(ratios[share] - (1 - ratios[cost])) < 1e-12  # the same rounds, read both ways
     for name, (top, bottom) in expected.items():
         assert ratios[name] == ratio(top, bottom), name
     record = json.loads(next((tmp_path / "records").glob("serve_load-*.json")).read_text())
