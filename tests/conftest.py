@@ -9,6 +9,9 @@ from glassformer.formats import hub
 # The command's thread policy samples the machine for 0.2 s and may change the count for the
 # rest of the session: tests keep torch's count (tests/accel/test_thread_policy.py unsets this).
 os.environ.setdefault("GLASSFORMER_THREADS", str(torch.get_num_threads()))
+# The suite tests the native build wherever it runs (the avx2_kernels fixture tests the other):
+# the measured choice (accel/decisions.py) would let a busy machine pick which build is tested.
+os.environ.setdefault("GLASSFORMER_KERNEL_TARGET", "native")
 
 
 @pytest.fixture(autouse=True)

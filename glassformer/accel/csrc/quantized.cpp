@@ -162,12 +162,21 @@ const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64
     std::fill(a.s.begin() + last, a.s.end(), 0.0f);
     std::fill(a.c.begin() + last, a.c.end(), 0);
     const int64_t tail = tail_blocks(nb, paired), lanes = paired ? 4 : 8;  // lanes per block
+    // the buffers are this thread's (thread_local): the loop's other threads get pointers
+    const int8_t* row_q = rows.q.data();
+    const float* row_d = rows.d.data();
+    const float* row_s = rows.s.data();
+    const int32_t* row_sums = sums.data();
+    int8_t* out_q = a.q.data();
+    float* out_d = a.d.data();
+    float* out_s = a.s.data();
+    auto* out_c = a.c.data();
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(at::get_num_threads())
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* src = rows.q.data() + (m * nb + b) * 32;
+        const int8_t* src = row_q + (m * nb + b) * 32;
         const int64_t first = (b / kChunk * M + m) * kChunk;  // [chunk][m] lane 0
-        int8_t* chunk = a.q.data() + first * 32;
+        int8_t* chunk = out_q + first * 32;
         const int64_t j = b % kChunk;
         const bool in_tail = b >= nb - tail;
         for (int t = 0; t < 8; ++t) {
@@ -176,9 +185,9 @@ const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64
           std::memcpy(chunk + part * 64 + lane * 4, src + 4 * t, 4);
         }
         const int64_t at = first + (in_tail ? j * lanes : j);
-        for (int64_t l = 0; l < (in_tail ? lanes : 1); ++l) a.d[at + l] = rows.d[m * nb + b];
-        a.s[at] = rows.s[m * nb + b];
-        a.c[at] = -128 * sums[m * nb + b];
+        for (int64_t l = 0; l < (in_tail ? lanes : 1); ++l) out_d[at + l] = row_d[m * nb + b];
+        out_s[at] = row_s[m * nb + b];
+        out_c[at] = -128 * row_sums[m * nb + b];
       }
     return a;
   }
