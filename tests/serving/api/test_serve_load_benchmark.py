@@ -35,14 +35,14 @@ def test_serve_load_runs_every_configuration_in_rounds(tmp_path, language_model)
     out = json.loads(run.stdout)
     rows = {row["label"]: row for row in out["runs"]}
     load = [f"none {w} x{c}" for w in ("anchor", "mixed", "shared") for c in (1, 8)]
-    compared = [f"none anchor x2 inspect {v}" for v in ("off", "none", "half")] + \
+    compared = [f"none anchor x2 inspect {v}" for v in ("off", "none", "half", "layers")] + \
                [f"none anchor x2 adapter {v}" for v in ("base", "half")]
     assert list(rows) == load + compared
     requests = {"anchor": 8, "mixed": 16, "shared": 16}  # anchor: max(8, clients)
     for label, row in rows.items():
         assert row["requests"] == requests[row["workload"]] and row["tokens"] == 2 * row["requests"], label
         assert len(row["rounds_tokens_per_second"]) == 2 and row["peak_rss_mb"] >= row["rss_mb"] > 0
-        assert row["inspected"] == (4 if label.endswith("inspect half") else 0)
+        assert row["inspected"] == (4 if label.endswith(("inspect half", "inspect layers")) else 0)
         assert row["adapted"] == (4 if label.endswith("adapter half") else 0)
         assert 0 < row["client_cpu_s_per_token"] < row["wall_s"], label  # the client's own CPU
     assert {rows[label]["server"] for label in compared} == {"off", "base", "lora"}
@@ -52,7 +52,7 @@ def test_serve_load_runs_every_configuration_in_rounds(tmp_path, language_model)
                                                        rows[bottom]["rounds_tokens_per_second"], strict=True))
 
     expected = {f"none {w} x8 / x1 tokens/s": (f"none {w} x8", f"none {w} x1") for w in requests}
-    for v in ("none", "half"):
+    for v in ("none", "half", "layers"):
         expected[f"none anchor x2 inspect {v} / off tokens/s"] = (f"none anchor x2 inspect {v}",
                                                                   "none anchor x2 inspect off")
     expected["none anchor x2 adapter half / base tokens/s"] = ("none anchor x2 adapter half",
