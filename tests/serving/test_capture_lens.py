@@ -13,20 +13,8 @@ from glassformer.serving import Engine, EngineConfig, RequestParams, capture
 from glassformer.serving.capture import capture_bytes
 
 
-def _lens(model, prompts, params):
-    """Each request's lens, the requests submitted one step apart (chunked prefills sharing
-    steps with decoding rows)."""
-    engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4))
-    handles = []
-    for prompt, p in zip(prompts, params, strict=True):
-        handles.append(engine.submit(prompt, p))
-        engine.step()
-    engine.run_until_done()
-    return [h.wait(0) for h in handles]
-
-
 @pytest.mark.parametrize("mode", [None, "int8", "int4"])
-def test_a_request_reads_the_same_lens_whoever_else_reads_it(tiny, prompts, request, mode):
+def test_a_request_reads_the_same_lens_whoever_else_reads_it(tiny, prompts, request, mode, run_in_turn):
     if mode is not None:
         request.getfixturevalue("kernels")
     model = tiny() if mode is None else quantize_model(tiny(), mode)
@@ -35,8 +23,8 @@ def test_a_request_reads_the_same_lens_whoever_else_reads_it(tiny, prompts, requ
     reading = RequestParams(max_new_tokens=6, eos_ids=(), lens=3)
     others = [RequestParams(max_new_tokens=6, eos_ids=(), lens=2),
               RequestParams(max_new_tokens=6, eos_ids=(), lens=4, lens_layers=(2, 0))]
-    alone = _lens(model, todo, [plain, reading, plain])[1]
-    shared = _lens(model, todo, [others[0], reading, others[1]])
+    alone = run_in_turn(model, todo, [plain, reading, plain])[1]
+    shared = run_in_turn(model, todo, [others[0], reading, others[1]])
     assert torch.equal(shared[1].lens[0], alone.lens[0]) and torch.equal(shared[1].lens[1], alone.lens[1])
     tokens = alone.prompt_ids + alone.generated_ids[:-1]
     oracle = logit_lens(model, torch.tensor([tokens]), top_k=3)
@@ -47,23 +35,23 @@ def test_a_request_reads_the_same_lens_whoever_else_reads_it(tiny, prompts, requ
                                         len(result.prompt_ids) + len(result.generated_ids) - 1, other.lens)
 
 
-def test_the_lens_is_the_same_however_its_rows_fall_into_calls(tiny, prompts, monkeypatch):
+def test_the_lens_is_the_same_however_its_rows_fall_into_calls(tiny, prompts, monkeypatch, run_in_turn):
     model = tiny()
     params = [RequestParams(max_new_tokens=5, eos_ids=(), lens=k) for k in (2, 3, 1)]
     todo = prompts([9, 5, 13])
-    whole = _lens(model, todo, params)
+    whole = run_in_turn(model, todo, params)
     monkeypatch.setattr(capture, "LENS_ROWS", 3)  # calls that split requests and sites
-    split = _lens(model, todo, params)
+    split = run_in_turn(model, todo, params)
     for a, b in zip(whole, split, strict=True):
         assert torch.equal(a.lens[0], b.lens[0]) and torch.equal(a.lens[1], b.lens[1])
 
 
-def test_chosen_layers_are_those_rows_of_the_all_layer_lens(tiny, prompts):
+def test_chosen_layers_are_those_rows_of_the_all_layer_lens(tiny, prompts, run_in_turn):
     model = tiny()
     every = RequestParams(max_new_tokens=5, eos_ids=(), lens=3)
     some = RequestParams(max_new_tokens=5, eos_ids=(), lens=3, lens_layers=(2, 0))
     prompt = prompts([7])[0]
-    full, chosen = _lens(model, [prompt, prompt], [every, some])
+    full, chosen = run_in_turn(model, [prompt, prompt], [every, some])
     assert chosen.generated_ids == full.generated_ids
     assert full.lens[0].shape[0] == model.config.n_layers + 1 and chosen.lens[0].shape[0] == 2
     for got, expected in zip(chosen.lens, full.lens, strict=True):
@@ -91,12 +79,12 @@ def test_capture_bytes_count_the_chosen_layers(tiny):
     assert capture_bytes(config, (), 5, 10, (0, 2)) == 12 * 2 * 10 * 5
 
 
-def test_capture_in_one_copy_per_site_equals_run_with_cache(tiny, prompts):
+def test_capture_in_one_copy_per_site_equals_run_with_cache(tiny, prompts, run_in_turn):
     model = tiny()
     sites = ("blocks.0.attn.q", "blocks.1.mlp.hidden", "blocks.1.resid_post")
     plain = RequestParams(max_new_tokens=5, eos_ids=())
     capturing = RequestParams(max_new_tokens=5, eos_ids=(), capture=sites)
-    result = _lens(model, prompts([9, 11, 6]), [plain, capturing, plain])[1]
+    result = run_in_turn(model, prompts([9, 11, 6]), [plain, capturing, plain])[1]
     tokens = result.prompt_ids + result.generated_ids[:-1]
     _, cache = run_with_cache(model, torch.tensor([tokens]), names=sites)
     for site in sites:
