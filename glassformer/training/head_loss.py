@@ -84,10 +84,14 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     rows, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, d), (N,)
     tracked = torch.is_grad_enabled()
     grads = tuple(tracked and t is not None and t.requires_grad for t in (rows, weight, bias))
-    total = LinearCrossEntropy.apply(rows, weight, bias, y, grads, chunk_rows)
+    return reduced(LinearCrossEntropy.apply(rows, weight, bias, y, grads, chunk_rows), y, reduction)
+
+
+def reduced(total: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """A summed loss as `reduction` asks: the sum, or its mean over the counted targets."""
     if reduction == "sum":
         return total
-    return total / (y != IGNORE).sum().clamp(min=1)
+    return total / (targets != IGNORE).sum().clamp(min=1)
 
 
 def fused_head_applies(model: nn.Module) -> bool:
@@ -114,7 +118,5 @@ def language_model_loss(model: nn.Module, ids: torch.Tensor, targets: torch.Tens
         h = model.forward_hidden(ids, **inputs)  # (B, T, d)
         return linear_cross_entropy(h, model.lm_head.weight, model.lm_head.bias, targets, reduction)
     logits = model(ids, **inputs).flatten(0, 1).float()  # (B·T, V)
-    total = F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction="sum")
-    if reduction == "sum":
-        return total
-    return total / (targets != IGNORE).sum().clamp(min=1)
+    return reduced(F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction="sum"),
+                   targets, reduction)
