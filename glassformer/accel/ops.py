@@ -61,7 +61,7 @@ def _block_order(qweight: torch.Tensor, scales: torch.Tensor, chunked: bool) -> 
 def _kernel_order(qweight: torch.Tensor, scales: torch.Tensor, chunked: bool) -> torch.Tensor:
     if chunked == kernels.chunk_order():
         return qweight
-    return to_chunk_order(qweight, scales.shape[1]) if not chunked else _block_order(qweight, scales, True)
+    return _block_order(qweight, scales, chunked) if chunked else to_chunk_order(qweight, scales.shape[1])
 
 
 def _straight_through(x: torch.Tensor) -> bool:
