@@ -35,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "the readings past it are judged against (default: each model's shortest)")
     parser.add_argument("--retrieve-tokens", type=positive_int, default=None,
                         help="recall: the longest prompt the retrieve reading builds (default 1024)")
-    add(parser, "--no-progress", "--json")
+    add(parser, "--device", "--no-progress", "--json")
     add_threads(parser)
     parser.set_defaults(run=run)
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--data: the {args.name} experiment reads one file or folder")
     out = args.out or f"experiment-{args.name}"
     record = run_experiment(args.name, out, args.budget, args.data and args.data[0],
-                            progress=not args.no_progress, **options)
+                            progress=not args.no_progress, device=args.device, **options)
     if args.json:
         print(json.dumps({"experiment": args.name, "out": str(out),
                           "report": f"{out}/report.html", **record["summary"],

@@ -16,11 +16,14 @@ DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinysh
 
 
 def run_experiment(name: str, out: str | Path, budget: float, data: str | Path | None = None,
-                   progress: bool = True, **options) -> dict:
+                   progress: bool = True, device: str | None = None, **options) -> dict:
     """Run (or resume) experiment `name` into `out`; returns the record saved as results.json.
-    `options` narrow an experiment's plan (see each module's `settings`)."""
+    `options` narrow an experiment's plan (see each module's `settings`); `device` is where the
+    recall experiment runs its model (the others run on the CPU)."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    if device is not None and name != "recall":
+        raise ValueError(f"device: the {name} experiment runs on the CPU; only recall takes a device")
     if budget <= 0:
         raise ValueError(f"budget: must be positive seconds, got {budget}")
     module, out = EXPERIMENTS[name], Path(out)
@@ -32,7 +35,7 @@ def run_experiment(name: str, out: str | Path, budget: float, data: str | Path |
     else:
         config = module.settings(budget, **options)
     runner = Runner(out, name, config)
-    results = runner.run(module.cells(config), progress)
+    results = runner.run(module.cells(config, device) if device else module.cells(config), progress)
     runner.finish(module.summarize(config, results, out))
     write_html(out, module.TITLE, runner.record)
     return runner.record

@@ -1,8 +1,11 @@
-"""The process's resident memory from /proc/self (Linux): now, at its peak, and a new peak."""
+"""Memory at its peak: the process's resident memory from /proc/self (Linux), or what a CUDA
+device's allocator held, for work on that device."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -19,13 +22,21 @@ def resident_mb(field: str = "VmRSS") -> float | None:
     return None
 
 
-def reset_peak_memory() -> None:
-    """The peak (VmHWM) starts again from the memory resident now, where Linux allows it."""
+def reset_peak_memory(device: str | torch.device = "cpu") -> None:
+    """The peak starts again from now: on the CPU from the memory resident now (VmHWM, where
+    Linux allows it), on a CUDA device from what its allocator holds now."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
     try:
         CLEAR_REFS.write_text("5")
     except OSError:
         pass
 
 
-def peak_memory_mb() -> float | None:
+def peak_memory_mb(device: str | torch.device = "cpu") -> float | None:
+    """The peak since the last reset in MB: the process's resident memory for work on the CPU,
+    the device's allocated memory for a CUDA device."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
     return resident_mb("VmHWM")

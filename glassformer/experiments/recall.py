@@ -19,8 +19,8 @@ every KV dtype of the pool (KV_DTYPES); past it, every reading with fp32 KV over
 depths (0, 50, 100%: each prompt is a prefill of L tokens, which costs about L^1.5).
 `min_length` leaves out the shorter lengths but the window's own `none` fp32 cells, the
 figure each reading past the window is judged against.
-Cells run shortest first, past the window the retrieve cells (the cheapest) first and sink
-(which reads a token a step once its cache is full) last at each length; once one cell of a
+Cells run shortest first, past the window the retrieve cells (the cheapest) first and the sink
+cells (which read a token a step once the cache is full) after every other; once one cell of a
 kind (a full prefill, or retrieval) is done, a cell of that kind whose expected time (the last
 one's per depth, of the same reading where one ran past the window, grown as L^1.5 for a
 prefill, as L for retrieval, which embeds the document chunk by chunk; sink's first from a
@@ -28,10 +28,11 @@ prefill's, SINK_STEP times dearer per token past the window) would overrun the m
 share of the budget is skipped and marked so. (Prefix caching across the depths is
 left off: the depth-0 prompt shares nothing, multi-key's other needles cut the shared part
 short, and the cells' peak memory would read the cache's.)
-Each cell also records the prefill time of each prompt and the process's peak resident memory
-while it ran (reset before it, where /proc/self/clear_refs allows): prompts grow cell by
-cell, so the peak against L shows how the memory of a long prefill grows (chunked prefill, the
-flash kernel: linearly), and with each KV dtype at the window.
+Each cell also records what computed it (`--device`: the CPU's name or the GPU's), the prefill
+time of each prompt and the peak memory while it ran (reset before it): the process's resident
+memory on the CPU (where /proc/self/clear_refs allows the reset), the allocator's on a GPU.
+Prompts grow cell by cell, so the peak against L shows how the memory of a long prefill grows
+(chunked prefill, the flash kernel: linearly), and with each KV dtype at the window.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from ..serving.kv_pool import KV_DTYPES
 from .memory import peak_memory_mb, reset_peak_memory
 from .recall_tasks import frame, haystack_prompt, needles, recalled, spells_digits
 from .report import save_figure
-from .runner import Cell, Context, Summary
+from .runner import Cell, Context, Summary, device_name
 from .timed import base_model, train_config, train_timed
 
 NEEDS_DATA = True
@@ -113,7 +114,9 @@ def depths(config: dict, past_window: bool = False) -> list[float]:
     return [i / (count - 1) for i in range(count)]
 
 
-def cells(config: dict) -> list[Cell]:
+def cells(config: dict, device: str = "cpu") -> list[Cell]:
+    """The plan's cells; the model and the engine run on `device` (the cells of one run folder
+    may come from several devices: each records its own)."""
     loaded: dict[str, tuple] = {}  # each model, its haystack and its chunks' embeddings, once per process
     out = [Cell(f"train/{SMALL}", _train_cell, f"train {SMALL}")] if SMALL in config["models"] else []
     for name in config["models"]:
@@ -126,9 +129,9 @@ def cells(config: dict) -> list[Cell]:
             else:
                 readings = [("none", kv) for kv in config["kv_dtypes"]]
             planned += [(length, task, r, kv) for task in TASKS for r, kv in readings]
-        # past the window retrieval first, then by length, sink (a token a step) last at each
-        planned.sort(key=lambda c: (c[0] > native(name), c[2] != "retrieve", c[0], c[2] == "sink"))
-        out += [Cell(key(name, task, r, kv, length), _recall_cell(name, task, r, kv, length, loaded),
+        # past the window retrieval first, then by length, sink (a token a step) after all others
+        planned.sort(key=lambda c: (c[0] > native(name), c[2] != "retrieve", c[2] == "sink", c[0]))
+        out += [Cell(key(name, task, r, kv, length), _recall_cell(name, task, r, kv, length, loaded, device),
                      f"{name} {task} {r} {kv} at {length}") for length, task, r, kv in planned]
     return out
 
@@ -147,7 +150,7 @@ def _train_cell(ctx: Context) -> dict:
     return {"model": SMALL, "iters": summary["iters"], "val_loss": summary["val_loss"]}
 
 
-def _model(ctx: Context, name: str, loaded: dict) -> tuple:
+def _model(ctx: Context, name: str, loaded: dict, device: str) -> tuple:
     """(model, tokenizer, haystack ids, chunk embeddings by token ids) of `name`, loaded once."""
     if name not in loaded:
         if name == SMALL:
@@ -161,7 +164,7 @@ def _model(ctx: Context, name: str, loaded: dict) -> tuple:
             model, tokenizer = language_model.model, language_model.tokenizer
         longest = native(name) * FACTORS[-1]
         text = Path(ctx.settings["data"]).read_text(encoding="utf-8")[: 6 * longest]
-        loaded[name] = (model.eval(), tokenizer, tokenizer.encode(text), {})
+        loaded[name] = (model.to(device).eval(), tokenizer, tokenizer.encode(text), {})
     return loaded[name]
 
 
@@ -172,7 +175,8 @@ def reader(model: Transformer, reading: str, length: int) -> Transformer:
     if length <= n or reading in ("retrieve", "sink"):
         return model
     if reading == "window":
-        wide = Transformer(model.config.replace(context_length=length, sliding_window=n))
+        with torch.device(model.embed.tokens.weight.device):
+            wide = Transformer(model.config.replace(context_length=length, sliding_window=n))
         wide.load_state_dict(model.state_dict(), strict=True, assign=True)
         if model.config.tie_embeddings:
             wide.lm_head.weight = wide.embed.tokens.weight
@@ -233,7 +237,7 @@ def _expected(results: dict, planned: dict) -> float | None:
     return per_depth * len(planned["depths"]) * max(length / last["length"], 1.0) ** power
 
 
-def _recall_cell(name: str, task: str, reading: str, kv: str, length: int, loaded: dict):
+def _recall_cell(name: str, task: str, reading: str, kv: str, length: int, loaded: dict, device: str):
     def run(ctx: Context) -> dict:
         spent = sum(r["cell_seconds"] for k, r in ctx.results.items() if k.startswith(f"{name}/"))
         base = {"model": name, "task": task, "reading": reading, "kv": kv, "length": length}
@@ -242,7 +246,7 @@ def _recall_cell(name: str, task: str, reading: str, kv: str, length: int, loade
         expected = _expected(ctx.results, base | {"depths": grid})
         if expected is not None and spent + expected > _share(ctx.settings, name):
             return base | {"skipped": True}
-        model, tokenizer, hay, embedded = _model(ctx, name, loaded)
+        model, tokenizer, hay, embedded = _model(ctx, name, loaded, device)
         asked = prompts(tokenizer, hay, task, length, grid)
         ids = [p.ids for p in asked]
         found = {}
@@ -252,16 +256,16 @@ def _recall_cell(name: str, task: str, reading: str, kv: str, length: int, loade
             found = {"in_prompt": [p.asked.sentence in tokenizer.decode(i) for p, i in
                                    zip(asked, ids, strict=True)]}  # did retrieval keep the needle?
         sink = SinkPolicy(SINK_TOKENS, n - SINK_TOKENS) if reading == "sink" and length > n else None
-        reset_peak_memory()
+        reset_peak_memory(device)
         with torch.no_grad():
             results = answers(reader(model, reading, length), tokenizer, ids, kv, sink)
         texts = [r.text for r in results]
-        return base | {"skipped": False, "depths": grid, "answers": texts,
+        return base | {"skipped": False, "device": device_name(device), "depths": grid, "answers": texts,
                        "expected": [p.asked.value for p in asked],
                        "hits": [recalled(t, p.asked) for t, p in zip(texts, asked, strict=True)],
                        "prompt_tokens": [len(i) for i in ids],
                        "prefill_seconds": [r.prefill_seconds for r in results],
-                       "peak_mb": peak_memory_mb()} | found
+                       "peak_mb": peak_memory_mb(device)} | found
 
     return run
 
@@ -327,13 +331,15 @@ def claims(config: dict, results: dict) -> list[dict]:
 
 def prefill_memory(results: dict, name: str, kv: str = "fp32") -> list[tuple[int, float, float]]:
     """(L, peak MB, median prefill seconds) of `name`'s needle cells read as trained (`none`)
-    with `kv`, shortest first; cells without the figures are left out."""
-    out = []
-    for cell in results.values():
-        if (cell.get("model"), cell.get("task"), cell.get("reading"), cell.get("kv")) == \
-                (name, "needle", "none", kv) and not cell["skipped"] and cell.get("peak_mb"):
-            out.append((cell["length"], cell["peak_mb"], float(np.median(cell["prefill_seconds"]))))
-    return sorted(out)
+    with `kv`, shortest first, from the device that ran the longest of them (a CPU's resident
+    memory and a GPU's allocations are not one curve); cells without the figures are left out."""
+    wanted = (name, "needle", "none", kv)
+    cells = sorted((c for c in results.values()
+                    if (c.get("model"), c.get("task"), c.get("reading"), c.get("kv")) == wanted
+                    and not c["skipped"] and c.get("peak_mb")), key=lambda c: c["length"])
+    device = cells[-1].get("device") if cells else None
+    return [(c["length"], c["peak_mb"], float(np.median(c["prefill_seconds"])))
+            for c in cells if c.get("device") == device]
 
 
 def _linear_memory(results: dict, name: str) -> dict:

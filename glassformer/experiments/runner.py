@@ -66,14 +66,24 @@ class Summary:
         return {"tables": self.tables, "figures": self.figures, "claims": self.claims}
 
 
-def machine() -> dict:
-    """The CPU (and GPU) the numbers came from, and the threads torch used."""
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """This machine's processor, as /proc/cpuinfo names it where it can."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
+        return platform.processor() or platform.machine()
+
+
+def device_name(device: str | torch.device) -> str:
+    """What computes on `device`: the GPU's name for a CUDA device, else the CPU's."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def machine() -> dict:
+    """The CPU (and GPU) the numbers came from, and the threads torch used."""
+    cpu = cpu_name()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     load = os.getloadavg()[1] if hasattr(os, "getloadavg") else None  # other work competing
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "gpu": gpu,

@@ -78,6 +78,20 @@ def test_prefill_memory_is_judged_linear_from_the_growth_per_token(per_token, he
     assert _judged(_memory_cells(peaks))[claim] is held
 
 
+def test_prefill_memory_reads_one_device_the_one_of_the_longest_prompt():
+    """A CPU's resident memory and a GPU's allocations are two curves: the longest prompt's
+    device gives the points."""
+    cells = _memory_cells({n: 500 + 0.05 * n for n in (1024, 2048, 4096)})
+    for cell in cells.values():
+        cell["device"] = "a CPU"
+    gpu = _memory_cells({n: 10 + 1e-3 * n for n in (4096, 8192)})
+    for cell in gpu.values():
+        cell["device"] = "a GPU"
+    results = {**cells, **{k + "/gpu": c for k, c in gpu.items()}}
+    assert [n for n, _, _ in recall.prefill_memory(results, SMOL)] == [4096, 8192]
+    assert [mb for _, mb, _ in recall.prefill_memory(results, SMOL)] == [10 + 4.096, 10 + 8.192]
+
+
 @pytest.fixture(scope="module")
 def run(corpus, tmp_path_factory):
     torch.manual_seed(0)
@@ -142,7 +156,7 @@ def test_resume_skips_finished_cells(run, corpus, monkeypatch):
 
 def test_every_reading_runs_past_the_window(corpus, tmp_path):
     """Each reading's cell at twice the window, on a random two-layer model of the small shape."""
-    from glassformer.experiments.runner import Context
+    from glassformer.experiments.runner import Context, cpu_name
     from glassformer.experiments.timed import base_model
     from glassformer.formats.tokenizers import CharTokenizer
     from glassformer.model.transformer import Transformer
@@ -157,8 +171,9 @@ def test_every_reading_runs_past_the_window(corpus, tmp_path):
     ctx = Context(tmp_path, {"depths": 5, "budget": 1e9, "models": [SMALL], "retrieve_tokens": 384}, {})
     length = 2 * native(SMALL)
     for reading in recall.READINGS:
-        cell = recall._recall_cell(SMALL, "multikey", reading, "fp32", length, loaded)(ctx)
+        cell = recall._recall_cell(SMALL, "multikey", reading, "fp32", length, loaded, "cpu")(ctx)
         assert not cell["skipped"] and cell["depths"] == [0.0, 0.5, 1.0] and len(cell["hits"]) == 3
+        assert cell["device"] == cpu_name()  # each cell names what computed it
         if reading == "retrieve":  # whole chunks, as many as fit retrieve's budget
             room = 384 - ANSWER_TOKENS
             assert all(room - recall.CHUNK_TOKENS < n <= room for n in cell["prompt_tokens"])
@@ -178,6 +193,7 @@ def test_every_reading_runs_past_the_window(corpus, tmp_path):
     (["recall", "--min-length", "4096", "--max-length", "1024"], "min_length: from 256 tokens up to"),
     (["recall", "--retrieve-tokens", "200"], "retrieve_tokens: at least 256 (two chunks)"),
     (["cache", "--retrieve-tokens", "512"], "--retrieve-tokens: applies to the recall experiment only"),
+    (["length", "--device", "cpu"], "device: the length experiment runs on the CPU"),
 ])
 def test_user_mistakes_are_one_line(tmp_path, capsys, extra, message):
     assert main(["experiment", *extra, "--out", str(tmp_path / "run")]) == 2
@@ -195,8 +211,10 @@ def test_past_the_window_three_depths_and_retrieval_first_from_min_length(tmp_pa
     assert planned[2:8] == [key(SMOL, t, "retrieve", "fp32", f * N) for f in (2, 4, 8) for t in recall.TASKS]
     rest = planned[8:]
     assert len(rest) == 3 * 2 * (len(recall.READINGS) - 1) and "/retrieve/" not in "".join(rest)
-    assert [int(k.rsplit("/", 1)[1]) for k in rest] == sorted(int(k.rsplit("/", 1)[1]) for k in rest)
-    assert ["/sink/" in k for k in rest[:12]] == [False] * 10 + [True] * 2  # sink last at each length
+    sinks, others = rest[-6:], rest[:-6]  # sink, a token a step, after every other reading
+    assert all("/sink/" in k for k in sinks) and not any("/sink/" in k for k in others)
+    for part in (sinks, others):  # each shortest first
+        assert [int(k.rsplit("/", 1)[1]) for k in part] == sorted(int(k.rsplit("/", 1)[1]) for k in part)
 
 
 def _done(reading: str, length: int, seconds: float, depths: int = 3) -> dict:
@@ -226,15 +244,15 @@ def test_a_cheap_retrieve_cell_runs_where_a_prefill_would_overrun_the_budget(tmp
                   results)
     loads = []
 
-    def load(ctx, name, loaded):  # the point where a cell that runs starts its work
+    def load(ctx, name, loaded, device):  # the point where a cell that runs starts its work
         loads.append(name)
         raise LookupError(name)
 
     monkeypatch.setattr(recall, "_model", load)
-    cell = recall._recall_cell(SMOL, "needle", "yarn", "fp32", 2 * N, {})(ctx)
+    cell = recall._recall_cell(SMOL, "needle", "yarn", "fp32", 2 * N, {}, "cpu")(ctx)
     assert cell["skipped"] and not loads  # 500 s · 2^1.5 ≫ the 490 s left
     with pytest.raises(LookupError):  # 10 s · 2 fits: it runs
-        recall._recall_cell(SMOL, "needle", "retrieve", "fp32", 4 * N, {})(ctx)
+        recall._recall_cell(SMOL, "needle", "retrieve", "fp32", 4 * N, {}, "cpu")(ctx)
     assert loads == [SMOL]
 
 
