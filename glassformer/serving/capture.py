@@ -14,6 +14,12 @@ and reads them out after the blocks in one call of the final norm and head over 
 rows of every site it asked (the head's weights read once per tile of rows, not once per request
 and site): each layer's top-k tokens and probabilities per position, computed from the
 residuals the step produced for that request.
+
+A decoding row that asks only for residual sites (embed.out, blocks.{i}.resid_pre,
+blocks.{i}.resid_post) and the lens, whose inputs are those residuals, runs on the fused decode
+step, which copies out its residual stream after the embedding and after each layer
+(`residual_index`); the runner hands each asked site's rows of those copies to the same hooks
+(capture_hooks, LensRows.hooks) as the module path's blocks would.
 """
 
 from __future__ import annotations
@@ -33,6 +39,18 @@ def token_axis(site: str) -> int | None:
     does not capture."""
     dims = EMBED_SITES.get(site) or LAYER_SITES.get(site.split(".", 2)[-1])
     return dims.index("pos") if dims is not None and "pos" in dims else None
+
+
+def residual_index(site: str) -> int | None:
+    """Where the fused decode step's residual rows hold a site (FastDecoder.rows' residuals):
+    0 the embedding's output (= blocks.0.resid_pre), i + 1 the stream after block i
+    (blocks.{i}.resid_post = blocks.{i+1}.resid_pre); None for a site it does not emit."""
+    if site == "embed.out":
+        return 0
+    parts = site.split(".")
+    if len(parts) == 3 and parts[0] == "blocks" and parts[2] in ("resid_pre", "resid_post"):
+        return int(parts[1]) + (parts[2] == "resid_post")
+    return None
 
 
 def check_capture(config: ModelConfig, sites: tuple[str, ...]) -> None:

@@ -39,8 +39,8 @@ from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters, itself
-from .capture import LensRows, capture_hooks
-from .interventions import edit_hooks, uses_hooks
+from .capture import LensRows, capture_hooks, residual_index
+from .interventions import changes, edit_hooks, uses_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView, Part, slots_of
 from .row_tiles import row_invariant
@@ -109,8 +109,7 @@ class ModelRunner:
         self.pool.reserve(1 + max((b for seq, _ in plan.scheduled for b in seq.block_table), default=-1))
         self.pool.copy_blocks(plan.copies)
         fused = self._fused()
-        fast = [fused is not None and n == 1 and not uses_hooks(seq.params) and self._fused_adapter(seq)
-                for seq, n in plan.scheduled]
+        fast = [fused is not None and n == 1 and self._fused_takes(seq) for seq, n in plan.scheduled]
         decoding = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
         others = [part for part, ok in zip(plan.scheduled, fast, strict=True) if not ok]
         hidden = {}  # id(request) -> its last row's final hidden state (d,)
@@ -140,9 +139,13 @@ class ModelRunner:
         every key at its text position)."""
         return self.fast and self.pool.kv_dtype == "fp32" and self.sink is None
 
-    def _fused_adapter(self, seq: Sequence) -> bool:
-        """Whether seq's adapter, if it names one, is built for the fused step."""
-        return seq.params.adapter is None or self.adapters[seq.params.adapter].fused is not None
+    def _fused_takes(self, seq: Sequence) -> bool:
+        """Whether the fused step computes seq's decoding row as it asks: its adapter, if it
+        names one, is built for it, and it changes nothing and captures residual sites only
+        (the lens reads residuals only)."""
+        params = seq.params
+        return ((params.adapter is None or self.adapters[params.adapter].fused is not None)
+                and not changes(params) and all(residual_index(site) is not None for site in params.capture))
 
     def _run_blocks(self, scheduled: Scheduled) -> dict[int, torch.Tensor]:
         """The scheduled tokens through the model's blocks; the last row of each request
@@ -213,6 +216,24 @@ class ModelRunner:
         adapter_of = torch.tensor([-1 if seq.params.adapter is None else names.index(seq.params.adapter)
                                    for seq in seqs])  # (B,)
         adapters = [self.adapters[name].fused for name in names]
+        inspecting = [b for b, seq in enumerate(seqs) if uses_hooks(seq.params)]  # capture, lens
+        emit = residuals = None
+        if inspecting:
+            emit = torch.tensor(inspecting)  # (M,)
+            residuals = torch.empty(len(inspecting), len(self.model.blocks) + 1, x.shape[1])  # (M, L + 1, d)
         h = fused.rows(x, positions, slots, cos, sin, self.pool.keys, self.pool.values,
-                       adapter_of if names else None, adapters)  # (B, d)
+                       adapter_of if names else None, adapters, emit, residuals)  # (B, d)
+        if inspecting:  # row i of residuals: request seqs[b]'s one row at its position
+            parts = [(seqs[b], i, 1, seqs[b].num_computed) for i, b in enumerate(inspecting)]
+            self._inspect(parts, residuals)
         return {id(seq): h[b] for b, seq in enumerate(seqs) if seq.num_computed + 1 == seq.num_tokens}
+
+    def _inspect(self, parts: list[tuple[Sequence, int, int, int]], residuals: torch.Tensor) -> None:
+        """The capture and lens of the fused step's inspecting rows: each asked site's rows of
+        residuals (M, L + 1, d), row i of parts' (request, i, 1, position), handed to the hooks
+        the module path installs, then the lens read out as _run_blocks reads it."""
+        lens = LensRows(self.model.config, parts)
+        for hooks in (capture_hooks(parts), lens.hooks()):
+            for site, keep in hooks.items():
+                keep(residuals[:, residual_index(site)][None], site)  # (1, M, d): the site's tensor
+        lens.read(self.layers)

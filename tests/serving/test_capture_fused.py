@@ -1,0 +1,80 @@
+"""Residual sites and the lens read from the fused decode step's residual rows: a decoding row
+that asks only for those runs on the fused step, its capture and lens equal run_with_cache and
+logit_lens on the module path of the same converted model, and emitting rows leaves every row's
+numbers bitwise as they are without emission."""
+
+import pytest
+import torch
+
+from glassformer.accel.fast_decode import FastDecoder
+from glassformer.accel.quantize import quantize_model
+from glassformer.interpret.lens import lens_sites, logit_lens
+from glassformer.interpret.trace import run_with_cache
+from glassformer.serving import RequestParams
+
+RESIDUALS = ("embed.out", "blocks.0.resid_pre", "blocks.1.resid_pre", "blocks.1.resid_post")
+
+
+@pytest.fixture
+def emitted(monkeypatch):
+    """The rows each fused step was asked to emit, per call."""
+    calls = []
+    rows = FastDecoder.rows
+
+    def spy(self, x, positions, slots, cos, sin, keys, values, adapter_of=None, adapters=(),
+            emit=None, residuals=None):
+        calls.append([] if emit is None else emit.tolist())
+        return rows(self, x, positions, slots, cos, sin, keys, values, adapter_of, adapters, emit, residuals)
+
+    monkeypatch.setattr(FastDecoder, "rows", spy)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8", "int4"])
+def test_residual_capture_and_lens_on_the_fused_step_equal_the_module_path(
+        tiny, prompts, kernels, mode, emitted, run_in_turn):
+    model = quantize_model(tiny(), mode)
+    plain = RequestParams(max_new_tokens=6, eos_ids=())
+    inspecting = RequestParams(max_new_tokens=6, eos_ids=(), capture=RESIDUALS, lens=3, lens_layers=(2, 0))
+    other_site = RequestParams(max_new_tokens=6, eos_ids=(), capture=("blocks.0.attn.q",))
+    results = run_in_turn(model, prompts([9, 5, 13]), [plain, inspecting, other_site])
+    assert max(len(rows) for rows in emitted) == 1  # the inspecting row alone, never attn.q's
+    result = results[1]
+    tokens = torch.tensor([result.prompt_ids + result.generated_ids[:-1]])
+    _, cache = run_with_cache(model, tokens, names=RESIDUALS)
+    for site in RESIDUALS:
+        torch.testing.assert_close(result.captured[site], cache[site], atol=1e-5, rtol=1e-5)
+    oracle = logit_lens(model, tokens, top_k=3)
+    chosen = [lens_sites(model.config).index(site) for site in lens_sites(model.config, (2, 0))]
+    torch.testing.assert_close(result.lens[1], oracle.probs[chosen, 0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(result.lens[0][:, :, 0], oracle.ids[chosen, 0, :, 0])
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int4"])
+def test_emitting_rows_changes_no_row(tiny, kernels, mode):
+    model = quantize_model(tiny(), mode)
+    config, step = model.config, model.fused_step
+    kv, d_head, n_slots = config.kv_heads, config.head_dim, 32
+    positions = torch.tensor([3, 7, 0])  # (B,)
+    slots = torch.stack([torch.randperm(n_slots)[:8] for _ in range(3)])  # (B, S)
+    x = torch.randn(3, config.d_model)  # (B, d)
+    cos, sin = torch.randn(3, d_head), torch.randn(3, d_head)  # (B, d_head) each
+    pool = [torch.randn(n_slots, kv, d_head) for _ in range(2 * config.n_layers)]  # keys, values
+
+    def run(emit):
+        keys, values = [t.clone() for t in pool[::2]], [t.clone() for t in pool[1::2]]
+        residuals = None
+        if emit is not None:  # (M, L + 1, d): NaN where the step wrote nothing
+            residuals = torch.full((len(emit), config.n_layers + 1, config.d_model), torch.nan)
+        with torch.inference_mode():
+            h = step().rows(x, positions, slots, cos, sin, keys, values,
+                            emit=None if emit is None else torch.tensor(emit), residuals=residuals)
+        return h, keys, values, residuals
+
+    h, keys, values, _ = run(None)
+    for emit in ([1], [2, 0]):
+        h_e, keys_e, values_e, residuals = run(emit)
+        assert torch.equal(h_e, h)
+        assert all(torch.equal(a, b) for a, b in zip(keys + values, keys_e + values_e, strict=True))
+        assert torch.equal(residuals[:, 0], x[emit]) and torch.equal(residuals[:, -1], h[emit])
+        assert not residuals.isnan().any()
