@@ -18,6 +18,10 @@ decoding rows through its fused C++ step (accel/fast_decode.py `FastDecoder.rows
 step, whatever else the step holds: one call runs every layer for every such row, attending
 over each row's own block table in the pool. Each row's numbers are those of `generate`'s
 fused step for that sequence alone, so they too are independent of what shares the step.
+A decoding row that captures residual sites only and/or reads the lens stays on the fused step,
+which copies out its residual stream after the embedding and each layer; the capture and lens
+hooks the blocks would call are called on those copies (`_inspect`). Steering, ablation and any
+other site keep the module path.
 
 A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
 each product it targets, on those rows alone (adapters.py), on the module path (the view's
