@@ -117,18 +117,24 @@ class ModelRunner:
         decoding = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
         others = [part for part, ok in zip(plan.scheduled, fast, strict=True) if not ok]
         hidden = {}  # id(request) -> its last row's final hidden state (d,)
+        outputs = {}  # id(request) -> its next-token logits (V,), where its lens read them
         if decoding:
-            hidden.update(self._run_fused(decoding, fused))
+            hidden.update(self._run_fused(decoding, fused, outputs))
         if others:
-            hidden.update(self._run_blocks(others))
-        ends = [hidden[id(seq)] for seq, n in plan.scheduled if seq.num_computed + n == seq.num_tokens]
+            hidden.update(self._run_blocks(others, outputs))
+        ends = [id(seq) for seq, n in plan.scheduled if seq.num_computed + n == seq.num_tokens]
         if not ends:
             return torch.zeros(0, self.model.config.vocab_size, device=self.device)
-        h = torch.stack(ends)  # (R, d)
-        layers = self.layers
-        if layers.final_norm is not None:
-            h = layers.hooks("final_norm", layers.final_norm(h))
-        return layers.head(h)  # (R, V)
+        todo = [key for key in ends if key not in outputs]
+        if todo:
+            h = torch.stack([hidden[key] for key in todo])  # (R', d)
+            layers = self.layers
+            if layers.final_norm is not None:
+                h = layers.hooks("final_norm", layers.final_norm(h))
+            if len(todo) == len(ends):
+                return layers.head(h)  # (R, V)
+            outputs |= dict(zip(todo, layers.head(h), strict=True))
+        return torch.stack([outputs[key] for key in ends])  # (R, V)
 
     def _fused(self) -> FastDecoder | None:
         """The model's fused step where it can run decoding rows: fast attention, a float32
@@ -151,9 +157,10 @@ class ModelRunner:
         return ((params.adapter is None or self.adapters[params.adapter].fused is not None)
                 and not changes(params) and all(residual_index(site) is not None for site in params.capture))
 
-    def _run_blocks(self, scheduled: Scheduled) -> dict[int, torch.Tensor]:
+    def _run_blocks(self, scheduled: Scheduled, outputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The scheduled tokens through the model's blocks; the last row of each request
-        that reaches its end: id(request) -> (d,)."""
+        that reaches its end: id(request) -> (d,). `outputs` gets the logits its lens read
+        (LensRows.read)."""
         ids, positions, parts, ends, capturing = [], [], [], {}, []
         adapted: dict[str, list[int]] = {}  # adapter name -> its rows
         for seq, n in scheduled:
@@ -183,7 +190,7 @@ class ModelRunner:
             x = self.layers.embed(ids_t, pos_t)  # (1, N, d)
             for block in self.layers.blocks:
                 x = block(x, None, rope, view)
-        lens.read(self.layers)  # the row-invariant view: each lens row as if alone
+        outputs |= lens.read(self.layers)  # the row-invariant view: each lens row as if alone
         return {key: x[0, row] for key, row in ends.items()}
 
     def _slots(self, seq: Sequence, context: int) -> torch.Tensor:
@@ -202,8 +209,10 @@ class ModelRunner:
             return contextlib.nullcontext()
         return self.adapters.rows(rows, self.device)
 
-    def _run_fused(self, scheduled: Scheduled, fused: FastDecoder) -> dict[int, torch.Tensor]:
-        """One new token of each request through the fused step over the pool."""
+    def _run_fused(self, scheduled: Scheduled, fused: FastDecoder,
+                   outputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """One new token of each request through the fused step over the pool (outputs as
+        _run_blocks')."""
         bs = self.pool.block_size
         seqs = [seq for seq, _ in scheduled]
         width = max(len(seq.block_table) for seq in seqs)
@@ -229,15 +238,17 @@ class ModelRunner:
                        adapter_of if names else None, adapters, emit, residuals)  # (B, d)
         if inspecting:  # row i of residuals: request seqs[b]'s one row at its position
             parts = [(seqs[b], i, 1, seqs[b].num_computed) for i, b in enumerate(inspecting)]
-            self._inspect(parts, residuals)
+            outputs |= self._inspect(parts, residuals)
         return {id(seq): h[b] for b, seq in enumerate(seqs) if seq.num_computed + 1 == seq.num_tokens}
 
-    def _inspect(self, parts: list[tuple[Sequence, int, int, int]], residuals: torch.Tensor) -> None:
+    def _inspect(self, parts: list[tuple[Sequence, int, int, int]],
+                 residuals: torch.Tensor) -> dict[int, torch.Tensor]:
         """The capture and lens of the fused step's inspecting rows: each asked site's rows of
         residuals (M, L + 1, d), row i of parts' (request, i, 1, position), handed to the hooks
-        the module path installs, then the lens read out as _run_blocks reads it."""
+        the module path installs, then the lens read out as _run_blocks reads it (its logits
+        returned)."""
         lens = LensRows(self.model.config, parts)
         for hooks in (capture_hooks(parts), lens.hooks()):
             for site, keep in hooks.items():
                 keep(residuals[:, residual_index(site)][None], site)  # (1, M, d): the site's tensor
-        lens.read(self.layers)
+        return lens.read(self.layers)

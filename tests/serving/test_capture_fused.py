@@ -10,7 +10,8 @@ from glassformer.accel.fast_decode import FastDecoder
 from glassformer.accel.quantize import quantize_model
 from glassformer.interpret.lens import lens_sites, logit_lens
 from glassformer.interpret.trace import run_with_cache
-from glassformer.serving import RequestParams
+from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving.capture import LensRows
 
 RESIDUALS = ("embed.out", "blocks.0.resid_pre", "blocks.1.resid_pre", "blocks.1.resid_post")
 
@@ -78,3 +79,32 @@ def test_emitting_rows_changes_no_row(tiny, kernels, mode):
         assert all(torch.equal(a, b) for a, b in zip(keys + values, keys_e + values_e, strict=True))
         assert torch.equal(residuals[:, 0], x[emit]) and torch.equal(residuals[:, -1], h[emit])
         assert not residuals.isnan().any()
+
+
+@pytest.mark.parametrize("mode", [None, "int4"])
+def test_a_lens_that_reads_the_last_residual_gives_the_step_s_own_logits(tiny, prompts, request, mode,
+                                                                         monkeypatch):
+    """The last residual's read-out is the model's output: the runner takes it from the lens
+    (module path and fused step), and every token and log-probability stays bitwise as without
+    the lens."""
+    if mode is not None:
+        request.getfixturevalue("kernels")
+    model = tiny() if mode is None else quantize_model(tiny(), mode)
+    last = model.config.n_layers
+    taken = []
+    read = LensRows.read
+    monkeypatch.setattr(LensRows, "read", lambda self, m: taken.append(len(out := read(self, m))) or out)
+
+    def events(lens):
+        engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4))
+        handles = [engine.submit(p, RequestParams(max_new_tokens=5, eos_ids=(), logprobs=3, **fields))
+                   for p, fields in zip(prompts([9, 5, 13, 6]), lens, strict=True)]
+        engine.run_until_done()
+        return [[(e.token_id, e.logprobs) for e in h if e.token_id is not None] for h in handles]
+
+    plain = events([{}] * 4)
+    assert not any(taken)
+    lenses = [{"lens": 2}, {"lens": 3, "lens_layers": (1, last)}, {"lens": 2, "lens_layers": (0,)}, {}]
+    reading = events(lenses)
+    assert any(taken)
+    assert reading == plain
