@@ -13,7 +13,8 @@ lens_sites) keeps the lens requests' residual rows for the length of one step, o
 and reads them out after the blocks in one call of the final norm and head over every request's
 rows of every site it asked (the head's weights read once per tile of rows, not once per request
 and site): each layer's top-k tokens and probabilities per position, computed from the
-residuals the step produced for that request.
+residuals the step produced for that request. The last residual's read-out is the model's
+output, so a request reading it at its last row hands the runner its next-token logits.
 
 A decoding row that asks only for residual sites (embed.out, blocks.{i}.resid_pre,
 blocks.{i}.resid_post) and the lens, whose inputs are those residuals, runs on the fused decode
