@@ -17,10 +17,10 @@ residuals the step produced for that request. The last residual's read-out is th
 output, so a request reading it at its last row hands the runner its next-token logits.
 
 A decoding row that asks only for residual sites (embed.out, blocks.{i}.resid_pre,
-blocks.{i}.resid_post) and the lens, whose inputs are those residuals, runs on the fused decode
-step, which copies out its residual stream after the embedding and after each layer
-(`residual_index`); the runner hands each asked site's rows of those copies to the same hooks
-(capture_hooks, LensRows.hooks) as the module path's blocks would.
+blocks.{i}.resid_post), what each block writes into the stream (blocks.{i}.attn.out,
+blocks.{i}.mlp.out) and the lens, whose inputs are residuals, runs on the fused decode step,
+which copies those out (`fused_source`); the runner hands each asked site's rows of those copies
+to the same hooks (capture_hooks, LensRows.hooks) as the module path's blocks would.
 """
 
 from __future__ import annotations
@@ -42,15 +42,21 @@ def token_axis(site: str) -> int | None:
     return dims.index("pos") if dims is not None and "pos" in dims else None
 
 
-def residual_index(site: str) -> int | None:
-    """Where the fused decode step's residual rows hold a site (FastDecoder.rows' residuals):
-    0 the embedding's output (= blocks.0.resid_pre), i + 1 the stream after block i
-    (blocks.{i}.resid_post = blocks.{i+1}.resid_pre); None for a site it does not emit."""
+def fused_source(site: str) -> tuple[str, int] | None:
+    """Where the fused decode step's emitted rows hold a site (FastDecoder.rows): in its
+    residuals, 0 the embedding's output (= blocks.0.resid_pre) and i + 1 the stream after block
+    i (blocks.{i}.resid_post = blocks.{i+1}.resid_pre); in its writes, 2 i block i's attn.out
+    and 2 i + 1 its mlp.out. None for a site it does not emit."""
     if site == "embed.out":
-        return 0
-    parts = site.split(".")
-    if len(parts) == 3 and parts[0] == "blocks" and parts[2] in ("resid_pre", "resid_post"):
-        return int(parts[1]) + (parts[2] == "resid_post")
+        return "residuals", 0
+    parts = site.split(".", 2)
+    if len(parts) < 3 or parts[0] != "blocks":
+        return None
+    layer, name = int(parts[1]), parts[2]
+    if name in ("resid_pre", "resid_post"):
+        return "residuals", layer + (name == "resid_post")
+    if name in ("attn.out", "mlp.out"):
+        return "writes", 2 * layer + (name == "mlp.out")
     return None
 
 

@@ -31,7 +31,7 @@ def changes(params: RequestParams) -> bool:
 
 def uses_hooks(params: RequestParams) -> bool:
     """Whether the request needs the step's hook sites: it captures, reads the lens, steers or
-    ablates (the module path, but for residual sites alone: the fused step's residual rows)."""
+    ablates (the module path, but for the sites the fused step emits: capture.fused_source)."""
     return bool(params.capture) or params.lens is not None or changes(params)
 
 

@@ -18,10 +18,11 @@ decoding rows through its fused C++ step (accel/fast_decode.py `FastDecoder.rows
 step, whatever else the step holds: one call runs every layer for every such row, attending
 over each row's own block table in the pool. Each row's numbers are those of `generate`'s
 fused step for that sequence alone, so they too are independent of what shares the step.
-A decoding row that captures residual sites only and/or reads the lens stays on the fused step,
-which copies out its residual stream after the embedding and each layer; the capture and lens
-hooks the blocks would call are called on those copies (`_inspect`). Steering, ablation and any
-other site keep the module path.
+A decoding row that captures residual sites, attn.out or mlp.out only and/or reads the lens
+stays on the fused step, which copies out its residual stream after the embedding and each layer
+(and what each layer's attention and feed-forward add to it); the capture and lens hooks the
+blocks would call are called on those copies (`_inspect`). Steering, ablation and any other site
+keep the module path.
 
 A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
 each product it targets, on those rows alone (adapters.py), on the module path (the view's
@@ -43,7 +44,7 @@ from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters, itself
-from .capture import LensRows, capture_hooks, residual_index
+from .capture import LensRows, capture_hooks, fused_source
 from .interventions import changes, edit_hooks, uses_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView, Part, slots_of
@@ -151,11 +152,11 @@ class ModelRunner:
 
     def _fused_takes(self, seq: Sequence) -> bool:
         """Whether the fused step computes seq's decoding row as it asks: its adapter, if it
-        names one, is built for it, and it changes nothing and captures residual sites only
-        (the lens reads residuals only)."""
+        names one, is built for it, and it changes nothing and captures only sites the step
+        emits (fused_source; the lens reads residuals only)."""
         params = seq.params
         return ((params.adapter is None or self.adapters[params.adapter].fused is not None)
-                and not changes(params) and all(residual_index(site) is not None for site in params.capture))
+                and not changes(params) and all(fused_source(site) is not None for site in params.capture))
 
     def _run_blocks(self, scheduled: Scheduled, outputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The scheduled tokens through the model's blocks; the last row of each request
@@ -230,25 +231,30 @@ class ModelRunner:
                                    for seq in seqs])  # (B,)
         adapters = [self.adapters[name].fused for name in names]
         inspecting = [b for b, seq in enumerate(seqs) if uses_hooks(seq.params)]  # capture, lens
-        emit = residuals = None
+        emit = residuals = writes = None
         if inspecting:
             emit = torch.tensor(inspecting)  # (M,)
-            residuals = torch.empty(len(inspecting), len(self.model.blocks) + 1, x.shape[1])  # (M, L + 1, d)
+            m, n_layers, d = len(inspecting), len(self.model.blocks), x.shape[1]
+            residuals = torch.empty(m, n_layers + 1, d)  # (M, L + 1, d)
+            if any(fused_source(site)[0] == "writes" for b in inspecting for site in seqs[b].params.capture):
+                writes = torch.empty(m, n_layers, 2, d)  # (M, L, 2, d): attn.out, mlp.out
         h = fused.rows(x, positions, slots, cos, sin, self.pool.keys, self.pool.values,
-                       adapter_of if names else None, adapters, emit, residuals)  # (B, d)
-        if inspecting:  # row i of residuals: request seqs[b]'s one row at its position
+                       adapter_of if names else None, adapters, emit, residuals, writes)  # (B, d)
+        if inspecting:  # row i of the copies: request seqs[b]'s one row at its position
             parts = [(seqs[b], i, 1, seqs[b].num_computed) for i, b in enumerate(inspecting)]
-            outputs |= self._inspect(parts, residuals)
+            emitted = {"residuals": residuals, "writes": None if writes is None else writes.flatten(1, 2)}
+            outputs |= self._inspect(parts, emitted)
         return {id(seq): h[b] for b, seq in enumerate(seqs) if seq.num_computed + 1 == seq.num_tokens}
 
     def _inspect(self, parts: list[tuple[Sequence, int, int, int]],
-                 residuals: torch.Tensor) -> dict[int, torch.Tensor]:
+                 emitted: dict[str, torch.Tensor | None]) -> dict[int, torch.Tensor]:
         """The capture and lens of the fused step's inspecting rows: each asked site's rows of
-        residuals (M, L + 1, d), row i of parts' (request, i, 1, position), handed to the hooks
-        the module path installs, then the lens read out as _run_blocks reads it (its logits
-        returned)."""
+        what the step emitted (fused_source's name -> (M, sites, d)), row i of parts' (request,
+        i, 1, position), handed to the hooks the module path installs, then the lens read out
+        as _run_blocks reads it (its logits returned)."""
         lens = LensRows(self.model.config, parts)
         for hooks in (capture_hooks(parts), lens.hooks()):
             for site, keep in hooks.items():
-                keep(residuals[:, residual_index(site)][None], site)  # (1, M, d): the site's tensor
+                source, index = fused_source(site)
+                keep(emitted[source][:, index][None], site)  # (1, M, d): the site's tensor
         return lens.read(self.layers)

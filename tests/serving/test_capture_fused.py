@@ -1,7 +1,7 @@
-"""Residual sites and the lens read from the fused decode step's residual rows: a decoding row
-that asks only for those runs on the fused step, its capture and lens equal run_with_cache and
-logit_lens on the module path of the same converted model, and emitting rows leaves every row's
-numbers bitwise as they are without emission."""
+"""Residual sites, what each block adds to the stream, and the lens, read from the fused decode
+step's emitted rows: a decoding row that asks only for those runs on the fused step, its capture
+and lens equal run_with_cache and logit_lens on the module path of the same converted model, and
+emitting rows leaves every row's numbers bitwise as they are without emission."""
 
 import pytest
 import torch
@@ -13,7 +13,8 @@ from glassformer.interpret.trace import run_with_cache
 from glassformer.serving import Engine, EngineConfig, RequestParams
 from glassformer.serving.capture import LensRows
 
-RESIDUALS = ("embed.out", "blocks.0.resid_pre", "blocks.1.resid_pre", "blocks.1.resid_post")
+EMITTED = ("embed.out", "blocks.0.resid_pre", "blocks.1.resid_pre", "blocks.1.resid_post",
+           "blocks.0.attn.out", "blocks.1.mlp.out")
 
 
 @pytest.fixture
@@ -23,9 +24,10 @@ def emitted(monkeypatch):
     rows = FastDecoder.rows
 
     def spy(self, x, positions, slots, cos, sin, keys, values, adapter_of=None, adapters=(),
-            emit=None, residuals=None):
+            emit=None, residuals=None, writes=None):
         calls.append([] if emit is None else emit.tolist())
-        return rows(self, x, positions, slots, cos, sin, keys, values, adapter_of, adapters, emit, residuals)
+        return rows(self, x, positions, slots, cos, sin, keys, values, adapter_of, adapters, emit, residuals,
+                    writes)
 
     monkeypatch.setattr(FastDecoder, "rows", spy)
     return calls
@@ -36,15 +38,18 @@ def test_residual_capture_and_lens_on_the_fused_step_equal_the_module_path(
         tiny, prompts, kernels, mode, emitted, run_in_turn):
     model = quantize_model(tiny(), mode)
     plain = RequestParams(max_new_tokens=6, eos_ids=())
-    inspecting = RequestParams(max_new_tokens=6, eos_ids=(), capture=RESIDUALS, lens=3, lens_layers=(2, 0))
+    inspecting = RequestParams(max_new_tokens=6, eos_ids=(), capture=EMITTED, lens=3, lens_layers=(2, 0))
+    residual = RequestParams(max_new_tokens=6, eos_ids=(), capture=EMITTED[:2])  # no block's writes
     other_site = RequestParams(max_new_tokens=6, eos_ids=(), capture=("blocks.0.attn.q",))
-    results = run_in_turn(model, prompts([9, 5, 13]), [plain, inspecting, other_site])
-    assert max(len(rows) for rows in emitted) == 1  # the inspecting row alone, never attn.q's
+    results = run_in_turn(model, prompts([9, 5, 13, 7]), [plain, inspecting, other_site, residual])
+    assert max(len(rows) for rows in emitted) == 2  # the two inspecting rows, never attn.q's
+    for result, sites in ((results[1], EMITTED), (results[3], EMITTED[:2])):
+        tokens = torch.tensor([result.prompt_ids + result.generated_ids[:-1]])
+        _, cache = run_with_cache(model, tokens, names=sites)
+        for site in sites:
+            torch.testing.assert_close(result.captured[site], cache[site], atol=1e-5, rtol=1e-5)
     result = results[1]
     tokens = torch.tensor([result.prompt_ids + result.generated_ids[:-1]])
-    _, cache = run_with_cache(model, tokens, names=RESIDUALS)
-    for site in RESIDUALS:
-        torch.testing.assert_close(result.captured[site], cache[site], atol=1e-5, rtol=1e-5)
     oracle = logit_lens(model, tokens, top_k=3)
     chosen = [lens_sites(model.config).index(site) for site in lens_sites(model.config, (2, 0))]
     torch.testing.assert_close(result.lens[1], oracle.probs[chosen, 0], atol=1e-5, rtol=1e-5)
@@ -62,23 +67,29 @@ def test_emitting_rows_changes_no_row(tiny, kernels, mode):
     cos, sin = torch.randn(3, d_head), torch.randn(3, d_head)  # (B, d_head) each
     pool = [torch.randn(n_slots, kv, d_head) for _ in range(2 * config.n_layers)]  # keys, values
 
-    def run(emit):
+    def run(emit, with_writes=False):
         keys, values = [t.clone() for t in pool[::2]], [t.clone() for t in pool[1::2]]
-        residuals = None
-        if emit is not None:  # (M, L + 1, d): NaN where the step wrote nothing
-            residuals = torch.full((len(emit), config.n_layers + 1, config.d_model), torch.nan)
+        residuals = writes = None
+        if emit is not None:  # NaN where the step wrote nothing
+            m, n_layers, d = len(emit), config.n_layers, config.d_model
+            residuals = torch.full((m, n_layers + 1, d), torch.nan)  # (M, L + 1, d)
+            if with_writes:
+                writes = torch.full((m, n_layers, 2, d), torch.nan)  # (M, L, 2, d)
         with torch.inference_mode():
-            h = step().rows(x, positions, slots, cos, sin, keys, values,
-                            emit=None if emit is None else torch.tensor(emit), residuals=residuals)
-        return h, keys, values, residuals
+            rows = None if emit is None else torch.tensor(emit)  # (M,)
+            h = step().rows(x, positions, slots, cos, sin, keys, values, emit=rows, residuals=residuals,
+                            writes=writes)
+        return h, keys, values, residuals, writes
 
-    h, keys, values, _ = run(None)
-    for emit in ([1], [2, 0]):
-        h_e, keys_e, values_e, residuals = run(emit)
+    h, keys, values, _, _ = run(None)
+    for emit, with_writes in (([1], False), ([2, 0], True)):
+        h_e, keys_e, values_e, residuals, writes = run(emit, with_writes)
         assert torch.equal(h_e, h)
         assert all(torch.equal(a, b) for a, b in zip(keys + values, keys_e + values_e, strict=True))
         assert torch.equal(residuals[:, 0], x[emit]) and torch.equal(residuals[:, -1], h[emit])
         assert not residuals.isnan().any()
+        if with_writes:  # each layer's stream: the one before plus its attention, then its feed-forward
+            assert torch.equal(residuals[:, 1:], residuals[:, :-1] + writes[:, :, 0] + writes[:, :, 1])
 
 
 @pytest.mark.parametrize("mode", [None, "int4"])
