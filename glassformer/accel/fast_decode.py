@@ -139,6 +139,7 @@ class FastDecoder:
             config, layers, None if slopes is None else slopes.float().contiguous())
         self.empty = torch.empty(0)
         self.no_adapters = torch.empty(0, dtype=torch.long)
+        self.no_rows = torch.empty(0, dtype=torch.long)  # no row emits its residuals
 
     def __call__(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Next-token logits (1, V) for `token` (1,) at position cache.length. A cache that
@@ -171,17 +172,26 @@ class FastDecoder:
     def rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              cos: torch.Tensor | None, sin: torch.Tensor | None,
              keys: list[torch.Tensor], values: list[torch.Tensor],
-             adapter_of: torch.Tensor | None = None, adapters: list = ()) -> torch.Tensor:
+             adapter_of: torch.Tensor | None = None, adapters: list = (),
+             emit: torch.Tensor | None = None, residuals: torch.Tensor | None = None,
+             writes: torch.Tensor | None = None) -> torch.Tensor:
         """The residual streams (B, d) after every layer for the embedded tokens x (B, d) at
         positions (B,); row b's token t sits at pool slot slots[b, t] (B, S), its new one at
         slots[b, positions[b]]; cos, sin (B, d_head) its angles (None without RoPE); keys,
         values per layer (n_slots, KV, d_head) float32, written at the new slots. Row b adds
         the updates of adapters[adapter_of[b]] (fused_adapter's), none where it is -1 or
-        adapter_of is None (B,)."""
+        adapter_of is None (B,). Rows emit (M,) also write their residual streams after the
+        embedding and after each layer, the state the step carries, into residuals
+        (M, n_layers + 1, d) float32 (None: no row; the plain step), and, where writes
+        (M, n_layers, 2, d) float32 is given, each layer's attention and feed-forward outputs."""
         cos = self.empty if cos is None else cos.contiguous()
         sin = self.empty if sin is None else sin.contiguous()
         rows = self.no_adapters if adapter_of is None else adapter_of.contiguous()
-        return self.step_fn.step_paged(x, positions, slots, cos, sin, keys, values, rows, list(adapters))
+        emit = self.no_rows if emit is None else emit.contiguous()
+        residuals = self.empty if residuals is None else residuals
+        writes = self.empty if writes is None else writes
+        return self.step_fn.step_paged(x, positions, slots, cos, sin, keys, values, rows, list(adapters),
+                                       emit, residuals, writes)
 
 
 def _norm(norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

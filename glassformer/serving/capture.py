@@ -13,7 +13,14 @@ lens_sites) keeps the lens requests' residual rows for the length of one step, o
 and reads them out after the blocks in one call of the final norm and head over every request's
 rows of every site it asked (the head's weights read once per tile of rows, not once per request
 and site): each layer's top-k tokens and probabilities per position, computed from the
-residuals the step produced for that request.
+residuals the step produced for that request. The last residual's read-out is the model's
+output, so a request reading it at its last row hands the runner its next-token logits.
+
+A decoding row that asks only for residual sites (embed.out, blocks.{i}.resid_pre,
+blocks.{i}.resid_post), what each block writes into the stream (blocks.{i}.attn.out,
+blocks.{i}.mlp.out) and the lens, whose inputs are residuals, runs on the fused decode step,
+which copies those out (`fused_source`); the runner hands each asked site's rows of those copies
+to the same hooks (capture_hooks, LensRows.hooks) as the module path's blocks would.
 """
 
 from __future__ import annotations
@@ -33,6 +40,24 @@ def token_axis(site: str) -> int | None:
     does not capture."""
     dims = EMBED_SITES.get(site) or LAYER_SITES.get(site.split(".", 2)[-1])
     return dims.index("pos") if dims is not None and "pos" in dims else None
+
+
+def fused_source(site: str) -> tuple[str, int] | None:
+    """Where the fused decode step's emitted rows hold a site (FastDecoder.rows): in its
+    residuals, 0 the embedding's output (= blocks.0.resid_pre) and i + 1 the stream after block
+    i (blocks.{i}.resid_post = blocks.{i+1}.resid_pre); in its writes, 2 i block i's attn.out
+    and 2 i + 1 its mlp.out. None for a site it does not emit."""
+    if site == "embed.out":
+        return "residuals", 0
+    parts = site.split(".", 2)
+    if len(parts) < 3 or parts[0] != "blocks":
+        return None
+    layer, name = int(parts[1]), parts[2]
+    if name in ("resid_pre", "resid_post"):
+        return "residuals", layer + (name == "resid_post")
+    if name in ("attn.out", "mlp.out"):
+        return "writes", 2 * layer + (name == "mlp.out")
+    return None
 
 
 def check_capture(config: ModelConfig, sites: tuple[str, ...]) -> None:
@@ -103,6 +128,7 @@ class LensRows:
     def __init__(self, config: ModelConfig, parts: list[tuple[Sequence, int, int, int]]) -> None:
         self.parts = [part for part in parts if part[0].params.lens is not None]
         self.sites = [lens_sites(config, seq.params.lens_layers) for seq, *_ in self.parts]
+        self.last = lens_sites(config)[-1]  # the residual the final norm and head read
         rows = [torch.arange(start, start + n) for _, start, n, _ in self.parts]
         self.index = torch.cat(rows) if rows else None  # (M,) the lens requests' rows in the step
         self.kept: dict[str, torch.Tensor] = {}  # site -> (M, d)
@@ -116,23 +142,32 @@ class LensRows:
 
         return dict.fromkeys(set().union(*self.sites), keep)
 
-    def read(self, model: Transformer) -> None:
+    def read(self, model: Transformer) -> dict[int, torch.Tensor]:
         """Each lens request's top-k per site of its layers for this step's positions, kept on
         the request. `model` computes each row on its own (the runner's row-invariant view), so
         a request reads the same numbers whoever else reads the lens in its step, and however
-        its rows fall into the calls of LENS_ROWS."""
+        its rows fall into the calls of LENS_ROWS. Returns, by id(request), the next-token
+        logits (V,) of each request that reaches its end in this step and reads the last
+        residual: that row's read-out is the model's output, which the runner then takes as is."""
         if not self.parts:
-            return
+            return {}
         chunks, offset, tops = [], 0, []
+        finals: dict[int, int] = {}  # row of `rows` -> id(request) whose output it is
         for (seq, _, n, _), sites in zip(self.parts, self.sites, strict=True):
+            if self.last in sites and seq.num_computed + n == seq.num_tokens:
+                first = sum(chunk.shape[0] for chunk in chunks)  # the request's first row
+                finals[first + sites.index(self.last) * n + n - 1] = id(seq)
             chunks += [self.kept[site][offset : offset + n] for site in sites]  # (n, d) each
             offset += n
             k = min(seq.params.lens, model.config.vocab_size)
             tops.append((torch.empty(len(sites) * n, k, dtype=torch.long),
                          torch.empty(len(sites) * n, k)))  # (sites × n, k): ids, probabilities
         rows = torch.cat(chunks)  # (R, d): R = Σ sites × rows
+        outputs = {}  # id(request) -> its next-token logits (V,)
         for c0 in range(0, rows.shape[0], LENS_ROWS):
             logits = read_out(model, rows[c0 : c0 + LENS_ROWS])  # (≤ LENS_ROWS, V)
+            outputs |= {key: logits[row - c0].clone() for row, key in finals.items()
+                        if c0 <= row < c0 + logits.shape[0]}
             first = 0
             for ids, probs in tops:  # each request's rows in this call
                 lo, hi = max(first, c0), min(first + ids.shape[0], c0 + logits.shape[0])
@@ -145,6 +180,7 @@ class LensRows:
             for i in range(n):  # by position: a request recomputed after preemption overwrites
                 seq.lens[position + i] = (ids[:, i], probs[:, i])  # (sites, k) each
         self.kept.clear()
+        return outputs
 
 
 def lens_of(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -30,8 +30,8 @@ def changes(params: RequestParams) -> bool:
 
 
 def uses_hooks(params: RequestParams) -> bool:
-    """Whether the request needs the step's hook sites (the module path): it captures, reads
-    the lens, steers or ablates."""
+    """Whether the request needs the step's hook sites: it captures, reads the lens, steers or
+    ablates (the module path, but for the sites the fused step emits: capture.fused_source)."""
     return bool(params.capture) or params.lens is not None or changes(params)
 
 

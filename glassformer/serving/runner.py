@@ -18,6 +18,11 @@ decoding rows through its fused C++ step (accel/fast_decode.py `FastDecoder.rows
 step, whatever else the step holds: one call runs every layer for every such row, attending
 over each row's own block table in the pool. Each row's numbers are those of `generate`'s
 fused step for that sequence alone, so they too are independent of what shares the step.
+A decoding row that captures residual sites, attn.out or mlp.out only and/or reads the lens
+stays on the fused step, which copies out its residual stream after the embedding and each layer
+(and what each layer's attention and feed-forward add to it); the capture and lens hooks the
+blocks would call are called on those copies (`_inspect`). Steering, ablation and any other site
+keep the module path.
 
 A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
 each product it targets, on those rows alone (adapters.py), on the module path (the view's
@@ -39,8 +44,8 @@ from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters, itself
-from .capture import LensRows, capture_hooks
-from .interventions import edit_hooks, uses_hooks
+from .capture import LensRows, capture_hooks, fused_source
+from .interventions import changes, edit_hooks, uses_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView, Part, slots_of
 from .row_tiles import row_invariant
@@ -109,23 +114,28 @@ class ModelRunner:
         self.pool.reserve(1 + max((b for seq, _ in plan.scheduled for b in seq.block_table), default=-1))
         self.pool.copy_blocks(plan.copies)
         fused = self._fused()
-        fast = [fused is not None and n == 1 and not uses_hooks(seq.params) and self._fused_adapter(seq)
-                for seq, n in plan.scheduled]
+        fast = [fused is not None and n == 1 and self._fused_takes(seq) for seq, n in plan.scheduled]
         decoding = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
         others = [part for part, ok in zip(plan.scheduled, fast, strict=True) if not ok]
         hidden = {}  # id(request) -> its last row's final hidden state (d,)
+        outputs = {}  # id(request) -> its next-token logits (V,), where its lens read them
         if decoding:
-            hidden.update(self._run_fused(decoding, fused))
+            hidden.update(self._run_fused(decoding, fused, outputs))
         if others:
-            hidden.update(self._run_blocks(others))
-        ends = [hidden[id(seq)] for seq, n in plan.scheduled if seq.num_computed + n == seq.num_tokens]
+            hidden.update(self._run_blocks(others, outputs))
+        ends = [id(seq) for seq, n in plan.scheduled if seq.num_computed + n == seq.num_tokens]
         if not ends:
             return torch.zeros(0, self.model.config.vocab_size, device=self.device)
-        h = torch.stack(ends)  # (R, d)
-        layers = self.layers
-        if layers.final_norm is not None:
-            h = layers.hooks("final_norm", layers.final_norm(h))
-        return layers.head(h)  # (R, V)
+        todo = [key for key in ends if key not in outputs]
+        if todo:
+            h = torch.stack([hidden[key] for key in todo])  # (R', d)
+            layers = self.layers
+            if layers.final_norm is not None:
+                h = layers.hooks("final_norm", layers.final_norm(h))
+            if len(todo) == len(ends):
+                return layers.head(h)  # (R, V)
+            outputs |= dict(zip(todo, layers.head(h), strict=True))
+        return torch.stack([outputs[key] for key in ends])  # (R, V)
 
     def _fused(self) -> FastDecoder | None:
         """The model's fused step where it can run decoding rows: fast attention, a float32
@@ -140,13 +150,18 @@ class ModelRunner:
         every key at its text position)."""
         return self.fast and self.pool.kv_dtype == "fp32" and self.sink is None
 
-    def _fused_adapter(self, seq: Sequence) -> bool:
-        """Whether seq's adapter, if it names one, is built for the fused step."""
-        return seq.params.adapter is None or self.adapters[seq.params.adapter].fused is not None
+    def _fused_takes(self, seq: Sequence) -> bool:
+        """Whether the fused step computes seq's decoding row as it asks: its adapter, if it
+        names one, is built for it, and it changes nothing and captures only sites the step
+        emits (fused_source; the lens reads residuals only)."""
+        params = seq.params
+        return ((params.adapter is None or self.adapters[params.adapter].fused is not None)
+                and not changes(params) and all(fused_source(site) is not None for site in params.capture))
 
-    def _run_blocks(self, scheduled: Scheduled) -> dict[int, torch.Tensor]:
+    def _run_blocks(self, scheduled: Scheduled, outputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The scheduled tokens through the model's blocks; the last row of each request
-        that reaches its end: id(request) -> (d,)."""
+        that reaches its end: id(request) -> (d,). `outputs` gets the logits its lens read
+        (LensRows.read)."""
         ids, positions, parts, ends, capturing = [], [], [], {}, []
         adapted: dict[str, list[int]] = {}  # adapter name -> its rows
         for seq, n in scheduled:
@@ -176,7 +191,7 @@ class ModelRunner:
             x = self.layers.embed(ids_t, pos_t)  # (1, N, d)
             for block in self.layers.blocks:
                 x = block(x, None, rope, view)
-        lens.read(self.layers)  # the row-invariant view: each lens row as if alone
+        outputs |= lens.read(self.layers)  # the row-invariant view: each lens row as if alone
         return {key: x[0, row] for key, row in ends.items()}
 
     def _slots(self, seq: Sequence, context: int) -> torch.Tensor:
@@ -195,8 +210,10 @@ class ModelRunner:
             return contextlib.nullcontext()
         return self.adapters.rows(rows, self.device)
 
-    def _run_fused(self, scheduled: Scheduled, fused: FastDecoder) -> dict[int, torch.Tensor]:
-        """One new token of each request through the fused step over the pool."""
+    def _run_fused(self, scheduled: Scheduled, fused: FastDecoder,
+                   outputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """One new token of each request through the fused step over the pool (outputs as
+        _run_blocks')."""
         bs = self.pool.block_size
         seqs = [seq for seq, _ in scheduled]
         width = max(len(seq.block_table) for seq in seqs)
@@ -213,6 +230,31 @@ class ModelRunner:
         adapter_of = torch.tensor([-1 if seq.params.adapter is None else names.index(seq.params.adapter)
                                    for seq in seqs])  # (B,)
         adapters = [self.adapters[name].fused for name in names]
+        inspecting = [b for b, seq in enumerate(seqs) if uses_hooks(seq.params)]  # capture, lens
+        emit = residuals = writes = None
+        if inspecting:
+            emit = torch.tensor(inspecting)  # (M,)
+            m, n_layers, d = len(inspecting), len(self.model.blocks), x.shape[1]
+            residuals = torch.empty(m, n_layers + 1, d)  # (M, L + 1, d)
+            if any(fused_source(site)[0] == "writes" for b in inspecting for site in seqs[b].params.capture):
+                writes = torch.empty(m, n_layers, 2, d)  # (M, L, 2, d): attn.out, mlp.out
         h = fused.rows(x, positions, slots, cos, sin, self.pool.keys, self.pool.values,
-                       adapter_of if names else None, adapters)  # (B, d)
+                       adapter_of if names else None, adapters, emit, residuals, writes)  # (B, d)
+        if inspecting:  # row i of the copies: request seqs[b]'s one row at its position
+            parts = [(seqs[b], i, 1, seqs[b].num_computed) for i, b in enumerate(inspecting)]
+            emitted = {"residuals": residuals, "writes": None if writes is None else writes.flatten(1, 2)}
+            outputs |= self._inspect(parts, emitted)
         return {id(seq): h[b] for b, seq in enumerate(seqs) if seq.num_computed + 1 == seq.num_tokens}
+
+    def _inspect(self, parts: list[tuple[Sequence, int, int, int]],
+                 emitted: dict[str, torch.Tensor | None]) -> dict[int, torch.Tensor]:
+        """The capture and lens of the fused step's inspecting rows: each asked site's rows of
+        what the step emitted (fused_source's name -> (M, sites, d)), row i of parts' (request,
+        i, 1, position), handed to the hooks the module path installs, then the lens read out
+        as _run_blocks reads it (its logits returned)."""
+        lens = LensRows(self.model.config, parts)
+        for hooks in (capture_hooks(parts), lens.hooks()):
+            for site, keep in hooks.items():
+                source, index = fused_source(site)
+                keep(emitted[source][:, index][None], site)  # (1, M, d): the site's tensor
+        return lens.read(self.layers)

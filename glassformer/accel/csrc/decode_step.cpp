@@ -12,6 +12,10 @@
 // There a row may carry a LoRA adapter: each product's output gets that adapter's low-rank
 // update on that row alone, y += scale B (A x) per target slice (serving/adapters.py), after
 // the base product, so a row without one is computed exactly as without adapters.
+// step_paged also copies out, for the rows a caller names (ResidualRows), the residual stream
+// it carries between layers: after the embedding and after each layer, and, if asked, what each
+// layer's attention and feed-forward add to it (the engine's capture and logit lens of those
+// sites); with no row named it copies nothing.
 
 #include <cmath>
 #include <cstring>
@@ -121,7 +125,9 @@ torch::Tensor DecodeStep::step_paged(torch::Tensor x, const torch::Tensor& posit
                                      const torch::Tensor& sin,
                                      const std::vector<torch::Tensor>& keys,
                                      const std::vector<torch::Tensor>& values,
-                                     const torch::Tensor& adapter_of, const Adapters& adapters) {
+                                     const torch::Tensor& adapter_of, const Adapters& adapters,
+                                     const torch::Tensor& emit, torch::Tensor residuals,
+                                     torch::Tensor writes) {
   const int64_t KV = config_.n_kv_heads, D = config_.d_head;
   TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(),
               "decode step: one pool tensor per layer");
@@ -171,7 +177,37 @@ torch::Tensor DecodeStep::step_paged(torch::Tensor x, const torch::Tensor& posit
                   table + b * S};
   };
   return layers(x, pos, config_.rope ? cos.data_ptr<float>() : nullptr,
-                config_.rope ? sin.data_ptr<float>() : nullptr, view_of, adapter, adapters);
+                config_.rope ? sin.data_ptr<float>() : nullptr, view_of, adapter, adapters,
+                residual_rows(emit, residuals, writes, B));
+}
+
+ResidualRows DecodeStep::residual_rows(const torch::Tensor& emit, torch::Tensor& residuals,
+                                       torch::Tensor& writes, int64_t B) const {
+  if (emit.numel() == 0) return {};
+  const int64_t M = emit.numel(), L = static_cast<int64_t>(layers_.size()), sites = L + 1;
+  TORCH_CHECK(emit.dtype() == torch::kInt64 && emit.is_contiguous() && emit.dim() == 1,
+              "decode step: emit must be (M,) int64");
+  TORCH_CHECK(residuals.dtype() == torch::kFloat32 && residuals.is_contiguous() &&
+                  residuals.dim() == 3 && residuals.size(0) == M && residuals.size(1) == sites &&
+                  residuals.size(2) == config_.d_model,
+              "decode step: residuals must be float32 (M, n_layers + 1, d_model)");
+  const int64_t* rows = emit.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M; ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < B, "decode step: emit row ", rows[i], " of ", B);
+  }
+  if (writes.numel() == 0) return {rows, M, residuals.data_ptr<float>()};
+  TORCH_CHECK(writes.dtype() == torch::kFloat32 && writes.is_contiguous() &&
+                  writes.sizes() == torch::IntArrayRef({M, L, 2, config_.d_model}),
+              "decode step: writes must be float32 (M, n_layers, 2, d_model)");
+  return {rows, M, residuals.data_ptr<float>(), writes.data_ptr<float>()};
+}
+
+void ResidualRows::keep(const torch::Tensor& x, float* to, int64_t site, int64_t sites) const {
+  if (to == nullptr) return;
+  const int64_t d = x.size(1);
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(to + (i * sites + site) * d, x.data_ptr<float>() + rows[i] * d, d * sizeof(float));
+  }
 }
 
 // Every product of every layer: the widths an adapter's updates read and write, and their
@@ -209,10 +245,12 @@ void DecodeStep::check(const AdapterWeights& adapter) const {
 template <typename ViewOf>
 torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const float* cos,
                                  const float* sin, ViewOf view_of, const int64_t* adapter_of,
-                                 const Adapters& adapters) {
+                                 const Adapters& adapters, const ResidualRows& emit) {
   const int64_t H = config_.n_heads, KV = config_.n_kv_heads, D = config_.d_head;
   const int64_t B = x.size(0), width = (H + 2 * KV) * D;
   x = x.contiguous().clone();  // (B, d): updated in place layer by layer
+  const int64_t sites = static_cast<int64_t>(layers_.size()) + 1;
+  emit.keep(x, emit.out, 0, sites);
   auto h = torch::empty_like(x);  // (B, d)
   auto context = torch::empty({B, H * D}, x.options());  // (B, H·d_head)
   std::vector<KVView> views(B);
@@ -241,6 +279,7 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
     }
     auto attended = layer.out(context);  // (B, d)
     add_updates(adapter_of, adapters, l, &LoRALayer::out, context, attended);
+    emit.keep(attended, emit.writes, 2 * static_cast<int64_t>(l), 2 * (sites - 1));
     x.add_(attended);
     normalize(x, layer.norm2, h);
     auto up = layer.up(h);  // (B, d_ff or 2 d_ff)
@@ -248,7 +287,9 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
     auto hidden = activate(up);  // (B, d_ff)
     auto down = layer.down(hidden);  // (B, d)
     add_updates(adapter_of, adapters, l, &LoRALayer::down, hidden, down);
+    emit.keep(down, emit.writes, 2 * static_cast<int64_t>(l) + 1, 2 * (sites - 1));
     x.add_(down);
+    emit.keep(x, emit.out, static_cast<int64_t>(l) + 1, sites);
   }
   return x;
 }

@@ -465,6 +465,21 @@ struct KVView {
   }
 };
 
+// The rows whose residual stream step_paged writes out: for i < n, row rows[i]'s stream after
+// the embedding (site 0) and after each layer l (site l + 1) at out + (i sites + site) d_model,
+// out (n, n_layers + 1, d_model) float32; where writes is given, what layer l's attention
+// (site 2 l) and feed-forward (site 2 l + 1) add to the stream, writes (n, n_layers, 2,
+// d_model) float32. n = 0: none, the plain step.
+struct ResidualRows {
+  const int64_t* rows = nullptr;
+  int64_t n = 0;
+  float* out = nullptr;
+  float* writes = nullptr;
+
+  // the rows of x (B, d) into `to` at site of sites, as above; nothing where `to` is null
+  void keep(const torch::Tensor& x, float* to, int64_t site, int64_t sites) const;
+};
+
 // New tokens through every layer of a pre-norm decoder (decode_step.cpp): one token of one
 // sequence (step), or one token of each of B sequences whose keys and values live in a paged
 // pool (step_paged). Each row is computed on its own, with the same arithmetic either way.
@@ -482,18 +497,26 @@ class DecodeStep {
   // x (B, d) the embedded tokens; slots (B, S) int64: row b's token t is at pool slot
   // slots[b, t] for t <= positions[b], its new token's slot last; cos, sin (B, d_head);
   // keys, values per layer (n_slots, KV, d_head) float32. adapter_of (B,) int64 (or empty:
-  // none): row b adds the updates of adapters[adapter_of[b]], -1 none. Returns the residual
-  // streams (B, d).
+  // none): row b adds the updates of adapters[adapter_of[b]], -1 none. emit (M,) int64 rows
+  // (or empty: none) whose residual streams after the embedding and each layer go to residuals
+  // (M, n_layers + 1, d) float32, and each layer's attention and feed-forward outputs to
+  // writes (M, n_layers, 2, d) float32 (or empty: not asked). Returns the residual streams
+  // (B, d).
   torch::Tensor step_paged(torch::Tensor x, const torch::Tensor& positions,
                            const torch::Tensor& slots, const torch::Tensor& cos,
                            const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
                            const std::vector<torch::Tensor>& values,
-                           const torch::Tensor& adapter_of, const Adapters& adapters);
+                           const torch::Tensor& adapter_of, const Adapters& adapters,
+                           const torch::Tensor& emit, torch::Tensor residuals,
+                           torch::Tensor writes);
 
  private:
   template <typename ViewOf>
   torch::Tensor layers(torch::Tensor x, const int64_t* pos, const float* cos, const float* sin,
-                       ViewOf view_of, const int64_t* adapter_of, const Adapters& adapters);
+                       ViewOf view_of, const int64_t* adapter_of, const Adapters& adapters,
+                       const ResidualRows& emit = {});
+  ResidualRows residual_rows(const torch::Tensor& emit, torch::Tensor& residuals,
+                             torch::Tensor& writes, int64_t B) const;
   void check(const AdapterWeights& adapter) const;
   void normalize(const torch::Tensor& x, const NormWeights& norm, torch::Tensor& out) const;
   void store(const KVView& kv, const float* k, const float* v, int64_t pos) const;
