@@ -371,10 +371,97 @@ inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
       y[m * ldy + r * ld] = sums[m * R + r] + (bias ? bias[r * ld] : 0.0f);
 }
 
-// Activation rows per tile of the AVX-512 kernels: 16 rows' accumulators beside a weight
-// chunk's 8 registers fill the 32 vector registers. Tiles of 8 or more rows take the weight
-// rows one at a time (their accumulators would not fit beside R rows'); smaller tiles all R
-// rows at once (more independent sums in flight).
+// The same for one weight row and a deep tile of MB >= 8 rows, the loops turned around: each
+// dword of the weight chunk (q4: low and high nibbles) is unpacked once and taken by the MB rows
+// in turn, so MB independent vpdpbusd sums are in flight (a row's 8 dependent ones would leave
+// the unit waiting on its latency), held in MB registers while the float sums wait in memory.
+// Each row's float operations are those of tile_wide, in the same order.
+template <bool Q4, int MB>
+inline void tile_deep(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                      const Activations& a, int64_t m0, float* y, int64_t ldy, const float* bias) {
+  static_assert(MB <= 16, "one lane_sums call per tile");
+  constexpr int kDwords = Q4 ? 4 : 8;
+  const int64_t tail = tail_blocks(nb, Q4), body = nb - tail;
+  alignas(64) float acc[MB][16];  // the rows' float sums, lane j block j of each chunk
+  for (int m = 0; m < MB; ++m) _mm512_store_ps(acc[m], _mm512_setzero_ps());
+  const __m512i low4 = _mm512_set1_epi8(0x0F), shift = _mm512_set1_epi8(static_cast<char>(0x80));
+  // dot[m] += the chunk's dword(s) `raw` (q4: low nibbles at part u, high at u + 4) times row
+  // m's activation parts
+  auto take = [&](__m512i (&dot)[MB], __m512i raw, const int8_t* xq, int u) {
+    if constexpr (Q4) {
+      const __m512i lo = _mm512_and_si512(raw, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_loadu_si512(xq + m * 512 + u * 64));
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_loadu_si512(xq + m * 512 + u * 64 + 256));
+    } else {
+      const __m512i wv = _mm512_xor_si512(raw, shift);
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], wv, _mm512_loadu_si512(xq + m * 512 + u * 64));
+    }
+  };
+  // acc[m] += wd dx[m] dot[m] (q4: + wm sx[m]) for the chunk at `at`
+  auto scale = [&](const __m512i (&dot)[MB], __m512 wd, __m512 wm, int64_t at) {
+    const float* dx = a.d.data() + at;
+    const float* sx = a.s.data() + at;
+    for (int m = 0; m < MB; ++m) {
+      const __m512 s = _mm512_mul_ps(wd, _mm512_loadu_ps(dx + m * kChunk));
+      __m512 v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot[m]), _mm512_load_ps(acc[m]));
+      if constexpr (Q4) v = _mm512_fmadd_ps(wm, _mm512_loadu_ps(sx + m * kChunk), v);
+      _mm512_store_ps(acc[m], v);
+    }
+  };
+  auto start = [&](__m512i (&dot)[MB], int64_t at) {
+    for (int m = 0; m < MB; ++m)
+      dot[m] = Q4 ? _mm512_setzero_si512() : _mm512_loadu_si512(a.c.data() + at + m * kChunk);
+  };
+  for (int64_t b0 = 0; b0 < body; b0 += kChunk) {
+    const int len = static_cast<int>(std::min<int64_t>(kChunk, body - b0));
+    const int64_t at = (b0 / kChunk * a.rows + m0) * kChunk;  // the tile's rows in the chunk
+    const int8_t* xq = a.q.data() + at * 32;
+    const uint8_t* p = w + b0 * 4 * kDwords;
+    __m512i dot[MB];
+    start(dot, at);
+    for (int t = 0; t < kDwords; ++t) {
+      prefetch(p + t * 64);
+      take(dot, len == kChunk ? _mm512_loadu_si512(p + t * 64)
+                              : _mm512_maskz_loadu_epi8(first_bytes(4 * len), p + t * 4 * len),
+           xq, t);
+    }
+    scale(dot, load_halves16(dw + b0, len), Q4 ? load_halves16(mw + b0, len) : __m512{}, at);
+  }
+  if (tail) {
+    const int64_t at = (body / kChunk * a.rows + m0) * kChunk;
+    const __m512i idx = Q4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                           : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const int len = static_cast<int>(tail);
+    __m512i dot[MB];
+    start(dot, at);
+    if constexpr (Q4) {  // the tail's low and high nibbles meet activation parts 0 and 1
+      const __m512i raw = _mm512_maskz_loadu_epi8(first_bytes(tail * 16), w + body * 16);
+      const __m512i lo = _mm512_and_si512(raw, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      const int8_t* xq = a.q.data() + at * 32;
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_loadu_si512(xq + m * 512));
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_loadu_si512(xq + m * 512 + 64));
+    } else {
+      take(dot, _mm512_maskz_loadu_epi8(first_bytes(tail * 32), w + body * 32),
+           a.q.data() + at * 32, 0);
+    }
+    const __m512 wd = _mm512_permutexvar_ps(idx, load_halves16(dw + body, len));
+    scale(dot, wd, Q4 ? _mm512_permutexvar_ps(idx, load_halves16(mw + body, len)) : wd, at);
+  }
+  alignas(64) float sums[16];
+  lane_sums(reinterpret_cast<const __m512*>(acc), MB, sums);
+  for (int m = 0; m < MB; ++m) y[m * ldy] = sums[m] + (bias ? bias[0] : 0.0f);
+}
+
+// Activation rows per tile of the AVX-512 kernels: tiles of 16 or 8 rows take the weight rows
+// one at a time (tile_deep), smaller tiles all R rows at once (tile_wide: more independent
+// sums in flight).
 constexpr int kWideTileRows = 16;
 
 // One tile of MB rows from m0 against the R weight rows.
@@ -387,8 +474,8 @@ inline void tile_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
   } else {
     const int64_t row_bytes = nb * (Q4 ? 16 : 32);
     for (int r = 0; r < R; ++r)
-      tile_wide<Q4, 1, MB>(w + r * ld * row_bytes, dw + r * ld * nb, Q4 ? mw + r * ld * nb : mw,
-                           nb, ld, a, m0, y + r * ld, N, bias ? bias + r * ld : nullptr);
+      tile_deep<Q4, MB>(w + r * ld * row_bytes, dw + r * ld * nb, Q4 ? mw + r * ld * nb : mw,
+                        nb, a, m0, y + r * ld, N, bias ? bias + r * ld : nullptr);
   }
 }
 
