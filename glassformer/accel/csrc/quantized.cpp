@@ -22,7 +22,8 @@
 //     A chunk of a weight row is loaded once per tile (kWideTileRows = 16 rows, then tiles of
 //     8, 4, 2, 1). Each row of the tile then takes 8 vpdpbusd (exact integer sums), one
 //     conversion and one scale multiply and FMA (q4: one more for the minimum) per chunk of
-//     16 blocks, not per block. A tail of up to one 64-byte load (4 q4 or 2 q8 blocks) stays
+//     16 blocks, not per block. Tiles of 8 and 16 rows take each weight dword across all
+//     their rows before the next (tile_deep): one independent vpdpbusd sum per row in flight. A tail of up to one 64-byte load (4 q4 or 2 q8 blocks) stays
 //     in block order and is taken as loaded, 4 or 8 lanes per block.
 //   AVX2: weight rows in block order (GGUF's), kTileRows rows a tile, the group's scales widened to float once, maddubs/madd per
 //     block (q4: per pair of blocks).
@@ -51,10 +52,9 @@ inline float half(const uint16_t* p) { return _cvtsh_ss(*p); }
 // ------------------------------------------------------------ activation quantization (Q8)
 
 // Quantizes each row of x (M, K) in blocks of 32: q = round(x * 127 / amax), d = amax / 127,
-// s = d * sum(q) (used by the q4 minimum term) and, where `sums` is given, sum(q) itself. The
-// tail past K is zero.
+// s = d * sum(q) (used by the q4 minimum term). The tail past K is zero.
 void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8_t* q, float* d,
-                          float* s, int32_t* sums = nullptr) {
+                          float* s) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(at::get_num_threads())
@@ -94,7 +94,6 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (m * nb + b) * 32), p);
       d[m * nb + b] = dm;
       s[m * nb + b] = dm * static_cast<float>(_mm_cvtsi128_si32(s4));
-      if (sums) sums[m * nb + b] = _mm_cvtsi128_si32(s4);
     }
   }
 }
@@ -134,63 +133,79 @@ inline int64_t tail_blocks(int64_t nb, bool q4) {
   return tail <= (q4 ? 4 : 2) ? tail : 0;
 }
 
+#ifdef GLASSFORMER_WIDE
+// quantize_activations' arithmetic for one block of `len` <= 32 floats from x (zeros after),
+// 32 floats at a time: q the 32 values in element order, d the scale; returns sum(q). The
+// maximum, products and roundings are those of the 8-lane code, so the results are the same.
+inline int32_t quantize_block(const float* x, int64_t len, int8_t* q, float* d) {
+  const auto first = [](int64_t n) {
+    return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1);
+  };
+  const __m512 v0 = _mm512_maskz_loadu_ps(first(len), x);
+  const __m512 v1 = _mm512_maskz_loadu_ps(first(len - 16), x + 16);
+  const float max_abs = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  *d = max_abs / 127.0f;
+  const __m512 id = _mm512_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+  const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+
+// The chunk layout of Activations (kWide) for x (M, K), each block quantized where it goes.
+void quantize_chunks(const float* x, int64_t M, int64_t K, int64_t nb, bool paired,
+                     Activations& a) {
+  const int64_t stride = (nb + kChunk - 1) / kChunk * kChunk;  // blocks per padded row
+  a.rows = M;
+  a.q.resize(M * stride * 32);
+  a.d.resize(M * stride);
+  a.s.resize(M * stride);
+  a.c.resize(M * stride);
+  // only the last chunk has lanes that no block fills: zeros there
+  const int64_t last = (stride - kChunk) * M;  // its first lane
+  std::fill(a.q.begin() + last * 32, a.q.end(), 0);
+  std::fill(a.d.begin() + last, a.d.end(), 0.0f);
+  std::fill(a.s.begin() + last, a.s.end(), 0.0f);
+  std::fill(a.c.begin() + last, a.c.end(), 0);
+  const int64_t tail = tail_blocks(nb, paired), lanes = paired ? 4 : 8;  // lanes per block
+  // the buffers may be a thread's own (thread_local): the loop's other threads get pointers
+  int8_t* out_q = a.q.data();
+  float* out_d = a.d.data();
+  float* out_s = a.s.data();
+  auto* out_c = a.c.data();
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(at::get_num_threads())
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      alignas(32) int8_t src[32];
+      float d;
+      const int32_t sum = quantize_block(x + m * K + b * 32, K - b * 32, src, &d);
+      const int64_t first = (b / kChunk * M + m) * kChunk;  // [chunk][m] lane 0
+      int8_t* chunk = out_q + first * 32;
+      const int64_t j = b % kChunk;
+      const bool in_tail = b >= nb - tail;
+      for (int t = 0; t < 8; ++t) {
+        const int64_t lane = in_tail ? j * lanes + t % lanes : j;
+        const int64_t part = in_tail ? t / lanes : t;  // the 64-byte part
+        std::memcpy(chunk + part * 64 + lane * 4, src + 4 * t, 4);
+      }
+      const int64_t at = first + (in_tail ? j * lanes : j);
+      for (int64_t l = 0; l < (in_tail ? lanes : 1); ++l) out_d[at + l] = d;
+      out_s[at] = d * static_cast<float>(sum);
+      out_c[at] = -128 * sum;
+    }
+}
+#endif
+
 // Quantized activations in buffers reused across calls (no allocation per call). With
 // `paired` (for q4 weights, AVX2), blocks are interleaved in pairs ([elements 0..15 of each
 // block][elements 16..31 of each block], the order in which one load of q4 nibbles unpacks).
 const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64_t nb,
                              bool paired) {
   thread_local Activations a;
-  if constexpr (kWide) {
-    thread_local Activations rows;  // the row layout, relaid in chunks below
-    thread_local std::vector<int32_t> sums;
-    rows.q.resize(M * nb * 32);
-    rows.d.resize(M * nb);
-    rows.s.resize(M * nb);
-    sums.resize(M * nb);
-    quantize_activations(x.data_ptr<float>(), M, K, nb, rows.q.data(), rows.d.data(),
-                         rows.s.data(), sums.data());
-    const int64_t stride = (nb + kChunk - 1) / kChunk * kChunk;  // blocks per padded row
-    a.rows = M;
-    a.q.resize(M * stride * 32);
-    a.d.resize(M * stride);
-    a.s.resize(M * stride);
-    a.c.resize(M * stride);
-    // only the last chunk has lanes that no block fills: zeros there
-    const int64_t last = (stride - kChunk) * M;  // its first lane
-    std::fill(a.q.begin() + last * 32, a.q.end(), 0);
-    std::fill(a.d.begin() + last, a.d.end(), 0.0f);
-    std::fill(a.s.begin() + last, a.s.end(), 0.0f);
-    std::fill(a.c.begin() + last, a.c.end(), 0);
-    const int64_t tail = tail_blocks(nb, paired), lanes = paired ? 4 : 8;  // lanes per block
-    // the buffers are this thread's (thread_local): the loop's other threads get pointers
-    const int8_t* row_q = rows.q.data();
-    const float* row_d = rows.d.data();
-    const float* row_s = rows.s.data();
-    const int32_t* row_sums = sums.data();
-    int8_t* out_q = a.q.data();
-    float* out_d = a.d.data();
-    float* out_s = a.s.data();
-    auto* out_c = a.c.data();
-#pragma omp parallel for schedule(static) if (M * K >= (1 << 16)) num_threads(at::get_num_threads())
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* src = row_q + (m * nb + b) * 32;
-        const int64_t first = (b / kChunk * M + m) * kChunk;  // [chunk][m] lane 0
-        int8_t* chunk = out_q + first * 32;
-        const int64_t j = b % kChunk;
-        const bool in_tail = b >= nb - tail;
-        for (int t = 0; t < 8; ++t) {
-          const int64_t lane = in_tail ? j * lanes + t % lanes : j;
-          const int64_t part = in_tail ? t / lanes : t;  // the 64-byte part
-          std::memcpy(chunk + part * 64 + lane * 4, src + 4 * t, 4);
-        }
-        const int64_t at = first + (in_tail ? j * lanes : j);
-        for (int64_t l = 0; l < (in_tail ? lanes : 1); ++l) out_d[at + l] = row_d[m * nb + b];
-        out_s[at] = row_s[m * nb + b];
-        out_c[at] = -128 * row_sums[m * nb + b];
-      }
-    return a;
-  }
+#ifdef GLASSFORMER_WIDE
+  quantize_chunks(x.data_ptr<float>(), M, K, nb, paired, a);
+#else
   a.q.resize(M * nb * 32);
   a.d.resize(M * nb);
   a.s.resize(M * nb);
@@ -201,6 +216,7 @@ const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64
       for (int64_t b = 0; b + 2 <= nb; b += 2) interleave_halves(row + b * 32, 2);
     }
   }
+#endif
   return a;
 }
 
@@ -371,10 +387,97 @@ inline void tile_wide(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
       y[m * ldy + r * ld] = sums[m * R + r] + (bias ? bias[r * ld] : 0.0f);
 }
 
-// Activation rows per tile of the AVX-512 kernels: 16 rows' accumulators beside a weight
-// chunk's 8 registers fill the 32 vector registers. Tiles of 8 or more rows take the weight
-// rows one at a time (their accumulators would not fit beside R rows'); smaller tiles all R
-// rows at once (more independent sums in flight).
+// The same for one weight row and a deep tile of MB >= 8 rows, the loops turned around: each
+// dword of the weight chunk (q4: low and high nibbles) is unpacked once and taken by the MB rows
+// in turn, so MB independent vpdpbusd sums are in flight (a row's 8 dependent ones would leave
+// the unit waiting on its latency), held in MB registers while the float sums wait in memory.
+// Each row's float operations are those of tile_wide, in the same order.
+template <bool Q4, int MB>
+inline void tile_deep(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                      const Activations& a, int64_t m0, float* y, int64_t ldy, const float* bias) {
+  static_assert(MB <= 16, "one lane_sums call per tile");
+  constexpr int kDwords = Q4 ? 4 : 8;
+  const int64_t tail = tail_blocks(nb, Q4), body = nb - tail;
+  alignas(64) float acc[MB][16];  // the rows' float sums, lane j block j of each chunk
+  for (int m = 0; m < MB; ++m) _mm512_store_ps(acc[m], _mm512_setzero_ps());
+  const __m512i low4 = _mm512_set1_epi8(0x0F), shift = _mm512_set1_epi8(static_cast<char>(0x80));
+  // dot[m] += the chunk's dword(s) `raw` (q4: low nibbles at part u, high at u + 4) times row
+  // m's activation parts
+  auto take = [&](__m512i (&dot)[MB], __m512i raw, const int8_t* xq, int u) {
+    if constexpr (Q4) {
+      const __m512i lo = _mm512_and_si512(raw, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_loadu_si512(xq + m * 512 + u * 64));
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_loadu_si512(xq + m * 512 + u * 64 + 256));
+    } else {
+      const __m512i wv = _mm512_xor_si512(raw, shift);
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], wv, _mm512_loadu_si512(xq + m * 512 + u * 64));
+    }
+  };
+  // acc[m] += wd dx[m] dot[m] (q4: + wm sx[m]) for the chunk at `at`
+  auto scale = [&](const __m512i (&dot)[MB], __m512 wd, __m512 wm, int64_t at) {
+    const float* dx = a.d.data() + at;
+    const float* sx = a.s.data() + at;
+    for (int m = 0; m < MB; ++m) {
+      const __m512 s = _mm512_mul_ps(wd, _mm512_loadu_ps(dx + m * kChunk));
+      __m512 v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot[m]), _mm512_load_ps(acc[m]));
+      if constexpr (Q4) v = _mm512_fmadd_ps(wm, _mm512_loadu_ps(sx + m * kChunk), v);
+      _mm512_store_ps(acc[m], v);
+    }
+  };
+  auto start = [&](__m512i (&dot)[MB], int64_t at) {
+    for (int m = 0; m < MB; ++m)
+      dot[m] = Q4 ? _mm512_setzero_si512() : _mm512_loadu_si512(a.c.data() + at + m * kChunk);
+  };
+  for (int64_t b0 = 0; b0 < body; b0 += kChunk) {
+    const int len = static_cast<int>(std::min<int64_t>(kChunk, body - b0));
+    const int64_t at = (b0 / kChunk * a.rows + m0) * kChunk;  // the tile's rows in the chunk
+    const int8_t* xq = a.q.data() + at * 32;
+    const uint8_t* p = w + b0 * 4 * kDwords;
+    __m512i dot[MB];
+    start(dot, at);
+    for (int t = 0; t < kDwords; ++t) {
+      prefetch(p + t * 64);
+      take(dot, len == kChunk ? _mm512_loadu_si512(p + t * 64)
+                              : _mm512_maskz_loadu_epi8(first_bytes(4 * len), p + t * 4 * len),
+           xq, t);
+    }
+    scale(dot, load_halves16(dw + b0, len), Q4 ? load_halves16(mw + b0, len) : __m512{}, at);
+  }
+  if (tail) {
+    const int64_t at = (body / kChunk * a.rows + m0) * kChunk;
+    const __m512i idx = Q4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                           : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const int len = static_cast<int>(tail);
+    __m512i dot[MB];
+    start(dot, at);
+    if constexpr (Q4) {  // the tail's low and high nibbles meet activation parts 0 and 1
+      const __m512i raw = _mm512_maskz_loadu_epi8(first_bytes(tail * 16), w + body * 16);
+      const __m512i lo = _mm512_and_si512(raw, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      const int8_t* xq = a.q.data() + at * 32;
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_loadu_si512(xq + m * 512));
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_loadu_si512(xq + m * 512 + 64));
+    } else {
+      take(dot, _mm512_maskz_loadu_epi8(first_bytes(tail * 32), w + body * 32),
+           a.q.data() + at * 32, 0);
+    }
+    const __m512 wd = _mm512_permutexvar_ps(idx, load_halves16(dw + body, len));
+    scale(dot, wd, Q4 ? _mm512_permutexvar_ps(idx, load_halves16(mw + body, len)) : wd, at);
+  }
+  alignas(64) float sums[16];
+  lane_sums(reinterpret_cast<const __m512*>(acc), MB, sums);
+  for (int m = 0; m < MB; ++m) y[m * ldy] = sums[m] + (bias ? bias[0] : 0.0f);
+}
+
+// Activation rows per tile of the AVX-512 kernels: tiles of 16 or 8 rows take the weight rows
+// one at a time (tile_deep), smaller tiles all R rows at once (tile_wide: more independent
+// sums in flight).
 constexpr int kWideTileRows = 16;
 
 // One tile of MB rows from m0 against the R weight rows.
@@ -387,8 +490,8 @@ inline void tile_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
   } else {
     const int64_t row_bytes = nb * (Q4 ? 16 : 32);
     for (int r = 0; r < R; ++r)
-      tile_wide<Q4, 1, MB>(w + r * ld * row_bytes, dw + r * ld * nb, Q4 ? mw + r * ld * nb : mw,
-                           nb, ld, a, m0, y + r * ld, N, bias ? bias + r * ld : nullptr);
+      tile_deep<Q4, MB>(w + r * ld * row_bytes, dw + r * ld * nb, Q4 ? mw + r * ld * nb : mw,
+                        nb, a, m0, y + r * ld, N, bias ? bias + r * ld : nullptr);
   }
 }
 
