@@ -158,7 +158,9 @@ def adapter_weights(layers: list[dict[str, LoRAUpdate]]):
     def update(lora: LoRAUpdate | None):
         if lora is None:
             return ext.LoRAUpdate()
-        return ext.LoRAUpdate(lora.down, [start for start, _ in lora.ups], [b for _, b in lora.ups])
+        # each B transposed (r, rows): the step takes 8 outputs at a time
+        return ext.LoRAUpdate(lora.down, [start for start, _ in lora.ups],
+                              [b.t().contiguous() for _, b in lora.ups])
 
     return ext.AdapterWeights([ext.LoRALayer(*(update(layer.get(p)) for p in LORA_PRODUCTS))
                                for layer in layers])

@@ -13,8 +13,8 @@ without adapters. The low-rank products go through the view's own wrap (row tile
 adapter row does not depend on what shares its step either.
 
 Where the engine's decoding rows take the fused C++ step, an adapter is also built for it at
-load (accel/fast_decode.py `fused_adapter`): the same A and scaled B tensors, which the step
-adds per row after each base product, as above. Where the step cannot (`fused` None), the
+load (accel/fast_decode.py `fused_adapter`): the same A, and a transposed copy of each scaled B,
+which the step adds per row after each base product, as above. Where the step cannot (`fused` None), the
 adapter's rows keep the module path.
 """
 

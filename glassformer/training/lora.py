@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..formats.hub import MODELS
 from ..formats.peft import ADAPTER_CONFIG, read_adapter, write_adapter
@@ -59,9 +60,10 @@ class LoRALinear(nn.Module):
 
     with A_t (r, d_in) drawn like nn.Linear's weight and B_t (e_t - s_t, r) zero, so training
     starts from the base model. Only A_t and B_t learn; merged, W[s_t:e_t] += (α / r) B_t A_t.
-    Computed as two products whatever the number of targets: u = x [A_1; A_2; …]ᵀ (every A at
-    once), then y + (α / r) · u B̂ᵀ with B̂ the B_t set block-diagonally at their rows (zero
-    rows between targets), one addmm that writes y's rows once.
+    Without dropout, u = x Âᵀ with Â = [A_1; A_2; …] (every A in one product), then each
+    target's rows of y get (α / r) u_t B_tᵀ in place (LowRankUpdate, with its backward written
+    out). With dropout, u_t = dropout_t(x) A_tᵀ, then y + (α / r) · u B̂ᵀ with B̂ the B_t set
+    block-diagonally at their rows (zero rows between targets), one addmm.
     """
 
     def __init__(self, base: nn.Linear, slices: dict[str, tuple[int, int]], config: LoRAConfig):
@@ -82,10 +84,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (..., d_out)
-        if self.dropout.p:  # a mask of its own per target, as in PEFT
-            u = torch.cat([F.linear(self.dropout(x), self.lora_A[t]) for t in self.slices], -1)
-        else:
-            u = F.linear(x, torch.cat([self.lora_A[t] for t in self.slices]))  # (..., n_t · r)
+        if not (self.dropout.p and self.training):
+            a = torch.cat([self.lora_A[t] for t in self.slices])  # (n_t · r, d_in)
+            return LowRankUpdate.apply(y, x, a, self.scale, tuple(self.slices.values()),
+                                       *(self.lora_B[t] for t in self.slices))
+        # a mask of its own per target, as in PEFT
+        u = torch.cat([F.linear(self.dropout(x), self.lora_A[t]) for t in self.slices], -1)
         rows = torch.addmm(y.flatten(0, -2), u.flatten(0, -2), self.stacked_B().t(),
                            alpha=self.scale)  # (N, d_out)
         return rows.view(y.shape)
@@ -104,6 +108,42 @@ class LoRALinear(nn.Module):
         for t, (start, stop) in self.slices.items():
             self.base.weight[start:stop] += self.scale * (self.lora_B[t] @ self.lora_A[t])
         return self.base
+
+
+class LowRankUpdate(torch.autograd.Function):
+    """y[..., s_t:e_t] += c · u_t B_tᵀ in place, u = x Âᵀ (N, n_t · r), u_t its t-th r
+    columns; Â = [A_1; …] (n_t · r, d_in), B_t (e_t - s_t, r). With g = ∂L/∂y (N, d_out) and
+    g_t its rows' columns s_t:e_t, the backward is written out so that no product meets the
+    zeros between targets and nothing is computed for the frozen base:
+
+        ∂L/∂u_t = c · g_t B_t,   ∂L/∂B_t = c · g_tᵀ u_t,   ∂L/∂Â = (∂L/∂u)ᵀ x,
+        ∂L/∂x  = (∂L/∂u) Â  (added by autograd to the base product's g W),   ∂L/∂y = g
+    """
+
+    @staticmethod
+    def forward(ctx, y, x, a, scale: float, slices: tuple[tuple[int, int], ...], *bs):
+        rows, out = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # (N, d_in), (N, d_out)
+        u = rows @ a.t()  # (N, n_t · r)
+        r = a.shape[0] // len(slices)
+        for j, ((start, stop), b) in enumerate(zip(slices, bs, strict=True)):
+            out[:, start:stop].addmm_(u[:, j * r : (j + 1) * r], b.t(), alpha=scale)
+        ctx.mark_dirty(y)
+        ctx.save_for_backward(rows, u, a, *bs)
+        ctx.scale, ctx.slices, ctx.x_shape = scale, slices, x.shape
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        rows, u, a, *bs = ctx.saved_tensors
+        g, r = grad.reshape(-1, grad.shape[-1]), a.shape[0] // len(bs)  # (N, d_out)
+        parts = [g[:, start:stop] for start, stop in ctx.slices]  # each (N, e_t - s_t)
+        du = torch.cat([part @ b for part, b in zip(parts, bs, strict=True)], 1).mul_(ctx.scale)
+        dx = (du @ a).view(ctx.x_shape) if ctx.needs_input_grad[1] else None  # (..., d_in)
+        da = du.t() @ rows if ctx.needs_input_grad[2] else None  # (n_t · r, d_in)
+        dbs = [(part.t() @ u[:, j * r : (j + 1) * r]).mul_(ctx.scale)  # (e_t - s_t, r)
+               if ctx.needs_input_grad[5 + j] else None for j, part in enumerate(parts)]
+        return grad, dx, da, None, None, *dbs
 
 
 def target_slices(config: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:

@@ -20,6 +20,8 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include "glassformer.h"
 
@@ -37,10 +39,68 @@ size_t tensors_of(WeightFormat format) {
   TORCH_CHECK(false, "decode step: unknown weight format ", static_cast<int>(format));
 }
 
+// t[j * stride] = dot(a, xs[j], K) for M rows xs: each row's sum as dot() makes it (one
+// accumulator), so a row's value does not depend on the rows beside it; a is read once.
+template <int M>
+void down_rows(const float* a, const float* const* xs, int64_t K, float* t, int64_t stride) {
+  __m256 acc[M];
+  for (int j = 0; j < M; ++j) acc[j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= K; i += 8) {
+    const __m256 w = _mm256_loadu_ps(a + i);
+    for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[j] + i), acc[j]);
+  }
+  for (int j = 0; j < M; ++j) {
+    float s = hsum(acc[j]);
+    for (int64_t k = i; k < K; ++k) s += a[k] * xs[j][k];
+    t[j * stride] = s;
+  }
+}
+
+// outs[j][o] += Σ_k ts[j][k] up_t[k, o] for o in [o0, o1) and M rows: up_t (r, width) is
+// (scale · B)ᵀ, so 8 outputs go together; each output's sum runs over k in order, the same
+// whatever the rows beside it or the o range (o0 a multiple of 8).
+template <int M>
+void up_rows(const float* up_t, int64_t r, int64_t width, int64_t o0, int64_t o1,
+             const float* const* ts, float* const* outs) {
+  int64_t o = o0;
+  for (; o + 8 <= o1; o += 8) {
+    __m256 acc[M];
+    for (int j = 0; j < M; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < r; ++k) {
+      const __m256 w = _mm256_loadu_ps(up_t + k * width + o);
+      for (int j = 0; j < M; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(ts[j][k]), w, acc[j]);
+    }
+    for (int j = 0; j < M; ++j)
+      _mm256_storeu_ps(outs[j] + o, _mm256_add_ps(_mm256_loadu_ps(outs[j] + o), acc[j]));
+  }
+  for (; o < o1; ++o) {
+    for (int j = 0; j < M; ++j) {
+      float s = 0.f;
+      for (int64_t k = 0; k < r; ++k) s = std::fma(ts[j][k], up_t[k * width + o], s);
+      outs[j][o] += s;
+    }
+  }
+}
+
+// Rows taken 4 at a time (the last few fewer): f<M>(first row, M) for each group.
+template <typename F>
+void by_fours(int64_t m, F&& f) {
+  int64_t j = 0;
+  for (; j + 4 <= m; j += 4) f(std::integral_constant<int, 4>{}, j);
+  switch (m - j) {
+    case 3: f(std::integral_constant<int, 3>{}, j); break;
+    case 2: f(std::integral_constant<int, 2>{}, j); break;
+    case 1: f(std::integral_constant<int, 1>{}, j); break;
+    default: break;
+  }
+}
+
 // y[b] += the update of `product` in layer l of row b's adapter, x[b] its input, for each row
-// with an adapter (LoRAUpdate). The rows of one adapter go together, so each of its factors is
-// read once per step (they outweigh the arithmetic); each row's sums are in one fixed order.
-// One thread: the work is too small to pay for a parallel region's barrier, 4 per layer.
+// with an adapter (LoRAUpdate): t = A x for each A row, then each block of 64 outputs of each
+// target from t, both shared among the threads in one parallel region. Each of an adapter's
+// factors is read once per step, by one thread (they outweigh the arithmetic), and each row's
+// sums are in one fixed order, whatever the thread count or the rows beside it.
 void add_updates(const int64_t* adapter_of, const Adapters& adapters, size_t l,
                  LoRAUpdate LoRALayer::*product, const torch::Tensor& x, torch::Tensor& y) {
   if (adapter_of == nullptr) return;
@@ -48,27 +108,64 @@ void add_updates(const int64_t* adapter_of, const Adapters& adapters, size_t l,
   TORCH_CHECK(x.is_contiguous() && y.is_contiguous(), "decode step: LoRA rows must be contiguous");
   const float* x0 = x.data_ptr<float>();
   float* y0 = y.data_ptr<float>();
+  constexpr int64_t kBlock = 64;  // outputs per work item of the up products
+  struct Group {
+    const LoRAUpdate* update;
+    std::vector<const float*> xs;  // (m): its rows' inputs
+    std::vector<float*> ys;        // (m): its rows' outputs
+    std::vector<float> t;          // (m, n r): its rows through every target's A
+  };
+  std::vector<Group> groups;
+  std::vector<std::pair<int64_t, int64_t>> downs;                // (group, A row)
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> ups;       // (group, target, first output)
   for (size_t a = 0; a < adapters.size(); ++a) {
     const LoRAUpdate& update = adapters[a]->layers[l].*product;
-    std::vector<int64_t> rows;  // (m): the rows on this adapter
+    if (update.ups.empty()) continue;
+    Group group{&update, {}, {}, {}};
     for (int64_t b = 0; b < B; ++b) {
-      if (adapter_of[b] == static_cast<int64_t>(a)) rows.push_back(b);
+      if (adapter_of[b] != static_cast<int64_t>(a)) continue;
+      group.xs.push_back(x0 + b * K);
+      group.ys.push_back(y0 + b * N);
     }
-    if (update.ups.empty() || rows.empty()) continue;
-    const int64_t m = static_cast<int64_t>(rows.size()), nr = update.down.size(0);
-    const int64_t n = static_cast<int64_t>(update.ups.size()), r = nr / n;
-    const float* down = update.down.data_ptr<float>();
-    std::vector<float> t(m * nr);  // (m, n r): each row through every target's A
-    for (int64_t i = 0; i < nr; ++i) {
-      for (int64_t j = 0; j < m; ++j) t[j * nr + i] = dot(down + i * K, x0 + rows[j] * K, K);
+    if (group.xs.empty()) continue;
+    const int64_t g = static_cast<int64_t>(groups.size()), nr = update.down.size(0);
+    group.t.resize(nr * group.xs.size());
+    for (int64_t i = 0; i < nr; ++i) downs.emplace_back(g, i);
+    for (size_t target = 0; target < update.ups.size(); ++target) {
+      for (int64_t o = 0; o < update.ups[target].size(1); o += kBlock) ups.emplace_back(g, target, o);
     }
-    for (int64_t target = 0; target < n; ++target) {
-      const float* up = update.ups[target].data_ptr<float>();
-      float* out = y0 + update.starts[target];
-      for (int64_t o = 0; o < update.ups[target].size(0); ++o) {
-        for (int64_t j = 0; j < m; ++j)
-          out[rows[j] * N + o] += dot(up + o * r, t.data() + j * nr + target * r, r);
-      }
+    groups.push_back(std::move(group));
+  }
+  const int64_t n_downs = static_cast<int64_t>(downs.size()), n_ups = static_cast<int64_t>(ups.size());
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < n_downs; ++item) {
+      Group& group = groups[downs[item].first];
+      const int64_t i = downs[item].second, m = static_cast<int64_t>(group.xs.size());
+      const int64_t nr = group.update->down.size(0);
+      const float* a = group.update->down.data_ptr<float>() + i * K;
+      by_fours(m, [&](auto rows, int64_t j) {
+        down_rows<decltype(rows)::value>(a, group.xs.data() + j, K, group.t.data() + j * nr + i, nr);
+      });
+    }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < n_ups; ++item) {
+      const auto [g, target, o] = ups[item];
+      Group& group = groups[g];
+      const torch::Tensor& up_t = group.update->ups[target];  // (r, width)
+      const int64_t r = up_t.size(0), width = up_t.size(1), m = static_cast<int64_t>(group.xs.size());
+      const int64_t start = group.update->starts[target];
+      by_fours(m, [&](auto rows, int64_t j) {
+        constexpr int M = decltype(rows)::value;
+        const float* ts[M];
+        float* outs[M];
+        for (int k = 0; k < M; ++k) {
+          ts[k] = group.t.data() + (j + k) * group.update->down.size(0) + target * r;
+          outs[k] = group.ys[j + k] + start;
+        }
+        up_rows<M>(up_t.data_ptr<float>(), r, width, o, std::min(o + kBlock, width), ts, outs);
+      });
     }
   }
 }
@@ -231,9 +328,9 @@ void DecodeStep::check(const AdapterWeights& adapter) const {
       for (size_t j = 0; j < n; ++j) {
         const auto& b = update->ups[j];
         TORCH_CHECK(b.dtype() == torch::kFloat32 && b.is_contiguous() && b.dim() == 2 &&
-                        b.size(1) == r && update->starts[j] >= 0 &&
-                        update->starts[j] + b.size(0) <= out,
-                    "decode step: a LoRA up must be float32 (rows, ", r, ") inside ", out, " rows");
+                        b.size(0) == r && update->starts[j] >= 0 &&
+                        update->starts[j] + b.size(1) <= out,
+                    "decode step: a LoRA up must be float32 (", r, ", rows) inside ", out, " rows");
       }
     }
   }

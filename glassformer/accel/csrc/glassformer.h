@@ -426,7 +426,7 @@ struct LayerWeights {
 struct LoRAUpdate {
   torch::Tensor down;              // (n r, d_in) float32: the n targets' A stacked
   std::vector<int64_t> starts;     // (n): each target's first output row
-  std::vector<torch::Tensor> ups;  // (n) of (rows_j, r) float32: scale · B_j
+  std::vector<torch::Tensor> ups;  // (n) of (r, rows_j) float32: (scale · B_j)ᵀ
 };
 
 struct LoRALayer {
