@@ -86,9 +86,9 @@ def free_cores(before, after, cores: int) -> float:
     return max(0.0, cores - others)
 
 
-def choose_threads(free: float, cores: int, reserved: int = 0) -> int:
-    """One thread per core that is free most of the time, less `reserved`."""
-    return max(1, min(cores - reserved, int(free + 0.3) - reserved))
+def choose_threads(free: float, cores: int) -> int:
+    """One thread per core that is free most of the time."""
+    return max(1, min(cores, int(free + 0.3)))
 
 
 def hand_over_cores() -> None:
@@ -101,10 +101,9 @@ def hand_over_cores() -> None:
 class ThreadPolicy:
     """The process's thread count: fixed where asked for, else chosen from the free cores."""
 
-    def __init__(self, asked: int | None = None, reserved: int = 0, interval: float = 10.0,
-                 window: float = 0.2):
+    def __init__(self, asked: int | None = None, interval: float = 10.0, window: float = 0.2):
         self.fixed = requested_threads(asked)
-        self.reserved, self.interval = reserved, interval
+        self.interval = interval
         self.cores = allowed_cores()
         if self.fixed is not None:
             self.threads = self.fixed
@@ -127,5 +126,5 @@ class ThreadPolicy:
 
     def _choose(self, before, after) -> int:
         cores = len(self.cores)
-        return choose_threads(free_cores(before, after, cores), cores, self.reserved)
+        return choose_threads(free_cores(before, after, cores), cores)
 

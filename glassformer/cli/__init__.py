@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _warn
         try:
             if hasattr(args, "threads"):  # a command that computes: its loops revisit the count
-                args.thread_policy = threads.ThreadPolicy(args.threads, args.threads_reserved)
+                args.thread_policy = threads.ThreadPolicy(args.threads)
             return args.run(args)
         except (UserError, ValueError, FileNotFoundError, NotADirectoryError, OSError) as error:
             print(f"glassformer: error: {error}", file=sys.stderr)

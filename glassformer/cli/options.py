@@ -241,16 +241,16 @@ def add(parser, *names: str, required: bool = False, dest: str | None = None) ->
         parser.add_argument(*flag.names, **flag.settings, **extra)
 
 
-def add_threads(parser: argparse.ArgumentParser, reserved: int = 0) -> None:
-    """--threads; `reserved`: cores the command keeps for other work of its own."""
-    parser.set_defaults(threads_reserved=reserved, thread_policy=None)  # the policy: main() makes it
+def add_threads(parser: argparse.ArgumentParser) -> None:
+    """--threads (main() makes the thread policy from it)."""
+    parser.set_defaults(thread_policy=None)
     add(parser, "--threads")
 
 
-def add_computing(parser: argparse.ArgumentParser, reserved: int = 0) -> None:
+def add_computing(parser: argparse.ArgumentParser) -> None:
     """--device and --threads: the flags of every command that computes."""
     add(parser, "--device")
-    add_threads(parser, reserved)
+    add_threads(parser)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -66,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="run on Ray Serve (pip install glassformer[ray]): a local Ray, or the "
                              "cluster RAY_ADDRESS names")
     parser.add_argument("--replicas", type=positive_int, default=1, help="--ray: copies of the server")
-    add_computing(parser, reserved=1)  # a core for the event loop: see run()
+    add_computing(parser)
     parser.set_defaults(run=run)
 
 
@@ -93,9 +93,6 @@ def run(args: argparse.Namespace) -> int:
                           max_capture_mb=args.max_capture_mb)
     vectors = _steering_vectors(args.steer or [])
     engine = engine_config(args)
-    # The engine's threads share the cores with the event loop: one thread waiting for a core
-    # that serves HTTP stalls every matrix product of a step (main() configured the threads
-    # with one core reserved).
     if args.ray:
         if args.lora:
             raise ValueError("--lora: not with --ray (each replica would need its own copy)")

@@ -38,10 +38,10 @@ def test_free_cores_is_the_others_busy_time_taken_from_the_cores():
     assert threads.free_cores((0, 0, 0), (6.0, 0.0, 1.0), 2) == 0.0
 
 
-@pytest.mark.parametrize(("free", "reserved", "expected"), [
-    (2.0, 0, 2), (1.8, 0, 2), (1.5, 0, 1), (1.0, 0, 1), (0.0, 0, 1), (2.0, 1, 1), (4.0, 1, 3)])
-def test_one_thread_per_free_core(free, reserved, expected):
-    assert threads.choose_threads(free, 4 if free > 2 else 2, reserved) == expected
+@pytest.mark.parametrize(("free", "expected"), [
+    (2.0, 2), (1.8, 2), (1.5, 1), (1.0, 1), (0.0, 1), (4.0, 4), (3.6, 3)])
+def test_one_thread_per_free_core(free, expected):
+    assert threads.choose_threads(free, 4 if free > 2 else 2) == expected
 
 
 def test_a_number_asked_for_is_kept(monkeypatch):
@@ -90,15 +90,15 @@ def test_every_computing_command_takes_threads(command):
                 "chat": ["--model", "m"], "serve": ["--model", "m"], "eval": ["--model", "x", "--data", "y"],
                 "experiment": ["ablation"]}[command]
     args = parser.parse_args([command, *required, "--threads", "3"])
-    assert args.threads == 3 and args.threads_reserved == (1 if command == "serve" else 0)
+    assert args.threads == 3
 
 
 def test_main_configures_the_threads_before_the_command(monkeypatch, tmp_path, capsys):
     seen = []
-    monkeypatch.setattr(threads, "ThreadPolicy", lambda asked, reserved: seen.append((asked, reserved)))
+    monkeypatch.setattr(threads, "ThreadPolicy", lambda asked: seen.append(asked))
     assert main(["eval", "--model", str(tmp_path / "missing"), "--data", str(tmp_path / "none.txt"),
                  "--threads", "1"]) != 0
-    assert seen == [(1, 0)]
+    assert seen == [1]
 
 
 @pytest.mark.parametrize(("code", "env", "spins"), [
