@@ -46,6 +46,12 @@ def from_chunk_order(qweight: torch.Tensor, n_blocks: int) -> torch.Tensor:
     return qweight[:, torch.argsort(index).to(qweight.device)]
 
 
+def in_block_order(qweight: torch.Tensor, n_blocks: int, chunked: bool) -> torch.Tensor:
+    """qweight's rows in block order: `from_chunk_order` where they are held `chunked`, else
+    qweight itself."""
+    return from_chunk_order(qweight, n_blocks) if chunked else qweight
+
+
 class ChunkOrdered(nn.Module):
     """A module with int8 / int4 `qweight` and `scales` buffers that holds `qweight` in chunk
     order where `chunked` is set, and reads and writes its state dict in block order."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from . import weight_formats as quant
-from .chunk_order import from_chunk_order, to_chunk_order
+from .chunk_order import from_chunk_order, in_block_order, to_chunk_order
 from .kernels import ROW_TILE
 
 BACKENDS = ("auto", "cpp", "torch")
@@ -54,14 +54,11 @@ def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: to
     return (dots * (dx.unsqueeze(1) * dw.unsqueeze(0))).sum(-1)  # (M, N)
 
 
-def _block_order(qweight: torch.Tensor, scales: torch.Tensor, chunked: bool) -> torch.Tensor:
-    return from_chunk_order(qweight, scales.shape[1]) if chunked else qweight
-
-
 def _kernel_order(qweight: torch.Tensor, scales: torch.Tensor, chunked: bool) -> torch.Tensor:
+    """qweight in the order the kernels read: as held, or moved (a copy) to the other order."""
     if chunked == kernels.chunk_order():
         return qweight
-    return _block_order(qweight, scales, chunked) if chunked else to_chunk_order(qweight, scales.shape[1])
+    return (from_chunk_order if chunked else to_chunk_order)(qweight, scales.shape[1])
 
 
 def _straight_through(x: torch.Tensor) -> bool:
@@ -72,7 +69,7 @@ def _straight_through(x: torch.Tensor) -> bool:
 
 def dequantize(qweight, scales, mins, in_features, backend="auto", chunked=False):
     """The (N, K) float32 weight of int8 (mins None) or int4 blocks, in C++ where it runs."""
-    qweight = _block_order(qweight, scales, chunked)
+    qweight = in_block_order(qweight, scales.shape[1], chunked)
     if backend != "torch" and qweight.device.type == "cpu" and kernels.available():
         return kernels.dequantize(qweight, scales, mins, in_features)
     if mins is None:
@@ -98,7 +95,7 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto", chunked=False):
     """qweight (N, nb·32) int8, scales (N, nb) fp16 (see quant.quantize_int8)."""
     if _kernels(x, backend, any_rows=True):
         return kernels.linear_q8(x, _kernel_order(qweight, scales, chunked), scales, bias)
-    qweight = _block_order(qweight, scales, chunked)
+    qweight = in_block_order(qweight, scales.shape[1], chunked)
     if _straight_through(x):
         return F.linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
@@ -111,7 +108,7 @@ def linear_int4(x, qweight, scales, mins, bias=None, backend="auto", chunked=Fal
     """qweight (N, nb·16) uint8 nibbles, scales and mins (N, nb) fp16 (quant.quantize_int4)."""
     if _kernels(x, backend, any_rows=True):
         return kernels.linear_q4(x, _kernel_order(qweight, scales, chunked), scales, mins, bias)
-    qweight = _block_order(qweight, scales, chunked)
+    qweight = in_block_order(qweight, scales.shape[1], chunked)
     if _straight_through(x):
         return F.linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)

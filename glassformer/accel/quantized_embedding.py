@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import weight_formats as quant
-from .chunk_order import ChunkOrdered, from_chunk_order
+from .chunk_order import ChunkOrdered, in_block_order
 from .quantized_linear import QuantizedLinear
 from .weight_formats import WeightFormat
 
@@ -47,8 +47,7 @@ class QuantizedEmbedding(ChunkOrdered):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)  # (M,)
         rows = [getattr(self, name)[flat] for name in _BLOCK_TENSORS[self.mode]]
-        if self.chunked:
-            rows[0] = from_chunk_order(rows[0], self.scales.shape[1])
+        rows[0] = in_block_order(rows[0], self.scales.shape[1], self.chunked)
         if self.mode == WeightFormat.INT8:
             x = quant.dequantize_int8(*rows, self.embedding_dim)  # (M, d)
         else:

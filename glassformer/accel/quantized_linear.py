@@ -7,7 +7,7 @@ from torch import nn
 
 from . import kernels, ops
 from . import weight_formats as quant
-from .chunk_order import ChunkOrdered, from_chunk_order, to_chunk_order
+from .chunk_order import ChunkOrdered, in_block_order, to_chunk_order
 from .gguf_blocks import from_gguf_blocks
 from .weight_formats import WeightFormat
 
@@ -128,7 +128,7 @@ class QuantizedLinear(ChunkOrdered):
     def blocks(self) -> tuple[torch.Tensor, ...]:
         """An int8 (qweight, scales) or int4 (qweight, scales, mins) layer's tensors with
         `qweight` in block order (weight_formats.py), whatever order it is held in."""
-        qweight = from_chunk_order(self.qweight, self.scales.shape[1]) if self.chunked else self.qweight
+        qweight = in_block_order(self.qweight, self.scales.shape[1], self.chunked)
         return (qweight, self.scales) + ((self.mins,) if self.mode == WeightFormat.INT4 else ())
 
     def kernel_weights(self) -> kernels.LinearWeights:

@@ -107,4 +107,3 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = blocks.abs().amax(-1)  # (M, nb)
     inv = torch.where(amax > 0, 127 / amax, 0.0).unsqueeze(-1)
     return (blocks * inv).round(), amax / 127
-

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from glassformer.cli import main
-from glassformer.experiments import recall, run_experiment
-from glassformer.experiments.recall import ANSWER_TOKENS, SMALL, claims, key, native
+from glassformer.experiments import recall, recall_findings, run_experiment
+from glassformer.experiments.recall import ANSWER_TOKENS, SMALL, key, native
+from glassformer.experiments.recall_findings import claims
 from glassformer.experiments.recall_tasks import recalled
 from glassformer.experiments.runner import Context
 from glassformer.generation.generate import GenerationConfig, generate
@@ -88,8 +89,8 @@ def test_prefill_memory_reads_one_device_the_one_of_the_longest_prompt():
     for cell in gpu.values():
         cell["device"] = "a GPU"
     results = {**cells, **{k + "/gpu": c for k, c in gpu.items()}}
-    assert [n for n, _, _ in recall.prefill_memory(results, SMOL)] == [4096, 8192]
-    assert [mb for _, mb, _ in recall.prefill_memory(results, SMOL)] == [10 + 4.096, 10 + 8.192]
+    assert [n for n, _, _ in recall_findings.prefill_memory(results, SMOL)] == [4096, 8192]
+    assert [mb for _, mb, _ in recall_findings.prefill_memory(results, SMOL)] == [10 + 4.096, 10 + 8.192]
 
 
 @pytest.fixture(scope="module")
@@ -268,4 +269,4 @@ def test_each_factor_says_which_readings_keep_recall():
     assert two["evidence"].startswith("kept: retrieve; lost: yarn; not measured: none")
     assert four["held"] is False and four["evidence"].startswith("lost: none; not measured")
     assert eight["held"] is None and eight["evidence"] == f"not measured: {', '.join(recall.READINGS)}"
-    assert recall.verdict(results, SMOL, "none", 4) == "lost"  # needle alone: 2/11 against 10/11
+    assert recall_findings.verdict(results, SMOL, "none", 4) == "lost"  # needle alone: 2/11 against 10/11

@@ -333,7 +333,7 @@ c10::optional<torch::Tensor> try_q4(const torch::Tensor& x, const torch::Tensor&
                                     const torch::Tensor& d, const torch::Tensor& m,
                                     const Bias& bias, int64_t K);
 // Whether linear_q8 / linear_q4 (and their try_*) read weight rows in chunk order
-// (AVX-512 VNNI builds; accel/weight_formats.py to_chunk_order) rather than block order.
+// (AVX-512 VNNI builds; accel/chunk_order.py to_chunk_order) rather than block order.
 bool chunk_order();
 // q8 (no mins) or q4 blocks in block order -> the (N, K) float32 weight.
 torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d, const Bias& m,

@@ -16,17 +16,18 @@
 // meet every activation row in tiles of rows, each block load and unpacking shared by the
 // tile. A call thus reads the weights from memory once whatever the number of rows.
 //   AVX-512 VNNI: blocks go in chunks of 16, one per 32-bit lane, and the weight rows are
-//     stored in chunk order (weight_formats.to_chunk_order, done once when a layer is built):
+//     stored in chunk order (chunk_order.py to_chunk_order, done once when a layer is built):
 //     the t-th 64 bytes of a chunk hold bytes 4t..4t+3 of each of its 16 blocks, so that one
 //     plain load puts block j's in lane j; the activations are laid out alike when quantized.
 //     A chunk of a weight row is loaded once per tile (kWideTileRows = 16 rows, then tiles of
 //     8, 4, 2, 1). Each row of the tile then takes 8 vpdpbusd (exact integer sums), one
 //     conversion and one scale multiply and FMA (q4: one more for the minimum) per chunk of
 //     16 blocks, not per block. Tiles of 8 and 16 rows take each weight dword across all
-//     their rows before the next (tile_deep): one independent vpdpbusd sum per row in flight. A tail of up to one 64-byte load (4 q4 or 2 q8 blocks) stays
-//     in block order and is taken as loaded, 4 or 8 lanes per block.
-//   AVX2: weight rows in block order (GGUF's), kTileRows rows a tile, the group's scales widened to float once, maddubs/madd per
-//     block (q4: per pair of blocks).
+//     their rows before the next (tile_deep): one independent vpdpbusd sum per row in flight.
+//     A tail of up to one 64-byte load (4 q4 or 2 q8 blocks) stays in block order and is
+//     taken as loaded, 4 or 8 lanes per block.
+//   AVX2: weight rows in block order (GGUF's), kTileRows rows a tile, the group's scales
+//     widened to float once, maddubs/madd per block (q4: per pair of blocks).
 // Each row's float operations are the same in any tile and at any place in it (the integer
 // sums are exact whatever their order), so its result is bitwise the same whatever the
 // number of rows and its place among them.
