@@ -20,12 +20,12 @@ depths (0, 50, 100%: each prompt is a prefill of L tokens, which costs about L^1
 `min_length` leaves out the shorter lengths but the window's own `none` fp32 cells, the
 figure each reading past the window is judged against.
 Cells run shortest first, past the window the retrieve cells (the cheapest) first and the sink
-cells (which read a token a step once the cache is full) after every other; once one cell of a
-kind (a full prefill, or retrieval) is done, a cell of that kind whose expected time (the last
-one's per depth, of the same reading where one ran past the window, grown as L^1.5 for a
-prefill, as L for retrieval, which embeds the document chunk by chunk; sink's first from a
-prefill's, SINK_STEP times dearer per token past the window) would overrun the model's
-share of the budget is skipped and marked so. (Prefix caching across the depths is
+cells (every token past the window attends to a whole window) after every other; once one
+cell of a kind (a full prefill, or retrieval) is done, a cell of that kind whose expected time
+(the last one's per depth, of the same reading where one ran past the window, grown as L^1.5
+for a prefill, as L for retrieval, which embeds the document chunk by chunk, and for sink;
+sink's first from a prefill's: the window's, then SINK_PAST times a window token's time per
+token past it) would overrun the model's share of the budget is skipped and marked so. (Prefix caching across the depths is
 left off: the depth-0 prompt shares nothing, multi-key's other needles cut the shared part
 short, and the cells' peak memory would read the cache's.)
 Each cell also records what computed it (`--device`: the CPU's name or the GPU's), the prefill
@@ -43,8 +43,9 @@ from pathlib import Path
 
 import torch
 
-from ..generation.config import GenerationResult, RequestParams
+from ..generation.config import GenerationConfig, GenerationResult, RequestParams
 from ..generation.context_extension import extend_context
+from ..generation.generate import generate
 from ..generation.retrieval import retrieve
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
@@ -65,7 +66,8 @@ SINK_TOKENS = 4  # sink: the first 4 tokens kept, and the latest (window - 4)
 ANSWER_TOKENS = 24  # greedy tokens per answer (a spelled number needs about 20 characters)
 CHUNK_TOKENS = 128
 RETRIEVE_TOKENS = 1024  # retrieve's prompt at most (SmolLM2 finds a needle at 5 of 5 depths up to 1,024)
-SINK_STEP = 80  # a sink step past the window takes ~80 prefill tokens' time (SmolLM2, 8k keys: 1 s, 13 ms)
+SINK_PAST = 2.5  # a sink token past the window costs ~2.5 of a window prefill's tokens
+# (SmolLM2 on 2 Xeon cores: the 8,192-token prefill 25 s, 7.6 ms a token past it)
 
 
 def settings(budget: float, data: Path, models=tuple(MODELS), max_length: int | None = None,
@@ -100,7 +102,7 @@ def cells(config: dict, device: str = "cpu") -> list[Cell]:
             else:
                 readings = [("none", kv) for kv in config["kv_dtypes"]]
             planned += [(length, task, r, kv) for task in TASKS for r, kv in readings]
-        # past the window retrieval first, then by length, sink (a token a step) after all others
+        # past the window retrieval first, then by length, sink (the dearest) after all others
         planned.sort(key=lambda c: (c[0] > native(name), c[2] != "retrieve", c[2] == "sink", c[0]))
         out += [Cell(key(name, task, r, kv, length), _recall_cell(name, task, r, kv, length, loaded, device),
                      f"{name} {task} {r} {kv} at {length}") for length, task, r, kv in planned]
@@ -137,7 +139,7 @@ def _model(ctx: Context, name: str, loaded: dict, device: str) -> tuple:
 
 def reader(model: Transformer, reading: str, length: int) -> Transformer:
     """The model that reads `length` tokens the way `reading` does (retrieve and sink: the
-    model itself; sink is the engine's cache policy)."""
+    model itself; sink is a cache policy)."""
     n = model.config.context_length
     if length <= n or reading in ("retrieve", "sink"):
         return model
@@ -165,8 +167,13 @@ def prompts(tokenizer, hay: list[int], task: str, length: int, grid: list[float]
 
 def answers(model: Transformer, tokenizer, prompt_ids: list[list[int]], kv_dtype: str,
             sink: SinkPolicy | None = None) -> list[GenerationResult]:
-    """Greedy answers, one request at a time through the engine with `kv_dtype` pool (and the
-    attention-sink policy `sink`, which reads past the window)."""
+    """Greedy answers, one request at a time through the engine with `kv_dtype` pool; under
+    the attention-sink policy `sink` through `generate`'s dense sink cache, which reads a
+    prompt past the window in chunks (model/sink_chunk.py) where the engine streams it a token
+    a step."""
+    if sink is not None:
+        config = GenerationConfig(max_new_tokens=ANSWER_TOKENS, stop=("\n",), sink=sink)
+        return [generate(model, p, config, tokenizer) for p in prompt_ids]
     longest = max(len(p) for p in prompt_ids) + ANSWER_TOKENS
     engine = Engine(model, tokenizer, EngineConfig(
         kv_dtype=kv_dtype, n_blocks=-(-longest // 16) + 1, block_size=16, max_batch=1,
@@ -187,20 +194,21 @@ def _retrieves(cell: dict) -> bool:
 def _expected(results: dict, planned: dict) -> float | None:
     """Seconds the `planned` cell should take, from the last finished cell of its model with its
     reading past the window, else of its kind: retrieval (grown as L per depth), or a full
-    prefill other than sink's (as L^1.5; sink's first: a prefill of the window, then a step of
-    SINK_STEP tokens' time per token past it). None: no such cell yet."""
+    prefill other than sink's (as L^1.5; sink as L; sink's first: a prefill of the window, then
+    SINK_PAST window tokens' time per token past it). None: no such cell yet."""
     done = [r for r in results.values() if r.get("model") == planned["model"] and "reading" in r
             and not r["skipped"]]
     alike = [r for r in done if r["reading"] == planned["reading"] and r["length"] > native(r["model"])]
     kind = [r for r in done if _retrieves(r) == _retrieves(planned) and r["reading"] != "sink"]
     if not alike and not kind:
         return None
-    last, power = (alike or kind)[-1], 1.0 if _retrieves(planned) else 1.5
+    last = (alike or kind)[-1]
+    power = 1.0 if _retrieves(planned) or planned["reading"] == "sink" else 1.5
     per_depth = last["cell_seconds"] / len(last["depths"])
     length, n = planned["length"], native(planned["model"])
     if planned["reading"] == "sink" and not alike and length > n:
         window = per_depth * (n / last["length"]) ** power  # a prefill of the window
-        return len(planned["depths"]) * window * (1 + SINK_STEP * (length - n) / n)
+        return len(planned["depths"]) * window * (1 + SINK_PAST * (length - n) / n)
     return per_depth * len(planned["depths"]) * max(length / last["length"], 1.0) ** power
 
 

@@ -43,7 +43,7 @@ def prefill(
             raise ValueError("sink: the sink policy streams prompts of one length together (no padding)")
         start = 0
         while start < ids.shape[1]:
-            end = start + cache.policy.room(cache.seen)
+            end = start + cache.room()
             h = model.forward_hidden(ids[:, start:end], cache)  # (B, ≤ room, d)
             start = end
     else:

@@ -147,6 +147,10 @@ class KVCache:
         """Called by the model once every layer has written its n_tokens new rows."""
         self.length += n_tokens
 
+    def query_start(self, n_new: int) -> int:
+        """The position of the first of n_new new tokens: right after the cached ones."""
+        return self.length
+
     def key_positions(self, n_new: int) -> torch.Tensor:
         return self.positions[:, : self.length + n_new]  # (B, S)
 

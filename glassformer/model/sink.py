@@ -31,7 +31,9 @@ sinusoidal) are added to the embedding before a key exists, so a kept key cannot
 models are refused.
 
 Several tokens enter in one call while none is evicted (n + T ≤ S + W: a prompt's start);
-after that one at a time (`room`), as each new token moves the window.
+after that the policy takes one at a time (`room`), as each new token moves the window. The
+dense cache takes up to `chunk` at a time past the window (sink_chunk.py: the same keys and
+distances as streaming, in one call), so a long prompt costs a prefill, not a step a token.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import AttentionFn, KVCache
+from .layers.masking import AttentionMask
 from .layers.positions import apply_rope, rope_cos_sin, rope_inverse_frequencies
+from .sink_chunk import ChunkMask, chunk_attention, chunk_mask, query_turn, window_positions
 
 MOVABLE_POSITIONS = ("rope", "alibi", "relative", "none")
+PAST_WINDOW_CHUNK = 256  # tokens a dense sink cache takes in one call once full
 
 
 @dataclass(frozen=True)
@@ -101,15 +106,15 @@ class SinkPolicy:
         return min(n, self.capacity - 1)
 
 
-def key_rotation(config: ModelConfig, length: int, device: torch.device,
+def key_rotation(config: ModelConfig, positions: torch.Tensor,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """RoPE's cos and sin at cache positions 0..length-1, each (length, d_head), or None for a
-    model without RoPE. The model's own angles (rope_inverse_frequencies of its config)."""
+    """RoPE's cos and sin at cache positions (P,), each (P, d_head), or None for a model
+    without RoPE. The model's own angles (rope_inverse_frequencies of its config)."""
     if config.position != "rope":
         return None
     inv_freq, factor = rope_inverse_frequencies(config)
-    cos, sin = rope_cos_sin(inv_freq, torch.arange(length, device=device)[None], factor)
-    return cos[0, 0].to(dtype), sin[0, 0].to(dtype)  # (length, d_head) each
+    cos, sin = rope_cos_sin(inv_freq, positions[None], factor)
+    return cos[0, 0].to(dtype), sin[0, 0].to(dtype)  # (P, d_head) each
 
 
 def rotate_keys(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -123,17 +128,23 @@ def rotate_keys(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] 
 class SinkKVCache(KVCache):
     """The dense cache under a SinkPolicy: (B, KV, S + W, d_head) per layer, slots as above.
     `length` is the next query's cache position, so the model numbers its queries and builds
-    its masks over cache positions; `seen` counts every token that entered."""
+    its masks over cache positions; `seen` counts every token that entered. Once full it takes
+    up to `chunk` tokens a call (sink_chunk.py; 1: streaming, one token a call)."""
 
     rotates_keys = True
 
     def __init__(self, config: ModelConfig, batch_size: int, policy: SinkPolicy,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 chunk: int = PAST_WINDOW_CHUNK) -> None:
         policy.check(config)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk: must be an integer >= 1, got {chunk!r}")
         super().__init__(config, batch_size, policy.capacity, device, dtype)
         self.policy, self.config = policy, config
+        self.chunk = min(chunk, policy.window)
         self.seen = 0
         self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # made with the tensors
+        self.chunk_mask: ChunkMask | None = None  # the current chunk's past the window (sink_chunk.py)
 
     @property
     def length(self) -> int:
@@ -143,13 +154,53 @@ class SinkKVCache(KVCache):
     def length(self, value: int) -> None:  # KVCache.__init__ and crop set it
         self.seen = value
 
+    @property
+    def full(self) -> bool:
+        return self.seen >= self.policy.capacity
+
+    def room(self) -> int:
+        """How many tokens may enter in the next call: up to S + W, then `chunk`."""
+        return self.chunk if self.full else self.policy.room(self.seen)
+
+    def query_start(self, n_new: int) -> int:
+        """The cache position of the first of n_new queries; once full the last one sits at
+        S + W - 1, where a streamed query sits."""
+        return self.policy.capacity - n_new if self.full else self.seen
+
     def reserve(self, positions: torch.Tensor, pad_mask: torch.Tensor | None) -> None:
         T = positions.shape[1]
         if pad_mask is not None:
             raise ValueError("context: the sink policy streams one text per row (no padding)")
-        if T > self.policy.room(self.seen):
-            raise ValueError(f"context: the sink cache takes {self.policy.room(self.seen)} new "
-                             f"tokens now, got {T}")
+        if T > self.room():
+            raise ValueError(f"context: the sink cache takes {self.room()} new tokens now, got {T}")
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
+        if k.shape[2] == 1 or not self.full:
+            return super().attend(layer, q, k, v, mask, attention)
+        return self._attend_chunk(layer, q, k, v, mask)
+
+    def _attend_chunk(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: AttentionMask) -> torch.Tensor:
+        """T > 1 new tokens past the window (sink_chunk.py): the W - 1 latest keys are read
+        before the new ones overwrite the slots of the oldest."""
+        policy, T = self.policy, k.shape[2]
+        S, W = policy.sink_tokens, policy.window
+        keys, values = self.keys[layer], self.values[layer]
+        kept = torch.tensor(policy.kept_slots(self.seen), device=k.device)  # (S + W,): sinks, window
+        window_k = torch.cat([keys[:, :, kept[S + 1 :]], k.to(keys.dtype)], dim=2)  # (B, KV, W-1+T, d_head)
+        window_v = torch.cat([values[:, :, kept[S + 1 :]], v.to(values.dtype)], dim=2)
+        new = torch.tensor([policy.slot(self.seen + i) for i in range(T)], device=k.device)  # (T,)
+        keys.index_copy_(2, new, window_k[:, :, W - 1 :])
+        values.index_copy_(2, new, window_v[:, :, W - 1 :])
+        at = window_positions(S, W, T)[S:].to(k.device)  # (W-1+T,)
+        rotation = key_rotation(self.config, at, keys.dtype)
+        sink_kv = rotate_keys(keys[:, :, kept[:S]], self.rotation), values[:, :, kept[:S]]
+        if layer == 0:  # every layer's queries see the same keys: one mask for the chunk
+            self.chunk_mask = chunk_mask(mask, W, S, q.shape[1])
+        scale = self.config.head_dim ** -0.5 if self.config.scale_scores else 1.0
+        return chunk_attention(q, sink_kv, (rotate_keys(window_k, rotation), window_v), self.chunk_mask,
+                               scale, query_turn(self.config, T, q.device, q.dtype))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new rows (B, KV, T, d_head) at their slots; the kept keys (rotated at
@@ -166,14 +217,20 @@ class SinkKVCache(KVCache):
 
     def allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         super().allocate(device, dtype)
-        self.rotation = key_rotation(self.config, self.max_length, self.keys[0].device, self.keys[0].dtype)
+        positions = torch.arange(self.max_length, device=self.keys[0].device)  # (S + W,)
+        self.rotation = key_rotation(self.config, positions, self.keys[0].dtype)
 
     def advance(self, n_tokens: int) -> None:
         self.seen += n_tokens
 
     def key_positions(self, n_new: int) -> torch.Tensor:
-        L = self.length + n_new
-        return torch.arange(L, device=self.positions.device).expand(self.batch_size, L)  # (B, L)
+        """The cache positions of the keys n_new queries see: 0..L-1, or once full
+        sink_chunk.window_positions, (B, L)."""
+        if self.full:
+            at = window_positions(self.policy.sink_tokens, self.policy.window, n_new)
+        else:
+            at = torch.arange(self.length + n_new)
+        return at.to(self.positions.device).expand(self.batch_size, len(at))  # (B, L)
 
     def key_valid(self, n_new: int) -> None:
         return None

@@ -134,7 +134,7 @@ class Transformer(nn.Module):
         """
         config = self.config
         B, T = ids.shape
-        start = cache.length if cache is not None else 0
+        start = cache.query_start(T) if cache is not None else 0
         contiguous = positions is None
         if positions is None:
             positions = torch.arange(start, start + T, device=ids.device).expand(B, T)  # (B, T)

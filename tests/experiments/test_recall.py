@@ -212,7 +212,7 @@ def test_past_the_window_three_depths_and_retrieval_first_from_min_length(tmp_pa
     assert planned[2:8] == [key(SMOL, t, "retrieve", "fp32", f * N) for f in (2, 4, 8) for t in recall.TASKS]
     rest = planned[8:]
     assert len(rest) == 3 * 2 * (len(recall.READINGS) - 1) and "/retrieve/" not in "".join(rest)
-    sinks, others = rest[-6:], rest[:-6]  # sink, a token a step, after every other reading
+    sinks, others = rest[-6:], rest[:-6]  # sink, the dearest, after every other reading
     assert all("/sink/" in k for k in sinks) and not any("/sink/" in k for k in others)
     for part in (sinks, others):  # each shortest first
         assert [int(k.rsplit("/", 1)[1]) for k in part] == sorted(int(k.rsplit("/", 1)[1]) for k in part)
@@ -230,11 +230,11 @@ def test_expected_time_grows_from_the_last_cell_of_its_kind():
     assert recall._expected(results, planned | {"reading": "linear"}) == pytest.approx(300 * 8)
     assert recall._expected(results, planned | {"reading": "retrieve"}) == pytest.approx(120)
     assert recall._expected({"a": results["a"]}, planned | {"reading": "retrieve"}) is None
-    # sink's first cell: a prefill of the window (100 s), then 3N tokens at SINK_STEP tokens' time each
+    # sink's first cell: a prefill of the window (100 s), then 3N tokens at SINK_PAST tokens' time each
     assert recall._expected(results, planned | {"reading": "sink"}) == pytest.approx(
-        3 * 100 * (1 + recall.SINK_STEP * 3))
-    results["c"] = _done("sink", 2 * N, 3000.0)  # a reading of its own past the window: its own rate
-    assert recall._expected(results, planned | {"reading": "sink"}) == pytest.approx(3000 * 2**1.5)
+        3 * 100 * (1 + recall.SINK_PAST * 3))
+    results["c"] = _done("sink", 2 * N, 3000.0)  # a reading of its own past the window: its own
+    assert recall._expected(results, planned | {"reading": "sink"}) == pytest.approx(3000 * 2)  # as L
     assert recall._expected(results, planned | {"reading": "none"}) == pytest.approx(300 * 8)
 
 

@@ -95,9 +95,10 @@ def test_decoding_never_recomputes_the_prefix():
         result = generate(model, list(range(30)), config)
     finally:
         handle.remove()
-    # the prompt: 12 tokens in one call, then one each; then one call per new token
-    assert fed[0] == policy.capacity and sum(fed) == 30 + result.n_generated - 1
-    assert set(fed[1:]) == {1}
+    # the prompt: 12 tokens in one call, the rest in chunks of at most the window (sink_chunk.py);
+    # then one call per new token
+    assert fed[:4] == [policy.capacity, 8, 8, 2] and sum(fed) == 30 + result.n_generated - 1
+    assert set(fed[4:]) == {1}
 
 
 @pytest.mark.parametrize("kwargs, field", [
