@@ -25,9 +25,9 @@ cell of a kind (a full prefill, or retrieval) is done, a cell of that kind whose
 (the last one's per depth, of the same reading where one ran past the window, grown as L^1.5
 for a prefill, as L for retrieval, which embeds the document chunk by chunk, and for sink;
 sink's first from a prefill's: the window's, then SINK_PAST times a window token's time per
-token past it) would overrun the model's share of the budget is skipped and marked so. (Prefix caching across the depths is
-left off: the depth-0 prompt shares nothing, multi-key's other needles cut the shared part
-short, and the cells' peak memory would read the cache's.)
+token past it) would overrun the model's share of the budget is skipped and marked so.
+(Prefix caching across the depths is left off: the depth-0 prompt shares nothing, multi-key's
+other needles cut the shared part short, and the cells' peak memory would read the cache's.)
 Each cell also records what computed it (`--device`: the CPU's name or the GPU's), the prefill
 time of each prompt and the peak memory while it ran (reset before it): the process's resident
 memory on the CPU (where /proc/self/clear_refs allows the reset), the allocator's on a GPU.
