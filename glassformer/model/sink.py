@@ -49,7 +49,7 @@ from .layers.positions import apply_rope, rope_cos_sin, rope_inverse_frequencies
 from .sink_chunk import ChunkMask, chunk_attention, chunk_mask, query_turn, window_positions
 
 MOVABLE_POSITIONS = ("rope", "alibi", "relative", "none")
-PAST_WINDOW_CHUNK = 256  # tokens a dense sink cache takes in one call once full
+PAST_WINDOW_CHUNK = 256  # tokens a sink cache takes in one call once full (sink_chunk.py)
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,10 @@ class SinkPolicy:
 
     sink_tokens: int = 4
     window: int = 1020
+    chunk: int = PAST_WINDOW_CHUNK  # tokens entering together once the cache is full (1: streaming)
 
     def __post_init__(self) -> None:
-        for name, low in (("sink_tokens", 0), ("window", 1)):
+        for name, low in (("sink_tokens", 0), ("window", 1), ("chunk", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
@@ -98,8 +99,14 @@ class SinkPolicy:
         return [self.slot(t) for t in self.kept(n)]
 
     def room(self, n: int) -> int:
-        """How many tokens may enter together after n: all up to S + W, then one."""
-        return max(self.capacity - n, 1)
+        """How many tokens may enter together after n: all up to S + W, then `chunk` (at most W)."""
+        return self.capacity - n if n < self.capacity else min(self.chunk, self.window)
+
+    def chunk_slots(self, n: int) -> list[int]:
+        """After n ≥ S + W tokens, the slots a chunk past the window reads before its own
+        overwrite the oldest: the sinks', then the W - 1 latest tokens' (sink_chunk.py)."""
+        slots = self.kept_slots(n)
+        return slots[: self.sink_tokens] + slots[self.sink_tokens + 1 :]
 
     def position(self, n: int) -> int:
         """The cache position of the next token after n: n until the cache is full."""
@@ -125,23 +132,36 @@ def rotate_keys(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] 
     return apply_rope(keys, rotation[0][:L], rotation[1][:L])
 
 
+def past_window_context(config: ModelConfig, policy: SinkPolicy, q: torch.Tensor,
+                        before: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor],
+                        mask: ChunkMask) -> torch.Tensor:
+    """The context (B, H, T, d_head) of T > 1 tokens past the window (sink_chunk.py): queries q
+    (B, H, T, d_head); `before`, the keys and values (B, KV, S+W-1, d_head) of chunk_slots,
+    stored unrotated and read before the chunk's overwrite them; `new`, the chunk's (B, KV,
+    T, d_head); `mask`, the chunk's (chunk_mask)."""
+    S, W, T = policy.sink_tokens, policy.window, q.shape[2]
+    keys = torch.cat([before[0], new[0].to(before[0].dtype)], dim=2)  # (B, KV, S+W-1+T, d_head)
+    values = torch.cat([before[1], new[1].to(before[1].dtype)], dim=2)
+    at = window_positions(S, W, T).to(q.device)  # (S+W-1+T,): sinks, then the window
+    keys = rotate_keys(keys, key_rotation(config, at, keys.dtype))
+    scale = config.head_dim ** -0.5 if config.scale_scores else 1.0
+    return chunk_attention(q, keys.to(q.dtype), values.to(q.dtype), S, mask, scale,
+                           query_turn(config, T, q.device, q.dtype))
+
+
 class SinkKVCache(KVCache):
     """The dense cache under a SinkPolicy: (B, KV, S + W, d_head) per layer, slots as above.
     `length` is the next query's cache position, so the model numbers its queries and builds
     its masks over cache positions; `seen` counts every token that entered. Once full it takes
-    up to `chunk` tokens a call (sink_chunk.py; 1: streaming, one token a call)."""
+    up to the policy's `chunk` tokens a call (sink_chunk.py)."""
 
     rotates_keys = True
 
     def __init__(self, config: ModelConfig, batch_size: int, policy: SinkPolicy,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 chunk: int = PAST_WINDOW_CHUNK) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         policy.check(config)
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"chunk: must be an integer >= 1, got {chunk!r}")
         super().__init__(config, batch_size, policy.capacity, device, dtype)
         self.policy, self.config = policy, config
-        self.chunk = min(chunk, policy.window)
         self.seen = 0
         self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # made with the tensors
         self.chunk_mask: ChunkMask | None = None  # the current chunk's past the window (sink_chunk.py)
@@ -159,8 +179,8 @@ class SinkKVCache(KVCache):
         return self.seen >= self.policy.capacity
 
     def room(self) -> int:
-        """How many tokens may enter in the next call: up to S + W, then `chunk`."""
-        return self.chunk if self.full else self.policy.room(self.seen)
+        """How many tokens may enter in the next call (SinkPolicy.room)."""
+        return self.policy.room(self.seen)
 
     def query_start(self, n_new: int) -> int:
         """The cache position of the first of n_new queries; once full the last one sits at
@@ -182,25 +202,18 @@ class SinkKVCache(KVCache):
 
     def _attend_chunk(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: AttentionMask) -> torch.Tensor:
-        """T > 1 new tokens past the window (sink_chunk.py): the W - 1 latest keys are read
-        before the new ones overwrite the slots of the oldest."""
+        """T > 1 new tokens past the window: the keys they see are read before theirs
+        overwrite the oldest."""
         policy, T = self.policy, k.shape[2]
-        S, W = policy.sink_tokens, policy.window
         keys, values = self.keys[layer], self.values[layer]
-        kept = torch.tensor(policy.kept_slots(self.seen), device=k.device)  # (S + W,): sinks, window
-        window_k = torch.cat([keys[:, :, kept[S + 1 :]], k.to(keys.dtype)], dim=2)  # (B, KV, W-1+T, d_head)
-        window_v = torch.cat([values[:, :, kept[S + 1 :]], v.to(values.dtype)], dim=2)
+        kept = torch.tensor(policy.chunk_slots(self.seen), device=k.device)  # (S + W - 1,)
+        before = keys[:, :, kept], values[:, :, kept]  # (B, KV, S + W - 1, d_head) each, copies
         new = torch.tensor([policy.slot(self.seen + i) for i in range(T)], device=k.device)  # (T,)
-        keys.index_copy_(2, new, window_k[:, :, W - 1 :])
-        values.index_copy_(2, new, window_v[:, :, W - 1 :])
-        at = window_positions(S, W, T)[S:].to(k.device)  # (W-1+T,)
-        rotation = key_rotation(self.config, at, keys.dtype)
-        sink_kv = rotate_keys(keys[:, :, kept[:S]], self.rotation), values[:, :, kept[:S]]
+        keys.index_copy_(2, new, k.to(keys.dtype))
+        values.index_copy_(2, new, v.to(values.dtype))
         if layer == 0:  # every layer's queries see the same keys: one mask for the chunk
-            self.chunk_mask = chunk_mask(mask, W, S, q.shape[1])
-        scale = self.config.head_dim ** -0.5 if self.config.scale_scores else 1.0
-        return chunk_attention(q, sink_kv, (rotate_keys(window_k, rotation), window_v), self.chunk_mask,
-                               scale, query_turn(self.config, T, q.device, q.dtype))
+            self.chunk_mask = chunk_mask(mask, policy.window, policy.sink_tokens, q.shape[1])
+        return past_window_context(self.config, policy, q, before, (k, v), self.chunk_mask)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new rows (B, KV, T, d_head) at their slots; the kept keys (rotated at

@@ -79,23 +79,21 @@ def chunk_mask(mask: AttentionMask, window: int, n_sinks: int, n_heads: int) -> 
     return ChunkMask(bias, mask.bias(torch.float32, rows=slice(T - 1, T), cols=slice(0, S)))
 
 
-def chunk_attention(q: torch.Tensor, sink_kv: tuple[torch.Tensor, torch.Tensor],
-                    window_kv: tuple[torch.Tensor, torch.Tensor], mask: ChunkMask, scale: float,
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_sinks: int,
+                    mask: ChunkMask, scale: float,
                     turn: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """The context (B, H, T, d_head) of queries q (B, H, T, d_head), rotated at S+W-T..S+W-1,
-    over the sinks' keys and values (B, KV, S, d_head), rotated at 0..S-1, and the window's
-    (B, KV, W-1+T, d_head), rotated at S+1-T..S+W-1; `turn`: query_turn's rotation, or None.
-    The sinks' scores (the turned queries' products with their keys) enter as the mask's sink
-    columns against keys of zeros, so one fused kernel computes the single softmax."""
+    over keys and values (B, KV, S+W-1+T, d_head), the sinks' then the window's, the keys
+    rotated at window_positions; `turn`: query_turn's rotation, or None. The sinks' scores (the
+    turned queries' products with their keys) enter as the mask's sink columns against keys
+    of zeros, so one fused kernel computes the single softmax."""
     B, H, T, d_head = q.shape
-    (sink_k, sink_v), (window_k, window_v) = sink_kv, window_kv
-    S, kv_heads = sink_k.shape[2], window_k.shape[1]
+    S, kv_heads = n_sinks, keys.shape[1]
     if S:
         turned = q if turn is None else apply_rope(q, *turn)
         grouped = turned.reshape(B, kv_heads, -1, d_head)  # each key head's H/KV query heads
-        sink_scores = (grouped @ sink_k.transpose(-2, -1) * scale).reshape(B, H, T, S)  # (B, H, T, S)
-        mask.bias[..., :S] = sink_scores + mask.sink_bias
-    keys = torch.cat([torch.zeros_like(sink_k), window_k], dim=2)  # (B, KV, S+W-1+T, d_head)
-    values = torch.cat([sink_v, window_v], dim=2)
+        sink_scores = (grouped @ keys[:, :, :S].transpose(-2, -1) * scale).reshape(B, H, T, S)
+        mask.bias[..., :S] = sink_scores + mask.sink_bias  # (B, H, T, S)
+        keys = torch.cat([torch.zeros_like(keys[:, :, :S]), keys[:, :, S:]], dim=2)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.bias.to(q.dtype), scale=scale,
                                           enable_gqa=H != kv_heads)  # (B, H, T, d_head)

@@ -17,7 +17,9 @@ causality, the window, ALiBi, T5's relative bias):
   one call with the causal mask offset by its cached prefix.
 Queries, keys and values of request r are at positions 0..S_r-1 of its own sequence; under a
 sink policy those are cache positions (`Part.slots` lists the kept slots in cache order), and
-the view rotates the keys, stored unrotated, at them (model/sink.py).
+the view rotates the keys, stored unrotated, at them (model/sink.py). A chunk past the sink
+policy's window reads the keys it sees before its own overwrite the oldest, and attends as
+the dense sink cache does (model/sink_chunk.py), whichever attention the engine runs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 
 from ..model.kv_cache import AttentionFn
 from ..model.layers.masking import AttentionMask
-from ..model.sink import rotate_keys
+from ..model.sink import SinkPolicy, past_window_context, rotate_keys
+from ..model.sink_chunk import ChunkMask, chunk_mask, window_positions
 from ..model.transformer import Transformer
 from .kv_pool import KVPool
 
@@ -48,6 +51,7 @@ class Part:
     start: int
     n: int
     slots: torch.Tensor  # (S,) every slot the request's queries see, in position order, new ones last
+    past_window: bool = False  # a chunk past the sink policy's window (model/sink_chunk.py)
 
     @property
     def context(self) -> int:
@@ -63,15 +67,19 @@ class PagedView:
     Built once per step; every layer reuses its gather indices and masks."""
 
     def __init__(self, pool: KVPool, parts: list[Part], fast: bool, model: Transformer,
-                 rotation: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """`rotation`: RoPE's cos and sin (P, d_head) at positions 0..P-1 when the keys are
-        stored unrotated (the sink policy), else None (the layers rotated them)."""
-        self.pool, self.fast, self.rotation = pool, fast, rotation
-        self.rotates_keys = rotation is not None
+                 sink: SinkPolicy | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`sink`: the engine's sink policy, whose keys are stored unrotated, with `rope`, the
+        model's cos and sin (P, d_head) at positions 0..P-1 to rotate them; None: the layers
+        rotated them."""
+        self.pool, self.fast, self.sink, self.model = pool, fast, sink, model
+        self.rotation = rope if sink is not None else None
+        self.rotates_keys = sink is not None
         device = pool.device
         self.new_slots = torch.cat([p.slots[p.context - p.n :] for p in parts]).to(device)  # (N,)
         self.single = [p for p in parts if p.n == 1] if fast else []
-        self.chunks = [p for p in parts if not (fast and p.n == 1)]
+        self.past_window = [p for p in parts if p.past_window]
+        self.chunks = [p for p in parts if not (fast and p.n == 1) and not p.past_window]
         if self.single:
             B, s_max = len(self.single), max(p.context for p in self.single)
             self.rows = torch.tensor([p.start for p in self.single], device=device)  # (B,)
@@ -92,6 +100,15 @@ class PagedView:
             for calls in self.chunk_calls
         ]
 
+        self.past_window_masks = [self._past_window_mask(p.n, device) for p in self.past_window]
+
+    def _past_window_mask(self, n: int, device: torch.device) -> ChunkMask:
+        """The mask of a chunk of n tokens past the window, over window_positions."""
+        S, W = self.sink.sink_tokens, self.sink.window
+        q_pos = torch.arange(S + W - n, S + W, device=device)[None]  # (1, n)
+        mask = self.model.attention_mask(q_pos, window_positions(S, W, n).to(device)[None])
+        return chunk_mask(mask, W, S, self.model.config.n_heads)
+
     def _calls(self, part: Part) -> list[tuple[int, int]]:
         """(keys seen, queries) of each attention call for a chunk's queries, in order."""
         if self.fast:
@@ -102,8 +119,14 @@ class PagedView:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
         """q (1, H, N, d_head), k and v (1, KV, N, d_head): the step's new rows."""
+        before = [self._read(layer, p.slots[: p.context - p.n], q.dtype, rotate=False)
+                  for p in self.past_window]  # (1, KV, S + W - 1, d_head) each: before the write
         self.pool.write(layer, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         out = torch.empty_like(q)  # (1, H, N, d_head)
+        for part, seen, mask in zip(self.past_window, before, self.past_window_masks, strict=True):
+            rows = part.rows
+            out[:, :, rows] = past_window_context(self.model.config, self.sink, q[:, :, rows], seen,
+                                                  (k[:, :, rows], v[:, :, rows]), mask)
         if self.single:  # every query sees itself, so no row of the mask is empty
             keys, values = self._read(layer, self.slot_matrix, q.dtype)  # (B, KV, S_max, d_head)
             queries = q[0, :, self.rows].transpose(0, 1)[:, :, None]  # (B, H, 1, d_head)
@@ -118,9 +141,11 @@ class PagedView:
                 row += m
         return out
 
-    def _read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype):
-        """Keys and values at slots (S,) or (B, S): each (1 or B, KV, S, d_head) in `dtype`."""
+    def _read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype, rotate: bool = True):
+        """Keys and values at slots (S,) or (B, S): each (1 or B, KV, S, d_head) in `dtype`,
+        the keys rotated at 0..S-1 where they are stored unrotated and `rotate` asks."""
         k, v = self.pool.read(layer, slots)  # (..., S, KV, d_head)
         if slots.dim() == 1:
             k, v = k[None], v[None]
-        return rotate_keys(k.transpose(1, 2).to(dtype), self.rotation), v.transpose(1, 2).to(dtype)
+        k, v = k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
+        return (rotate_keys(k, self.rotation) if rotate else k), v

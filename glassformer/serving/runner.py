@@ -166,20 +166,23 @@ class ModelRunner:
         adapted: dict[str, list[int]] = {}  # adapter name -> its rows
         for seq, n in scheduled:
             context = seq.num_computed + n
-            slots = self._slots(seq, context)  # (L,) what its queries see, new ones last
-            parts.append(Part(len(ids), n, slots))
+            # a chunk past the sink policy's window (model/sink_chunk.py): its queries sit at
+            # the cache's last n positions and see the W - 1 latest keys before its own
+            past_window = self.sink is not None and n > 1 and seq.num_computed >= self.sink.capacity
+            slots = self._slots(seq, context, past_window)  # (L,) what its queries see, new ones last
+            parts.append(Part(len(ids), n, slots, past_window))
             if uses_hooks(seq.params):  # it captures, reads the lens, steers or ablates
                 capturing.append((seq, len(ids), n, seq.num_computed))
             if seq.params.adapter is not None:
                 adapted.setdefault(seq.params.adapter, []).extend(range(len(ids), len(ids) + n))
             ids += seq.tokens[seq.num_computed : context]
-            positions += range(len(slots) - n, len(slots))  # text positions, or the cache's
+            first = self.sink.capacity - n if past_window else len(slots) - n
+            positions += range(first, first + n)  # text positions, or the cache's
             if context == seq.num_tokens:
                 ends[id(seq)] = len(ids) - 1
         ids_t = torch.tensor(ids, device=self.device)[None]  # (1, N)
         pos_t = torch.tensor(positions, device=self.device)[None]  # (1, N)
-        rotation = self.rope if self.sink is not None else None  # sink keys: stored unrotated
-        view = PagedView(self.pool, parts, self.fast, self.model, rotation)
+        view = PagedView(self.pool, parts, self.fast, self.model, self.sink, self.rope)
         rope = None
         if self.rope is not None:  # (1, 1, N, d_head) each
             rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
@@ -194,14 +197,18 @@ class ModelRunner:
         outputs |= lens.read(self.layers)  # the row-invariant view: each lens row as if alone
         return {key: x[0, row] for key, row in ends.items()}
 
-    def _slots(self, seq: Sequence, context: int) -> torch.Tensor:
+    def _slots(self, seq: Sequence, context: int, past_window: bool) -> torch.Tensor:
         """The pool slots of what seq's tokens up to `context` attend to, in position order:
-        its first `context` tokens, or under the sink policy the kept ones (L,)."""
+        its first `context` tokens, or under the sink policy the kept ones, or for a chunk past
+        its window the sinks, the W - 1 latest before it and its own (L,)."""
         bs = self.pool.block_size
         if self.sink is None:
             return slots_of(seq.block_table, context, bs)
         table = torch.tensor(seq.block_table, dtype=torch.long)
-        kept = torch.tensor(self.sink.kept_slots(context), dtype=torch.long)  # (L,)
+        first = seq.num_computed
+        kept = (self.sink.chunk_slots(first) + [self.sink.slot(t) for t in range(first, context)]
+                if past_window else self.sink.kept_slots(context))
+        kept = torch.tensor(kept, dtype=torch.long)  # (L,)
         return table[kept // bs] * bs + kept % bs
 
     def _adapted(self, rows: dict[str, list[int]]):

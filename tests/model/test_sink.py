@@ -27,7 +27,9 @@ def test_kept_and_slots_follow_the_equations():
     # the newest token's slot is last, and overwrites the slot of the one that left
     assert policy.kept_slots(6) == [0, 1, 3, 4, 2]
     assert policy.slot(5) == policy.slot(2) and 2 not in policy.kept(6)
-    assert [policy.room(n) for n in (0, 3, 5, 9)] == [5, 2, 1, 1]
+    assert [policy.room(n) for n in (0, 3, 5, 9)] == [5, 2, 3, 3]  # then chunks of at most W
+    assert [SinkPolicy(2, 3, chunk=1).room(n) for n in (0, 3, 5, 9)] == [5, 2, 1, 1]  # streaming
+    assert policy.chunk_slots(9) == [0, 1, 4, 2]  # sinks, then tokens 7 and 8 (6 leaves first)
     window_only = SinkPolicy(0, 3)
     assert window_only.kept(7) == [4, 5, 6]
 

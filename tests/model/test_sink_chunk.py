@@ -20,7 +20,8 @@ def _model(position="rope", **extra):
 
 def _read(model, ids, policy, chunk):
     """Logits of every token of ids (1, n) fed as the cache's room allows, and the cache."""
-    cache = SinkKVCache(model.config, 1, policy, chunk=chunk)
+    policy = SinkPolicy(policy.sink_tokens, policy.window, chunk)
+    cache = SinkKVCache(model.config, 1, policy)
     logits, start, sizes = [], 0, []
     with torch.no_grad():
         while start < ids.shape[1]:
@@ -55,9 +56,9 @@ def test_a_chunk_as_wide_as_the_window_and_decoding_after_it():
     ids = torch.randint(0, 61, (1, 40))
     streamed, _, _ = _read(model, ids, policy, chunk=1)
     chunked, cache, sizes = _read(model, ids, policy, chunk=100)
-    assert cache.chunk == 7 and sizes == [9, 7, 7, 7, 7, 3]
+    assert sizes == [9, 7, 7, 7, 7, 3]
     torch.testing.assert_close(chunked, streamed, atol=2e-5, rtol=1e-5)
-    config = GenerationConfig(max_new_tokens=12, eos_ids=(), sink=policy)
+    config = GenerationConfig(max_new_tokens=12, eos_ids=(), sink=SinkPolicy(2, 7, chunk=100))
     assert generate(model, ids[0].tolist(), config).generated_ids == [
         int(t) for t in _greedy_streamed(model, ids, policy, 12)]
 
@@ -75,4 +76,4 @@ def _greedy_streamed(model, ids, policy, n):
 @pytest.mark.parametrize("chunk", [0, -2, 1.5, True])
 def test_bad_chunk_is_one_line(chunk):
     with pytest.raises(ValueError, match="^chunk: "):
-        SinkKVCache(_model().config, 1, SinkPolicy(2, 7), chunk=chunk)
+        SinkPolicy(2, 7, chunk)

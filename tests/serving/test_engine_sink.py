@@ -70,3 +70,24 @@ def test_refusals_name_the_field():
     engine = Engine(_model(), None, EngineConfig(sink=POLICY))
     with pytest.raises(ValueError, match="^beams: "):
         engine.submit([1, 2], RequestParams(beams=2))
+
+
+def test_a_prompt_past_the_window_enters_in_chunks_as_streaming_reads_it():
+    """The engine's chunks past the window (model/sink_chunk.py) against streaming, a token a
+    step: every token and its log-probability."""
+    prompt, params = _prompts()[2], RequestParams(max_new_tokens=12, eos_ids=(), logprobs=0)
+    runs = {}
+    for chunk in (1, 5):
+        engine = Engine(_model(), None, EngineConfig(block_size=4, n_blocks=8, token_budget=16,
+                                                     sink=SinkPolicy(3, 6, chunk)))
+        handle = engine.submit(prompt, params)
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        runs[chunk] = [(e.token_id, e.logprobs.logprob) for e in handle if e.token_id is not None], steps
+    (streamed, streamed_steps), (chunked, chunked_steps) = runs[1], runs[5]
+    assert chunked_steps < streamed_steps - 20  # 31 tokens past the window: 7 chunks, not 31 steps
+    assert [t for t, _ in chunked] == [t for t, _ in streamed] and len(streamed) == 12
+    torch.testing.assert_close(torch.tensor([p for _, p in chunked]), torch.tensor([p for _, p in streamed]),
+                               atol=1e-5, rtol=0)
