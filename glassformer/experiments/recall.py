@@ -168,9 +168,8 @@ def prompts(tokenizer, hay: list[int], task: str, length: int, grid: list[float]
 def answers(model: Transformer, tokenizer, prompt_ids: list[list[int]], kv_dtype: str,
             sink: SinkPolicy | None = None) -> list[GenerationResult]:
     """Greedy answers, one request at a time through the engine with `kv_dtype` pool; under
-    the attention-sink policy `sink` through `generate`'s dense sink cache, which reads a
-    prompt past the window in chunks (model/sink_chunk.py) where the engine streams it a token
-    a step."""
+    the attention-sink policy `sink` (float32 keys) through `generate`'s dense sink cache,
+    which reads a prompt past the window in chunks (model/sink_chunk.py) as the pool does."""
     if sink is not None:
         config = GenerationConfig(max_new_tokens=ANSWER_TOKENS, stop=("\n",), sink=sink)
         return [generate(model, p, config, tokenizer) for p in prompt_ids]

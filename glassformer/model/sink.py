@@ -31,9 +31,9 @@ sinusoidal) are added to the embedding before a key exists, so a kept key cannot
 models are refused.
 
 Several tokens enter in one call while none is evicted (n + T ≤ S + W: a prompt's start);
-after that the policy takes one at a time (`room`), as each new token moves the window. The
-dense cache takes up to `chunk` at a time past the window (sink_chunk.py: the same keys and
-distances as streaming, in one call), so a long prompt costs a prefill, not a step a token.
+after that up to the policy's `chunk` at a time (`room`; 1 streams, a token a call as each
+moves the window): sink_chunk.py gives a chunk the same keys and distances as streaming in
+one call, so a long prompt costs a prefill, not a step a token.
 """
 
 from __future__ import annotations

@@ -16,13 +16,12 @@ latest tokens t-W+1..t, the window's at their text distance and sink s at distan
     scores = [ turn(Q) K_sinkᵀ · scale + M_sink | Q K_windowᵀ · scale + M_window ]
     out    = softmax(scores) [ V_sink ; V_window ]
 
-computed by PyTorch's fused attention over [zeros | K_window] with the sink block written into
-its additive mask (the mask is built once per chunk, the sink columns once per layer).
-
-which is what the T streamed steps compute, up to rounding, with nothing recomputed: every key
-is stored (unrotated) where streaming stores it. Not the model's attention kernel: the
-reference kernel's own sites (scores, pattern) do not fire for such a chunk; a cache built with
-chunk=1 streams instead.
+That is what the T streamed steps compute, up to rounding, with nothing recomputed: every key
+is stored (unrotated) where streaming stores it. PyTorch's fused attention computes it over
+the keys [zeros | K_window], the sink block written into its additive mask (the mask built
+once per chunk, its sink columns once per layer). It is not the model's attention kernel, so
+the reference kernel's own sites (scores, pattern) do not fire for such a chunk; a policy with
+chunk=1 streams instead. The dense sink cache and the engine's pool both call it.
 """
 
 from __future__ import annotations
