@@ -10,8 +10,9 @@ always proceed, so the engine never deadlocks; a request too large for the whole
 refused at submission.
 
 Under a sink policy (model/sink.py) a request holds the blocks of S + W slots however long it
-runs: its tokens enter as many at once as fit before the first eviction, then one per step,
-each written over the slot of the token it evicts.
+runs: its tokens enter as many at once as fit before the first eviction, then in whole chunks
+of the policy's (one token each while decoding), each token written over the slot of the token
+it evicts.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, budget)
-            if n == 0:  # a beam waiting for the other members of its group
+            if n == 0:  # a beam waiting for its group, or a sink chunk for a step with room
                 i += 1
                 continue
             while not self._reserve(seq, n, plan):
@@ -127,9 +128,17 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of seq's tokens the step can take: within the budget, and within the sink
-        policy's room."""
-        n = min(seq.num_tokens - seq.num_computed, budget)
-        return n if self.sink is None else min(n, self.sink.room(seq.num_computed))
+        policy's room. Past the sink policy's window a request takes its whole next chunk or
+        waits a step: a chunk's numbers depend on its length (model/sink_chunk.py), so where
+        its prompt is cut must not depend on what shares the step."""
+        left = seq.num_tokens - seq.num_computed
+        if self.sink is None:
+            return min(left, budget)
+        room = self.sink.room(seq.num_computed)
+        if seq.num_computed < self.sink.capacity:
+            return min(left, budget, room)
+        whole = min(left, room, self.token_budget)
+        return whole if whole <= budget else 0
 
     def advance(self, plan: StepPlan) -> list[Sequence]:
         """After the step ran: count the computed tokens, key the blocks they filled; returns the

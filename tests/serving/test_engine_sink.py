@@ -91,3 +91,24 @@ def test_a_prompt_past_the_window_enters_in_chunks_as_streaming_reads_it():
     assert [t for t, _ in chunked] == [t for t, _ in streamed] and len(streamed) == 12
     torch.testing.assert_close(torch.tensor([p for _, p in chunked]), torch.tensor([p for _, p in streamed]),
                                atol=1e-5, rtol=0)
+
+
+def test_a_chunk_past_the_window_is_cut_the_same_under_load():
+    """Whole chunks only past the window: with reference attention (each query alone over its
+    keys, whatever the cuts before the window) the request's tokens and log-probabilities are
+    bit for bit those it gets alone, though other requests take most of each step's budget."""
+    model, policy = _model(), SinkPolicy(3, 6, chunk=5)
+    prompt = _prompts()[2]
+    params = RequestParams(max_new_tokens=10, eos_ids=(), logprobs=0)
+
+    def events(others: int) -> list:
+        engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, max_batch=5, token_budget=8,
+                                                  sink=policy, attention="reference"))
+        busy = [engine.submit([7, 8, 9], RequestParams(max_new_tokens=30, eos_ids=())) for _ in range(others)]
+        handle = engine.submit(prompt, params)
+        engine.run_until_done()
+        assert all(h.wait().n_generated == 30 for h in busy)
+        return [(e.token_id, e.logprobs.logprob) for e in handle if e.token_id is not None]
+
+    alone = events(0)
+    assert len(alone) == 10 and events(4) == alone
