@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from glassformer import ModelConfig, Transformer
+from glassformer.accel.quantize import quantize_model
 from glassformer.generation.config import GenerationConfig
 from glassformer.generation.generate import generate
 from glassformer.model.sink import SinkKVCache, SinkPolicy
@@ -77,3 +78,13 @@ def _greedy_streamed(model, ids, policy, n):
 def test_bad_chunk_is_one_line(chunk):
     with pytest.raises(ValueError, match="^chunk: "):
         SinkPolicy(2, 7, chunk)
+
+
+@pytest.mark.parametrize("fmt, tolerance", [("bf16", 0.05), ("int8", 2e-5), ("int4", 2e-5)])
+def test_every_weight_format_reads_chunks_as_it_streams(fmt, tolerance):
+    model, policy = quantize_model(_model(), fmt), SinkPolicy(2, 7)
+    ids = torch.randint(0, 61, (1, 30))
+    streamed, _, _ = _read(model, ids, policy, chunk=1)
+    chunked, _, sizes = _read(model, ids, policy, chunk=4)
+    assert max(sizes[1:]) == 4
+    torch.testing.assert_close(chunked.float(), streamed.float(), atol=tolerance, rtol=0)
