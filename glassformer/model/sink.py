@@ -98,9 +98,13 @@ class SinkPolicy:
         """The slots of kept(n), in cache order: the newest token's slot is last."""
         return [self.slot(t) for t in self.kept(n)]
 
+    def full(self, n: int) -> bool:
+        """Whether the cache is full after n tokens: what enters next is past the window."""
+        return n >= self.capacity
+
     def room(self, n: int) -> int:
         """How many tokens may enter together after n: all up to S + W, then `chunk` (at most W)."""
-        return self.capacity - n if n < self.capacity else min(self.chunk, self.window)
+        return min(self.chunk, self.window) if self.full(n) else self.capacity - n
 
     def chunk_slots(self, n: int) -> list[int]:
         """After n ≥ S + W tokens, the slots a chunk past the window reads before its own
@@ -108,9 +112,10 @@ class SinkPolicy:
         slots = self.kept_slots(n)
         return slots[: self.sink_tokens] + slots[self.sink_tokens + 1 :]
 
-    def position(self, n: int) -> int:
-        """The cache position of the next token after n: n until the cache is full."""
-        return min(n, self.capacity - 1)
+    def position(self, n: int, n_new: int = 1) -> int:
+        """The cache position of the first of n_new tokens entering after n: n until the cache
+        is full, then S + W - n_new (the last one sits at S + W - 1, where a streamed query sits)."""
+        return self.capacity - n_new if self.full(n) else n
 
 
 def key_rotation(config: ModelConfig, positions: torch.Tensor,
@@ -132,21 +137,29 @@ def rotate_keys(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] 
     return apply_rope(keys, rotation[0][:L], rotation[1][:L])
 
 
+def past_window_mask(config: ModelConfig, policy: SinkPolicy, mask: AttentionMask, n_heads: int,
+                     dtype: torch.dtype) -> ChunkMask:
+    """What a chunk of T tokens past the window sees at every layer (sink_chunk.py): the
+    model's `mask` over window_positions made a ChunkMask, with the rotation of the keys at
+    those positions and the turn of the queries to the sinks, in `dtype`."""
+    S, W, T = policy.sink_tokens, policy.window, mask.q_pos.shape[1]
+    at = window_positions(S, W, T).to(mask.q_pos.device)  # (S+W-1+T,): sinks, then the window
+    return chunk_mask(mask, W, S, n_heads, key_rotation(config, at, dtype),
+                      query_turn(config, T, at.device, dtype))
+
+
 def past_window_context(config: ModelConfig, policy: SinkPolicy, q: torch.Tensor,
                         before: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor],
                         mask: ChunkMask) -> torch.Tensor:
     """The context (B, H, T, d_head) of T > 1 tokens past the window (sink_chunk.py): queries q
     (B, H, T, d_head); `before`, the keys and values (B, KV, S+W-1, d_head) of chunk_slots,
     stored unrotated and read before the chunk's overwrite them; `new`, the chunk's (B, KV,
-    T, d_head); `mask`, the chunk's (chunk_mask)."""
-    S, W, T = policy.sink_tokens, policy.window, q.shape[2]
+    T, d_head); `mask`, the chunk's (past_window_mask)."""
     keys = torch.cat([before[0], new[0].to(before[0].dtype)], dim=2)  # (B, KV, S+W-1+T, d_head)
     values = torch.cat([before[1], new[1].to(before[1].dtype)], dim=2)
-    at = window_positions(S, W, T).to(q.device)  # (S+W-1+T,): sinks, then the window
-    keys = rotate_keys(keys, key_rotation(config, at, keys.dtype))
+    keys = rotate_keys(keys, mask.rotation)
     scale = config.head_dim ** -0.5 if config.scale_scores else 1.0
-    return chunk_attention(q, keys.to(q.dtype), values.to(q.dtype), S, mask, scale,
-                           query_turn(config, T, q.device, q.dtype))
+    return chunk_attention(q, keys.to(q.dtype), values.to(q.dtype), policy.sink_tokens, mask, scale)
 
 
 class SinkKVCache(KVCache):
@@ -176,16 +189,14 @@ class SinkKVCache(KVCache):
 
     @property
     def full(self) -> bool:
-        return self.seen >= self.policy.capacity
+        return self.policy.full(self.seen)
 
     def room(self) -> int:
         """How many tokens may enter in the next call (SinkPolicy.room)."""
         return self.policy.room(self.seen)
 
     def query_start(self, n_new: int) -> int:
-        """The cache position of the first of n_new queries; once full the last one sits at
-        S + W - 1, where a streamed query sits."""
-        return self.policy.capacity - n_new if self.full else self.seen
+        return self.policy.position(self.seen, n_new)
 
     def reserve(self, positions: torch.Tensor, pad_mask: torch.Tensor | None) -> None:
         T = positions.shape[1]
@@ -212,7 +223,7 @@ class SinkKVCache(KVCache):
         keys.index_copy_(2, new, k.to(keys.dtype))
         values.index_copy_(2, new, v.to(values.dtype))
         if layer == 0:  # every layer's queries see the same keys: one mask for the chunk
-            self.chunk_mask = chunk_mask(mask, policy.window, policy.sink_tokens, q.shape[1])
+            self.chunk_mask = past_window_mask(self.config, policy, mask, q.shape[1], q.dtype)
         return past_window_context(self.config, policy, q, before, (k, v), self.chunk_mask)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,36 +60,40 @@ def query_turn(config: ModelConfig, n_new: int, device: torch.device,
 class ChunkMask:
     """What a chunk's queries may see, built once for every layer: the additive mask over
     [sinks | window] (B, H, T, S+W-1+T), whose window columns hold the band and the distance
-    bias and whose sink columns each layer fills with its sink scores; and the sinks'
-    distance bias, the last query's row (B, 1 or H, 1, S)."""
+    bias and whose sink columns each layer fills with its sink scores; the sinks' distance
+    bias, the last query's row (B, 1 or H, 1, S); RoPE's cos and sin at window_positions
+    (S+W-1+T, d_head) each, and query_turn's; None without RoPE."""
 
     bias: torch.Tensor
     sink_bias: torch.Tensor
+    rotation: tuple[torch.Tensor, torch.Tensor] | None
+    turn: tuple[torch.Tensor, torch.Tensor] | None
 
 
-def chunk_mask(mask: AttentionMask, window: int, n_sinks: int, n_heads: int) -> ChunkMask:
-    """ChunkMask from the model's mask over the keys at window_positions."""
+def chunk_mask(mask: AttentionMask, window: int, n_sinks: int, n_heads: int,
+               rotation: tuple[torch.Tensor, torch.Tensor] | None,
+               turn: tuple[torch.Tensor, torch.Tensor] | None) -> ChunkMask:
+    """ChunkMask from the model's mask over the keys at window_positions, and the rotations."""
     S, T = n_sinks, mask.q_pos.shape[1]
     banded = dataclasses.replace(mask, window=window if mask.window is None else min(mask.window, window))
     band = banded.bias(torch.float32, cols=slice(S, None))  # (B, 1 or H, T, W-1+T)
     B, Tk = band.shape[0], band.shape[-1] + S
     bias = torch.empty(B, n_heads, T, Tk, device=band.device)  # (B, H, T, S+W-1+T)
     bias[..., S:] = band
-    return ChunkMask(bias, mask.bias(torch.float32, rows=slice(T - 1, T), cols=slice(0, S)))
+    return ChunkMask(bias, mask.bias(torch.float32, rows=slice(T - 1, T), cols=slice(0, S)), rotation, turn)
 
 
 def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_sinks: int,
-                    mask: ChunkMask, scale: float,
-                    turn: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                    mask: ChunkMask, scale: float) -> torch.Tensor:
     """The context (B, H, T, d_head) of queries q (B, H, T, d_head), rotated at S+W-T..S+W-1,
     over keys and values (B, KV, S+W-1+T, d_head), the sinks' then the window's, the keys
-    rotated at window_positions; `turn`: query_turn's rotation, or None. The sinks' scores (the
-    turned queries' products with their keys) enter as the mask's sink columns against keys
-    of zeros, so one fused kernel computes the single softmax."""
+    rotated at window_positions. The sinks' scores (the queries turned by mask.turn, times
+    their keys) enter as the mask's sink columns against keys of zeros, so one fused kernel
+    computes the single softmax."""
     B, H, T, d_head = q.shape
     S, kv_heads = n_sinks, keys.shape[1]
     if S:
-        turned = q if turn is None else apply_rope(q, *turn)
+        turned = q if mask.turn is None else apply_rope(q, *mask.turn)
         grouped = turned.reshape(B, kv_heads, -1, d_head)  # each key head's H/KV query heads
         sink_scores = (grouped @ keys[:, :, :S].transpose(-2, -1) * scale).reshape(B, H, T, S)
         mask.bias[..., :S] = sink_scores + mask.sink_bias  # (B, H, T, S)

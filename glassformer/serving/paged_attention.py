@@ -30,8 +30,8 @@ import torch
 
 from ..model.kv_cache import AttentionFn
 from ..model.layers.masking import AttentionMask
-from ..model.sink import SinkPolicy, past_window_context, rotate_keys
-from ..model.sink_chunk import ChunkMask, chunk_mask, window_positions
+from ..model.sink import SinkPolicy, past_window_context, past_window_mask, rotate_keys
+from ..model.sink_chunk import ChunkMask, window_positions
 from ..model.transformer import Transformer
 from .kv_pool import KVPool
 
@@ -99,15 +99,14 @@ class PagedView:
              for end, m in calls]
             for calls in self.chunk_calls
         ]
+        self.past_window_masks: list[ChunkMask] = []  # made at the first layer, for every layer
 
-        self.past_window_masks = [self._past_window_mask(p.n, device) for p in self.past_window]
-
-    def _past_window_mask(self, n: int, device: torch.device) -> ChunkMask:
-        """The mask of a chunk of n tokens past the window, over window_positions."""
+    def _past_window_mask(self, n: int, q: torch.Tensor) -> ChunkMask:
+        """What a chunk of n tokens past the window sees (model/sink.py past_window_mask)."""
         S, W = self.sink.sink_tokens, self.sink.window
-        q_pos = torch.arange(S + W - n, S + W, device=device)[None]  # (1, n)
-        mask = self.model.attention_mask(q_pos, window_positions(S, W, n).to(device)[None])
-        return chunk_mask(mask, W, S, self.model.config.n_heads)
+        q_pos = torch.arange(S + W - n, S + W, device=q.device)[None]  # (1, n)
+        mask = self.model.attention_mask(q_pos, window_positions(S, W, n).to(q.device)[None])
+        return past_window_mask(self.model.config, self.sink, mask, q.shape[1], q.dtype)
 
     def _calls(self, part: Part) -> list[tuple[int, int]]:
         """(keys seen, queries) of each attention call for a chunk's queries, in order."""
@@ -121,6 +120,8 @@ class PagedView:
         """q (1, H, N, d_head), k and v (1, KV, N, d_head): the step's new rows."""
         before = [self._read(layer, p.slots[: p.context - p.n], q.dtype, rotate=False)
                   for p in self.past_window]  # (1, KV, S + W - 1, d_head) each: before the write
+        if layer == 0:
+            self.past_window_masks = [self._past_window_mask(p.n, q) for p in self.past_window]
         self.pool.write(layer, self.new_slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         out = torch.empty_like(q)  # (1, H, N, d_head)
         for part, seen, mask in zip(self.past_window, before, self.past_window_masks, strict=True):

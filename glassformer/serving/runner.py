@@ -168,7 +168,7 @@ class ModelRunner:
             context = seq.num_computed + n
             # a chunk past the sink policy's window (model/sink_chunk.py): its queries sit at
             # the cache's last n positions and see the W - 1 latest keys before its own
-            past_window = self.sink is not None and n > 1 and seq.num_computed >= self.sink.capacity
+            past_window = self.sink is not None and n > 1 and self.sink.full(seq.num_computed)
             slots = self._slots(seq, context, past_window)  # (L,) what its queries see, new ones last
             parts.append(Part(len(ids), n, slots, past_window))
             if uses_hooks(seq.params):  # it captures, reads the lens, steers or ablates
@@ -176,7 +176,7 @@ class ModelRunner:
             if seq.params.adapter is not None:
                 adapted.setdefault(seq.params.adapter, []).extend(range(len(ids), len(ids) + n))
             ids += seq.tokens[seq.num_computed : context]
-            first = self.sink.capacity - n if past_window else len(slots) - n
+            first = len(slots) - n if self.sink is None else self.sink.position(seq.num_computed, n)
             positions += range(first, first + n)  # text positions, or the cache's
             if context == seq.num_tokens:
                 ends[id(seq)] = len(ids) - 1

@@ -135,7 +135,7 @@ class Scheduler:
         if self.sink is None:
             return min(left, budget)
         room = self.sink.room(seq.num_computed)
-        if seq.num_computed < self.sink.capacity:
+        if not self.sink.full(seq.num_computed):
             return min(left, budget, room)
         whole = min(left, room, self.token_budget)
         return whole if whole <= budget else 0
