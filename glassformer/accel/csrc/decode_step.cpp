@@ -416,31 +416,84 @@ void DecodeStep::store(const KVView& kv, const float* k, const float* v, int64_t
   }
 }
 
+namespace {
+
+// The scores s[i] = dot(q, k_i, D) for n keys k_i = keys + offset(g, first + i), each with
+// dot()'s arithmetic (one accumulator, then hsum), four keys at a time: four independent sums
+// in flight instead of one chain of dependent FMAs per key.
+void key_scores(const float* q, const KVView& kv, int64_t g, int64_t first, int64_t n,
+                int64_t D, float* s) {
+  int64_t i = 0;
+  if (D % 8 == 0) {
+    for (; i + 4 <= n; i += 4) {
+      const float* k[4];
+      __m256 acc[4];
+      for (int j = 0; j < 4; ++j) {
+        k[j] = kv.keys + kv.offset(g, first + i + j);
+        acc[j] = _mm256_setzero_ps();
+      }
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), acc[j]);
+      }
+      for (int j = 0; j < 4; ++j) s[i + j] = hsum(acc[j]);
+    }
+  }
+  for (; i < n; ++i) s[i] = dot(q, kv.keys + kv.offset(g, first + i), D);
+}
+
+// out (D) = Σ_i w[i] v_i for the n values v_i = values + offset(g, first + i), in order of i,
+// 64 floats of out at a time held in registers (one FMA chain per 8 floats).
+void weighted_values(const float* w, const KVView& kv, int64_t g, int64_t first, int64_t n,
+                     int64_t D, float* out) {
+  if (D % 8 != 0) {
+    std::fill(out, out + D, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = kv.values + kv.offset(g, first + i);
+      for (int64_t d = 0; d < D; ++d) out[d] += w[i] * v[d];
+    }
+    return;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int lanes = static_cast<int>(std::min<int64_t>(64, D - d0)) / 8;
+    __m256 acc[8];
+    for (int j = 0; j < lanes; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = kv.values + kv.offset(g, first + i) + d0;
+      const __m256 wi = _mm256_set1_ps(w[i]);
+      for (int j = 0; j < lanes; ++j) acc[j] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < lanes; ++j) _mm256_storeu_ps(out + d0 + 8 * j, acc[j]);
+  }
+}
+
+}  // namespace
+
 // One query head over its sequence's tokens first..pos: softmax(scale q · k_t
-// [- slope (pos - t)]) · v_t into out (d_head).
+// [- slope (pos - t)]) · v_t into out (d_head). Each row's own keys, so a row's result does not
+// depend on the rows beside it.
 void DecodeStep::attend(const float* q, const KVView& kv, int64_t head, int64_t pos,
                         float* out) const {
   const int64_t D = config_.d_head, window = config_.window;
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  const int64_t n = pos - first + 1;
   const int64_t g = head / (config_.n_heads / config_.n_kv_heads);
   const float scale = static_cast<float>(config_.score_scale);
   const float slope = alibi_ ? alibi_->data_ptr<float>()[head] : 0.f;
-  std::vector<float> p(pos - first + 1);
+  thread_local std::vector<float> p;  // (n) the scores, then the weights
+  p.resize(n);
+  key_scores(q, kv, g, first, n, D, p.data());
   float top = -INFINITY;
-  for (int64_t t = first; t <= pos; ++t) {
-    float s = dot(q, kv.keys + kv.offset(g, t), D) * scale;
-    if (alibi_) s -= slope * static_cast<float>(pos - t);
-    p[t - first] = s;
+  for (int64_t i = 0; i < n; ++i) {
+    float s = p[i] * scale;
+    if (alibi_) s -= slope * static_cast<float>(pos - first - i);
+    p[i] = s;
     top = std::max(top, s);
   }
   float total = 0.f;
   for (float& s : p) total += (s = std::exp(s - top));
-  std::fill(out, out + D, 0.f);
-  for (int64_t t = first; t <= pos; ++t) {
-    const float* vt = kv.values + kv.offset(g, t);
-    const float w = p[t - first] / total;
-    for (int64_t i = 0; i < D; ++i) out[i] += w * vt[i];
-  }
+  for (float& s : p) s /= total;
+  weighted_values(p.data(), kv, g, first, n, D, out);
 }
 
 torch::Tensor DecodeStep::activate(const torch::Tensor& up) const {
