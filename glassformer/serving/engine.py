@@ -38,7 +38,7 @@ from .capture import captured, check_capture, check_lens, lens_of, new_rows
 from .handle import Event, RequestHandle, TokenLogprobs, Wakeups
 from .interventions import check_edits
 from .kv_pool import KVPool, bytes_per_block
-from .paged_attention import ATTENTION
+from .paged_attention import ATTENTION, query_group
 from .runner import CAPABILITIES, ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -106,10 +106,12 @@ class Engine:
         self.blocks = BlockManager(n_blocks, config.block_size, prefix_caching)
         device = model.embed.tokens.weight.device
         self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device)
-        self.scheduler = Scheduler(self.blocks, config.max_batch, config.token_budget, config.sink)
+        # fast attention takes a prompt's queries in groups: the budget cuts prompts between them
+        group = query_group(config.block_size, config.token_budget) if config.attention == "fast" else 1
+        self.scheduler = Scheduler(self.blocks, config.max_batch, config.token_budget, config.sink, group)
         self.adapters = Adapters(mc, base, model.embed.tokens.weight.dtype, device)
         self.runner = ModelRunner(model, self.pool, config.attention, config.batch_invariant,
-                                  config.sink, self.adapters)
+                                  config.sink, self.adapters, group)
         # how many tokens a request may reach: the window, or any number under the sink policy
         self.window = mc.context_length if config.sink is None else math.inf
         self.stats = EngineStats()

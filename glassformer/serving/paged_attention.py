@@ -12,9 +12,16 @@ causality, the window, ALiBi, T5's relative bias):
   position alone, so its numbers are the same bit for bit whatever shares the step, the
   chunk, the block size or the cache hits; a decoding query is the very call `generate`
   makes on the module path.
-- fast: the single-query requests of a step (decoding) in one call, their keys gathered
-  into (B, KV, S_max, d_head) with the padding masked; each multi-token chunk (prefill) in
-  one call with the causal mask offset by its cached prefix.
+- fast: a chunk's queries in groups of `query_group` at fixed positions (0..G-1, G..2G-1,
+  ...), one call a group, with the causal mask offset by its cached prefix; every
+  single-query call of the step (decoding rows, a group of one) together, their keys
+  gathered into (B, KV, L, d_head) with the padding masked, where each row's L is its own
+  keys padded to whole blocks (rows of different L in separate calls). A call's numbers
+  depend on the queries it takes together and on its padded length; those depend here on
+  the request's own positions alone, and the scheduler cuts prompts at multiples of the
+  group (cache hits are whole blocks), so a request's numbers are the same bit for bit
+  whatever shares the step, as long as it is not preempted (recomputed tokens attend as a
+  prompt's, not as decoding rows).
 Queries, keys and values of request r are at positions 0..S_r-1 of its own sequence; under a
 sink policy those are cache positions (`Part.slots` lists the kept slots in cache order), and
 the view rotates the keys, stored unrotated, at them (model/sink.py). A chunk past the sink
@@ -24,6 +31,7 @@ the dense sink cache does (model/sink_chunk.py), whichever attention the engine 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +44,13 @@ from ..model.transformer import Transformer
 from .kv_pool import KVPool
 
 ATTENTION = ("reference", "fast")
+
+
+def query_group(block_size: int, token_budget: int) -> int:
+    """How many of a prompt's queries one fast attention call takes together: the largest
+    divisor of the block size within the token budget (a cache hit ends at a whole block, so
+    at a group's edge, and the oldest request can always take a whole group)."""
+    return max(d for d in range(1, min(block_size, token_budget) + 1) if block_size % d == 0)
 
 
 def slots_of(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
@@ -68,38 +83,56 @@ class PagedView:
 
     def __init__(self, pool: KVPool, parts: list[Part], fast: bool, model: Transformer,
                  sink: SinkPolicy | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, group: int = 1) -> None:
         """`sink`: the engine's sink policy, whose keys are stored unrotated, with `rope`, the
         model's cos and sin (P, d_head) at positions 0..P-1 to rotate them; None: the layers
-        rotated them."""
+        rotated them. `group`: the fast calls' query group (`query_group`)."""
         self.pool, self.fast, self.sink, self.model = pool, fast, sink, model
         self.rotation = rope if sink is not None else None
         self.rotates_keys = sink is not None
         device = pool.device
         self.new_slots = torch.cat([p.slots[p.context - p.n :] for p in parts]).to(device)  # (N,)
-        self.single = [p for p in parts if p.n == 1] if fast else []
         self.past_window = [p for p in parts if p.past_window]
-        self.chunks = [p for p in parts if not (fast and p.n == 1) and not p.past_window]
-        if self.single:
-            B, s_max = len(self.single), max(p.context for p in self.single)
-            self.rows = torch.tensor([p.start for p in self.single], device=device)  # (B,)
-            self.slot_matrix = torch.zeros(B, s_max, dtype=torch.long, device=device)  # (B, S_max)
-            valid = torch.zeros(B, s_max, dtype=torch.bool, device=device)  # (B, S_max)
-            for b, p in enumerate(self.single):
-                self.slot_matrix[b, : p.context] = p.slots
-                valid[b, : p.context] = True
-            k_pos = torch.arange(s_max, device=device).expand(B, s_max)  # (B, S_max)
-            q_pos = torch.tensor([[p.context - 1] for p in self.single], device=device)  # (B, 1)
-            self.single_mask = model.attention_mask(q_pos, k_pos, valid)
-        # fast: one call per chunk; reference: one per query, over its own prefix
-        self.chunk_calls = [self._calls(p) for p in self.chunks]
+        single: list[tuple[int, torch.Tensor]] = []  # fast: (flat row, slots seen) of each single-query call
+        self.chunks: list[tuple[Part, list[tuple[int, int, int]]]] = []  # each part's other calls
+        for part in parts:
+            if part.past_window:
+                continue
+            calls = self._calls(part, group)
+            if fast:
+                single += [(row, part.slots[:end]) for row, end, m in calls if m == 1]
+                calls = [call for call in calls if call[2] > 1]
+            if calls:
+                self.chunks.append((part, calls))
+        self.single = self._single_calls(single)
         self.chunk_masks = [
             [model.attention_mask(torch.arange(end - m, end, device=device)[None],
                                   torch.arange(end, device=device)[None], contiguous=True)
-             for end, m in calls]
-            for calls in self.chunk_calls
+             for _, end, m in calls]
+            for _, calls in self.chunks
         ]
         self.past_window_masks: list[ChunkMask] = []  # made at the first layer, for every layer
+
+    def _single_calls(self, single: list[tuple[int, torch.Tensor]]):
+        """The single-query calls side by side, one call per padded length L (each row's keys
+        padded to whole blocks): (rows (B,), slots (B, L), mask) each."""
+        device, block = self.pool.device, self.pool.block_size
+        by_length: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for row, slots in single:
+            by_length.setdefault(-(-slots.shape[0] // block) * block, []).append((row, slots))
+        calls = []
+        for length, rows in by_length.items():
+            B = len(rows)
+            slot_matrix = torch.zeros(B, length, dtype=torch.long, device=device)  # (B, L)
+            valid = torch.zeros(B, length, dtype=torch.bool, device=device)  # (B, L)
+            for b, (_, slots) in enumerate(rows):
+                slot_matrix[b, : slots.shape[0]] = slots
+                valid[b, : slots.shape[0]] = True
+            k_pos = torch.arange(length, device=device).expand(B, length)  # (B, L)
+            q_pos = torch.tensor([[slots.shape[0] - 1] for _, slots in rows], device=device)  # (B, 1)
+            calls.append((torch.tensor([row for row, _ in rows], device=device), slot_matrix,
+                          self.model.attention_mask(q_pos, k_pos, valid)))
+        return calls
 
     def _past_window_mask(self, n: int, q: torch.Tensor) -> ChunkMask:
         """What a chunk of n tokens past the window sees (model/sink.py past_window_mask)."""
@@ -108,12 +141,13 @@ class PagedView:
         mask = self.model.attention_mask(q_pos, window_positions(S, W, n).to(q.device)[None])
         return past_window_mask(self.model.config, self.sink, mask, q.shape[1], q.dtype)
 
-    def _calls(self, part: Part) -> list[tuple[int, int]]:
-        """(keys seen, queries) of each attention call for a chunk's queries, in order."""
-        if self.fast:
-            return [(part.context, part.n)]
-        first = part.context - part.n
-        return [(first + i + 1, 1) for i in range(part.n)]
+    def _calls(self, part: Part, group: int) -> list[tuple[int, int, int]]:
+        """(first flat row, keys seen, queries) of each attention call over a part's queries,
+        in order: fast, its queries in groups at multiples of `group` positions; reference,
+        one by one."""
+        first, size = part.context - part.n, group if self.fast else 1
+        edges = [first, *range((first // size + 1) * size, part.context, size), part.context]
+        return [(part.start + a - first, b, b - a) for a, b in itertools.pairwise(edges)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
@@ -128,18 +162,16 @@ class PagedView:
             rows = part.rows
             out[:, :, rows] = past_window_context(self.model.config, self.sink, q[:, :, rows], seen,
                                                   (k[:, :, rows], v[:, :, rows]), mask)
-        if self.single:  # every query sees itself, so no row of the mask is empty
-            keys, values = self._read(layer, self.slot_matrix, q.dtype)  # (B, KV, S_max, d_head)
-            queries = q[0, :, self.rows].transpose(0, 1)[:, :, None]  # (B, H, 1, d_head)
-            context = attention(queries, keys, values, self.single_mask)  # (B, H, 1, d_head)
-            out[0, :, self.rows] = context[:, :, 0].transpose(0, 1)
-        for part, calls, masks in zip(self.chunks, self.chunk_calls, self.chunk_masks, strict=True):
+        for rows, slots, mask in self.single:  # every query sees itself: no row of the mask is empty
+            keys, values = self._read(layer, slots, q.dtype)  # (B, KV, L, d_head)
+            queries = q[0, :, rows].transpose(0, 1)[:, :, None]  # (B, H, 1, d_head)
+            context = attention(queries, keys, values, mask)  # (B, H, 1, d_head)
+            out[0, :, rows] = context[:, :, 0].transpose(0, 1)
+        for (part, calls), masks in zip(self.chunks, self.chunk_masks, strict=True):
             keys, values = self._read(layer, part.slots, q.dtype)  # (1, KV, S, d_head)
-            row = part.start
-            for (end, m), call_mask in zip(calls, masks, strict=True):
+            for (row, end, m), call_mask in zip(calls, masks, strict=True):
                 out[:, :, row : row + m] = attention(q[:, :, row : row + m], keys[:, :, :end],
                                                      values[:, :, :end], call_mask)
-                row += m
         return out
 
     def _read(self, layer: int, slots: torch.Tensor, dtype: torch.dtype, rotate: bool = True):

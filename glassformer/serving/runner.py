@@ -14,7 +14,8 @@ its step. The price is prefill speed for float weights; `invariant=False` sends 
 each product at once instead.
 
 A converted model (glassformer.quantize) with fast attention and a float32 pool runs its
-decoding rows through its fused C++ step (accel/fast_decode.py `FastDecoder.rows`), in every
+decoding rows (a generated token's; a prompt's last token goes with its query group, as it
+would alone) through its fused C++ step (accel/fast_decode.py `FastDecoder.rows`), in every
 step, whatever else the step holds: one call runs every layer for every such row, attending
 over each row's own block table in the pool. Each row's numbers are those of `generate`'s
 fused step for that sequence alone, so they too are independent of what shares the step.
@@ -85,12 +86,13 @@ CAPABILITIES = CapabilityTable("serving engine", {
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, attention: str = "fast",
                  invariant: bool = True, sink: SinkPolicy | None = None,
-                 adapters: Adapters | None = None) -> None:
+                 adapters: Adapters | None = None, group: int = 1) -> None:
         """`model` is one the engine accepts (CAPABILITIES, checked by Engine; `sink` checked
         by it too); `adapters`: the LoRA adapters requests may name (adapters.py), applied to
-        their rows."""
+        their rows; `group`: the fast attention's query group (paged_attention.py)."""
         config = model.config
         self.model, self.pool, self.fast, self.sink = model, pool, attention == "fast", sink
+        self.group = group
         # the model's own modules; with invariance, a view whose products run in row tiles
         self.layers = model.with_products(row_invariant) if invariant else model
         self.adapters = adapters
@@ -151,11 +153,13 @@ class ModelRunner:
         return self.fast and self.pool.kv_dtype == "fp32" and self.sink is None
 
     def _fused_takes(self, seq: Sequence) -> bool:
-        """Whether the fused step computes seq's decoding row as it asks: its adapter, if it
-        names one, is built for it, and it changes nothing and captures only sites the step
-        emits (fused_source; the lens reads residuals only)."""
+        """Whether the fused step computes seq's one new row as it asks: the row is a generated
+        token's (a prompt's last token, cut off by the budget, is a query group's as it would be
+        alone), its adapter, if it names one, is built for it, and it changes nothing and
+        captures only sites the step emits (fused_source; the lens reads residuals only)."""
         params = seq.params
-        return ((params.adapter is None or self.adapters[params.adapter].fused is not None)
+        return (seq.num_computed >= seq.prompt_len
+                and (params.adapter is None or self.adapters[params.adapter].fused is not None)
                 and not changes(params) and all(fused_source(site) is not None for site in params.capture))
 
     def _run_blocks(self, scheduled: Scheduled, outputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -182,7 +186,7 @@ class ModelRunner:
                 ends[id(seq)] = len(ids) - 1
         ids_t = torch.tensor(ids, device=self.device)[None]  # (1, N)
         pos_t = torch.tensor(positions, device=self.device)[None]  # (1, N)
-        view = PagedView(self.pool, parts, self.fast, self.model, self.sink, self.rope)
+        view = PagedView(self.pool, parts, self.fast, self.model, self.sink, self.rope, self.group)
         rope = None
         if self.rope is not None:  # (1, 1, N, d_head) each
             rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])

@@ -41,13 +41,18 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int = 16, token_budget: int = 256,
-                 sink: SinkPolicy | None = None) -> None:
+                 sink: SinkPolicy | None = None, align: int = 1) -> None:
+        """`align`: where the budget cuts a prompt, it cuts at a multiple of this many tokens
+        (the fast attention's query group, paged_attention.py `query_group`; at most
+        token_budget, so the oldest request always proceeds)."""
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         if token_budget < max_batch:
             raise ValueError(f"token_budget: must be >= max_batch={max_batch}, got {token_budget}")
         self.blocks, self.max_batch, self.token_budget = blocks, max_batch, token_budget
-        self.sink = sink
+        if not 1 <= align <= token_budget:
+            raise ValueError(f"align: between 1 and token_budget={token_budget}, got {align}")
+        self.sink, self.align = sink, align
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # counter
@@ -116,7 +121,7 @@ class Scheduler:
             if not seq.block_table and not uses_hooks(seq.params):  # a hook sees every row
                 self.blocks.match_prefix(seq)
             n = self._chunk(seq, budget)
-            if not self._reserve(seq, n, plan):
+            if n == 0 or not self._reserve(seq, n, plan):
                 self.blocks.release(seq)  # keep nothing while waiting
                 break
             self.waiting.popleft()
@@ -128,17 +133,19 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of seq's tokens the step can take: within the budget, and within the sink
-        policy's room. Past the sink policy's window a request takes its whole next chunk or
-        waits a step: a chunk's numbers depend on its length (model/sink_chunk.py), so where
-        its prompt is cut must not depend on what shares the step."""
-        left = seq.num_tokens - seq.num_computed
-        if self.sink is None:
-            return min(left, budget)
-        room = self.sink.room(seq.num_computed)
-        if not self.sink.full(seq.num_computed):
-            return min(left, budget, room)
-        whole = min(left, room, self.token_budget)
-        return whole if whole <= budget else 0
+        policy's room. Where its prompt is cut must not depend on what shares the step (the
+        numbers of an attention call depend on the queries it takes together): where the
+        budget is what stops it, the cut falls at a multiple of `align` (maybe none: 0, it
+        waits a step); past the sink policy's window a request takes its whole next chunk or
+        waits a step (model/sink_chunk.py)."""
+        computed, left = seq.num_computed, seq.num_tokens - seq.num_computed
+        room = left if self.sink is None else self.sink.room(computed)
+        if self.sink is not None and self.sink.full(computed):
+            whole = min(left, room, self.token_budget)
+            return whole if whole <= budget else 0
+        if budget >= min(left, room):
+            return min(left, room)
+        return max(0, (computed + budget) // self.align * self.align - computed)
 
     def advance(self, plan: StepPlan) -> list[Sequence]:
         """After the step ran: count the computed tokens, key the blocks they filled; returns the

@@ -41,7 +41,7 @@ def test_residual_capture_and_lens_on_the_fused_step_equal_the_module_path(
     inspecting = RequestParams(max_new_tokens=6, eos_ids=(), capture=EMITTED, lens=3, lens_layers=(2, 0))
     residual = RequestParams(max_new_tokens=6, eos_ids=(), capture=EMITTED[:2])  # no block's writes
     other_site = RequestParams(max_new_tokens=6, eos_ids=(), capture=("blocks.0.attn.q",))
-    results = run_in_turn(model, prompts([9, 5, 13, 7]), [plain, inspecting, other_site, residual])
+    results = run_in_turn(model, prompts([9, 4, 13, 4]), [plain, inspecting, other_site, residual])
     assert max(len(rows) for rows in emitted) == 2  # the two inspecting rows, never attn.q's
     for result, sites in ((results[1], EMITTED), (results[3], EMITTED[:2])):
         tokens = torch.tensor([result.prompt_ids + result.generated_ids[:-1]])

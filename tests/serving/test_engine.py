@@ -103,6 +103,44 @@ def test_a_request_gets_the_same_tokens_whatever_shares_its_steps(tiny, prompts,
         assert sum(g is not None for g in got) >= len(todo) - 1
 
 
+def _logprobs(model, todo, config, arrivals=None):
+    """Each request's generated tokens' log-probabilities, stepping as _run does."""
+    engine = Engine(model, None, config)
+    arrivals = arrivals or [0] * len(todo)
+    handles, step = {}, 0
+    while len(handles) < len(todo) or engine.has_work():
+        for i, (prompt, params) in enumerate(todo):
+            if arrivals[i] == step and i not in handles:
+                handles[i] = engine.submit(prompt, params)
+        engine.step()
+        step += 1
+    return [[e.logprobs.logprob for e in h if e.token_id is not None] for _, h in sorted(handles.items())]
+
+
+@pytest.mark.parametrize("mode", [None, "int4"])
+@pytest.mark.parametrize("seed", range(2))
+def test_fast_attention_gives_a_request_the_same_numbers_whatever_shares_its_steps(tiny, prompts, mode,
+                                                                                  seed):
+    """The default attention: budgets that cut prompts anywhere, block sizes, shared prefixes
+    from the cache; every log-probability bit for bit that of the request alone (no
+    preemption: a pool for all)."""
+    rng = random.Random(seed)
+    model = tiny(rng.choice(["tiny-llama", "tiny-mistral"]))
+    if mode is not None:
+        quantize_model(model, mode)
+    shared = prompts([rng.randint(8, 20)], seed=seed)[0]
+    params = RequestParams(max_new_tokens=6, eos_ids=(), logprobs=0)
+    todo = [(shared + p if rng.random() < 0.5 else p, params)
+            for p in prompts([rng.randint(1, 30) for _ in range(6)], seed=seed + 10)]
+    for block_size in (4, 16):
+        alone = [_logprobs(model, [t], EngineConfig(block_size=block_size, n_blocks=256))[0] for t in todo]
+        budget = rng.randint(6, 24)
+        config = EngineConfig(block_size=block_size, token_budget=budget, max_batch=min(4, budget),
+                              n_blocks=256)
+        got = _logprobs(model, todo, config, [rng.randint(0, 8) for _ in todo])
+        assert got == alone
+
+
 def test_preemption_and_prefix_hits_are_counted(tiny, prompts):
     model = tiny()
     shared = prompts([24])[0]

@@ -3,6 +3,7 @@ import random
 import pytest
 
 from glassformer.serving.block_manager import BlockManager
+from glassformer.serving.paged_attention import query_group
 from glassformer.serving.scheduler import Scheduler
 from glassformer.serving.sequence import RequestParams, Sequence
 
@@ -66,18 +67,24 @@ def test_the_newest_request_is_preempted_and_recomputed_later():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_random_traffic_never_deadlocks_or_leaks(seed):
+    """Also: where the budget cuts a prompt, it cuts at a multiple of the attention's query
+    group; a prompt ends where it ends."""
     rng = random.Random(seed)
-    bm = BlockManager(rng.randint(8, 20), rng.choice([1, 2, 4]))
-    sched = Scheduler(bm, max_batch=rng.randint(1, 6), token_budget=rng.randint(6, 24))
+    block_size, budget = rng.choice([1, 2, 4, 16]), rng.randint(6, 24)
+    bm = BlockManager(rng.randint(8, 20) * max(1, 4 // block_size), block_size)
+    align = query_group(block_size, budget)
+    sched = Scheduler(bm, max_batch=rng.randint(1, 6), token_budget=budget, align=align)
     seqs = []
     for _ in range(2000):
         if len(seqs) < 12 and rng.random() < 0.3:
-            s = _seq(rng.randint(1, 6), max_new=rng.randint(1, 5))
+            s = _seq(rng.randint(1, 30), max_new=rng.randint(1, 5))
             seqs.append(s)
             sched.add(s)
         if rng.random() < 0.05 and sched.running:
             sched.remove(rng.choice(sched.running))  # a cancel
-        _step(sched)
+        for seq, n in _step(sched).scheduled:
+            end = seq.num_computed  # advanced by the step
+            assert n > 0 and (end % align == 0 or end >= seq.prompt_len)
         if len(seqs) == 12 and not sched.has_work():
             break
     assert not sched.has_work(), "requests left behind"
@@ -87,3 +94,10 @@ def test_random_traffic_never_deadlocks_or_leaks(seed):
 def test_the_budget_must_cover_a_full_batch():
     with pytest.raises(ValueError, match="token_budget"):
         Scheduler(BlockManager(4, 4), max_batch=8, token_budget=4)
+    with pytest.raises(ValueError, match="align"):
+        Scheduler(BlockManager(4, 4), max_batch=2, token_budget=4, align=8)
+
+
+def test_the_query_group_divides_the_block_within_the_budget():
+    assert [query_group(16, budget) for budget in (256, 16, 12, 8, 7, 1)] == [16, 16, 8, 8, 4, 1]
+    assert query_group(1, 256) == 1 and query_group(6, 5) == 3
