@@ -400,7 +400,7 @@ inline void tile_deep(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
   constexpr int kDwords = Q4 ? 4 : 8;
   const int64_t tail = tail_blocks(nb, Q4), body = nb - tail;
   alignas(64) float acc[MB][16];  // the rows' float sums, lane j block j of each chunk
-  for (int m = 0; m < MB; ++m) _mm512_store_ps(acc[m], _mm512_setzero_ps());
+  bool first = true;  // the first chunk starts the sums from zero (no store of zeros to wait on)
   const __m512i low4 = _mm512_set1_epi8(0x0F), shift = _mm512_set1_epi8(static_cast<char>(0x80));
   // dot[m] += the chunk's dword(s) `raw` (q4: low nibbles at part u, high at u + 4) times row
   // m's activation parts
@@ -424,10 +424,12 @@ inline void tile_deep(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
     const float* sx = a.s.data() + at;
     for (int m = 0; m < MB; ++m) {
       const __m512 s = _mm512_mul_ps(wd, _mm512_loadu_ps(dx + m * kChunk));
-      __m512 v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot[m]), _mm512_load_ps(acc[m]));
+      const __m512 sum = first ? _mm512_setzero_ps() : _mm512_load_ps(acc[m]);
+      __m512 v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot[m]), sum);
       if constexpr (Q4) v = _mm512_fmadd_ps(wm, _mm512_loadu_ps(sx + m * kChunk), v);
       _mm512_store_ps(acc[m], v);
     }
+    first = false;
   };
   auto start = [&](__m512i (&dot)[MB], int64_t at) {
     for (int m = 0; m < MB; ++m)
