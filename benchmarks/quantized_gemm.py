@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from glassformer.accel import kernels
 from glassformer.accel import weight_formats as quant
-from glassformer.accel.chunk_order import to_chunk_order
+from glassformer.accel.tile_order import to_tile_order
 
 SHAPES = ((576, 1536), (960, 576), (49152, 576))  # (out, in): down, qkv (K = 18 blocks), LM head
 
@@ -37,17 +37,14 @@ def load_build(path: Path):
 
 
 def products(ext, fmt: str, weight: torch.Tensor):
-    """x -> x @ weightᵀ through `ext`'s kernel for `fmt`, the weight in the order it reads
-    (a build from before chunk order has no `chunk_order` and reads block order)."""
+    """x -> x @ weightᵀ through `ext`'s kernel for `fmt`, the blocks in the order it reads (a
+    build from before tile order has no `tile_order` and reads block order)."""
+    blocks = quant.quantize_int8(weight) if fmt == "int8" else quant.quantize_int4(weight)
+    if getattr(ext, "tile_order", lambda: False)():
+        blocks = [to_tile_order(t, unit) for t, unit in zip(blocks, (4, 1, 1), strict=False)]
     if fmt == "int8":
-        qweight, scales = quant.quantize_int8(weight)
-    else:
-        qweight, scales, mins = quant.quantize_int4(weight)
-    if getattr(ext, "chunk_order", lambda: False)():
-        qweight = to_chunk_order(qweight, scales.shape[1])
-    if fmt == "int8":
-        return lambda x: ext.linear_q8(x, qweight, scales, None)
-    return lambda x: ext.linear_q4(x, qweight, scales, mins, None)
+        return lambda x: ext.linear_q8(x, *blocks, None)
+    return lambda x: ext.linear_q4(x, *blocks, None)
 
 
 def main() -> None:

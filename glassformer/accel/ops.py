@@ -17,8 +17,9 @@ tiles of rows, each row's sums in one fixed order). So an int8 / int4 row's resu
 depends on what shares its call; a float row's does not up to `ROW_TILE` rows, or at any
 number with `any_rows`.
 `backend` is "auto" (C++ when built, else PyTorch), "cpp" or "torch".
-int8 / int4 `qweight` is in block order, or in chunk order with `chunked` (chunk_order.py);
-each path puts it in the order it reads, which costs a copy where they differ.
+int8 / int4 `qweight`, `scales` and `mins` are in block order, or in tile order with `tiled`
+(tile_order.py); each path puts them in the order it reads, which costs a copy where they
+differ.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from . import weight_formats as quant
-from .chunk_order import from_chunk_order, in_block_order, to_chunk_order
+from .tile_order import BLOCK_TENSORS, from_tile_order, to_tile_order
 from .kernels import ROW_TILE
 
 BACKENDS = ("auto", "cpp", "torch")
@@ -54,11 +55,13 @@ def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: to
     return (dots * (dx.unsqueeze(1) * dw.unsqueeze(0))).sum(-1)  # (M, N)
 
 
-def _kernel_order(qweight: torch.Tensor, scales: torch.Tensor, chunked: bool) -> torch.Tensor:
-    """qweight in the order the kernels read: as held, or moved (a copy) to the other order."""
-    if chunked == kernels.chunk_order():
-        return qweight
-    return (from_chunk_order if chunked else to_chunk_order)(qweight, scales.shape[1])
+def _ordered(tiles: bool, tiled: bool, **tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Block tensors (qweight, scales[, mins]) held in tile order or not (`tiled`), in tile
+    order or not (`tiles`): as held, or moved (a copy) to the other order."""
+    if tiles == tiled:
+        return list(tensors.values())
+    move = to_tile_order if tiles else from_tile_order
+    return [move(t, BLOCK_TENSORS[name]) for name, t in tensors.items()]
 
 
 def _straight_through(x: torch.Tensor) -> bool:
@@ -67,9 +70,12 @@ def _straight_through(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
 
-def dequantize(qweight, scales, mins, in_features, backend="auto", chunked=False):
+def dequantize(qweight, scales, mins, in_features, backend="auto", tiled=False):
     """The (N, K) float32 weight of int8 (mins None) or int4 blocks, in C++ where it runs."""
-    qweight = in_block_order(qweight, scales.shape[1], chunked)
+    if mins is None:
+        qweight, scales = _ordered(False, tiled, qweight=qweight, scales=scales)
+    else:
+        qweight, scales, mins = _ordered(False, tiled, qweight=qweight, scales=scales, mins=mins)
     if backend != "torch" and qweight.device.type == "cpu" and kernels.available():
         return kernels.dequantize(qweight, scales, mins, in_features)
     if mins is None:
@@ -91,11 +97,12 @@ def linear_bf16(x, weight, bias=None, backend="auto", any_rows=False):
     return F.linear(x, weight.float(), bias)
 
 
-def linear_int8(x, qweight, scales, bias=None, backend="auto", chunked=False):
+def linear_int8(x, qweight, scales, bias=None, backend="auto", tiled=False):
     """qweight (N, nb·32) int8, scales (N, nb) fp16 (see quant.quantize_int8)."""
     if _kernels(x, backend, any_rows=True):
-        return kernels.linear_q8(x, _kernel_order(qweight, scales, chunked), scales, bias)
-    qweight = in_block_order(qweight, scales.shape[1], chunked)
+        return kernels.linear_q8(x, *_ordered(kernels.tile_order(), tiled, qweight=qweight, scales=scales),
+                                 bias)
+    qweight, scales = _ordered(False, tiled, qweight=qweight, scales=scales)
     if _straight_through(x):
         return F.linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
@@ -104,11 +111,12 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto", chunked=False):
     return y if bias is None else y + bias
 
 
-def linear_int4(x, qweight, scales, mins, bias=None, backend="auto", chunked=False):
+def linear_int4(x, qweight, scales, mins, bias=None, backend="auto", tiled=False):
     """qweight (N, nb·16) uint8 nibbles, scales and mins (N, nb) fp16 (quant.quantize_int4)."""
     if _kernels(x, backend, any_rows=True):
-        return kernels.linear_q4(x, _kernel_order(qweight, scales, chunked), scales, mins, bias)
-    qweight = in_block_order(qweight, scales.shape[1], chunked)
+        tensors = _ordered(kernels.tile_order(), tiled, qweight=qweight, scales=scales, mins=mins)
+        return kernels.linear_q4(x, *tensors, bias)
+    qweight, scales, mins = _ordered(False, tiled, qweight=qweight, scales=scales, mins=mins)
     if _straight_through(x):
         return F.linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from . import weight_formats as quant
-from .chunk_order import ChunkOrdered, in_block_order
+from .tile_order import BLOCK_TENSORS, TileOrdered, rows_in_block_order
 from .quantized_linear import QuantizedLinear
 from .weight_formats import WeightFormat
 
 _BLOCK_TENSORS = {WeightFormat.INT8: ("qweight", "scales"), WeightFormat.INT4: ("qweight", "scales", "mins")}
 
 
-class QuantizedEmbedding(ChunkOrdered):
+class QuantizedEmbedding(TileOrdered):
     """E_token[ids] for a (V, d) table stored as the int8 / int4 buffers of a QuantizedLinear
     with V outputs and d inputs (shared with it, not copied, in the order it holds them)."""
 
@@ -29,7 +29,7 @@ class QuantizedEmbedding(ChunkOrdered):
             raise ValueError(f"mode: a quantized embedding takes int8 or int4 blocks, not {table.mode}")
         self.mode = table.mode
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
-        self.chunked = table.chunked
+        self.tiled = table.tiled
         for name in _BLOCK_TENSORS[self.mode]:
             self.register_buffer(name, getattr(table, name))
 
@@ -46,8 +46,11 @@ class QuantizedEmbedding(ChunkOrdered):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)  # (M,)
-        rows = [getattr(self, name)[flat] for name in _BLOCK_TENSORS[self.mode]]
-        rows[0] = in_block_order(rows[0], self.scales.shape[1], self.chunked)
+        if self.tiled:
+            rows = [rows_in_block_order(getattr(self, name), flat, BLOCK_TENSORS[name])
+                    for name in _BLOCK_TENSORS[self.mode]]
+        else:
+            rows = [getattr(self, name)[flat] for name in _BLOCK_TENSORS[self.mode]]
         if self.mode == WeightFormat.INT8:
             x = quant.dequantize_int8(*rows, self.embedding_dim)  # (M, d)
         else:

@@ -7,12 +7,12 @@ from torch import nn
 
 from . import kernels, ops
 from . import weight_formats as quant
-from .chunk_order import ChunkOrdered, in_block_order, to_chunk_order
+from .tile_order import BLOCK_TENSORS, TileOrdered, in_block_order, to_tile_order
 from .gguf_blocks import from_gguf_blocks
 from .weight_formats import WeightFormat
 
 
-class QuantizedLinear(ChunkOrdered):
+class QuantizedLinear(TileOrdered):
     """y = x @ W^T (+ bias) with W held as fp32, bf16, int8 or int4 blocks (weight_formats.py).
 
     `mode` is a WeightFormat (its name is accepted too). Building a layer builds the C++
@@ -20,9 +20,9 @@ class QuantizedLinear(ChunkOrdered):
     Buffers by mode (all saved in the state dict): fp32 `weight` (N, K) float32; bf16
     `weight` (N, K) bfloat16; int8 `qweight` (N, nb·32) int8 + `scales` (N, nb) fp16;
     int4 `qweight` (N, nb·16) uint8 + `scales`, `mins` (N, nb) fp16; and `bias` (N,) float32
-    or None. Where the kernels read chunk order (AVX-512 VNNI builds), an int8 / int4 layer
-    holds `qweight` in it (`chunked`, chunk_order.py) instead of block order, and gives block
-    order to its state dict, `blocks()` and everything that reads the blocks themselves.
+    or None. Where the kernels read tile order (AVX-512 VNNI builds), an int8 / int4 layer
+    holds its block tensors in it (`tiled`, tile_order.py) instead of block order, and gives
+    block order to its state dict, `blocks()` and everything that reads the blocks themselves.
     No gradients flow to the weight. An int8 / int4 layer gives each row the same
     bits whatever shares its call; a float layer does up to ROW_TILE rows (ops.py), or at any
     number of rows with `invariant` (the C++ kernels then take prefills too, which
@@ -57,10 +57,11 @@ class QuantizedLinear(ChunkOrdered):
                     f"{name} must be {dtype} of shape {shape}, got {t.dtype} {tuple(t.shape)}"
                 )
             self.register_buffer(name, t.contiguous())
-        self.chunked = (mode in (WeightFormat.INT8, WeightFormat.INT4) and backend != "torch"
-                        and kernels.available() and kernels.chunk_order())
-        if self.chunked:  # the block-order bytes are replaced, not kept beside
-            self.qweight = to_chunk_order(self.qweight, self.scales.shape[1])
+        self.tiled = (mode in (WeightFormat.INT8, WeightFormat.INT4) and backend != "torch"
+                      and kernels.available() and kernels.tile_order())
+        if self.tiled:  # the block-order tensors are replaced, not kept beside
+            for name in self._block_names():
+                setattr(self, name, to_tile_order(getattr(self, name), BLOCK_TENSORS[name]))
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
@@ -125,18 +126,21 @@ class QuantizedLinear(ChunkOrdered):
             return quant.dequantize_int8(*self.blocks(), self.in_features)
         return quant.dequantize_int4(*self.blocks(), self.in_features)
 
+    def _block_names(self) -> list[str]:
+        """The buffers of an int8 (qweight, scales) or int4 (qweight, scales, mins) layer."""
+        return {WeightFormat.INT8: ["qweight", "scales"],
+                WeightFormat.INT4: ["qweight", "scales", "mins"]}.get(self.mode, [])
+
     def blocks(self) -> tuple[torch.Tensor, ...]:
-        """An int8 (qweight, scales) or int4 (qweight, scales, mins) layer's tensors with
-        `qweight` in block order (weight_formats.py), whatever order it is held in."""
-        qweight = in_block_order(self.qweight, self.scales.shape[1], self.chunked)
-        return (qweight, self.scales) + ((self.mins,) if self.mode == WeightFormat.INT4 else ())
+        """An int8 (qweight, scales) or int4 (qweight, scales, mins) layer's tensors in block
+        order (weight_formats.py), whatever order they are held in."""
+        held = {name: getattr(self, name) for name in self._block_names()}
+        return tuple(in_block_order(held, self.tiled).values())
 
     def kernel_weights(self) -> kernels.LinearWeights:
         """This layer's format, tensors and bias as the fused decode step reads them (int8 /
-        int4: `qweight` in the order the kernels read)."""
-        names = {WeightFormat.FP32: ["weight"], WeightFormat.BF16: ["weight"],
-                 WeightFormat.INT8: ["qweight", "scales"],
-                 WeightFormat.INT4: ["qweight", "scales", "mins"]}[self.mode]
+        int4: in the order the kernels read)."""
+        names = self._block_names() or ["weight"]
         return kernels.LinearWeights(self.mode, [getattr(self, name) for name in names], self.bias)
 
     def _fast_path(self) -> tuple:
@@ -167,10 +171,10 @@ class QuantizedLinear(ChunkOrdered):
         elif mode == WeightFormat.BF16:
             y = ops.linear_bf16(x2, self.weight, self.bias, backend, self.invariant)
         elif mode == WeightFormat.INT8:
-            y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend, self.chunked)
+            y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend, self.tiled)
         else:
             y = ops.linear_int4(x2, self.qweight, self.scales, self.mins, self.bias, backend,
-                                self.chunked)
+                                self.tiled)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., N)
 
     def _apply(self, fn, recurse=True):

@@ -68,7 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("step_paged", &gf::DecodeStep::step_paged, NoGil(),
            "one token of each of B sequences through every layer, caches in a paged pool, "
            "each row with its LoRA adapter or none");
-  module.def("chunk_order", &gf::chunk_order, "whether linear_q8 / linear_q4 read weights in chunk order");
+  module.def("tile_order", &gf::tile_order, "whether linear_q8 / linear_q4 read weights in tile order");
   module.def("dequantize", &gf::dequantize, "q8 (mins None) or q4 blocks -> (N, K) float32");
   module.def("try_f32", &gf::try_f32, NoGil(), "linear_f32 for a small batch, else None");
   module.def("try_bf16", &gf::try_bf16, NoGil(), "linear_bf16 for a small batch, else None");

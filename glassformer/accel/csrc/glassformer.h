@@ -332,9 +332,9 @@ c10::optional<torch::Tensor> try_q8(const torch::Tensor& x, const torch::Tensor&
 c10::optional<torch::Tensor> try_q4(const torch::Tensor& x, const torch::Tensor& qs,
                                     const torch::Tensor& d, const torch::Tensor& m,
                                     const Bias& bias, int64_t K);
-// Whether linear_q8 / linear_q4 (and their try_*) read weight rows in chunk order
-// (AVX-512 VNNI builds; accel/chunk_order.py to_chunk_order) rather than block order.
-bool chunk_order();
+// Whether linear_q8 / linear_q4 (and their try_*) read weights, scales and minimums in tile
+// order (AVX-512 VNNI builds; accel/tile_order.py) rather than block order.
+bool tile_order();
 // q8 (no mins) or q4 blocks in block order -> the (N, K) float32 weight.
 torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d, const Bias& m,
                          int64_t K);

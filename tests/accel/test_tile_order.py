@@ -1,5 +1,6 @@
-"""Chunk order (chunk_order.py): a permutation of each row's bytes that layers hold where the
-kernels read it, while everything that reads the blocks themselves sees block order.
+"""Tile order (tile_order.py): the block tensors of each tile of 16 rows interleaved unit by
+unit, held by layers where the kernels read it, while everything that reads the blocks
+themselves sees block order.
 
 The oracle for the order is its definition written as loops; for layers, the block-order
 tensors `weight_formats` makes and their dequantized product.
@@ -14,33 +15,32 @@ from safetensors.torch import save as save_safetensors
 
 from glassformer.accel import QuantizedLinear, kernels, ops
 from glassformer.accel import weight_formats as quant
-from glassformer.accel.chunk_order import CHUNK, from_chunk_order, to_chunk_order
 from glassformer.accel.quantized_embedding import QuantizedEmbedding
-
-BLOCK_COUNTS = (1, 2, 3, 4, 5, 15, 16, 17, 18, 20, 21, 33, 48)
-
-
-def chunk_order_by_loops(row: list[int], n_blocks: int, block_bytes: int) -> list[int]:
-    tail = n_blocks % CHUNK if (n_blocks % CHUNK) * block_bytes <= 64 else 0
-    body, out = n_blocks - tail, []
-    for b0 in range(0, body, CHUNK):
-        length = min(CHUNK, body - b0)
-        for t in range(block_bytes // 4):
-            for j in range(length):
-                start = (b0 + j) * block_bytes + 4 * t
-                out += row[start : start + 4]
-    return out + row[body * block_bytes :]
+from glassformer.accel.tile_order import TILE, from_tile_order, rows_in_block_order, to_tile_order
 
 
-@pytest.mark.parametrize("block_bytes", (16, 32))
-@pytest.mark.parametrize("n_blocks", BLOCK_COUNTS)
-def test_chunk_order_is_its_definition_and_inverts(n_blocks, block_bytes):
-    gen = torch.Generator().manual_seed(n_blocks)
-    q = torch.randint(0, 256, (3, n_blocks * block_bytes), generator=gen, dtype=torch.uint8)
-    chunked = to_chunk_order(q, n_blocks)
-    for row, got in zip(q.tolist(), chunked.tolist(), strict=True):
-        assert got == chunk_order_by_loops(row, n_blocks, block_bytes)
-    assert torch.equal(from_chunk_order(chunked, n_blocks), q)
+def tile_order_by_loops(rows: list[list[int]], unit: int) -> list[list[int]]:
+    """Each tile's rows, unit by unit: for each unit index, every row of the tile."""
+    flat = []
+    for first in range(0, len(rows), TILE):
+        tile = rows[first : first + TILE]
+        for j in range(0, len(rows[0]), unit):
+            for row in tile:
+                flat += row[j : j + unit]
+    width = len(rows[0])
+    return [flat[i : i + width] for i in range(0, len(flat), width)]
+
+
+@pytest.mark.parametrize("unit", (4, 1))
+@pytest.mark.parametrize("n_rows", (1, 5, 16, 17, 33, 48))
+def test_tile_order_is_its_definition_and_inverts(n_rows, unit):
+    gen = torch.Generator().manual_seed(n_rows)
+    q = torch.randint(0, 256, (n_rows, 18 * 4), generator=gen, dtype=torch.uint8)
+    tiled = to_tile_order(q, unit)
+    assert tiled.tolist() == tile_order_by_loops(q.tolist(), unit)
+    assert torch.equal(from_tile_order(tiled, unit), q)
+    ids = torch.tensor([n_rows - 1, 0, n_rows // 2, n_rows - 1])
+    assert torch.equal(rows_in_block_order(tiled, ids, unit), q[ids])
 
 
 def _layer(fmt: str, n: int, k: int, seed: int):
@@ -52,11 +52,11 @@ def _layer(fmt: str, n: int, k: int, seed: int):
 
 @pytest.mark.parametrize("fmt", ("int8", "int4"))
 def test_layers_hold_the_kernels_order_and_show_block_order(fmt):
-    layer, blocks = _layer(fmt, 12, 600, seed=1)  # 19 blocks: a chunk and a longer rest
-    assert layer.chunked == (kernels.available() and kernels.chunk_order())
-    nb = blocks[1].shape[1]
-    held = to_chunk_order(blocks[0], nb) if layer.chunked else blocks[0]
-    assert torch.equal(layer.qweight, held)  # the only copy of the bytes, in the kernels' order
+    layer, blocks = _layer(fmt, 20, 600, seed=1)  # a tile and 4 rows; 19 blocks a row
+    assert layer.tiled == (kernels.available() and kernels.tile_order())
+    for held, expected, unit in zip((layer.qweight, layer.scales), blocks, (4, 1), strict=False):
+        # the only copy of the blocks, in the kernels' order
+        assert torch.equal(held, to_tile_order(expected, unit) if layer.tiled else expected)
     for got, expected in zip(layer.blocks(), blocks, strict=True):
         assert torch.equal(got, expected)
     state = layer.state_dict()
@@ -82,14 +82,14 @@ def test_state_dict_and_safetensors_round_trip(fmt):
 
 
 @pytest.mark.parametrize("fmt", ("int8", "int4"))
-def test_torch_path_reads_a_chunked_layer_as_block_order(fmt):
+def test_torch_path_reads_a_tiled_layer_as_block_order(fmt):
     layer, blocks = _layer(fmt, 9, 700, seed=4)
     x = torch.randn(3, 700)
     product = ops.linear_int8 if fmt == "int8" else ops.linear_int4
     with torch.no_grad():
         expected = product(x, *blocks, layer.bias, backend="torch")
-        got = product(x, layer.qweight, *blocks[1:], layer.bias, backend="torch",
-                      chunked=layer.chunked)
+        held = layer.blocks() if not layer.tiled else [getattr(layer, n) for n in ("qweight", "scales", "mins")[: len(blocks)]]
+        got = product(x, *held, layer.bias, backend="torch", tiled=layer.tiled)
     assert torch.equal(got, expected)
     weight = quant.dequantize_int8(*blocks, 700) if fmt == "int8" else quant.dequantize_int4(*blocks, 700)
     x.requires_grad_(True)  # the straight-through path dequantizes
@@ -98,7 +98,7 @@ def test_torch_path_reads_a_chunked_layer_as_block_order(fmt):
 
 
 @pytest.mark.parametrize("fmt", ("int8", "int4"))
-def test_an_embedding_sharing_a_chunked_table_looks_up_block_order_rows(fmt):
+def test_an_embedding_sharing_a_tiled_table_looks_up_block_order_rows(fmt):
     layer, blocks = _layer(fmt, 30, 96, seed=5)
     table = QuantizedEmbedding(layer)
     assert table.qweight.data_ptr() == layer.qweight.data_ptr()  # shared, not copied
