@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from . import kernels
 from . import weight_formats as quant
-from .tile_order import BLOCK_TENSORS, from_tile_order, to_tile_order
 from .kernels import ROW_TILE
+from .tile_order import BLOCK_TENSORS, from_tile_order, to_tile_order
 
 BACKENDS = ("auto", "cpp", "torch")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from . import weight_formats as quant
-from .tile_order import BLOCK_TENSORS, TileOrdered, rows_in_block_order
 from .quantized_linear import QuantizedLinear
+from .tile_order import BLOCK_TENSORS, TileOrdered, rows_in_block_order
 from .weight_formats import WeightFormat
 
 _BLOCK_TENSORS = {WeightFormat.INT8: ("qweight", "scales"), WeightFormat.INT4: ("qweight", "scales", "mins")}

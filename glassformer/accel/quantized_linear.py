@@ -7,8 +7,8 @@ from torch import nn
 
 from . import kernels, ops
 from . import weight_formats as quant
-from .tile_order import BLOCK_TENSORS, TileOrdered, in_block_order, to_tile_order
 from .gguf_blocks import from_gguf_blocks
+from .tile_order import BLOCK_TENSORS, TileOrdered, in_block_order, to_tile_order
 from .weight_formats import WeightFormat
 
 
