@@ -32,11 +32,13 @@ def from_tile_order(t: torch.Tensor, unit: int) -> torch.Tensor:
     return _reorder(t, unit, to_tiles=False)
 
 
-def _reorder(t: torch.Tensor, unit: int, to_tiles: bool) -> torch.Tensor:
+def _reorder(t: torch.Tensor, unit: int, to_tiles: bool, rows: int = 64 * TILE) -> torch.Tensor:
+    """`rows` at a time (whole tiles), so that no temporary as large as t is made."""
     N, C = t.shape
     out = torch.empty_like(t)  # (N, C)
     whole = N // TILE * TILE
-    for start, end in ((0, whole), (whole, N)):  # the whole tiles, then a last shorter one
+    spans = [(start, min(start + rows, whole)) for start in range(0, whole, rows)]
+    for start, end in spans + [(whole, N)]:  # the whole tiles, then a last shorter one
         R = min(TILE, end - start)
         if R:
             shape = (-1, R, C // unit, unit) if to_tiles else (-1, C // unit, R, unit)
