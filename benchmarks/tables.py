@@ -45,8 +45,10 @@ HEADLINE = (
              "transformers fp32"),
     Headline("prefill of 512 tokens, float32 weights", "pretrained_speed",
              "glassformer none, prefill (512)", "transformers, prefill (512)", "transformers fp32"),
+    Headline("prefill of 512 tokens, int4 weights", "pretrained_speed",
+             "glassformer int4, prefill (512)", "transformers, prefill (512)", "transformers fp32"),
     Headline("engine, 8 prompts × 64 tokens, int4", "engine_throughput",
-             "a engine int4, tokens_per_s", "a transformers fp32, tokens_per_s", "transformers fp32"),
+             "a engine int4 x8, tokens_per_s", "a transformers fp32, tokens_per_s", "transformers fp32"),
     Headline("training to validation loss 1.886 (`shakespeare-char-fast`)", "time_to_loss",
              "shakespeare-char-fast, whole process", "nanoGPT recipe, whole process", "nanoGPT recipe"),
 )
