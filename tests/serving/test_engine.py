@@ -15,9 +15,9 @@ SAMPLED = RequestParams(max_new_tokens=12, eos_ids=(), seed=5,
                         sampling=SamplingConfig(temperature=1.0, top_k=20, repetition_penalty=1.2))
 
 
-def _run(model, todo, config, arrivals=None, cancel=()):
-    """Submit (prompt, params) pairs, request i just before step arrivals[i]; returns the
-    generated ids per request (None when cancelled) and the engine."""
+def _stepped(model, todo, config, arrivals=None, cancel=()):
+    """Submit (prompt, params) pairs, request i just before step arrivals[i], cancelling those
+    cancel[step] names, and step until done; returns the handles in request order and the engine."""
     engine = Engine(model, None, config)
     arrivals = arrivals or [0] * len(todo)
     handles, step = {}, 0
@@ -32,8 +32,13 @@ def _run(model, todo, config, arrivals=None, cancel=()):
         engine.step()
         step += 1
         assert step < 2000, "the engine did not finish"
-    out = [h.result.generated_ids if h.result.stop_reason != "cancelled" else None
-           for _, h in sorted(handles.items())]
+    return [h for _, h in sorted(handles.items())], engine
+
+
+def _run(model, todo, config, arrivals=None, cancel=()):
+    """The generated ids per request (None when cancelled) and the engine (`_stepped`)."""
+    handles, engine = _stepped(model, todo, config, arrivals, cancel)
+    out = [h.result.generated_ids if h.result.stop_reason != "cancelled" else None for h in handles]
     return out, engine
 
 
@@ -104,17 +109,9 @@ def test_a_request_gets_the_same_tokens_whatever_shares_its_steps(tiny, prompts,
 
 
 def _logprobs(model, todo, config, arrivals=None):
-    """Each request's generated tokens' log-probabilities, stepping as _run does."""
-    engine = Engine(model, None, config)
-    arrivals = arrivals or [0] * len(todo)
-    handles, step = {}, 0
-    while len(handles) < len(todo) or engine.has_work():
-        for i, (prompt, params) in enumerate(todo):
-            if arrivals[i] == step and i not in handles:
-                handles[i] = engine.submit(prompt, params)
-        engine.step()
-        step += 1
-    return [[e.logprobs.logprob for e in h if e.token_id is not None] for _, h in sorted(handles.items())]
+    """Each request's generated tokens' log-probabilities (`_stepped`)."""
+    handles, _ = _stepped(model, todo, config, arrivals)
+    return [[e.logprobs.logprob for e in h if e.token_id is not None] for h in handles]
 
 
 @pytest.mark.parametrize("mode", [None, "int4"])
