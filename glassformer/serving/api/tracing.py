@@ -5,8 +5,9 @@ Sites with a token axis are kept by the engine inside the steps that computed th
 (serving/capture.py): the numbers the server produced, in its weight format. The others (the
 attention weights, the final norm, the logits) come from a run of the request's tokens (the
 prompt and every generated token the model read) through `run_with_cache` alone, once it has
-finished, on a twin of the model that shares its weights but has its own hooks, so the
-engine's batched steps never see them."""
+finished, on a twin of the model that shares its weights but has its own hooks (a registry
+made empty, never a copy of the model's, where the engine's capture hooks may sit mid-step), so
+the engine's batched steps never see them and it never sees theirs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import threading
 import torch
 
 from ...interpret.trace import resolve_names, run_with_cache
+from ...model.hooks import Hooks
 from ...model.transformer import Transformer
 
 
@@ -35,6 +37,9 @@ class Tracer:
         with self._lock:
             if self._twin is None:
                 shared = {id(t): t for t in itertools.chain(self.source.parameters(), self.source.buffers())}
+                # a registry of its own, empty: the engine may be mid-step with its capture hooks
+                # on the model's, and a copy of those would hand this run's tensors to them
+                shared[id(self.source.hooks)] = Hooks()
                 self._twin = copy.deepcopy(self.source, memo=shared)
             device = self.source.embed.tokens.weight.device
             _, cache = run_with_cache(self._twin, torch.tensor([ids], device=device), names)

@@ -7,6 +7,7 @@ import httpx
 import torch
 
 from glassformer.interpret.trace import run_with_cache
+from glassformer.serving.api.tracing import Tracer
 
 MODEL = "tiny"
 SITES = ["blocks.0.attn.pattern", "blocks.1.resid_post", "logits"]
@@ -49,3 +50,16 @@ def test_unknown_site_is_400(client):
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "glassformer.trace"
     assert "blocks.99.attn.pattern" in reply.json()["error"]["message"]
+
+
+def test_the_tracers_twin_never_runs_the_engines_hooks(language_model):
+    """The twin is made while a step of the engine may hold its capture hooks on the model's
+    registry (shared with the engine): it starts with a registry of its own, empty, so a
+    trace never hands its tensors to another request's capture."""
+    engine_step = []
+    tracer = Tracer(language_model.model)
+    ids = language_model.encode("the cat")
+    with language_model.model.hooks.installed({"blocks.1.resid_post": lambda t, site: engine_step.append(t)}):
+        tracer.run(ids, ["logits"])  # the twin is made here, mid-step
+    tracer.run(ids, ["logits"])
+    assert engine_step == []
