@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from . import kernels
 from . import weight_formats as quant
 from .kernels import ROW_TILE
-from .tile_order import BLOCK_TENSORS, from_tile_order, to_tile_order
+from .tile_order import in_order
 
 BACKENDS = ("auto", "cpp", "torch")
 
@@ -55,15 +55,6 @@ def _block_products(qx: torch.Tensor, dx: torch.Tensor, qw: torch.Tensor, dw: to
     return (dots * (dx.unsqueeze(1) * dw.unsqueeze(0))).sum(-1)  # (M, N)
 
 
-def _ordered(tiles: bool, tiled: bool, **tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Block tensors (qweight, scales[, mins]) held in tile order or not (`tiled`), in tile
-    order or not (`tiles`): as held, or moved (a copy) to the other order."""
-    if tiles == tiled:
-        return list(tensors.values())
-    move = to_tile_order if tiles else from_tile_order
-    return [move(t, BLOCK_TENSORS[name]) for name, t in tensors.items()]
-
-
 def _straight_through(x: torch.Tensor) -> bool:
     """Inputs that need a gradient (rounding has none) multiply the dequantized weight with
     unquantized activations."""
@@ -73,9 +64,9 @@ def _straight_through(x: torch.Tensor) -> bool:
 def dequantize(qweight, scales, mins, in_features, backend="auto", tiled=False):
     """The (N, K) float32 weight of int8 (mins None) or int4 blocks, in C++ where it runs."""
     if mins is None:
-        qweight, scales = _ordered(False, tiled, qweight=qweight, scales=scales)
+        qweight, scales = in_order(False, tiled, qweight=qweight, scales=scales)
     else:
-        qweight, scales, mins = _ordered(False, tiled, qweight=qweight, scales=scales, mins=mins)
+        qweight, scales, mins = in_order(False, tiled, qweight=qweight, scales=scales, mins=mins)
     if backend != "torch" and qweight.device.type == "cpu" and kernels.available():
         return kernels.dequantize(qweight, scales, mins, in_features)
     if mins is None:
@@ -100,9 +91,9 @@ def linear_bf16(x, weight, bias=None, backend="auto", any_rows=False):
 def linear_int8(x, qweight, scales, bias=None, backend="auto", tiled=False):
     """qweight (N, nb·32) int8, scales (N, nb) fp16 (see quant.quantize_int8)."""
     if _kernels(x, backend, any_rows=True):
-        return kernels.linear_q8(x, *_ordered(kernels.tile_order(), tiled, qweight=qweight, scales=scales),
+        return kernels.linear_q8(x, *in_order(kernels.tile_order(), tiled, qweight=qweight, scales=scales),
                                  bias)
-    qweight, scales = _ordered(False, tiled, qweight=qweight, scales=scales)
+    qweight, scales = in_order(False, tiled, qweight=qweight, scales=scales)
     if _straight_through(x):
         return F.linear(x, dequantize(qweight, scales, None, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)
@@ -114,9 +105,9 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto", tiled=False):
 def linear_int4(x, qweight, scales, mins, bias=None, backend="auto", tiled=False):
     """qweight (N, nb·16) uint8 nibbles, scales and mins (N, nb) fp16 (quant.quantize_int4)."""
     if _kernels(x, backend, any_rows=True):
-        tensors = _ordered(kernels.tile_order(), tiled, qweight=qweight, scales=scales, mins=mins)
+        tensors = in_order(kernels.tile_order(), tiled, qweight=qweight, scales=scales, mins=mins)
         return kernels.linear_q4(x, *tensors, bias)
-    qweight, scales, mins = _ordered(False, tiled, qweight=qweight, scales=scales, mins=mins)
+    qweight, scales, mins = in_order(False, tiled, qweight=qweight, scales=scales, mins=mins)
     if _straight_through(x):
         return F.linear(x, dequantize(qweight, scales, mins, x.shape[1], backend), bias)
     qx, dx = quant.quantize_activations(x)  # (M, nb, 32), (M, nb)

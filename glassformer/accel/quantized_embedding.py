@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import weight_formats as quant
-from .quantized_linear import QuantizedLinear
+from .quantized_linear import BLOCK_NAMES, QuantizedLinear
 from .tile_order import BLOCK_TENSORS, TileOrdered, rows_in_block_order
 from .weight_formats import WeightFormat
-
-_BLOCK_TENSORS = {WeightFormat.INT8: ("qweight", "scales"), WeightFormat.INT4: ("qweight", "scales", "mins")}
 
 
 class QuantizedEmbedding(TileOrdered):
@@ -25,12 +23,12 @@ class QuantizedEmbedding(TileOrdered):
 
     def __init__(self, table: QuantizedLinear) -> None:
         super().__init__()
-        if table.mode not in _BLOCK_TENSORS:
+        if table.mode not in BLOCK_NAMES:
             raise ValueError(f"mode: a quantized embedding takes int8 or int4 blocks, not {table.mode}")
         self.mode = table.mode
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         self.tiled = table.tiled
-        for name in _BLOCK_TENSORS[self.mode]:
+        for name in BLOCK_NAMES[self.mode]:
             self.register_buffer(name, getattr(table, name))
 
     @property
@@ -48,9 +46,9 @@ class QuantizedEmbedding(TileOrdered):
         flat = ids.reshape(-1)  # (M,)
         if self.tiled:
             rows = [rows_in_block_order(getattr(self, name), flat, BLOCK_TENSORS[name])
-                    for name in _BLOCK_TENSORS[self.mode]]
+                    for name in BLOCK_NAMES[self.mode]]
         else:
-            rows = [getattr(self, name)[flat] for name in _BLOCK_TENSORS[self.mode]]
+            rows = [getattr(self, name)[flat] for name in BLOCK_NAMES[self.mode]]
         if self.mode == WeightFormat.INT8:
             x = quant.dequantize_int8(*rows, self.embedding_dim)  # (M, d)
         else:

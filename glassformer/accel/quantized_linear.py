@@ -8,8 +8,11 @@ from torch import nn
 from . import kernels, ops
 from . import weight_formats as quant
 from .gguf_blocks import from_gguf_blocks
-from .tile_order import BLOCK_TENSORS, TileOrdered, in_block_order, to_tile_order
+from .tile_order import BLOCK_TENSORS, TileOrdered, in_order, to_tile_order
 from .weight_formats import WeightFormat
+
+# the block tensors of each int format, as an int8 / int4 layer (and an embedding sharing them) holds them
+BLOCK_NAMES = {WeightFormat.INT8: ("qweight", "scales"), WeightFormat.INT4: ("qweight", "scales", "mins")}
 
 
 class QuantizedLinear(TileOrdered):
@@ -60,7 +63,7 @@ class QuantizedLinear(TileOrdered):
         self.tiled = (mode in (WeightFormat.INT8, WeightFormat.INT4) and backend != "torch"
                       and kernels.available() and kernels.tile_order())
         if self.tiled:  # the block-order tensors are replaced, not kept beside
-            for name in self._block_names():
+            for name in BLOCK_NAMES[mode]:
                 setattr(self, name, to_tile_order(getattr(self, name), BLOCK_TENSORS[name]))
         if bias is not None and tuple(bias.shape) != (out_features,):
             raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
@@ -126,21 +129,16 @@ class QuantizedLinear(TileOrdered):
             return quant.dequantize_int8(*self.blocks(), self.in_features)
         return quant.dequantize_int4(*self.blocks(), self.in_features)
 
-    def _block_names(self) -> list[str]:
-        """The buffers of an int8 (qweight, scales) or int4 (qweight, scales, mins) layer."""
-        return {WeightFormat.INT8: ["qweight", "scales"],
-                WeightFormat.INT4: ["qweight", "scales", "mins"]}.get(self.mode, [])
-
     def blocks(self) -> tuple[torch.Tensor, ...]:
         """An int8 (qweight, scales) or int4 (qweight, scales, mins) layer's tensors in block
         order (weight_formats.py), whatever order they are held in."""
-        held = {name: getattr(self, name) for name in self._block_names()}
-        return tuple(in_block_order(held, self.tiled).values())
+        held = {name: getattr(self, name) for name in BLOCK_NAMES[self.mode]}
+        return tuple(in_order(False, self.tiled, **held))
 
     def kernel_weights(self) -> kernels.LinearWeights:
         """This layer's format, tensors and bias as the fused decode step reads them (int8 /
         int4: in the order the kernels read)."""
-        names = self._block_names() or ["weight"]
+        names = BLOCK_NAMES.get(self.mode, ("weight",))
         return kernels.LinearWeights(self.mode, [getattr(self, name) for name in names], self.bias)
 
     def _fast_path(self) -> tuple:

@@ -57,12 +57,13 @@ def rows_in_block_order(t: torch.Tensor, ids: torch.Tensor, unit: int) -> torch.
     return t.reshape(-1)[index.reshape(len(ids), C)]
 
 
-def in_block_order(tensors: dict[str, torch.Tensor], tiled: bool) -> dict[str, torch.Tensor]:
-    """A layer's block tensors (qweight, scales[, mins]) in block order: moved out of tile order
-    where they are held `tiled`, else themselves."""
-    if not tiled:
-        return dict(tensors)
-    return {name: from_tile_order(t, BLOCK_TENSORS[name]) for name, t in tensors.items()}
+def in_order(tiles: bool, tiled: bool, **tensors: torch.Tensor) -> list[torch.Tensor]:
+    """A layer's block tensors (qweight, scales[, mins]) held in tile order or not (`tiled`), in
+    tile order or not (`tiles`): as held, or moved (a copy) to the other order."""
+    if tiles == tiled:
+        return list(tensors.values())
+    move = to_tile_order if tiles else from_tile_order
+    return [move(t, BLOCK_TENSORS[name]) for name, t in tensors.items()]
 
 
 class TileOrdered(nn.Module):

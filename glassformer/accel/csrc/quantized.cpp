@@ -124,9 +124,10 @@ const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64
   a.q.resize(M * nb * 32);
   a.d.resize(M * nb);
   a.s.resize(M * nb);
-  a.c.resize(kWide ? M * nb : 0);
+  const bool sums = kWide && !paired;  // c: the AVX-512 q8 kernel's start (q4 weights need none)
+  a.c.resize(sums ? M * nb : 0);
   quantize_activations(x.data_ptr<float>(), M, K, nb, a.q.data(), a.d.data(), a.s.data(),
-                       kWide ? a.c.data() : nullptr);
+                       sums ? a.c.data() : nullptr);
   if (paired && !kWide) {
     for (int64_t m = 0; m < M; ++m) {
       int8_t* row = a.q.data() + m * nb * 32;
