@@ -144,8 +144,7 @@ def main() -> None:
     vocab = prepare(args.data, tmp)
     flops = step_flops(recipe.model.replace(vocab_size=vocab), recipe.train.batch_size)
     tokens_per_iter = recipe.train.batch_size * recipe.model.context_length
-    kept = {"MALLOC_MMAP_THRESHOLD_": str(allocator.MMAP_THRESHOLD),
-            "MALLOC_TRIM_THRESHOLD_": str(allocator.TRIM_THRESHOLD)}
+    kept = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(allocator.TRIM_THRESHOLD)}
     ms = {"nanoGPT recipe": [], "nanoGPT + allocator": [], "glassformer": []}
     products = []  # the products alone, each round
     shape = Transformer(recipe.model.replace(vocab_size=vocab))

@@ -1,6 +1,7 @@
 """Training's C++ passes against PyTorch's own, forward and backward, at the `shakespeare-char`
 preset's sizes (batch 12, context 64, d_model 128, 4 heads of 32, d_ff 512): attention
-(PyTorch's fused scaled_dot_product_attention), exact GELU (F.gelu), LayerNorm without bias
+(PyTorch's fused scaled_dot_product_attention; also at SmolLM2's fine-tuning sizes: batch 4,
+sequence 512, 9 query heads of 64 on 3 key heads), exact GELU (F.gelu), LayerNorm without bias
 (F.layer_norm) and the clipping of the preset model's gradients (clip_grad_norm_, foreach);
 and, for the fast preset's Muon matrices in float32, the Newton–Schulz iterations (the direct
 iteration vs the one on the Gram matrix) and the whole Muon step (StackedMuon's PyTorch ops
@@ -86,20 +87,27 @@ def preset_gradients(seed: int) -> list[torch.nn.Parameter]:
     return params
 
 
+def attention_pair(batch: int, time: int, heads: int, kv_heads: int, d_head: int, g) -> tuple:
+    """sdpa's and the C++ attention's forward + backward on q, k, v cut from one fused product."""
+    widths = [heads * d_head, kv_heads * d_head, kv_heads * d_head]
+    qkv = torch.randn(batch, time, sum(widths), generator=g)  # (B, T, (H + 2 KV) d_head)
+    q, k, v = (t.view(batch, time, -1, d_head).transpose(1, 2) for t in qkv.split(widths, dim=-1))
+    positions = torch.arange(time).expand(batch, time)
+    causal = AttentionMask(positions, positions, causal=True, contiguous=True)
+    return (forward_backward(lambda q, k, v: sdpa_attention(q, k, v, causal), q, k, v),
+            forward_backward(lambda q, k, v: attention.attention(q, k, v, causal), q, k, v))
+
+
 def contenders() -> dict[str, tuple]:
     g = torch.Generator().manual_seed(0)
-    qkv = torch.randn(B, T, 3 * D_MODEL, generator=g)  # (B, T, 3 d): the fused product
-    q, k, v = (t.view(B, T, HEADS, -1).transpose(1, 2) for t in qkv.split(D_MODEL, dim=-1))
-    positions = torch.arange(T).expand(B, T)
-    causal = AttentionMask(positions, positions, causal=True, contiguous=True)
     u = torch.randn(B, T, D_FF, generator=g)
     x, w = torch.randn(B, T, D_MODEL, generator=g), torch.randn(D_MODEL, generator=g)
     theirs_params, our_params = preset_gradients(0), preset_gradients(0)
     shapes = ((3 * 128, 128), (128, 128), (2 * 336, 128), (128, 336))  # the fast preset's
     stacks = [torch.randn(4, *shape, generator=g) for shape in shapes]
     return {
-        "attention": (forward_backward(lambda q, k, v: sdpa_attention(q, k, v, causal), q, k, v),
-                      forward_backward(lambda q, k, v: attention.attention(q, k, v, causal), q, k, v)),
+        "attention": attention_pair(B, T, HEADS, HEADS, D_MODEL // HEADS, g),
+        "attention (SmolLM2)": attention_pair(4, 512, 9, 3, 64, g),
         "GELU": (forward_backward(F.gelu, u), forward_backward(fused.gelu, u)),
         "LayerNorm": (forward_backward(lambda x, w: F.layer_norm(x, (D_MODEL,), w), x, w),
                       forward_backward(lambda x, w: fused.layer_norm(x, w, None, 1e-5), x, w)),

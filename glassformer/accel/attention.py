@@ -1,12 +1,14 @@
-"""Training's attention for short sequences and small heads through one C++ pass each way
-(csrc/attention_train.cpp): softmax(scale Q Kᵀ) V over the causal (or full) mask, exact.
+"""Training's attention through one C++ pass each way (csrc/attention_train.cpp):
+softmax(scale Q Kᵀ) V over the causal (or full) mask, exact, in blocks of queries whose
+scores and outputs are matrix products (the BLAS PyTorch links).
 
 At a small model's sizes (T = 64, d_head = 32) PyTorch's fused CPU kernel spends most of its
-time on fixed costs. `attention` has the signature of the kernels in
+time on fixed costs; at SmolLM2's (T = 512, d_head = 64, GQA) this takes 0.6× its time.
+`attention` has the signature of the kernels in
 `glassformer.model.layers.attention_backends` and takes the calls it applies to: float32 CPU
 tensors that need a gradient, a plain mask (causal or none: no padding, window, packed
 documents or bias), no dropout, as many queries as keys, d_head a multiple of 8 up to 128 and
-at most 512 positions;
+at most MAX_POSITIONS positions;
 every other call goes to `sdpa_attention`, which stays the reference the tests compare with.
 """
 
@@ -20,7 +22,9 @@ from ..model.layers.attention_backends import sdpa_attention
 from ..model.layers.masking import AttentionMask
 from . import kernels
 
-MAX_POSITIONS = 512  # a (T, T) score panel per head stays in cache
+# Measured to here, forward + backward, 9 heads of 64 on 3 key heads: 112 ms against sdpa's 114
+# at 2,048 positions, 29 against 35 at 1,024.
+MAX_POSITIONS = 2048
 
 
 def _applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,

@@ -2,11 +2,14 @@
 reused rather than mapped from the kernel afresh each time.
 
 PyTorch's CPU tensors come from the C library's malloc. glibc serves blocks above a threshold
-(128 KiB to start) with a fresh mmap, and returns the top of its heap to the kernel when more
-than a threshold lies free there; either way the next step's tensors of the same size touch
-new pages, one page fault per 4 KiB. A small model's step allocates and frees several MB of
-activations and gradients, and those faults cost about a quarter of it. Raising both
-thresholds keeps that memory in the heap for reuse (the process's peak is unchanged).
+(128 KiB to start, 32 MiB at most) with a fresh mmap, and returns the top of its heap to the
+kernel when more than a threshold lies free there; either way the next step's tensors of the
+same size touch new pages, one page fault per 4 KiB. A small model's step allocates and frees
+several MB of activations and gradients, and those faults cost about a quarter of it; a
+pretrained model's step also makes blocks above any threshold (a chunk of logits over a large
+vocabulary, a token table's gradient: 100 MB each at SmolLM2's sizes). Serving every block
+from the heap (no mmap) and trimming only above 1 GiB keeps that memory for reuse (the
+process's peak is unchanged). glibc still maps memory where the heap cannot grow.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ import functools
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 32 * 2**20  # glibc's largest allowed value on 64-bit systems
+_M_MMAP_MAX = -4
 TRIM_THRESHOLD = 2**30
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds for this process (once); False where the C
-    library is not glibc or refuses."""
+    """Serve every block from glibc's heap and raise its trim threshold, for this process
+    (once); False where the C library is not glibc or refuses."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False
@@ -33,6 +36,4 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))

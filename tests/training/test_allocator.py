@@ -3,7 +3,9 @@
 Checked in a fresh process that imports only the allocator module (no torch, so no other
 thread allocates meanwhile), by glibc's own counts (mallinfo2), which do not depend on the
 machine: a block above the mmap threshold is one more mmapped block (hblks); a block from
-the heap is not, and once freed it stays in the arena rather than being trimmed away.
+the heap is not, and once freed it stays in the arena rather than being trimmed away. The
+block is larger than the highest threshold glibc accepts (32 MiB), as a chunk of logits over
+a large vocabulary is.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ assert libc.mallopt(allocator._M_MMAP_THRESHOLD, 128 * 1024)
 assert libc.mallopt(allocator._M_TRIM_THRESHOLD, 128 * 1024)
 if sys.argv[2] == "keep":
     assert allocator.keep_freed_memory()
-SIZE = 16 * 2**20  # a large temporary, under the kept threshold (32 MiB)
+SIZE = 64 * 2**20  # a large temporary, above any mmap threshold glibc allows
 before = libc.mallinfo2()
 first = libc.malloc(SIZE)
 during = libc.mallinfo2()

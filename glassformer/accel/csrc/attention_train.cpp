@@ -1,16 +1,20 @@
-// Exact attention for training with short sequences and small heads, forward and backward:
+// Exact attention for training, forward and backward:
 // out_i = sum_j p_ij v_j with p_ij = softmax_j(scale q_i · k_j) over j <= i (causal) or all j.
 //
-// PyTorch's fused CPU kernel tiles for long sequences; at the sizes of a small model (T = 64,
-// d_head = 32) its fixed costs dominate. Here each (batch, head) pair is one task: the keys
-// and values are transposed once into (d_head, T) panels, so a query's T scores are d_head
-// fused multiply-adds on 8 keys at a time. The forward pass keeps each query's log-sum-exp;
-// the backward pass recomputes the probabilities from it (the flash-attention backward:
-// D_i = dout_i · out_i, ds_ij = p_ij (dout_i · v_j - D_i) scale). Key/value heads shared by
-// several query heads (GQA) are one task in the backward pass, so their gradients need no
-// locks. q, k, v are (B, H or KV, T, D) with any strides but a contiguous last dimension
-// (views of the fused qkv product); the output is stored (B, T, H, D), the layout in which
-// the heads are merged next.
+// Each (batch, head) pair is one task on one thread. Its queries go in blocks of kBlock; a
+// block's scores against the keys it may see are one matrix product, their softmax is taken
+// in place, and the block's output is a second product with the values. The products are the
+// BLAS's that PyTorch is built with (sgemm, called single-threaded inside the task), so the
+// arithmetic runs at the machine's matrix-product rate; a causal block computes only the
+// keys up to its last query (the scores above the diagonal inside it are masked to zero).
+// The forward pass keeps each query's log-sum-exp; the backward pass recomputes the
+// probabilities from it (the flash-attention backward: D_i = dout_i · out_i,
+// ds_ij = p_ij (dout_i · v_j - D_i) scale), five products a block:
+//   S = scale Q Kᵀ,  dP = dO Vᵀ,  dV += Pᵀ dO,  dK += dSᵀ Q,  dQ = dS K.
+// Key/value heads shared by several query heads (GQA) are one task in the backward pass, so
+// their gradients need no locks. q, k, v are (B, H or KV, T, D) with any strides but a
+// contiguous last dimension (views of the fused qkv product); the output is stored
+// (B, T, H, D), the layout in which the heads are merged next.
 
 #include <omp.h>
 
@@ -19,11 +23,17 @@
 
 #include "glassformer.h"
 
+// The Fortran BLAS entry point of the library PyTorch links (column-major, 32-bit sizes).
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
 namespace glassformer {
 
 namespace {
 
-constexpr int kQueries = 4;  // queries per tile: their products share each load
+constexpr int64_t kBlock = 64;  // queries a block: its (kBlock, T) scores stay in cache
 
 // A (B, heads, T, D) tensor's rows.
 struct Rows {
@@ -38,49 +48,14 @@ Rows rows_of(const torch::Tensor& x) {
   return {x.data_ptr<float>(), x.stride(0), x.stride(1), x.stride(2)};
 }
 
-// panel[d * Tp + j] = x(b, h, j)[d] for j < T, zero for T <= j < Tp; D a multiple of 8.
-// Blocks of 8 rows are transposed in registers.
-void transpose_panel(const Rows& x, int64_t b, int64_t h, int64_t T, int64_t Tp, int64_t D,
-                     float* panel) {
-  const int64_t T8 = T / 8 * 8;
-  for (int64_t j = 0; j < T8; j += 8)
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 r[8];
-      for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(x(b, h, j + a) + d);
-      transpose8x8(r, panel + d * Tp + j, Tp);
-    }
-  for (int64_t d = 0; d < D; ++d) {
-    for (int64_t j = T8; j < T; ++j) panel[d * Tp + j] = x(b, h, j)[d];
-    for (int64_t j = T; j < Tp; ++j) panel[d * Tp + j] = 0.f;
-  }
-}
-
-// s[m][j] = scale (a_m · column j of the panel) for M rows a_m (lda apart) and j < n rounded
-// up to 8; s rows ldS apart. Two columns of 8 for each of the M rows: 2 M independent chains
-// of multiply-adds, each panel load shared by the M rows.
-template <int M>
-void dots(const float* a, int64_t lda, const float* panel, int64_t Tp, int64_t D, int64_t n,
-          float scale, float* s, int64_t lds) {
-  const __m256 scale8 = _mm256_set1_ps(scale);
-  for (int64_t j = 0; j < n; j += 16) {
-    const bool two = j + 8 < n;  // a second column of 8 is needed (and inside the panel)
-    __m256 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const float* column = panel + d * Tp + j;
-      const __m256 c0 = _mm256_loadu_ps(column);
-      const __m256 c1 = two ? _mm256_loadu_ps(column + 8) : _mm256_setzero_ps();
-      for (int m = 0; m < M; ++m) {
-        const __m256 am = _mm256_set1_ps(a[m * lda + d]);
-        acc[m][0] = _mm256_fmadd_ps(am, c0, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(am, c1, acc[m][1]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      _mm256_storeu_ps(s + m * lds + j, _mm256_mul_ps(acc[m][0], scale8));
-      if (two) _mm256_storeu_ps(s + m * lds + j + 8, _mm256_mul_ps(acc[m][1], scale8));
-    }
-  }
+// Row-major C (M, N) = alpha op(A) op(B) + beta C, op(X) = X or Xᵀ as `ta`, `tb` say; each
+// matrix's rows ld apart. As the column-major BLAS sees it: Cᵀ = op(B)ᵀ op(A)ᵀ.
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+          int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  const char opa = ta ? 'T' : 'N', opb = tb ? 'T' : 'N';
+  const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+  const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
+  sgemm_(&opb, &opa, &m, &n, &k, &alpha, B, &lb, A, &la, &beta, C, &lc);
 }
 
 // The largest of s[0..n), n >= 1, 8 lanes at a time (s readable to n rounded up to 8).
@@ -97,7 +72,7 @@ float row_max(const float* s, int64_t n) {
 }
 
 // p[j] = e^(s[j] - shift) for j < n, zero from n to `width` (a multiple of 8); returns
-// their sum.
+// their sum. p may be s.
 float exponentials(const float* s, float shift, int64_t n, int64_t width, float* p) {
   const __m256 shift8 = _mm256_set1_ps(shift);
   __m256 sum8 = _mm256_setzero_ps();
@@ -116,47 +91,18 @@ float exponentials(const float* s, float shift, int64_t n, int64_t width, float*
   return hsum(sum8);
 }
 
-// out_m (D) = sum over j < n of w[m][j] rows(j), for M weight rows ldw apart and outputs ldo
-// apart; D a multiple of 8. Each row of x is loaded once for the M outputs.
-template <int M>
-void weighted_rows(const float* w, int64_t ldw, const Rows& x, int64_t b, int64_t h, int64_t n,
-                   int64_t D, float* out, int64_t ldo) {
-  for (int64_t c = 0; c < D; c += 16) {
-    const bool two = c + 8 < D;
-    __m256 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const float* row = x(b, h, j) + c;
-      const __m256 r0 = _mm256_loadu_ps(row);
-      const __m256 r1 = two ? _mm256_loadu_ps(row + 8) : _mm256_setzero_ps();
-      for (int m = 0; m < M; ++m) {
-        const __m256 wm = _mm256_set1_ps(w[m * ldw + j]);
-        acc[m][0] = _mm256_fmadd_ps(wm, r0, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(wm, r1, acc[m][1]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      _mm256_storeu_ps(out + m * ldo + c, acc[m][0]);
-      if (two) _mm256_storeu_ps(out + m * ldo + c + 8, acc[m][1]);
-    }
-  }
-}
+// The queries a block covers and the keys they see: rows i0 .. i0 + rows - 1, keys below n,
+// the score rows `width` (n rounded up to 8) wide; row m sees keys below seen(m).
+struct Block {
+  int64_t i0, rows, n, width;
+  bool causal;
+  int64_t T;
+  int64_t seen(int64_t m) const { return causal ? i0 + m + 1 : T; }
+};
 
-// rows[j] += sum over m of w[m][j] a_m for j < n: M rows a_m (D, lda apart), w rows ldw apart,
-// rows (n, D) contiguous.
-template <int M>
-void add_outer(const float* w, int64_t ldw, const float* a, int64_t lda, int64_t n, int64_t D,
-               float* rows) {
-  for (int64_t j = 0; j < n; ++j) {
-    __m256 wj[M];
-    for (int m = 0; m < M; ++m) wj[m] = _mm256_set1_ps(w[m * ldw + j]);
-    float* row = rows + j * D;
-    for (int64_t c = 0; c < D; c += 8) {
-      __m256 acc = _mm256_loadu_ps(row + c);
-      for (int m = 0; m < M; ++m) acc = _mm256_fmadd_ps(wj[m], _mm256_loadu_ps(a + m * lda + c), acc);
-      _mm256_storeu_ps(row + c, acc);
-    }
-  }
+Block block_at(int64_t i0, int64_t T, bool causal) {
+  const int64_t rows = std::min(kBlock, T - i0), n = causal ? i0 + rows : T;
+  return {i0, rows, n, (n + 7) / 8 * 8, causal, T};
 }
 
 void check_heads(const torch::Tensor& x, const char* what) {
@@ -184,36 +130,25 @@ std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch
   const float s = static_cast<float>(scale);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> panel(D * Tp), scores(kQueries * Tp), probs(kQueries * Tp);
+    std::vector<float> probs(kBlock * Tp);  // (kBlock, Tp) a block's scores, then probabilities
+    float sums[kBlock];
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < B * H; ++task) {
       const int64_t b = task / H, h = task % H, kv = h / group;
-      transpose_panel(kr, b, kv, T, Tp, D, panel.data());
-      for (int64_t i0 = 0; i0 < T; i0 += kQueries) {
-        const int64_t rows = std::min<int64_t>(kQueries, T - i0);
-        const int64_t n_last = causal ? i0 + rows : T;  // the columns the tile's last row sees
-        const int64_t width = (n_last + 7) / 8 * 8;
-        const float* query = qr(b, h, i0);  // rows qr.time apart
-        if (rows == kQueries)
-          dots<kQueries>(query, qr.time, panel.data(), Tp, D, n_last, s, scores.data(), Tp);
-        else
-          for (int64_t m = 0; m < rows; ++m)
-            dots<1>(query + m * qr.time, D, panel.data(), Tp, D, n_last, s, scores.data() + m * Tp, Tp);
-        float sums[kQueries];
-        for (int64_t m = 0; m < rows; ++m) {
-          const int64_t n = causal ? i0 + m + 1 : T;
-          const float* row = scores.data() + m * Tp;
-          const float top = row_max(row, n);
-          sums[m] = exponentials(row, top, n, width, probs.data() + m * Tp);
+      for (int64_t i0 = 0; i0 < T; i0 += kBlock) {
+        const Block blk = block_at(i0, T, causal);
+        gemm(false, true, blk.rows, blk.n, D, s, qr(b, h, i0), qr.time, kr(b, kv, 0), kr.time,
+             0.f, probs.data(), Tp);
+        for (int64_t m = 0; m < blk.rows; ++m) {
+          float* row = probs.data() + m * Tp;
+          const float top = row_max(row, blk.seen(m));
+          sums[m] = exponentials(row, top, blk.seen(m), blk.width, row);
           lp[(b * H + h) * T + i0 + m] = top + std::log(sums[m]);
         }
         float* o = op + ((b * T + i0) * H + h) * D;  // rows H * D apart
-        if (rows == kQueries)
-          weighted_rows<kQueries>(probs.data(), Tp, vr, b, kv, n_last, D, o, H * D);
-        else
-          for (int64_t m = 0; m < rows; ++m)
-            weighted_rows<1>(probs.data() + m * Tp, Tp, vr, b, kv, n_last, D, o + m * H * D, H * D);
-        for (int64_t m = 0; m < rows; ++m) {
+        gemm(false, false, blk.rows, D, blk.n, 1.f, probs.data(), Tp, vr(b, kv, 0), vr.time, 0.f,
+             o, H * D);
+        for (int64_t m = 0; m < blk.rows; ++m) {
           const __m256 inv = _mm256_set1_ps(1.f / sums[m]);
           for (int64_t c = 0; c < D; c += 8)
             _mm256_storeu_ps(o + m * H * D + c, _mm256_mul_ps(_mm256_loadu_ps(o + m * H * D + c), inv));
@@ -233,8 +168,8 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1);
   const int64_t Tp = (T + 7) / 8 * 8, group = H / KV;
   auto dq = torch::empty({B, T, H, D}, q.options());   // (B, T, H, D)
-  auto dk = torch::empty({B, T, KV, D}, q.options());  // (B, T, KV, D)
-  auto dv = torch::empty({B, T, KV, D}, q.options());
+  auto dk = torch::zeros({B, T, KV, D}, q.options());  // (B, T, KV, D), summed over the group
+  auto dv = torch::zeros({B, T, KV, D}, q.options());
   const Rows qr = rows_of(q), kr = rows_of(k), vr = rows_of(v), gr = rows_of(grad),
              orow = rows_of(out);
   const float* lp = lse.data_ptr<float>();
@@ -244,64 +179,39 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
   const float s = static_cast<float>(scale);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> k_panel(D * Tp), v_panel(D * Tp), scores(kQueries * Tp), probs(kQueries * Tp),
-        dprobs(kQueries * Tp), dk_rows(T * D), dv_rows(T * D);
+    // (kBlock, Tp) each: a block's probabilities, and dout_i · v_j, then ds_ij in place
+    std::vector<float> probs(kBlock * Tp), dprobs(kBlock * Tp);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < B * KV; ++task) {
       const int64_t b = task / KV, kv = task % KV;
-      transpose_panel(kr, b, kv, T, Tp, D, k_panel.data());
-      transpose_panel(vr, b, kv, T, Tp, D, v_panel.data());
-      std::fill(dk_rows.begin(), dk_rows.end(), 0.f);
-      std::fill(dv_rows.begin(), dv_rows.end(), 0.f);
+      float* dk_rows = dkp + (b * T * KV + kv) * D;  // rows KV * D apart
+      float* dv_rows = dvp + (b * T * KV + kv) * D;
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-        for (int64_t i0 = 0; i0 < T; i0 += kQueries) {
-          const int64_t rows = std::min<int64_t>(kQueries, T - i0);
-          const int64_t n_last = causal ? i0 + rows : T;
-          const int64_t width = (n_last + 7) / 8 * 8;
+        for (int64_t i0 = 0; i0 < T; i0 += kBlock) {
+          const Block blk = block_at(i0, T, causal);
           const float* query = qr(b, h, i0);  // rows qr.time apart
           const float* dout = gr(b, h, i0);   // rows gr.time apart
-          if (rows == kQueries) {
-            dots<kQueries>(query, qr.time, k_panel.data(), Tp, D, n_last, s, scores.data(), Tp);
-            dots<kQueries>(dout, gr.time, v_panel.data(), Tp, D, n_last, 1.f, dprobs.data(), Tp);
-          } else {
-            for (int64_t m = 0; m < rows; ++m) {
-              dots<1>(query + m * qr.time, D, k_panel.data(), Tp, D, n_last, s,
-                      scores.data() + m * Tp, Tp);
-              dots<1>(dout + m * gr.time, D, v_panel.data(), Tp, D, n_last, 1.f,
-                      dprobs.data() + m * Tp, Tp);
-            }
-          }
-          for (int64_t m = 0; m < rows; ++m) {
-            const int64_t n = causal ? i0 + m + 1 : T;
+          gemm(false, true, blk.rows, blk.n, D, s, query, qr.time, kr(b, kv, 0), kr.time, 0.f,
+               probs.data(), Tp);
+          gemm(false, true, blk.rows, blk.n, D, 1.f, dout, gr.time, vr(b, kv, 0), vr.time, 0.f,
+               dprobs.data(), Tp);
+          for (int64_t m = 0; m < blk.rows; ++m) {
             float* p = probs.data() + m * Tp;
-            float* dp = dprobs.data() + m * Tp;  // dout_i · v_j, then ds_ij in place
-            exponentials(scores.data() + m * Tp, lp[(b * H + h) * T + i0 + m], n, width, p);
+            float* dp = dprobs.data() + m * Tp;
+            exponentials(p, lp[(b * H + h) * T + i0 + m], blk.seen(m), blk.width, p);
             const __m256 Di = _mm256_set1_ps(dot(dout + m * gr.time, orow(b, h, i0 + m), D));
             const __m256 s8 = _mm256_set1_ps(s);
-            for (int64_t j = 0; j < width; j += 8)  // zero past n, as p is
+            for (int64_t j = 0; j < blk.width; j += 8)  // zero where p is
               _mm256_storeu_ps(dp + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), s8),
                                                      _mm256_sub_ps(_mm256_loadu_ps(dp + j), Di)));
           }
-          float* dq_rows = dqp + ((b * T + i0) * H + h) * D;  // rows H * D apart
-          if (rows == kQueries) {
-            add_outer<kQueries>(probs.data(), Tp, dout, gr.time, n_last, D, dv_rows.data());
-            add_outer<kQueries>(dprobs.data(), Tp, query, qr.time, n_last, D, dk_rows.data());
-            weighted_rows<kQueries>(dprobs.data(), Tp, kr, b, kv, n_last, D, dq_rows, H * D);
-          } else {
-            for (int64_t m = 0; m < rows; ++m) {
-              add_outer<1>(probs.data() + m * Tp, Tp, dout + m * gr.time, D, n_last, D,
-                           dv_rows.data());
-              add_outer<1>(dprobs.data() + m * Tp, Tp, query + m * qr.time, D, n_last, D,
-                           dk_rows.data());
-              weighted_rows<1>(dprobs.data() + m * Tp, Tp, kr, b, kv, n_last, D,
-                               dq_rows + m * H * D, H * D);
-            }
-          }
+          gemm(true, false, blk.n, D, blk.rows, 1.f, probs.data(), Tp, dout, gr.time, 1.f, dv_rows,
+               KV * D);
+          gemm(true, false, blk.n, D, blk.rows, 1.f, dprobs.data(), Tp, query, qr.time, 1.f,
+               dk_rows, KV * D);
+          gemm(false, false, blk.rows, D, blk.n, 1.f, dprobs.data(), Tp, kr(b, kv, 0), kr.time,
+               0.f, dqp + ((b * T + i0) * H + h) * D, H * D);
         }
-      }
-      for (int64_t j = 0; j < T; ++j) {
-        std::copy_n(dk_rows.data() + j * D, D, dkp + ((b * T + j) * KV + kv) * D);
-        std::copy_n(dv_rows.data() + j * D, D, dvp + ((b * T + j) * KV + kv) * D);
       }
     }
   }

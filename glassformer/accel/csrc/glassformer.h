@@ -7,7 +7,7 @@
 //   quantized.cpp    the block formats (q8, q4): products and dequantization
 //   decode_step.cpp  one decode step through every layer (calls the linear_* entry points)
 //   greedy.cpp       each row's argmax, the greedy pick of a decode step
-//   attention_train.cpp  training's attention for short sequences, forward and backward
+//   attention_train.cpp  training's exact attention, forward and backward
 //   train_ops.cpp    training's fused RMSNorm, LayerNorm, RoPE, SwiGLU, GELU passes and a
 //                    tiled transpose
 //   train_autograd.cpp  the training passes as autograd nodes in C++ (no Python backward)
@@ -387,7 +387,7 @@ void muon_update(const std::vector<torch::Tensor>& params, const std::vector<tor
 // clip_grad_norm_ over float32 gradients, in place; the total norm (grad_clip.cpp).
 torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm);
 
-// Training's exact attention for short sequences (attention_train.cpp): (out, lse) and
+// Training's exact attention (attention_train.cpp): (out, lse) and
 // (dq, dk, dv).
 std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch::Tensor& k,
                                              const torch::Tensor& v, bool causal, double scale);
