@@ -41,6 +41,7 @@ def values_and_grads(kernel, q, k, v, mask, scale, grad_out):
 
 @pytest.mark.parametrize(("B", "H", "KV", "T", "D"), [
     (2, 4, 4, 64, 32), (1, 2, 2, 7, 8), (3, 1, 1, 1, 16), (2, 4, 2, 100, 64), (1, 3, 1, 13, 24),
+    (1, 6, 2, 150, 16), (1, 2, 1, 600, 8),  # blocks of 64 queries: 3 with groups of 3 heads; 10
 ])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("build", ["kernels", "avx2_kernels"])
