@@ -8,8 +8,10 @@ same size touch new pages, one page fault per 4 KiB. A small model's step alloca
 several MB of activations and gradients, and those faults cost about a quarter of it; a
 pretrained model's step also makes blocks above any threshold (a chunk of logits over a large
 vocabulary, a token table's gradient: 100 MB each at SmolLM2's sizes). Serving every block
-from the heap (no mmap) and trimming only above 1 GiB keeps that memory for reuse (the
-process's peak is unchanged). glibc still maps memory where the heap cannot grow.
+from the heap (no mmap) and trimming only above 1 GiB keeps that memory for reuse; the
+process's peak grows a little (a freed block stays in the heap, and a larger one may not fit
+in its place: 5,093 → 5,138–5,362 MB fine-tuning SmolLM2 in full). glibc still maps memory
+where the heap cannot grow.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import ctypes.util
 import functools
 
 _M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 TRIM_THRESHOLD = 2**30
 

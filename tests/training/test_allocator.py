@@ -34,8 +34,9 @@ libc.mallinfo2.restype = Info
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+M_MMAP_THRESHOLD = -3
 # glibc's defaults, set explicitly: unset, they move with the process's history
-assert libc.mallopt(allocator._M_MMAP_THRESHOLD, 128 * 1024)
+assert libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
 assert libc.mallopt(allocator._M_TRIM_THRESHOLD, 128 * 1024)
 if sys.argv[2] == "keep":
     assert allocator.keep_freed_memory()
