@@ -7,7 +7,7 @@ They run in alternating rounds (so a busy machine slows both alike), with the sa
 shape, batch and optimizer settings: Glassformer in this process, the baseline as its own
 process, as its users run it. The baseline is nanoGPT's published CPU recipe re-expressed in
 plain PyTorch (benchmarks/nanogpt_recipe.py), not nanoGPT's own code. A third contender is the
-same baseline with glibc's allocator set as Glassformer sets it (glassformer/allocator.py), to
+same baseline with glibc's allocator set as Glassformer sets it (glassformer/training/allocator.py), to
 show what that setting alone is worth. Prints ms/iteration, tokens/s, achieved FLOP/s and its
 fraction of this machine's fp32 matmul ceiling (the faster of MKL and oneDNN on a 1024³
 product), measured here too, and the step's matrix products alone (`products_alone_ms`): no
