@@ -344,7 +344,10 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
                                  const float* sin, ViewOf view_of, const int64_t* adapter_of,
                                  const Adapters& adapters, const ResidualRows& emit) {
   const int64_t H = config_.n_heads, KV = config_.n_kv_heads, D = config_.d_head;
-  const int64_t B = x.size(0), width = (H + 2 * KV) * D;
+  const int64_t B = x.size(0), width = (H + 2 * KV) * D, G = H / KV;
+  // the attention's work items: each row's key groups, its G query heads sharing each key and
+  // value read; or, where there are too few groups to share among the threads, single heads
+  const int64_t split = B * KV >= 2 * at::get_num_threads() ? 1 : G;
   x = x.contiguous().clone();  // (B, d): updated in place layer by layer
   const int64_t sites = static_cast<int64_t>(layers_.size()) + 1;
   emit.keep(x, emit.out, 0, sites);
@@ -369,10 +372,11 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
     }
     const float* q0 = static_cast<float*>(qkv.data_ptr());
     float* c0 = static_cast<float*>(context.data_ptr());
-#pragma omp parallel for schedule(static) num_threads(at::get_num_threads())
-    for (int64_t i = 0; i < B * H; ++i) {
-      const int64_t b = i / H, head = i % H;
-      attend(q0 + b * width + head * D, views[b], head, pos[b], c0 + (b * H + head) * D);
+#pragma omp parallel for schedule(dynamic) num_threads(at::get_num_threads())
+    for (int64_t i = 0; i < B * KV * split; ++i) {  // a row's key group, or one head of it
+      const int64_t b = i / (KV * split), part = i % (KV * split);
+      const int64_t head = part / split * G + part % split * (G / split);
+      attend(q0 + b * width + head * D, views[b], head, G / split, pos[b], c0 + (b * H + head) * D);
     }
     auto attended = layer.out(context);  // (B, d)
     add_updates(adapter_of, adapters, l, &LoRALayer::out, context, attended);
@@ -418,82 +422,132 @@ void DecodeStep::store(const KVView& kv, const float* k, const float* v, int64_t
 
 namespace {
 
-// The scores s[i] = dot(q, k_i, D) for n keys k_i = keys + offset(g, first + i), each with
-// dot()'s arithmetic (one accumulator, then hsum), four keys at a time: four independent sums
-// in flight instead of one chain of dependent FMAs per key.
-void key_scores(const float* q, const KVView& kv, int64_t g, int64_t first, int64_t n,
-                int64_t D, float* s) {
-  int64_t i = 0;
-  if (D % 8 == 0) {
-    for (; i + 4 <= n; i += 4) {
-      const float* k[4];
-      __m256 acc[4];
-      for (int j = 0; j < 4; ++j) {
-        k[j] = kv.keys + kv.offset(g, first + i + j);
-        acc[j] = _mm256_setzero_ps();
-      }
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), acc[j]);
-      }
-      for (int j = 0; j < 4; ++j) s[i + j] = hsum(acc[j]);
-    }
-  }
-  for (; i < n; ++i) s[i] = dot(q, kv.keys + kv.offset(g, first + i), D);
+// Lane i: the sum of r[i]'s 8 lanes, for i < 8 (a transpose by horizontal adds).
+inline __m256 lane_sums(const __m256 r[8]) {
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
 }
 
-// out (D) = Σ_i w[i] v_i for the n values v_i = values + offset(g, first + i), in order of i,
-// 64 floats of out at a time held in registers (one FMA chain per 8 floats).
-void weighted_values(const float* w, const KVView& kv, int64_t g, int64_t first, int64_t n,
-                     int64_t D, float* out) {
-  if (D % 8 != 0) {
-    std::fill(out, out + D, 0.f);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = kv.values + kv.offset(g, first + i);
-      for (int64_t d = 0; d < D; ++d) out[d] += w[i] * v[d];
+// s[h ld + i] = scale q_h · k_i - slope_h (n - 1 - i) for the query heads q_h = q + h D,
+// h < heads, and the n keys k_i = keys + offset(g, first + i), D % 8 == 0 (slopes: ALiBi's,
+// or null). Eight keys at a time, met by every head while they are in the L1 cache: eight sums
+// in flight, summed across lanes together. The last eight repeat key n - 1 past n (s is
+// readable to n rounded up to 8), so every score takes the same operations.
+void key_scores(const float* q, int64_t heads, const KVView& kv, int64_t g, int64_t first,
+                int64_t n, int64_t D, float scale, const float* slopes, float* s, int64_t ld) {
+  const __m256 scale8 = _mm256_set1_ps(scale), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t i = 0; i < n; i += 8) {
+    const float* k[8];
+    for (int j = 0; j < 8; ++j) k[j] = kv.keys + kv.offset(g, first + std::min(i + j, n - 1));
+    const __m256 distance = _mm256_sub_ps(_mm256_set1_ps(static_cast<float>(n - 1 - i)), lane);
+    for (int64_t h = 0; h < heads; ++h) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + h * D + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), acc[j]);
+      }
+      __m256 scores = _mm256_mul_ps(lane_sums(acc), scale8);
+      if (slopes) scores = _mm256_fnmadd_ps(_mm256_set1_ps(slopes[h]), distance, scores);
+      _mm256_storeu_ps(s + h * ld + i, scores);
     }
-    return;
   }
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    const int lanes = static_cast<int>(std::min<int64_t>(64, D - d0)) / 8;
-    __m256 acc[8];
-    for (int j = 0; j < lanes; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = kv.values + kv.offset(g, first + i) + d0;
-      const __m256 wi = _mm256_set1_ps(w[i]);
-      for (int j = 0; j < lanes; ++j) acc[j] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * j), acc[j]);
+}
+
+// out_h[d0, d0 + 8 C) += Σ_i w_h[i] v_i[d0, d0 + 8 C) for J heads h and the values v_i =
+// values + offset(g, first + i), i0 <= i < i1 in order of i: J C sums in registers, each value
+// loaded once for the J heads.
+template <int J, int C>
+void values_pass(const float* const* w, const KVView& kv, int64_t g, int64_t first, int64_t i0,
+                 int64_t i1, int64_t d0, float* const* out) {
+  __m256 acc[J][C];
+  for (int h = 0; h < J; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm256_loadu_ps(out[h] + d0 + 8 * c);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* v = kv.values + kv.offset(g, first + i) + d0;
+    for (int h = 0; h < J; ++h) {
+      const __m256 wi = _mm256_set1_ps(w[h][i]);
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * c), acc[h][c]);
     }
-    for (int j = 0; j < lanes; ++j) _mm256_storeu_ps(out + d0 + 8 * j, acc[j]);
+  }
+  for (int h = 0; h < J; ++h)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[h] + d0 + 8 * c, acc[h][c]);
+}
+
+// out_h (D) += Σ_i w_h[i] v_i for J heads h over the n values from first, D % 8 == 0: 64
+// values at a time, which stay in the L1 cache while 32 floats of each head's out at a time
+// are summed (values_pass), so each value is read from memory once for the J heads.
+template <int J>
+void weighted_values(const float* const* w, const KVView& kv, int64_t g, int64_t first,
+                     int64_t n, int64_t D, float* const* out) {
+  constexpr int64_t kValues = 64;
+  for (int64_t i0 = 0; i0 < n; i0 += kValues) {
+    const int64_t i1 = std::min(n, i0 + kValues);
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) values_pass<J, 4>(w, kv, g, first, i0, i1, d0, out);
+    switch ((D - d0) / 8) {
+      case 3: values_pass<J, 3>(w, kv, g, first, i0, i1, d0, out); break;
+      case 2: values_pass<J, 2>(w, kv, g, first, i0, i1, d0, out); break;
+      case 1: values_pass<J, 1>(w, kv, g, first, i0, i1, d0, out); break;
+      default: break;
+    }
   }
 }
 
 }  // namespace
 
-// One query head over its sequence's tokens first..pos: softmax(scale q · k_t
-// [- slope (pos - t)]) · v_t into out (d_head). Each row's own keys, so a row's result does not
-// depend on the rows beside it.
-void DecodeStep::attend(const float* q, const KVView& kv, int64_t head, int64_t pos,
-                        float* out) const {
+// Query heads head0 .. head0 + heads - 1, all of one key group (their queries and outputs
+// d_head apart), over their sequence's tokens first..pos: softmax_t(scale q · k_t [- slope
+// (pos - t)]) · v_t into out. Each head's arithmetic is the same however many heads share the
+// call, and each row reads its own keys only, so a row's result depends on neither.
+void DecodeStep::attend(const float* q, const KVView& kv, int64_t head0, int64_t heads,
+                        int64_t pos, float* out) const {
   const int64_t D = config_.d_head, window = config_.window;
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-  const int64_t n = pos - first + 1;
-  const int64_t g = head / (config_.n_heads / config_.n_kv_heads);
+  const int64_t n = pos - first + 1, width = (n + 7) / 8 * 8;
+  const int64_t g = head0 / (config_.n_heads / config_.n_kv_heads);
   const float scale = static_cast<float>(config_.score_scale);
-  const float slope = alibi_ ? alibi_->data_ptr<float>()[head] : 0.f;
-  thread_local std::vector<float> p;  // (n) the scores, then the weights
-  p.resize(n);
-  key_scores(q, kv, g, first, n, D, p.data());
-  float top = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    float s = p[i] * scale;
-    if (alibi_) s -= slope * static_cast<float>(pos - first - i);
-    p[i] = s;
-    top = std::max(top, s);
+  thread_local std::vector<float> p, inverse;  // (heads, width) the scores, then their
+  thread_local std::vector<const float*> weights;  // exponentials; 1 / each head's sum
+  thread_local std::vector<float*> outs;
+  p.resize(heads * width);
+  inverse.resize(heads);
+  weights.resize(heads);
+  outs.resize(heads);
+  const float* slopes = alibi_ ? alibi_->data_ptr<float>() + head0 : nullptr;
+  if (D % 8 == 0) key_scores(q, heads, kv, g, first, n, D, scale, slopes, p.data(), width);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = p.data() + h * width;
+    if (D % 8 != 0) {
+      for (int64_t i = 0; i < n; ++i) {
+        s[i] = scale * dot(q + h * D, kv.keys + kv.offset(g, first + i), D);
+        if (slopes) s[i] -= slopes[h] * static_cast<float>(n - 1 - i);
+      }
+    }
+    inverse[h] = 1.f / exponentials(s, row_max(s, n), n, width, s);
+    weights[h] = s;
+    outs[h] = out + h * D;
+    std::fill(outs[h], outs[h] + D, 0.f);
   }
-  float total = 0.f;
-  for (float& s : p) total += (s = std::exp(s - top));
-  for (float& s : p) s /= total;
-  weighted_values(p.data(), kv, g, first, n, D, out);
+  if (D % 8 != 0) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float* v = kv.values + kv.offset(g, first + i);
+        for (int64_t d = 0; d < D; ++d) outs[h][d] += weights[h][i] * v[d];
+      }
+    }
+  } else {
+    for (int64_t h = 0; h < heads; h += 3) {  // three heads a pass: 12 accumulators, 16 registers
+      const int64_t J = std::min<int64_t>(3, heads - h);
+      if (J == 3) weighted_values<3>(&weights[h], kv, g, first, n, D, &outs[h]);
+      if (J == 2) weighted_values<2>(&weights[h], kv, g, first, n, D, &outs[h]);
+      if (J == 1) weighted_values<1>(&weights[h], kv, g, first, n, D, &outs[h]);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < D; ++d) outs[h][d] *= inverse[h];
 }
 
 torch::Tensor DecodeStep::activate(const torch::Tensor& up) const {

@@ -118,6 +118,39 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
+// The largest of s[0..n), n >= 1, 8 lanes at a time (s readable to n rounded up to 8).
+inline float row_max(const float* s, int64_t n) {
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float best = lanes[0];
+  for (int t = 1; t < 8; ++t) best = std::max(best, lanes[t]);
+  for (; j < n; ++j) best = std::max(best, s[j]);
+  return best;
+}
+
+// p[j] = e^(s[j] - shift) for j < n, zero from n to `width` (a multiple of 8); returns
+// their sum. p may be s.
+inline float exponentials(const float* s, float shift, int64_t n, int64_t width, float* p) {
+  const __m256 shift8 = _mm256_set1_ps(shift);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int64_t j = 0; j < width; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift8));
+    if (j + 8 > n) {  // the columns past n are masked
+      const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256 keep = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+      e = _mm256_and_ps(e, keep);
+    }
+    _mm256_storeu_ps(p + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  return hsum(sum8);
+}
+
 // sum_i a[i] b[i], 8 lanes at a time (a plain loop is one serial chain of adds).
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
@@ -520,7 +553,8 @@ class DecodeStep {
   void check(const AdapterWeights& adapter) const;
   void normalize(const torch::Tensor& x, const NormWeights& norm, torch::Tensor& out) const;
   void store(const KVView& kv, const float* k, const float* v, int64_t pos) const;
-  void attend(const float* q, const KVView& kv, int64_t head, int64_t pos, float* out) const;
+  void attend(const float* q, const KVView& kv, int64_t head0, int64_t heads, int64_t pos,
+              float* out) const;
   torch::Tensor activate(const torch::Tensor& up) const;
 
   DecodeConfig config_;
