@@ -430,11 +430,40 @@ inline __m256 lane_sums(const __m256 r[8]) {
                        _mm256_permute2f128_ps(low, high, 0x31));
 }
 
+// The attention's float vectors: 8 lanes (AVX2), and 16 where the build targets AVX-512. fold
+// adds a vector's 8-lane halves.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t n = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 fold(V v) { return v; }
+};
+#ifdef __AVX512F__
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t n = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256 fold(V v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+};
+#endif
+
 // s[h ld + i] = scale q_h · k_i - slope_h (n - 1 - i) for the query heads q_h = q + h D,
-// h < heads, and the n keys k_i = keys + offset(g, first + i), D % 8 == 0 (slopes: ALiBi's,
-// or null). Eight keys at a time, met by every head while they are in the L1 cache: eight sums
-// in flight, summed across lanes together. The last eight repeat key n - 1 past n (s is
-// readable to n rounded up to 8), so every score takes the same operations.
+// h < heads, and the n keys k_i = keys + offset(g, first + i), D a multiple of the vector's
+// lanes (slopes: ALiBi's, or null). Eight keys at a time, met by every head while they are in
+// the L1 cache: eight sums in flight, summed across lanes together. The last eight repeat key
+// n - 1 past n (s is readable to n rounded up to 8), so every score takes the same operations.
+template <typename L>
 void key_scores(const float* q, int64_t heads, const KVView& kv, int64_t g, int64_t first,
                 int64_t n, int64_t D, float scale, const float* slopes, float* s, int64_t ld) {
   const __m256 scale8 = _mm256_set1_ps(scale), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -443,57 +472,84 @@ void key_scores(const float* q, int64_t heads, const KVView& kv, int64_t g, int6
     for (int j = 0; j < 8; ++j) k[j] = kv.keys + kv.offset(g, first + std::min(i + j, n - 1));
     const __m256 distance = _mm256_sub_ps(_mm256_set1_ps(static_cast<float>(n - 1 - i)), lane);
     for (int64_t h = 0; h < heads; ++h) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + h * D + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), acc[j]);
+      typename L::V acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = L::zero();
+      for (int64_t d = 0; d < D; d += L::n) {
+        const typename L::V qd = L::load(q + h * D + d);
+        for (int j = 0; j < 8; ++j) acc[j] = L::fma(qd, L::load(k[j] + d), acc[j]);
       }
-      __m256 scores = _mm256_mul_ps(lane_sums(acc), scale8);
+      __m256 folded[8];
+      for (int j = 0; j < 8; ++j) folded[j] = L::fold(acc[j]);
+      __m256 scores = _mm256_mul_ps(lane_sums(folded), scale8);
       if (slopes) scores = _mm256_fnmadd_ps(_mm256_set1_ps(slopes[h]), distance, scores);
       _mm256_storeu_ps(s + h * ld + i, scores);
     }
   }
 }
 
-// out_h[d0, d0 + 8 C) += Σ_i w_h[i] v_i[d0, d0 + 8 C) for J heads h and the values v_i =
-// values + offset(g, first + i), i0 <= i < i1 in order of i: J C sums in registers, each value
-// loaded once for the J heads.
-template <int J, int C>
+// out_h[d0, d0 + C lanes) += Σ_i w_h[i] v_i[d0, d0 + C lanes) for J heads h and the values
+// v_i = values + offset(g, first + i), i0 <= i < i1 in order of i: J C sums in registers, each
+// value loaded once for the J heads.
+template <typename L, int J, int C>
 void values_pass(const float* const* w, const KVView& kv, int64_t g, int64_t first, int64_t i0,
                  int64_t i1, int64_t d0, float* const* out) {
-  __m256 acc[J][C];
+  typename L::V acc[J][C];
   for (int h = 0; h < J; ++h)
-    for (int c = 0; c < C; ++c) acc[h][c] = _mm256_loadu_ps(out[h] + d0 + 8 * c);
+    for (int c = 0; c < C; ++c) acc[h][c] = L::load(out[h] + d0 + L::n * c);
   for (int64_t i = i0; i < i1; ++i) {
     const float* v = kv.values + kv.offset(g, first + i) + d0;
     for (int h = 0; h < J; ++h) {
-      const __m256 wi = _mm256_set1_ps(w[h][i]);
-      for (int c = 0; c < C; ++c) acc[h][c] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(v + 8 * c), acc[h][c]);
+      const typename L::V wi = L::set1(w[h][i]);
+      for (int c = 0; c < C; ++c) acc[h][c] = L::fma(wi, L::load(v + L::n * c), acc[h][c]);
     }
   }
   for (int h = 0; h < J; ++h)
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[h] + d0 + 8 * c, acc[h][c]);
+    for (int c = 0; c < C; ++c) L::store(out[h] + d0 + L::n * c, acc[h][c]);
 }
 
-// out_h (D) += Σ_i w_h[i] v_i for J heads h over the n values from first, D % 8 == 0: 64
-// values at a time, which stay in the L1 cache while 32 floats of each head's out at a time
-// are summed (values_pass), so each value is read from memory once for the J heads.
-template <int J>
+// out_h (D) += Σ_i w_h[i] v_i for J heads h over the n values from first, D a multiple of the
+// vector's lanes: 64 values at a time, which stay in the L1 cache while 4 vectors of each
+// head's out at a time are summed (values_pass), so each value is read from memory once for
+// the J heads.
+template <typename L, int J>
 void weighted_values(const float* const* w, const KVView& kv, int64_t g, int64_t first,
                      int64_t n, int64_t D, float* const* out) {
   constexpr int64_t kValues = 64;
   for (int64_t i0 = 0; i0 < n; i0 += kValues) {
     const int64_t i1 = std::min(n, i0 + kValues);
     int64_t d0 = 0;
-    for (; d0 + 32 <= D; d0 += 32) values_pass<J, 4>(w, kv, g, first, i0, i1, d0, out);
-    switch ((D - d0) / 8) {
-      case 3: values_pass<J, 3>(w, kv, g, first, i0, i1, d0, out); break;
-      case 2: values_pass<J, 2>(w, kv, g, first, i0, i1, d0, out); break;
-      case 1: values_pass<J, 1>(w, kv, g, first, i0, i1, d0, out); break;
+    for (; d0 + 4 * L::n <= D; d0 += 4 * L::n) values_pass<L, J, 4>(w, kv, g, first, i0, i1, d0, out);
+    switch ((D - d0) / L::n) {
+      case 3: values_pass<L, J, 3>(w, kv, g, first, i0, i1, d0, out); break;
+      case 2: values_pass<L, J, 2>(w, kv, g, first, i0, i1, d0, out); break;
+      case 1: values_pass<L, J, 1>(w, kv, g, first, i0, i1, d0, out); break;
       default: break;
     }
   }
+}
+
+// out_h += Σ_i w_h[i] v_i (weighted_values) for heads h < heads, three at a time: 12 vectors
+// summed in registers.
+template <typename L>
+void weighted_values(const float* const* w, int64_t heads, const KVView& kv, int64_t g,
+                     int64_t first, int64_t n, int64_t D, float* const* out) {
+  for (int64_t h = 0; h < heads; h += 3) {
+    const int64_t J = std::min<int64_t>(3, heads - h);
+    if (J == 3) weighted_values<L, 3>(w + h, kv, g, first, n, D, out + h);
+    if (J == 2) weighted_values<L, 2>(w + h, kv, g, first, n, D, out + h);
+    if (J == 1) weighted_values<L, 1>(w + h, kv, g, first, n, D, out + h);
+  }
+}
+
+// Calls f with the widest vectors whose lanes divide D (Lanes16 where the build targets
+// AVX-512, Lanes8); false where none does.
+template <typename F>
+bool with_lanes(int64_t D, F&& f) {
+#ifdef __AVX512F__
+  if (D % Lanes16::n == 0) return f(Lanes16{}), true;
+#endif
+  if (D % Lanes8::n == 0) return f(Lanes8{}), true;
+  return false;
 }
 
 }  // namespace
@@ -509,6 +565,7 @@ void DecodeStep::attend(const float* q, const KVView& kv, int64_t head0, int64_t
   const int64_t n = pos - first + 1, width = (n + 7) / 8 * 8;
   const int64_t g = head0 / (config_.n_heads / config_.n_kv_heads);
   const float scale = static_cast<float>(config_.score_scale);
+  const float* slopes = alibi_ ? alibi_->data_ptr<float>() + head0 : nullptr;
   thread_local std::vector<float> p, inverse;  // (heads, width) the scores, then their
   thread_local std::vector<const float*> weights;  // exponentials; 1 / each head's sum
   thread_local std::vector<float*> outs;
@@ -516,11 +573,12 @@ void DecodeStep::attend(const float* q, const KVView& kv, int64_t head0, int64_t
   inverse.resize(heads);
   weights.resize(heads);
   outs.resize(heads);
-  const float* slopes = alibi_ ? alibi_->data_ptr<float>() + head0 : nullptr;
-  if (D % 8 == 0) key_scores(q, heads, kv, g, first, n, D, scale, slopes, p.data(), width);
+  const bool vector = with_lanes(D, [&](auto lanes) {
+    key_scores<decltype(lanes)>(q, heads, kv, g, first, n, D, scale, slopes, p.data(), width);
+  });
   for (int64_t h = 0; h < heads; ++h) {
     float* s = p.data() + h * width;
-    if (D % 8 != 0) {
+    if (!vector) {
       for (int64_t i = 0; i < n; ++i) {
         s[i] = scale * dot(q + h * D, kv.keys + kv.offset(g, first + i), D);
         if (slopes) s[i] -= slopes[h] * static_cast<float>(n - 1 - i);
@@ -531,23 +589,16 @@ void DecodeStep::attend(const float* q, const KVView& kv, int64_t head0, int64_t
     outs[h] = out + h * D;
     std::fill(outs[h], outs[h] + D, 0.f);
   }
-  if (D % 8 != 0) {
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t i = 0; i < n; ++i) {
-        const float* v = kv.values + kv.offset(g, first + i);
-        for (int64_t d = 0; d < D; ++d) outs[h][d] += weights[h][i] * v[d];
-      }
+  const bool done = with_lanes(D, [&](auto lanes) {
+    weighted_values<decltype(lanes)>(weights.data(), heads, kv, g, first, n, D, outs.data());
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < n && !done; ++i) {
+      const float* v = kv.values + kv.offset(g, first + i);
+      for (int64_t d = 0; d < D; ++d) outs[h][d] += weights[h][i] * v[d];
     }
-  } else {
-    for (int64_t h = 0; h < heads; h += 3) {  // three heads a pass: 12 accumulators, 16 registers
-      const int64_t J = std::min<int64_t>(3, heads - h);
-      if (J == 3) weighted_values<3>(&weights[h], kv, g, first, n, D, &outs[h]);
-      if (J == 2) weighted_values<2>(&weights[h], kv, g, first, n, D, &outs[h]);
-      if (J == 1) weighted_values<1>(&weights[h], kv, g, first, n, D, &outs[h]);
-    }
-  }
-  for (int64_t h = 0; h < heads; ++h)
     for (int64_t d = 0; d < D; ++d) outs[h][d] *= inverse[h];
+  }
 }
 
 torch::Tensor DecodeStep::activate(const torch::Tensor& up) const {
