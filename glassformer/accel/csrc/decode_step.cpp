@@ -346,8 +346,8 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
   const int64_t H = config_.n_heads, KV = config_.n_kv_heads, D = config_.d_head;
   const int64_t B = x.size(0), width = (H + 2 * KV) * D, G = H / KV;
   // the attention's work items: each row's key groups, its G query heads sharing each key and
-  // value read; or, where there are too few groups to share among the threads, single heads
-  const int64_t split = B * KV >= 2 * at::get_num_threads() ? 1 : G;
+  // value read; or, where there are fewer groups than threads, single heads
+  const int64_t split = B * KV >= at::get_num_threads() ? 1 : G;
   x = x.contiguous().clone();  // (B, d): updated in place layer by layer
   const int64_t sites = static_cast<int64_t>(layers_.size()) + 1;
   emit.keep(x, emit.out, 0, sites);
