@@ -589,13 +589,15 @@ void DecodeStep::attend(const float* q, const KVView& kv, int64_t head0, int64_t
     outs[h] = out + h * D;
     std::fill(outs[h], outs[h] + D, 0.f);
   }
-  const bool done = with_lanes(D, [&](auto lanes) {
+  const bool summed = with_lanes(D, [&](auto lanes) {
     weighted_values<decltype(lanes)>(weights.data(), heads, kv, g, first, n, D, outs.data());
   });
   for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t i = 0; i < n && !done; ++i) {
-      const float* v = kv.values + kv.offset(g, first + i);
-      for (int64_t d = 0; d < D; ++d) outs[h][d] += weights[h][i] * v[d];
+    if (!summed) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float* v = kv.values + kv.offset(g, first + i);
+        for (int64_t d = 0; d < D; ++d) outs[h][d] += weights[h][i] * v[d];
+      }
     }
     for (int64_t d = 0; d < D; ++d) outs[h][d] *= inverse[h];
   }
