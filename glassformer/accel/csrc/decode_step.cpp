@@ -374,8 +374,7 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
     float* c0 = static_cast<float*>(context.data_ptr());
 #pragma omp parallel for schedule(dynamic) num_threads(at::get_num_threads())
     for (int64_t i = 0; i < B * KV * split; ++i) {  // a row's key group, or one head of it
-      const int64_t b = i / (KV * split), part = i % (KV * split);
-      const int64_t head = part / split * G + part % split * (G / split);
+      const int64_t b = i / (KV * split), head = i % (KV * split) * (G / split);
       attend(q0 + b * width + head * D, views[b], head, G / split, pos[b], c0 + (b * H + head) * D);
     }
     auto attended = layer.out(context);  // (B, d)
@@ -487,57 +486,59 @@ void key_scores(const float* q, int64_t heads, const KVView& kv, int64_t g, int6
   }
 }
 
-// out_h[d0, d0 + C lanes) += Σ_i w_h[i] v_i[d0, d0 + C lanes) for J heads h and the values
-// v_i = values + offset(g, first + i), i0 <= i < i1 in order of i: J C sums in registers, each
-// value loaded once for the J heads.
+// out_h[d0, d0 + C lanes) += Σ_i w_h[i] v_i[d0, d0 + C lanes) for J heads h, their weights
+// w_h = w + h ld and outputs out_h = out + h D, and the values v_i = values + offset(g,
+// first + i), i0 <= i < i1 in order of i: J C sums in registers, each value loaded once for
+// the J heads.
 template <typename L, int J, int C>
-void values_pass(const float* const* w, const KVView& kv, int64_t g, int64_t first, int64_t i0,
-                 int64_t i1, int64_t d0, float* const* out) {
+void values_pass(const float* w, int64_t ld, const KVView& kv, int64_t g, int64_t first,
+                 int64_t i0, int64_t i1, int64_t D, int64_t d0, float* out) {
   typename L::V acc[J][C];
   for (int h = 0; h < J; ++h)
-    for (int c = 0; c < C; ++c) acc[h][c] = L::load(out[h] + d0 + L::n * c);
+    for (int c = 0; c < C; ++c) acc[h][c] = L::load(out + h * D + d0 + L::n * c);
   for (int64_t i = i0; i < i1; ++i) {
     const float* v = kv.values + kv.offset(g, first + i) + d0;
     for (int h = 0; h < J; ++h) {
-      const typename L::V wi = L::set1(w[h][i]);
+      const typename L::V wi = L::set1(w[h * ld + i]);
       for (int c = 0; c < C; ++c) acc[h][c] = L::fma(wi, L::load(v + L::n * c), acc[h][c]);
     }
   }
   for (int h = 0; h < J; ++h)
-    for (int c = 0; c < C; ++c) L::store(out[h] + d0 + L::n * c, acc[h][c]);
+    for (int c = 0; c < C; ++c) L::store(out + h * D + d0 + L::n * c, acc[h][c]);
 }
 
-// out_h (D) += Σ_i w_h[i] v_i for J heads h over the n values from first, D a multiple of the
-// vector's lanes: 64 values at a time, which stay in the L1 cache while 4 vectors of each
+// out_h (D) += Σ_i w_h[i] v_i for J heads h (as values_pass) over the n values from first, D a
+// multiple of the vector's lanes: 64 values at a time, which stay in the L1 cache while 4 vectors of each
 // head's out at a time are summed (values_pass), so each value is read from memory once for
 // the J heads.
 template <typename L, int J>
-void weighted_values(const float* const* w, const KVView& kv, int64_t g, int64_t first,
-                     int64_t n, int64_t D, float* const* out) {
+void weighted_values(const float* w, int64_t ld, const KVView& kv, int64_t g, int64_t first,
+                     int64_t n, int64_t D, float* out) {
   constexpr int64_t kValues = 64;
   for (int64_t i0 = 0; i0 < n; i0 += kValues) {
     const int64_t i1 = std::min(n, i0 + kValues);
     int64_t d0 = 0;
-    for (; d0 + 4 * L::n <= D; d0 += 4 * L::n) values_pass<L, J, 4>(w, kv, g, first, i0, i1, d0, out);
+    for (; d0 + 4 * L::n <= D; d0 += 4 * L::n)
+      values_pass<L, J, 4>(w, ld, kv, g, first, i0, i1, D, d0, out);
     switch ((D - d0) / L::n) {
-      case 3: values_pass<L, J, 3>(w, kv, g, first, i0, i1, d0, out); break;
-      case 2: values_pass<L, J, 2>(w, kv, g, first, i0, i1, d0, out); break;
-      case 1: values_pass<L, J, 1>(w, kv, g, first, i0, i1, d0, out); break;
+      case 3: values_pass<L, J, 3>(w, ld, kv, g, first, i0, i1, D, d0, out); break;
+      case 2: values_pass<L, J, 2>(w, ld, kv, g, first, i0, i1, D, d0, out); break;
+      case 1: values_pass<L, J, 1>(w, ld, kv, g, first, i0, i1, D, d0, out); break;
       default: break;
     }
   }
 }
 
-// out_h += Σ_i w_h[i] v_i (weighted_values) for heads h < heads, three at a time: 12 vectors
-// summed in registers.
+// out_h += Σ_i w_h[i] v_i (weighted_values, w_h = w + h ld, out_h = out + h D) for heads
+// h < heads, three at a time: 12 vectors summed in registers.
 template <typename L>
-void weighted_values(const float* const* w, int64_t heads, const KVView& kv, int64_t g,
-                     int64_t first, int64_t n, int64_t D, float* const* out) {
+void weighted_values(const float* w, int64_t ld, int64_t heads, const KVView& kv, int64_t g,
+                     int64_t first, int64_t n, int64_t D, float* out) {
   for (int64_t h = 0; h < heads; h += 3) {
     const int64_t J = std::min<int64_t>(3, heads - h);
-    if (J == 3) weighted_values<L, 3>(w + h, kv, g, first, n, D, out + h);
-    if (J == 2) weighted_values<L, 2>(w + h, kv, g, first, n, D, out + h);
-    if (J == 1) weighted_values<L, 1>(w + h, kv, g, first, n, D, out + h);
+    if (J == 3) weighted_values<L, 3>(w + h * ld, ld, kv, g, first, n, D, out + h * D);
+    if (J == 2) weighted_values<L, 2>(w + h * ld, ld, kv, g, first, n, D, out + h * D);
+    if (J == 1) weighted_values<L, 1>(w + h * ld, ld, kv, g, first, n, D, out + h * D);
   }
 }
 
@@ -566,13 +567,10 @@ void DecodeStep::attend(const float* q, const KVView& kv, int64_t head0, int64_t
   const int64_t g = head0 / (config_.n_heads / config_.n_kv_heads);
   const float scale = static_cast<float>(config_.score_scale);
   const float* slopes = alibi_ ? alibi_->data_ptr<float>() + head0 : nullptr;
-  thread_local std::vector<float> p, inverse;  // (heads, width) the scores, then their
-  thread_local std::vector<const float*> weights;  // exponentials; 1 / each head's sum
-  thread_local std::vector<float*> outs;
+  // (heads, width) the scores, then their exponentials; 1 / each head's sum
+  thread_local std::vector<float> p, inverse;
   p.resize(heads * width);
   inverse.resize(heads);
-  weights.resize(heads);
-  outs.resize(heads);
   const bool vector = with_lanes(D, [&](auto lanes) {
     key_scores<decltype(lanes)>(q, heads, kv, g, first, n, D, scale, slopes, p.data(), width);
   });
@@ -585,21 +583,21 @@ void DecodeStep::attend(const float* q, const KVView& kv, int64_t head0, int64_t
       }
     }
     inverse[h] = 1.f / exponentials(s, row_max(s, n), n, width, s);
-    weights[h] = s;
-    outs[h] = out + h * D;
-    std::fill(outs[h], outs[h] + D, 0.f);
   }
+  std::fill(out, out + heads * D, 0.f);
   const bool summed = with_lanes(D, [&](auto lanes) {
-    weighted_values<decltype(lanes)>(weights.data(), heads, kv, g, first, n, D, outs.data());
+    weighted_values<decltype(lanes)>(p.data(), width, heads, kv, g, first, n, D, out);
   });
   for (int64_t h = 0; h < heads; ++h) {
+    const float* w = p.data() + h * width;
+    float* o = out + h * D;
     if (!summed) {
       for (int64_t i = 0; i < n; ++i) {
         const float* v = kv.values + kv.offset(g, first + i);
-        for (int64_t d = 0; d < D; ++d) outs[h][d] += weights[h][i] * v[d];
+        for (int64_t d = 0; d < D; ++d) o[d] += w[i] * v[d];
       }
     }
-    for (int64_t d = 0; d < D; ++d) outs[h][d] *= inverse[h];
+    for (int64_t d = 0; d < D; ++d) o[d] *= inverse[h];
   }
 }
 
