@@ -12,7 +12,7 @@ at load). Rows without an adapter are never written, so they are bitwise those o
 without adapters. The low-rank products go through the view's own wrap (row tiles), so an
 adapter row does not depend on what shares its step either.
 
-Where the engine's decoding rows take the fused C++ step, an adapter is also built for it at
+Where the engine's rows take the fused C++ step, an adapter is also built for it at
 load (accel/fast_decode.py `fused_adapter`): the same A, and a transposed copy of each scaled B,
 which the step adds per row after each base product, as above. Where the step cannot (`fused` None), the
 adapter's rows keep the module path.
@@ -99,7 +99,7 @@ class Adapters:
         """`base`: the served model's source, checked against an adapter's base name."""
         self.config, self.base, self.dtype, self.device = config, base, dtype, device
         self.wrap: Callable[[nn.Module], nn.Module] = itself  # the view's own (install)
-        self.fused_step = False  # whether decoding rows may take the fused step (install)
+        self.fused_step = False  # whether rows may take the fused step (install)
         self._by_name: dict[str, ServedAdapter] = {}
         self._loads = itertools.count()
         self.step: list[tuple[ServedAdapter, torch.Tensor]] = []  # (adapter, its rows (m,)) now
@@ -156,7 +156,7 @@ class Adapters:
                 fused_step: bool = False) -> None:
         """Wrap each targeted product of the runner's view (a copy: the model is untouched);
         `wrap` is what the view does to each product (row tiles), done to the updates too;
-        `fused_step`: decoding rows may take the fused step, so adapters are built for it too."""
+        `fused_step`: rows may take the fused step, so adapters are built for it too."""
         self.wrap, self.fused_step = wrap, fused_step
         for i, block in enumerate(view.blocks):
             for path in PRODUCTS:

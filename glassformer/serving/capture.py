@@ -16,7 +16,7 @@ and site): each layer's top-k tokens and probabilities per position, computed fr
 residuals the step produced for that request. The last residual's read-out is the model's
 output, so a request reading it at its last row hands the runner its next-token logits.
 
-A decoding row that asks only for residual sites (embed.out, blocks.{i}.resid_pre,
+A request that asks only for residual sites (embed.out, blocks.{i}.resid_pre,
 blocks.{i}.resid_post), what each block writes into the stream (blocks.{i}.attn.out,
 blocks.{i}.mlp.out) and the lens, whose inputs are residuals, runs on the fused decode step,
 which copies those out (`fused_source`); the runner hands each asked site's rows of those copies

@@ -13,21 +13,22 @@ activations treat every row alike. So a token's numbers do not depend on which t
 its step. The price is prefill speed for float weights; `invariant=False` sends all rows to
 each product at once instead.
 
-A converted model (glassformer.quantize) with fast attention and a float32 pool runs its
-decoding rows (a generated token's; a prompt's last token goes with its query group, as it
-would alone) through its fused C++ step (accel/fast_decode.py `FastDecoder.rows`), in every
-step, whatever else the step holds: one call runs every layer for every such row, attending
-over each row's own block table in the pool. Each row's numbers are those of `generate`'s
-fused step for that sequence alone, so they too are independent of what shares the step.
-A decoding row that captures residual sites, attn.out or mlp.out only and/or reads the lens
-stays on the fused step, which copies out its residual stream after the embedding and each layer
-(and what each layer's attention and feed-forward add to it); the capture and lens hooks the
-blocks would call are called on those copies (`_inspect`). Steering, ablation and any other site
-keep the module path.
+A converted model (glassformer.quantize) with fast attention and a float32 pool runs the
+step's rows, prompt chunks and new tokens alike, through its fused C++ step
+(accel/fast_decode.py `FastDecoder.rows`): one call runs every layer for every row, each at
+its own position, attending over its own request's block table in the pool (a chunk's keys
+are all written before any of its rows attends, each row to its own position). A row's
+numbers are those of the fused step for that token alone, so they do not depend on what
+shares the step, how the prompt was cut into chunks, the prefix cache's hits or a
+preemption's recomputation. A request that captures residual sites, attn.out or mlp.out only
+and/or reads the lens stays on the fused step, which copies out its rows' residual stream
+after the embedding and each layer (and what each layer's attention and feed-forward add to
+it); the capture and lens hooks the blocks would call are called on those copies
+(`_inspect`). Steering, ablation and any other site keep the module path.
 
 A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
 each product it targets, on those rows alone (adapters.py), on the module path (the view's
-wrapped products) or, for decoding rows, on the fused step, which takes a row -> adapter index
+wrapped products) or on the fused step, which takes a row -> adapter index
 per call and the adapters' factors as built at load; an adapter the fused step cannot add
 (ServedAdapter.fused None) keeps its rows on the module path. Every other row is computed as in
 an engine without adapters, on the fused step or not.
@@ -116,13 +117,13 @@ class ModelRunner:
         self.pool.reserve(1 + max((b for seq, _ in plan.scheduled for b in seq.block_table), default=-1))
         self.pool.copy_blocks(plan.copies)
         fused = self._fused()
-        fast = [fused is not None and n == 1 and self._fused_takes(seq) for seq, n in plan.scheduled]
-        decoding = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
+        fast = [fused is not None and self._fused_takes(seq) for seq, _ in plan.scheduled]
+        stepped = [part for part, ok in zip(plan.scheduled, fast, strict=True) if ok]
         others = [part for part, ok in zip(plan.scheduled, fast, strict=True) if not ok]
         hidden = {}  # id(request) -> its last row's final hidden state (d,)
         outputs = {}  # id(request) -> its next-token logits (V,), where its lens read them
-        if decoding:
-            hidden.update(self._run_fused(decoding, fused, outputs))
+        if stepped:
+            hidden.update(self._run_fused(stepped, fused, outputs))
         if others:
             hidden.update(self._run_blocks(others, outputs))
         ends = [id(seq) for seq, n in plan.scheduled if seq.num_computed + n == seq.num_tokens]
@@ -140,7 +141,7 @@ class ModelRunner:
         return torch.stack([outputs[key] for key in ends])  # (R, V)
 
     def _fused(self) -> FastDecoder | None:
-        """The model's fused step where it can run decoding rows: fast attention, a float32
+        """The model's fused step where it can run the step's rows: fast attention, a float32
         pool, and a step the model accepts now; else None."""
         if not self._pool_takes_fused():
             return None
@@ -153,13 +154,11 @@ class ModelRunner:
         return self.fast and self.pool.kv_dtype == "fp32" and self.sink is None
 
     def _fused_takes(self, seq: Sequence) -> bool:
-        """Whether the fused step computes seq's one new row as it asks: the row is a generated
-        token's (a prompt's last token, cut off by the budget, is a query group's as it would be
-        alone), its adapter, if it names one, is built for it, and it changes nothing and
-        captures only sites the step emits (fused_source; the lens reads residuals only)."""
+        """Whether the fused step computes seq's scheduled rows as it asks: its adapter, if it
+        names one, is built for it, and it changes nothing and captures only sites the step
+        emits (fused_source; the lens reads residuals only)."""
         params = seq.params
-        return (seq.num_computed >= seq.prompt_len
-                and (params.adapter is None or self.adapters[params.adapter].fused is not None)
+        return ((params.adapter is None or self.adapters[params.adapter].fused is not None)
                 and not changes(params) and all(fused_source(site) is not None for site in params.capture))
 
     def _run_blocks(self, scheduled: Scheduled, outputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -223,46 +222,58 @@ class ModelRunner:
 
     def _run_fused(self, scheduled: Scheduled, fused: FastDecoder,
                    outputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """One new token of each request through the fused step over the pool (outputs as
-        _run_blocks')."""
+        """The scheduled tokens of each request (a prompt's chunk or one new token) through
+        the fused step over the pool, a row each (outputs as _run_blocks')."""
         bs = self.pool.block_size
         seqs = [seq for seq, _ in scheduled]
+        starts = [0]  # request i's rows: starts[i] .. starts[i + 1] - 1
+        for _, n in scheduled:
+            starts.append(starts[-1] + n)
         width = max(len(seq.block_table) for seq in seqs)
         tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table))
-                               for seq in seqs])  # (B, blocks)
-        slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(seqs), -1)  # (B, S)
-        positions = torch.tensor([seq.num_computed for seq in seqs])  # (B,)
-        ids = torch.tensor([seq.tokens[seq.num_computed] for seq in seqs])  # (B,)
+                               for seq in seqs])  # (R, blocks)
+        slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(seqs), -1)  # (R, S)
+        counts = torch.tensor([n for _, n in scheduled])  # (R,)
+        slots = slots.repeat_interleave(counts, dim=0)  # (B, S): a row's request's
+        positions = torch.tensor([t for seq, n in scheduled
+                                  for t in range(seq.num_computed, seq.num_computed + n)])  # (B,)
+        ids = torch.tensor([t for seq, n in scheduled
+                            for t in seq.tokens[seq.num_computed : seq.num_computed + n]])  # (B,)
         x = self.model.embed(ids[None], positions[None])[0]  # (B, d)
         cos = sin = None
         if self.rope is not None:
             cos, sin = self.rope[0][positions], self.rope[1][positions]  # (B, d_head) each
         names = list(dict.fromkeys(seq.params.adapter for seq in seqs if seq.params.adapter is not None))
         adapter_of = torch.tensor([-1 if seq.params.adapter is None else names.index(seq.params.adapter)
-                                   for seq in seqs])  # (B,)
+                                   for seq in seqs]).repeat_interleave(counts)  # (B,)
         adapters = [self.adapters[name].fused for name in names]
-        inspecting = [b for b, seq in enumerate(seqs) if uses_hooks(seq.params)]  # capture, lens
+        inspecting = [i for i, seq in enumerate(seqs) if uses_hooks(seq.params)]  # capture, lens
         emit = residuals = writes = None
         if inspecting:
-            emit = torch.tensor(inspecting)  # (M,)
-            m, n_layers, d = len(inspecting), len(self.model.blocks), x.shape[1]
+            emit = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in inspecting])  # (M,)
+            m, n_layers, d = len(emit), len(self.model.blocks), x.shape[1]
             residuals = torch.empty(m, n_layers + 1, d)  # (M, L + 1, d)
-            if any(fused_source(site)[0] == "writes" for b in inspecting for site in seqs[b].params.capture):
+            if any(fused_source(site)[0] == "writes" for i in inspecting for site in seqs[i].params.capture):
                 writes = torch.empty(m, n_layers, 2, d)  # (M, L, 2, d): attn.out, mlp.out
         h = fused.rows(x, positions, slots, cos, sin, self.pool.keys, self.pool.values,
                        adapter_of if names else None, adapters, emit, residuals, writes)  # (B, d)
-        if inspecting:  # row i of the copies: request seqs[b]'s one row at its position
-            parts = [(seqs[b], i, 1, seqs[b].num_computed) for i, b in enumerate(inspecting)]
+        if inspecting:  # request seqs[i]'s rows of the copies, in order, from its first's
+            parts, first = [], 0
+            for i in inspecting:
+                n = scheduled[i][1]
+                parts.append((seqs[i], first, n, seqs[i].num_computed))
+                first += n
             emitted = {"residuals": residuals, "writes": None if writes is None else writes.flatten(1, 2)}
             outputs |= self._inspect(parts, emitted)
-        return {id(seq): h[b] for b, seq in enumerate(seqs) if seq.num_computed + 1 == seq.num_tokens}
+        return {id(seq): h[starts[i + 1] - 1] for i, (seq, n) in enumerate(scheduled)
+                if seq.num_computed + n == seq.num_tokens}
 
     def _inspect(self, parts: list[tuple[Sequence, int, int, int]],
                  emitted: dict[str, torch.Tensor | None]) -> dict[int, torch.Tensor]:
         """The capture and lens of the fused step's inspecting rows: each asked site's rows of
-        what the step emitted (fused_source's name -> (M, sites, d)), row i of parts' (request,
-        i, 1, position), handed to the hooks the module path installs, then the lens read out
-        as _run_blocks reads it (its logits returned)."""
+        what the step emitted (fused_source's name -> (M, sites, d)), rows i .. i + n - 1 of
+        parts' (request, i, n, position), handed to the hooks the module path installs, then
+        the lens read out as _run_blocks reads it (its logits returned)."""
         lens = LensRows(self.model.config, parts)
         for hooks in (capture_hooks(parts), lens.hooks()):
             for site, keep in hooks.items():

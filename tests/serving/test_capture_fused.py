@@ -1,5 +1,5 @@
 """Residual sites, what each block adds to the stream, and the lens, read from the fused decode
-step's emitted rows: a decoding row that asks only for those runs on the fused step, its capture
+step's emitted rows: a request that asks only for those runs on the fused step, its capture
 and lens equal run_with_cache and logit_lens on the module path of the same converted model, and
 emitting rows leaves every row's numbers bitwise as they are without emission."""
 
@@ -42,7 +42,9 @@ def test_residual_capture_and_lens_on_the_fused_step_equal_the_module_path(
     residual = RequestParams(max_new_tokens=6, eos_ids=(), capture=EMITTED[:2])  # no block's writes
     other_site = RequestParams(max_new_tokens=6, eos_ids=(), capture=("blocks.0.attn.q",))
     results = run_in_turn(model, prompts([9, 4, 13, 4]), [plain, inspecting, other_site, residual])
-    assert max(len(rows) for rows in emitted) == 2  # the two inspecting rows, never attn.q's
+    # every row of the two inspecting requests (4 prompt rows and 5 generated ones each), prompt
+    # chunks included, and never another request's rows (attn.q's keeps the module path)
+    assert sum(len(rows) for rows in emitted) == 2 * (4 + 5)
     for result, sites in ((results[1], EMITTED), (results[3], EMITTED[:2])):
         tokens = torch.tensor([result.prompt_ids + result.generated_ids[:-1]])
         _, cache = run_with_cache(model, tokens, names=sites)

@@ -7,6 +7,7 @@ import torch
 from glassformer.accel.fast_decode import FastDecoder
 from glassformer.accel.quantize import quantize_model
 from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -76,3 +77,42 @@ def test_more_rows_than_a_kernel_tile_still_equal_the_per_layer_path(tiny, promp
     for got, want in zip(fused, expected, strict=True):
         assert [t for t, _ in got] == [t for t, _ in want]
         torch.testing.assert_close([lp for _, lp in got], [w.logprob for _, w in want], atol=1e-4, rtol=1e-4)
+
+
+def _mixes_a_chunk(positions: list[int]) -> bool:
+    """Whether a call's rows hold a run of consecutive positions (a prompt's chunk) and others."""
+    steps = [b - a for a, b in zip(positions, positions[1:], strict=False)]
+    return 1 in steps and any(step != 1 for step in steps)
+
+
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_prompt_chunks_take_the_fused_step_and_each_token_is_the_same_however_cut(tiny, prompts, monkeypatch,
+                                                                                  mode):
+    """A prompt's rows go through the fused step too, a chunk's rows at their own positions: a
+    request's tokens and log-probabilities are bit for bit the same whether its prompt comes in
+    one chunk alone or cut into chunks of 4 beside other requests' chunks and new tokens."""
+    model = quantize_model(tiny(), mode)
+    calls = []
+    original = FastDecoder.rows
+    monkeypatch.setattr(FastDecoder, "rows", lambda self, x, positions, *a: calls.append(positions.tolist())
+                        or original(self, x, positions, *a))
+    monkeypatch.setattr(ModelRunner, "_run_blocks", lambda *a: pytest.fail("a row took the module path"))
+    params = RequestParams(max_new_tokens=8, eos_ids=(), logprobs=3)
+    watched, *others = prompts([30, 9, 17, 5])
+
+    def run(config, todo):
+        engine = Engine(model, None, config)
+        handles = []
+        for request in todo:
+            handles.append(engine.submit(request, params))
+            engine.step()
+        engine.run_until_done()
+        return [(e.token_id, e.logprobs.logprob, e.logprobs.top)
+                for e in handles[-1] if e.token_id is not None]
+
+    alone = run(EngineConfig(block_size=4, n_blocks=64, token_budget=64, max_batch=4), [watched])
+    assert calls[0] == list(range(30))  # the whole prompt in one call
+    calls.clear()
+    shared = run(EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4), others + [watched])
+    assert max(map(len, calls)) <= 8 and any(_mixes_a_chunk(c) for c in calls)
+    assert alone == shared
