@@ -138,6 +138,21 @@ def test_fast_attention_gives_a_request_the_same_numbers_whatever_shares_its_ste
         assert got == alone
 
 
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_on_the_fused_step_a_preempted_request_gets_the_same_numbers(tiny, prompts, mode):
+    """A converted model, every row on the fused step: requests recomputed after preemption get
+    every log-probability bit for bit as alone."""
+    model = quantize_model(tiny(), mode)
+    params = RequestParams(max_new_tokens=8, eos_ids=(), logprobs=0)
+    todo = [(p, params) for p in prompts([24, 20, 18, 22])]
+    alone = [_logprobs(model, [t], EngineConfig(block_size=4, n_blocks=64))[0] for t in todo]
+    config = EngineConfig(block_size=4, n_blocks=20, token_budget=64, max_batch=4)
+    handles, engine = _stepped(model, todo, config, [0, 1, 1, 1])
+    assert engine.stats.preemptions > 0
+    assert [[e.logprobs.logprob for e in h if e.token_id is not None] for h in handles] == alone
+    _assert_whole(engine)
+
+
 def test_preemption_and_prefix_hits_are_counted(tiny, prompts):
     model = tiny()
     shared = prompts([24])[0]
