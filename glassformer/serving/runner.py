@@ -14,17 +14,18 @@ its step. The price is prefill speed for float weights; `invariant=False` sends 
 each product at once instead.
 
 A converted model (glassformer.quantize) with fast attention and a float32 pool runs the
-step's rows, prompt chunks and new tokens alike, through its fused C++ step
-(accel/fast_decode.py `FastDecoder.rows`): one call runs every layer for every row, each at
-its own position, attending over its own request's block table in the pool (a chunk's keys
-are all written before any of its rows attends, each row to its own position). A row's
-numbers are those of the fused step for that token alone, so they do not depend on what
-shares the step, how the prompt was cut into chunks, the prefix cache's hits or a
-preemption's recomputation. A request that captures residual sites, attn.out or mlp.out only
-and/or reads the lens stays on the fused step, which copies out its rows' residual stream
-after the embedding and each layer (and what each layer's attention and feed-forward add to
-it); the capture and lens hooks the blocks would call are called on those copies
-(`_inspect`). Steering, ablation and any other site keep the module path.
+step's rows, prompt chunks (of prompts up to FUSED_PROMPT_TOKENS) and new tokens alike,
+through its fused C++ step (accel/fast_decode.py `FastDecoder.rows`): one call runs every
+layer for every row, each at its own position, attending over its own request's block table
+in the pool (a chunk's keys are all written before any of its rows attends, each row to its
+own position). A row's numbers are those of the fused step for that token alone, so they do
+not depend on what shares the step, how the prompt was cut into chunks, the prefix cache's
+hits or (prompts up to that length) a preemption's recomputation. A request that captures
+residual sites, attn.out or mlp.out only and/or reads the lens stays on the fused step, which
+copies out its rows' residual stream after the embedding and each layer (and what each
+layer's attention and feed-forward add to it); the capture and lens hooks the blocks would
+call are called on those copies (`_inspect`). Steering, ablation and any other site keep the
+module path.
 
 A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
 each product it targets, on those rows alone (adapters.py), on the module path (the view's
@@ -55,6 +56,13 @@ from .scheduler import StepPlan
 from .sequence import Sequence
 
 Scheduled = list[tuple[Sequence, int]]
+
+# Prompts up to this many tokens take the fused step; a longer one's prompt rows keep the
+# module path, whose attention over a chunk is one product for all its rows, while the fused
+# step's goes row by row (int4 SmolLM2 on 2 cores: 1.25x faster at 1,024 tokens, even at 2,048,
+# 0.73x at 4,096). A prompt's length is the request's own, so each of its tokens still takes
+# one path whatever shares its steps.
+FUSED_PROMPT_TOKENS = 2048
 
 _MODULES = "the model's own modules compute it"
 _ANGLES = "angles from the model's own inverse frequencies and attention factor"
@@ -154,11 +162,14 @@ class ModelRunner:
         return self.fast and self.pool.kv_dtype == "fp32" and self.sink is None
 
     def _fused_takes(self, seq: Sequence) -> bool:
-        """Whether the fused step computes seq's scheduled rows as it asks: its adapter, if it
-        names one, is built for it, and it changes nothing and captures only sites the step
-        emits (fused_source; the lens reads residuals only)."""
+        """Whether the fused step computes seq's scheduled rows as it asks: they are a prompt of
+        at most FUSED_PROMPT_TOKENS or generated tokens (a longer prompt's last token, cut off
+        by the budget, is a query group's as it would be alone), its adapter, if it names one,
+        is built for it, and it changes nothing and captures only sites the step emits
+        (fused_source; the lens reads residuals only)."""
         params = seq.params
-        return ((params.adapter is None or self.adapters[params.adapter].fused is not None)
+        return ((seq.prompt_len <= FUSED_PROMPT_TOKENS or seq.num_computed >= seq.prompt_len)
+                and (params.adapter is None or self.adapters[params.adapter].fused is not None)
                 and not changes(params) and all(fused_source(site) is not None for site in params.capture))
 
     def _run_blocks(self, scheduled: Scheduled, outputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -6,7 +6,7 @@ import torch
 
 from glassformer.accel.fast_decode import FastDecoder
 from glassformer.accel.quantize import quantize_model
-from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving import Engine, EngineConfig, RequestParams, runner
 from glassformer.serving.runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -116,3 +116,27 @@ def test_prompt_chunks_take_the_fused_step_and_each_token_is_the_same_however_cu
     shared = run(EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4), others + [watched])
     assert max(map(len, calls)) <= 8 and any(_mixes_a_chunk(c) for c in calls)
     assert alone == shared
+
+
+def test_a_longer_prompt_keeps_the_module_path_and_its_new_tokens_the_fused_step(tiny, prompts, monkeypatch):
+    """Past FUSED_PROMPT_TOKENS a prompt's rows take the module path (its attention a product
+    over the chunk), its generated tokens the fused step; a shorter prompt's rows the fused
+    step. Each request's numbers are still the same alone and cut into chunks beside others."""
+    monkeypatch.setattr(runner, "FUSED_PROMPT_TOKENS", 16)
+    model = quantize_model(tiny(), "int4")
+    blocks, fused = [], []
+    run_blocks, rows = ModelRunner._run_blocks, FastDecoder.rows
+    monkeypatch.setattr(ModelRunner, "_run_blocks", lambda self, scheduled, outputs: blocks.append(
+        [(len(seq.tokens), n) for seq, n in scheduled]) or run_blocks(self, scheduled, outputs))
+    monkeypatch.setattr(FastDecoder, "rows", lambda self, x, positions, *a: fused.append(positions.tolist())
+                        or rows(self, x, positions, *a))
+    params = RequestParams(max_new_tokens=6, eos_ids=(), logprobs=0)
+    todo = [(p, params) for p in prompts([30, 9, 16])]
+    alone = [_events(model, [t], EngineConfig(block_size=4, n_blocks=64), fused=True)[0] for t in todo]
+    # the module path took the long prompt's 30 rows and nothing else; its last new token
+    # (position 30 + 6 - 2) the fused step
+    assert sum(n for call in blocks for _, n in call) == 30 and any(34 in call for call in fused)
+    blocks.clear()
+    config = EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=3)
+    assert _events(model, todo, config, fused=True) == alone
+    assert sum(n for call in blocks for _, n in call) == 30
