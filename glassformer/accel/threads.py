@@ -4,15 +4,17 @@ PyTorch (and the C++ kernels, which follow `torch.get_num_threads()`) starts one
 core. Each parallel region ends at a barrier, so when another process holds one of two
 cores, every region waits for the thread that the scheduler parked: decode fell from 78 to
 11.5 tokens/s so, against 35.7 on one thread. `ThreadPolicy` counts the cores other
-processes leave free (/proc/stat over a short window, less this process's own CPU time, among
-the cores `os.sched_getaffinity` allows) and computes on that many; `revisit()`, called from
+processes leave free (/proc/stat over a window of at least 0.2 s, less this process's own CPU
+time, among the cores `os.sched_getaffinity` allows: the command's own start-up, such as loading
+its model, fills the window) and computes on that many from `settle()`; `revisit()`, called from
 long loops (training steps, the serving engine), counts again over the time since the last
 look, at most every `interval` seconds, and applies the count to the calling thread too
 (OpenMP keeps it per thread: the engine's stepping thread would otherwise use every core). A
 number asked for (`--threads`, GLASSFORMER_THREADS, OMP_NUM_THREADS) is kept as it is.
 Torch's thread count belongs to the process, so no library code chooses it on its own: the
-process's owner (the command line) makes one ThreadPolicy and passes it to `train`, `Engine`
-and the server, whose loops call its `revisit()`; without one they leave the count alone.
+process's owner (the command line) makes one ThreadPolicy, settles it before computing and
+passes it to `train`, `Engine` and the server, whose loops call its `revisit()` (which settles
+it first where that has not happened); without one they leave the count alone.
 
 OpenMP's wait policy is left as it is: with OMP_WAIT_POLICY=PASSIVE (idle threads sleep at
 once) a quiet machine decoded int4 2.4x slower, as every small parallel region then waits for
@@ -99,30 +101,40 @@ def hand_over_cores() -> None:
 
 
 class ThreadPolicy:
-    """The process's thread count: fixed where asked for, else chosen from the free cores."""
+    """The process's thread count: fixed where asked for, else chosen from the free cores.
+
+    The first choice counts over the time from the policy's making to the first `settle()`
+    (at least `window`, the rest waited out): a command makes its policy first and settles it
+    once its model is loaded, so the loading fills the window instead of a pause of its own."""
 
     def __init__(self, asked: int | None = None, interval: float = 10.0, window: float = 0.2):
         self.fixed = requested_threads(asked)
-        self.interval = interval
+        self.interval, self.window = interval, window
         self.cores = allowed_cores()
+        self.threads = self.fixed  # None until settled
+        self._last = None if self.fixed is not None else snapshot(self.cores)
         if self.fixed is not None:
-            self.threads = self.fixed
-        else:
-            before = snapshot(self.cores)
-            time.sleep(window)
-            self._last = snapshot(self.cores)
-            self.threads = self._choose(before, self._last)
-        torch.set_num_threads(self.threads)
+            torch.set_num_threads(self.fixed)
 
-    def revisit(self) -> int:
-        """Choose again from the time since the last look, if `interval` has passed."""
-        if self.fixed is None and time.monotonic() - self._last[2] >= self.interval:
+    def settle(self) -> int:
+        """The count, chosen the first time over the window since the policy was made, applied
+        to the calling thread (OpenMP keeps it per thread)."""
+        if self.threads is None:
+            time.sleep(max(0.0, self.window - (time.monotonic() - self._last[2])))
             now = snapshot(self.cores)
-            self.threads = self._choose(self._last, now)
-            self._last = now
+            self.threads, self._last = self._choose(self._last, now), now
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         return self.threads
+
+    def revisit(self) -> int:
+        """Choose again from the time since the last look, if `interval` has passed (settling
+        first where not yet settled)."""
+        if self.threads is not None and self.fixed is None \
+                and time.monotonic() - self._last[2] >= self.interval:
+            now = snapshot(self.cores)
+            self.threads, self._last = self._choose(self._last, now), now
+        return self.settle()
 
     def _choose(self, before, after) -> int:
         cores = len(self.cores)

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _warn
         try:
-            if hasattr(args, "threads"):  # a command that computes: its loops revisit the count
+            if hasattr(args, "threads"):  # a command that computes: settled once it has loaded
                 args.thread_policy = threads.ThreadPolicy(args.threads)
             return args.run(args)
         except (UserError, ValueError, FileNotFoundError, NotADirectoryError, OSError) as error:

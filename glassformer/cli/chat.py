@@ -14,6 +14,7 @@ from .options import (
     or_default,
     positive_int,
     sampling_config,
+    settle_threads,
     sink_policy,
 )
 
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = or_default(args.model, MODEL)
     language_model = load(model, quantize=or_default(args.quantize, "none"))
+    settle_threads(args)
     language_model.to(or_default(args.device, "cpu"))
     session = ChatSession(language_model.model, language_model.tokenizer, sampling_config(args),
                           or_default(args.max_new_tokens, MAX_NEW_TOKENS), args.system, args.max_context,

@@ -7,7 +7,15 @@ import json
 
 import torch
 
-from .options import add, add_computing, add_prompt, non_negative, or_default, read_prompt
+from .options import (
+    add,
+    add_computing,
+    add_prompt,
+    non_negative,
+    or_default,
+    read_prompt,
+    settle_threads,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     device = or_default(args.device, "cpu")
     language_model = load(args.model, progress=not args.json)
+    settle_threads(args)
     reference = hf_reference(args.model, language_model.model, language_model.tokenizer).to(device)
     ids = torch.tensor([language_model.encode(prompt)], device=device)
     language_model.to(device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import add, add_computing, or_default
+from .options import add, add_computing, or_default, settle_threads
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from ..training.perplexity import corpus_ids, perplexity
 
     language_model = load(args.model)
+    settle_threads(args)
     model, tokenizer = language_model.model.to(or_default(args.device, "cpu")), language_model.tokenizer
     ids = corpus_ids(args.data, tokenizer, or_default(args.documents, "file"))
     result = perplexity(model, ids, or_default(args.batch_size, 8), args.max_tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import add, add_threads, positive, positive_int
+from .options import add, add_threads, positive, positive_int, settle_threads
 
 NAMES = ("ablation", "length", "cache", "explain", "recall")
 
@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None and len(args.data) > 1:
         raise ValueError(f"--data: the {args.name} experiment reads one file or folder")
     out = args.out or f"experiment-{args.name}"
+    settle_threads(args)
     record = run_experiment(args.name, out, args.budget, args.data and args.data[0],
                             progress=not args.no_progress, device=args.device, **options)
     if args.json:

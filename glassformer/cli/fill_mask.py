@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import add, add_computing, add_prompt, or_default, read_prompt
+from .options import add, add_computing, add_prompt, or_default, read_prompt, settle_threads
 
 TOP_K = 5
 
@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     text = read_prompt(args)
     language_model = load(args.model, progress=not args.json).to(or_default(args.device, "cpu"))
+    settle_threads(args)
     fills = language_model.fill_mask(text, or_default(args.top_k, TOP_K))
     if args.json:
         print(json.dumps({"text": text, "masks": [f.to_dict() for f in fills]}))

@@ -31,6 +31,7 @@ from .options import (
     positive_int,
     read_prompt,
     sampling_config,
+    settle_threads,
     sink_policy,
 )
 
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--lora: generate applies one adapter (serve serves several)")
     convert = extend or args.lora is not None  # plain weights first, converted at the end
     language_model = load(args.model, quantize=None if convert else quantize)
+    settle_threads(args)
     model, tokenizer = language_model.model, language_model.tokenizer
     if not model.config.causal:
         raise ValueError(f"{args.model}: an encoder (bidirectional attention) does not continue "

@@ -17,7 +17,15 @@ from ..language_model import load
 from ..model.encoder_decoder import EncoderDecoder, build_model
 from ..model.presets import get_preset
 from ..model.transformer import Transformer
-from .options import add, add_computing, add_prompt, or_default, positive_int, read_prompt
+from .options import (
+    add,
+    add_computing,
+    add_prompt,
+    or_default,
+    positive_int,
+    read_prompt,
+    settle_threads,
+)
 
 TOP_K = 10
 PRINTABLE = "".join(chr(c) for c in range(32, 127))  # 95 characters + end-of-text = 96 ids
@@ -65,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     device = or_default(args.device, "cpu")
     if args.model is not None:
         loaded = load(args.model, quantize=args.quantize).to(device)
+        settle_threads(args)
         model, tokenizer = loaded.model, loaded.tokenizer
     else:
         model, tokenizer = random_model(args.preset, or_default(args.seed, 0), device)

@@ -15,7 +15,15 @@ from ..formats.files import check_output, read_text, write_atomic
 from ..interpret.lens import LensTraining, TunedLens, held_out, kl_curve, logit_lens, train_tuned_lens
 from ..interpret.lens_page import lens_data, render_html
 from ..language_model import load
-from .options import add, add_computing, add_prompt, finite, positive_int, read_prompt
+from .options import (
+    add,
+    add_computing,
+    add_prompt,
+    finite,
+    positive_int,
+    read_prompt,
+    settle_threads,
+)
 
 TRAIN = "train"  # the first word that makes this the training command
 TRAINING_FLAGS = ("data", "out", "steps", "batch", "context", "lr")
@@ -60,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.html is not None:  # refused before the model is read
         check_output(args.html, [args.model], args.force)
     loaded = load(args.model).to(args.device)
+    settle_threads(args)
     model, tokenizer = loaded.model.eval(), loaded.tokenizer
     tuned = TunedLens.load(args.tuned).to(args.device) if args.tuned is not None else None
     ids = loaded.encode(text)
@@ -107,6 +116,7 @@ def _train(args: argparse.Namespace) -> int:
                             **({} if args.seed is None else {"seed": args.seed}))
     text = read_text(data)
     loaded = load(args.model).to(args.device)
+    settle_threads(args)
     model = loaded.model.eval()
     tokens = torch.tensor(loaded.encode(text), dtype=torch.long)
     if len(tokens) < 2:

@@ -247,6 +247,13 @@ def add_threads(parser: argparse.ArgumentParser) -> None:
     add(parser, "--threads")
 
 
+def settle_threads(args: argparse.Namespace) -> None:
+    """Fix the thread count of main()'s policy before the command computes: called once the
+    command has loaded its model, so that the loading fills the policy's measuring window."""
+    if args.thread_policy is not None:
+        args.thread_policy.settle()
+
+
 def add_computing(parser: argparse.ArgumentParser) -> None:
     """--device and --threads: the flags of every command that computes."""
     add(parser, "--device")

@@ -17,6 +17,7 @@ from .options import (
     or_default,
     positive,
     positive_int,
+    settle_threads,
 )
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette", "h11")  # and theirs
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--steer: not with --ray (upload vectors: POST /v1/steering_vectors)")
         return _run_on_ray(args, config, engine)
     language_model = load(args.model, quantize=or_default(args.quantize, "none"))
+    settle_threads(args)
     app = create_app(language_model.to(or_default(args.device, "cpu")), config, engine, args.thread_policy,
                      vectors)
     for name, path in args.lora or ():

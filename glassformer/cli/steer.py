@@ -10,7 +10,7 @@ import torch
 from ..formats.files import check_output, read_text
 from ..interpret.steer import build_vector
 from ..language_model import load
-from .options import add, add_computing
+from .options import add, add_computing, settle_threads
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,6 +44,7 @@ def _prompts(loaded, path: str) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     check_output(args.out, [args.model, args.positive, args.negative], args.force)
     loaded = load(args.model).to(args.device or "cpu")
+    settle_threads(args)
     model = loaded.model.eval()
     positive, negative = _prompts(loaded, args.positive), _prompts(loaded, args.negative)
     vector = build_vector(model, args.site, positive, negative, args.model)

@@ -53,19 +53,36 @@ def test_a_number_asked_for_is_kept(monkeypatch):
 
 def test_the_choice_follows_other_work_as_it_comes_and_goes(monkeypatch):
     cores = len(threads.allowed_cores())
-    snapshots = iter([(0.0, 0.0, 0.0), (0.0, 0.0, 0.1),  # quiet at the start
-                      (0.1 + (cores - 1) * 10, 0.1, 10.1),  # then others take cores - 1
-                      (0.1 + (cores - 1) * 10, 0.1, 20.1)])  # then nothing again
+    snapshots = iter([(0.0, 0.0, 0.0), (0.0, 0.0, 0.2),  # quiet at the start
+                      (0.1 + (cores - 1) * 10, 0.1, 10.2),  # then others take cores - 1
+                      (0.1 + (cores - 1) * 10, 0.1, 20.2)])  # then nothing again
     monkeypatch.setattr(threads, "snapshot", lambda c: next(snapshots))
-    monkeypatch.setattr(threads.time, "sleep", lambda s: None)
-    clock = iter([5.0, 10.1, 20.1])
+    sleeps = []
+    monkeypatch.setattr(threads.time, "sleep", sleeps.append)
+    clock = iter([0.05, 5.0, 10.2, 20.2])
     monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
     policy = threads.ThreadPolicy()
-    assert policy.threads == torch.get_num_threads() == cores
+    assert policy.threads is None  # counting from here: nothing chosen before the command settles
+    assert policy.settle() == cores == torch.get_num_threads()
+    assert sleeps == [pytest.approx(0.15)]  # only what was left of the 0.2 s window
     assert policy.revisit() == cores  # 5 s after: not looked at again yet
     assert policy.revisit() == 1 == torch.get_num_threads()
     policy.revisit()
     assert policy.threads == torch.get_num_threads() == cores
+    assert policy.settle() == cores and len(sleeps) == 1  # settled once
+
+
+def test_a_window_filled_by_the_commands_own_work_costs_no_pause(monkeypatch):
+    """Loading a model fills the window: after 0.3 s of the process's own work, settling
+    waits no longer (that work is left out of the count: test_free_cores_...)."""
+    cores = threads.allowed_cores()
+    sleeps = []
+    monkeypatch.setattr(threads.time, "sleep", sleeps.append)
+    policy = threads.ThreadPolicy()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # the command's own start-up
+        pass
+    assert 1 <= policy.settle() <= len(cores) and sleeps == [0.0]
 
 
 def test_a_spinning_process_is_seen():

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from glassformer import Transformer, get_preset
+from glassformer.accel import threads
 from glassformer.cli import build_parser, main
+from glassformer.cli import generate as generate_command
 from glassformer.cli.options import ENGINE, FLAGS, engine_config
 from glassformer.formats import checkpoint
 from glassformer.formats.tokenizers import HFTokenizer
@@ -170,3 +172,30 @@ def test_info_prints_a_gguf_files_metadata(smollm2_path, capsys):
     assert file["metadata"]["tokenizer.ggml.tokens"] == f"[{len(tokens.data)} items]"
     tokenizer = described["tokenizer"]
     assert tokenizer["vocab_size"] == len(tokens.data) and tokenizer["chat_template"]
+
+
+def test_a_command_settles_its_threads_once_its_model_is_loaded(run, monkeypatch, capsys):
+    """The thread policy's window runs while the model loads: main() makes the policy, the
+    command loads, then settles it, then computes."""
+    folder, _ = run
+    events = []
+
+    class Policy:
+        def __init__(self, asked):
+            events.append("made")
+
+        def settle(self):
+            events.append("settled")
+            return torch.get_num_threads()
+
+    def load(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        events.append("loaded")
+        return loaded
+
+    real_load = generate_command.load
+    monkeypatch.setattr(threads, "ThreadPolicy", Policy)
+    monkeypatch.setattr(generate_command, "load", load)
+    assert main(["generate", "--model", str(folder), "the cat", "-n", "2", "--json"]) == 0
+    assert events == ["made", "loaded", "settled"]
+    assert json.loads(capsys.readouterr().out)["generated_ids"]
