@@ -508,9 +508,9 @@ void values_pass(const float* w, int64_t ld, const KVView& kv, int64_t g, int64_
 }
 
 // out_h (D) += Σ_i w_h[i] v_i for J heads h (as values_pass) over the n values from first, D a
-// multiple of the vector's lanes: 64 values at a time, which stay in the L1 cache while 4 vectors of each
-// head's out at a time are summed (values_pass), so each value is read from memory once for
-// the J heads.
+// multiple of the vector's lanes: 64 values at a time, which stay in the L1 cache while 4
+// vectors of each head's out at a time are summed (values_pass), so each value is read from
+// memory once for the J heads.
 template <typename L, int J>
 void weighted_values(const float* w, int64_t ld, const KVView& kv, int64_t g, int64_t first,
                      int64_t n, int64_t D, float* out) {
