@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .accel.quantize import quantize_format, quantize_model
+from .errors import InputError
 from .formats import checkpoint, hub
 from .formats.files import read_json_object
 from .generation.fill_mask import MaskFill, fill_mask
@@ -50,7 +51,7 @@ class LanguageModel:
         vocab = self.model.config.vocab_size
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
-                raise ValueError(f"prompt: token id {i!r} is not in the vocabulary (0 to {vocab - 1})")
+                raise InputError("prompt", f"token id {i!r} is not in the vocabulary (0 to {vocab - 1})")
         return ids
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -77,7 +78,7 @@ class LanguageModel:
                                                **options)
             params = [shared] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+            raise InputError("params", f"{len(params)} given for {len(prompts)} prompts")
         runner = Engine(self.model, self.tokenizer, engine or EngineConfig(), base=self.source or None)
         for name, path in (adapters or {}).items():
             runner.load_adapter(name, str(path))
@@ -145,14 +146,14 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
     elif path.is_file():
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
-                raise ValueError(f"{path}: not a GGUF file; give a .gguf file or a model folder")
+                raise InputError(path, "not a GGUF file; give a .gguf file or a model folder")
         model, tokenizer = load_gguf(path, dtype, keep_blocks)
     elif path.is_dir():
         if keep_blocks:
-            raise ValueError("quantize='gguf' applies to GGUF files only")
+            raise InputError(None, "quantize='gguf' applies to GGUF files only")
         model, tokenizer = _load_folder(path, dtype)
     elif path.exists():
-        raise ValueError(f"{path}: not a regular file or folder (a device or a pipe?)")
+        raise InputError(path, "not a regular file or folder (a device or a pipe?)")
     else:
         raise FileNotFoundError(
             f"no model at {text!r}: give a checkpoint folder, a .gguf file, a Hugging Face folder "

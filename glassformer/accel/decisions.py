@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from ..home import home
 from . import build
 from .cpu import cpu_features, cpu_identity, cpuinfo_text, parse
@@ -135,7 +136,7 @@ def env_setting(variable: str, allowed: tuple[str, ...]) -> str | None:
     """The variable's value where set, None where unset or empty."""
     value = os.environ.get(variable, "").strip().lower()
     if value and value not in allowed:
-        raise ValueError(f"{variable} must be one of {', '.join(allowed)}, got {value!r}")
+        raise InputError(None, f"{variable} must be one of {', '.join(allowed)}, got {value!r}")
     return value or None
 
 

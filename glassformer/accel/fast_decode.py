@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.layers.positions import rope_cos_sin
 from ..model.transformer import Transformer, head_logits
@@ -145,12 +146,12 @@ class FastDecoder:
         """Next-token logits (1, V) for `token` (1,) at position cache.length. A cache that
         positions its keys itself (the sink policy) is refused: the module path serves it."""
         if cache.rotates_keys:
-            raise ValueError("context: the fused step keeps every key at its text position; the "
+            raise InputError("context", "the fused step keeps every key at its text position; the "
                              "sink policy runs the module path")
         pos, context = cache.length, self.config.context_length
         positions = torch.tensor([[pos]])  # (1, 1)
         if pos + 1 > context:
-            raise ValueError(f"context: {pos + 1} tokens exceed context_length={context}")
+            raise InputError("context", f"{pos + 1} tokens exceed context_length={context}")
         cache.reserve(positions, None)
         cache.allocate(token.device, torch.float32)
         x = self.embed(token[:, None], positions)[:, 0]  # (1, d)

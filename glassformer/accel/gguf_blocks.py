@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import InputError
 from .weight_formats import WeightFormat
 
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
@@ -29,14 +30,14 @@ def from_gguf_blocks(
     """
     name = getattr(qtype, "name", qtype)
     if name not in BLOCK_BYTES:
-        raise ValueError(f"GGUF type {name} has no direct kernel; supported: {list(BLOCK_BYTES)}")
+        raise InputError(None, f"GGUF type {name} has no direct kernel; supported: {list(BLOCK_BYTES)}")
     n, k = shape
     if k % 32:
-        raise ValueError(f"GGUF {name} rows must hold whole blocks of 32, got {k} columns")
+        raise InputError(None, f"GGUF {name} rows must hold whole blocks of 32, got {k} columns")
     nb, size = k // 32, BLOCK_BYTES[name]
     raw = np.asarray(data, dtype=np.uint8)  # a view where it can be
     if raw.size != n * nb * size:
-        raise ValueError(f"{name} data of {raw.size} bytes does not fit a ({n}, {k}) matrix")
+        raise InputError(None, f"{name} data of {raw.size} bytes does not fit a ({n}, {k}) matrix")
     blocks = raw.reshape(n, nb, size)
 
     def field(start: int, stop: int) -> torch.Tensor:  # (N, nb, stop - start) bytes, copied once

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from . import kernels
 from . import weight_formats as quant
 from .kernels import ROW_TILE
@@ -40,7 +41,7 @@ def _kernels(x: torch.Tensor, backend: str, any_rows: bool = False) -> bool:
     if backend == "torch":
         return False
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        raise InputError(None, f"backend must be one of {BACKENDS}, got {backend!r}")
     if x.shape[0] > ROW_TILE and not any_rows:
         return False
     usable = x.device.type == "cpu" and not x.requires_grad and kernels.available()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..errors import InputError
 from ..model.transformer import Transformer
 from .capabilities import CapabilityTable, any_value
 from .fast_decode import FastDecoder
@@ -47,7 +48,7 @@ def quantize_format(choice: WeightFormat | str) -> WeightFormat:
     if choice == "gguf":
         return WeightFormat.FP32  # the layers not kept in GGUF blocks
     if choice not in (*QUANTIZE_CHOICES, *WeightFormat):
-        raise ValueError(f"quantize: choose one of {', '.join(QUANTIZE_CHOICES)}, got {choice!r}")
+        raise InputError("quantize", f"choose one of {', '.join(QUANTIZE_CHOICES)}, got {choice!r}")
     return WeightFormat.parse(choice)
 
 
@@ -57,7 +58,7 @@ def quantize_model(model: Transformer, mode: WeightFormat | str) -> Transformer:
     mode = WeightFormat.parse(mode, field="quantize")
     reason = CAPABILITIES.why_not(model.config)
     if reason is not None:
-        raise ValueError(f"quantize: {reason}")
+        raise InputError("quantize", f"{reason}")
     model.eval().requires_grad_(False)
     layers = model.linear_layers()
     for name in list(layers):  # popped: each float weight is freed once converted

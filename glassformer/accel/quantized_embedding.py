@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from . import weight_formats as quant
 from .quantized_linear import BLOCK_NAMES, QuantizedLinear
 from .tile_order import BLOCK_TENSORS, TileOrdered, rows_in_block_order
@@ -24,7 +25,7 @@ class QuantizedEmbedding(TileOrdered):
     def __init__(self, table: QuantizedLinear) -> None:
         super().__init__()
         if table.mode not in BLOCK_NAMES:
-            raise ValueError(f"mode: a quantized embedding takes int8 or int4 blocks, not {table.mode}")
+            raise InputError("mode", f"a quantized embedding takes int8 or int4 blocks, not {table.mode}")
         self.mode = table.mode
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         self.tiled = table.tiled

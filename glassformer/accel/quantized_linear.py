@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import InputError
 from . import kernels, ops
 from . import weight_formats as quant
 from .gguf_blocks import from_gguf_blocks
@@ -45,18 +46,18 @@ class QuantizedLinear(TileOrdered):
         super().__init__()
         mode = WeightFormat.parse(mode)
         if backend not in ops.BACKENDS:
-            raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
+            raise InputError(None, f"backend must be one of {ops.BACKENDS}, got {backend!r}")
         self.in_features, self.out_features, self.mode, self.backend = (
             in_features, out_features, mode, backend
         )
         self.invariant = invariant
         expected = _shapes(mode, out_features, in_features)
         if set(tensors) != set(expected):
-            raise ValueError(f"mode {mode} needs tensors {sorted(expected)}, got {sorted(tensors)}")
+            raise InputError(None, f"mode {mode} needs tensors {sorted(expected)}, got {sorted(tensors)}")
         for name, (shape, dtype) in expected.items():
             t = tensors[name]
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(
+                raise InputError(None,
                     f"{name} must be {dtype} of shape {shape}, got {t.dtype} {tuple(t.shape)}"
                 )
             self.register_buffer(name, t.contiguous())
@@ -66,7 +67,7 @@ class QuantizedLinear(TileOrdered):
             for name in BLOCK_NAMES[mode]:
                 setattr(self, name, to_tile_order(getattr(self, name), BLOCK_TENSORS[name]))
         if bias is not None and tuple(bias.shape) != (out_features,):
-            raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+            raise InputError(None, f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self._fast: tuple | None = None  # (C++ entry point, its arguments), found on first use
         if backend != "torch":
@@ -161,7 +162,7 @@ class QuantizedLinear(TileOrdered):
             if y is not None:
                 return y
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected {self.in_features} input features, got {x.shape[-1]}")
+            raise InputError(None, f"expected {self.in_features} input features, got {x.shape[-1]}")
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
         mode, backend = self.mode, self.backend
         if mode == WeightFormat.FP32:

@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from ..errors import InputError
 from . import kernels
 
 ENVIRONMENT = ("GLASSFORMER_THREADS", "OMP_NUM_THREADS")
@@ -52,7 +53,7 @@ def requested_threads(asked: int | None = None) -> int | None:
         text = os.environ.get(name, "").strip()
         if text:
             if not text.isdigit() or int(text) < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {text!r}")
+                raise InputError(name, f"must be a positive integer, got {text!r}")
             return int(text)
     return None
 

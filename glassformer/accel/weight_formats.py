@@ -19,6 +19,8 @@ from enum import StrEnum
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
+
 BLOCK = 32
 
 
@@ -38,7 +40,7 @@ class WeightFormat(StrEnum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"{field}: unknown weight format {value!r}; choose one of "
+            raise InputError(field, f"unknown weight format {value!r}; choose one of "
                              f"{', '.join(['none', *cls])}") from None
 
 

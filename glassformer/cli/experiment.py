@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..errors import InputError
 from .options import add, add_threads, positive, positive_int, settle_threads
 
 NAMES = ("ablation", "length", "cache", "explain", "recall")
@@ -48,18 +49,18 @@ def run(args: argparse.Namespace) -> int:
     options = {}
     if args.equal is not None:
         if args.name != "ablation":
-            raise ValueError("--equal: applies to the ablation experiment only")
+            raise InputError(None, "--equal: applies to the ablation experiment only")
         options["equal"] = args.equal
     for flag, value in (("--models", args.models), ("--max-length", args.max_length),
                         ("--min-length", args.min_length), ("--retrieve-tokens", args.retrieve_tokens)):
         if value is not None:
             if args.name != "recall":
-                raise ValueError(f"{flag}: applies to the recall experiment only")
+                raise InputError(flag, "applies to the recall experiment only")
             options[flag[2:].replace("-", "_")] = tuple(value) if flag == "--models" else value
     if args.data is not None and args.name not in ("ablation", "length", "recall"):
-        raise ValueError(f"--data: the {args.name} experiment reads no training text")
+        raise InputError(None, f"--data: the {args.name} experiment reads no training text")
     if args.data is not None and len(args.data) > 1:
-        raise ValueError(f"--data: the {args.name} experiment reads one file or folder")
+        raise InputError(None, f"--data: the {args.name} experiment reads one file or folder")
     out = args.out or f"experiment-{args.name}"
     settle_threads(args)
     record = run_experiment(args.name, out, args.budget, args.data and args.data[0],

@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..errors import InputError
 from .options import add
 
 
@@ -34,15 +35,15 @@ def run(args: argparse.Namespace) -> int:
     from ..language_model import load
 
     if (args.output is None) == (args.destination is None):
-        raise ValueError("output: give where to write once (OUT or --output)")
+        raise InputError("output", "give where to write once (OUT or --output)")
     output = args.output or args.destination
     if args.format == "gguf" and (args.dtype or "f32") not in DTYPES:
-        raise ValueError(f"dtype: unknown {args.dtype!r} for gguf; choose one of {', '.join(DTYPES)}")
+        raise InputError("dtype", f"unknown {args.dtype!r} for gguf; choose one of {', '.join(DTYPES)}")
     if args.format == "hf" and args.dtype is not None:
-        raise ValueError("dtype: a Hugging Face folder is written in the model's float32; "
+        raise InputError("dtype", "a Hugging Face folder is written in the model's float32; "
                          "--dtype is for --to gguf")
     if args.format == "gguf" and Path(output).exists() and not args.force:
-        raise ValueError(f"output: {output} exists (pass --force to replace it)")
+        raise InputError("output", f"{output} exists (pass --force to replace it)")
     language_model = load(args.model)
     if args.merge_lora:
         from ..training.lora import apply_adapter, merge_lora

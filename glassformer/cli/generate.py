@@ -10,6 +10,7 @@ import sys
 import time
 
 from ..accel.quantize import quantize_format, quantize_model
+from ..errors import InputError
 from ..generation.config import Steer
 from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
@@ -87,7 +88,7 @@ def _steers(specs: list[str]) -> list[Steer]:
         try:
             value = finite(alpha)
         except argparse.ArgumentTypeError as error:
-            raise ValueError(f"--steer: {spec!r}: ALPHA {error}") from None
+            raise InputError(None, f"--steer: {spec!r}: ALPHA {error}") from None
         steers.append(SteeringVector.load(path).steer(value, path))
     return steers
 
@@ -96,7 +97,7 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     if not chat:
         return tokenizer.encode(prompt)
     if not hasattr(tokenizer, "apply_chat_template"):
-        raise ValueError("--chat: this model's tokenizer has no chat template")
+        raise InputError(None, "--chat: this model's tokenizer has no chat template")
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
 
 
@@ -113,11 +114,11 @@ def _retrieved_ids(args: argparse.Namespace, model, tokenizer, document: str, li
 
 def run(args: argparse.Namespace) -> int:
     if args.prompts_file is not None and (args.prompt is not None or args.prompt_file is not None):
-        raise ValueError("give a prompt or --prompts-file, not both")
+        raise InputError(None, "give a prompt or --prompts-file, not both")
     if (args.context == "retrieve") != (args.question is not None):
-        raise ValueError("--question: give it with --context retrieve, and only then")
+        raise InputError(None, "--question: give it with --context retrieve, and only then")
     if args.context == "retrieve" and args.prompts_file is not None:
-        raise ValueError("--context retrieve: one document at a time, not with --prompts-file")
+        raise InputError(None, "--context retrieve: one document at a time, not with --prompts-file")
     prompt = None if args.prompts_file is not None else read_prompt(args)
     config = GenerationConfig(
         max_new_tokens=or_default(args.max_new_tokens, MAX_NEW_TOKENS),
@@ -136,13 +137,13 @@ def run(args: argparse.Namespace) -> int:
     extend = args.rope_scaling not in (None, "none")  # a new window first, then the weights converted
     quantize = or_default(args.quantize, "none")
     if args.lora is not None and len(args.lora) > 1:
-        raise ValueError("--lora: generate applies one adapter (serve serves several)")
+        raise InputError(None, "--lora: generate applies one adapter (serve serves several)")
     convert = extend or args.lora is not None  # plain weights first, converted at the end
     language_model = load(args.model, quantize=None if convert else quantize)
     settle_threads(args)
     model, tokenizer = language_model.model, language_model.tokenizer
     if not model.config.causal:
-        raise ValueError(f"{args.model}: an encoder (bidirectional attention) does not continue "
+        raise InputError(args.model, "an encoder (bidirectional attention) does not continue "
                          "text; try glassformer fill-mask")
     if args.lora is not None:  # folded into the weights: the merged model, at its speed
         apply_adapter(model, args.lora[0][1], base=args.model)
@@ -206,16 +207,16 @@ def _read_requests(args: argparse.Namespace, language_model: LanguageModel, conf
                 fields = json.loads(line)
                 prompt = fields.pop("prompt")
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                raise ValueError(f"{args.prompts_file}:{number}: expected a JSON object with a prompt"
+                raise InputError(None, f"{args.prompts_file}:{number}: expected a JSON object with a prompt"
                                  ) from None
             try:
                 params.append(RequestParams.from_fields(**(defaults | _own_names(fields))))
                 prompts.append(_prompt_ids(language_model.tokenizer, prompt, args.chat)
                                if isinstance(prompt, str) else language_model.encode(prompt))
             except (ValueError, TypeError) as error:
-                raise ValueError(f"{args.prompts_file}:{number}: {error}") from None
+                raise InputError(None, f"{args.prompts_file}:{number}: {error}") from None
     if not prompts:
-        raise ValueError(f"{args.prompts_file}: no prompts")
+        raise InputError(args.prompts_file, "no prompts")
     return prompts, params
 
 
@@ -225,7 +226,7 @@ def _own_names(fields: dict) -> dict:
     for name, value in fields.items():
         ours = OPENAI_NAMES.get(name, name)
         if ours in own:
-            raise ValueError(f"{name}: gives {ours} again; give one of them")
+            raise InputError(name, f"gives {ours} again; give one of them")
         own[ours] = value
     return own
 
@@ -237,7 +238,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _run_many(args: argparse.Namespace, language_model: LanguageModel, config: GenerationConfig) -> int:
     if args.beams > 1 or args.no_cache or args.slide or args.truncate:
-        raise ValueError("--prompts-file: --beams, --no-cache, --slide and --truncate need one prompt")
+        raise InputError(None, "--prompts-file: --beams, --no-cache, --slide and --truncate need one prompt")
     prompts, params = _read_requests(args, language_model, config)
     engine = engine_config(args)
     start, done = time.perf_counter(), [0, 0]

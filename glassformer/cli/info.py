@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError
 from ..formats import hub
 from ..formats.files import read_json_object
 from ..interpret.params import count_parameters
@@ -42,7 +43,7 @@ def load_config(preset: str | None, path: str | None) -> ModelConfig:
     try:
         return ModelConfig.from_dict(values.get("model", values))
     except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
+        raise InputError(path, f"{error}") from None
 
 
 def run(args: argparse.Namespace) -> int:

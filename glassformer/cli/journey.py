@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError
 from ..formats.files import check_output
 from ..formats.tokenizers import CharTokenizer
 from ..interpret.journey import collect_journey, summary, write_html
@@ -53,7 +54,7 @@ def random_model(preset: str, seed: int,
                  device: str) -> tuple[Transformer | EncoderDecoder, CharTokenizer]:
     config = get_preset(preset)
     if config.vocab_size < len(PRINTABLE) + 1:
-        raise ValueError(f"preset: {preset} has {config.vocab_size} ids, the character tokenizer needs 96")
+        raise InputError("preset", f"{preset} has {config.vocab_size} ids, the character tokenizer needs 96")
     torch.manual_seed(seed)
     return build_model(config).to(device), CharTokenizer(PRINTABLE)
 
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         inputs = [p for p in (args.model, args.prompt_file) if p is not None]
         check_output(output, inputs, args.force)
         if not Path(output).absolute().parent.is_dir():
-            raise ValueError(f"{output}: the folder to write it in does not exist")
+            raise InputError(output, "the folder to write it in does not exist")
     device = or_default(args.device, "cpu")
     if args.model is not None:
         loaded = load(args.model, quantize=args.quantize).to(device)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError
 from ..formats.files import check_output, read_text, write_atomic
 from ..interpret.lens import LensTraining, TunedLens, held_out, kl_curve, logit_lens, train_tuned_lens
 from ..interpret.lens_page import lens_data, render_html
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return _train(args)
     given = [f"--{flag}" for flag in TRAINING_FLAGS if getattr(args, flag) is not None]
     if given:
-        raise ValueError(f"{given[0]}: only for `glassformer lens {TRAIN}`")
+        raise InputError(given[0], f"only for `glassformer lens {TRAIN}`")
     text = read_prompt(args)
     if args.html is not None:  # refused before the model is read
         check_output(args.html, [args.model], args.force)
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     tuned = TunedLens.load(args.tuned).to(args.device) if args.tuned is not None else None
     ids = loaded.encode(text)
     if not ids:
-        raise ValueError("prompt: it encodes to no tokens")
+        raise InputError("prompt", "it encodes to no tokens")
     lens = logit_lens(model, torch.tensor([ids], device=args.device), args.top_k, tuned)
     data = lens_data(lens, ids, lambda i: tokenizer.decode([i]), tuned is not None)
     if args.html is not None:
@@ -101,16 +102,17 @@ def _print_table(data: dict) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     if args.data is None or args.out is None:
-        raise ValueError(f"--{'data' if args.data is None else 'out'}: `glassformer lens {TRAIN}` needs it")
+        raise InputError(None,
+                         f"--{'data' if args.data is None else 'out'}: `glassformer lens {TRAIN}` needs it")
     for flag in ("tuned", "html"):
         if getattr(args, flag) is not None:
-            raise ValueError(f"--{flag}: not for `glassformer lens {TRAIN}` (it reads a prompt)")
+            raise InputError(None, f"--{flag}: not for `glassformer lens {TRAIN}` (it reads a prompt)")
     if len(args.data) != 1:
-        raise ValueError(f"--data: `glassformer lens {TRAIN}` reads one text file, got {len(args.data)}")
+        raise InputError("--data", f"`glassformer lens {TRAIN}` reads one text file, got {len(args.data)}")
     data = args.data[0]
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out: {out} is a file; give a folder")
+        raise InputError(None, f"--out: {out} is a file; give a folder")
     settings = LensTraining(**{k: v for k, v in (("steps", args.steps), ("batch", args.batch),
                                ("context", args.context), ("lr", args.lr)) if v is not None},
                             **({} if args.seed is None else {"seed": args.seed}))
@@ -120,7 +122,7 @@ def _train(args: argparse.Namespace) -> int:
     model = loaded.model.eval()
     tokens = torch.tensor(loaded.encode(text), dtype=torch.long)
     if len(tokens) < 2:
-        raise ValueError(f"--data: {data} holds {len(tokens)} tokens; a tuned lens needs more")
+        raise InputError(None, f"--data: {data} holds {len(tokens)} tokens; a tuned lens needs more")
     context = min(settings.context, model.config.context_length, len(tokens))
     train, measure = held_out(tokens, context)
     measure = measure.to(args.device)

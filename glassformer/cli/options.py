@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..accel.quantize import QUANTIZE_CHOICES
+from ..errors import InputError
 from ..formats.files import read_text
 from ..generation.sampling import SamplingConfig
 from ..interpret.journey.collect import MAX_TOKENS
@@ -270,12 +271,12 @@ def sink_policy(args: argparse.Namespace, retrieve: bool = False) -> SinkPolicy 
     takes it, `retrieve`)."""
     if args.context != "sink":
         if args.window is not None:
-            raise ValueError("--window: only with --context sink")
+            raise InputError(None, "--window: only with --context sink")
         if args.context == "retrieve" and not retrieve:
-            raise ValueError("--context retrieve: generate's (a document, chunks and a --question)")
+            raise InputError(None, "--context retrieve: generate's (a document, chunks and a --question)")
         return None
     if args.window is None:
-        raise ValueError("--window: --context sink needs the number of latest tokens to keep")
+        raise InputError(None, "--window: --context sink needs the number of latest tokens to keep")
     return SinkPolicy(args.sink_tokens, args.window)
 
 
@@ -307,7 +308,7 @@ def add_prompt(parser: argparse.ArgumentParser, what: str) -> None:
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt from the argument, standard input or --prompt-file, checked to be UTF-8."""
     if (args.prompt is None) == (args.prompt_file is None):
-        raise ValueError("give a prompt or --prompt-file, not both" if args.prompt is not None
+        raise InputError(None, "give a prompt or --prompt-file, not both" if args.prompt is not None
                          else "no prompt: give one, '-' for standard input, or --prompt-file")
     if args.prompt_file is not None:
         return read_text(args.prompt_file)
@@ -321,7 +322,7 @@ def checked_text(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ValueError(f"{where} is not valid UTF-8 (character {error.start})") from None
+        raise InputError(None, f"{where} is not valid UTF-8 (character {error.start})") from None
     return text
 
 
@@ -329,4 +330,4 @@ def _utf8(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{where}: not valid UTF-8 (byte {error.start})") from None
+        raise InputError(where, f"not valid UTF-8 (byte {error.start})") from None

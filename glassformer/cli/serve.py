@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 
+from ..errors import InputError
 from .options import (
     CONTEXT,
     ENGINE,
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as error:  # one line naming the fix, not a traceback
         if (error.name or "").split(".")[0] not in SERVE_EXTRA:
             raise
-        raise ValueError(f"serve: the module {error.name} is missing; install the serve extra: "
+        raise InputError("serve", f"the module {error.name} is missing; install the serve extra: "
                          "pip install 'glassformer[serve]'") from None
 
     hosts = tuple(dict.fromkeys((args.host, *LOOPBACK, *args.allowed_hosts)))
@@ -96,11 +97,11 @@ def run(args: argparse.Namespace) -> int:
     engine = engine_config(args)
     if args.ray:
         if args.lora:
-            raise ValueError("--lora: not with --ray (each replica would need its own copy)")
+            raise InputError(None, "--lora: not with --ray (each replica would need its own copy)")
         if or_default(args.device, "cpu") != "cpu":
-            raise ValueError("--device: the --ray replicas run on the cpu")
+            raise InputError(None, "--device: the --ray replicas run on the cpu")
         if vectors:
-            raise ValueError("--steer: not with --ray (upload vectors: POST /v1/steering_vectors)")
+            raise InputError(None, "--steer: not with --ray (upload vectors: POST /v1/steering_vectors)")
         return _run_on_ray(args, config, engine)
     language_model = load(args.model, quantize=or_default(args.quantize, "none"))
     settle_threads(args)
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                      vectors)
     for name, path in args.lora or ():
         if name == config.model_name:
-            raise ValueError(f"--lora: {name!r} is the base model's name; give NAME=PATH")
+            raise InputError(None, f"--lora: {name!r} is the base model's name; give NAME=PATH")
         app.state.server.engine.load_adapter(name, path)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler it found:
     # with this one, that ends here and the command exits 0.
@@ -127,7 +128,7 @@ def _steering_vectors(specs: list[str]) -> dict:
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
-            raise ValueError(f"--steer: {spec!r}: give NAME=PATH (a file from glassformer steer build)")
+            raise InputError(None, f"--steer: {spec!r}: give NAME=PATH (a file from glassformer steer build)")
         vectors[name] = SteeringVector.load(path)
     return vectors
 

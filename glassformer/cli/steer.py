@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from ..errors import InputError
 from ..formats.files import check_output, read_text
 from ..interpret.steer import build_vector
 from ..language_model import load
@@ -37,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _prompts(loaded, path: str) -> list[list[int]]:
     lines = [line for line in read_text(path).splitlines() if line.strip()]
     if not lines:
-        raise ValueError(f"{path}: no prompts (one per line)")
+        raise InputError(path, "no prompts (one per line)")
     return [loaded.encode(line) for line in lines]
 
 

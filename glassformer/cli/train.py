@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..errors import InputError
 from ..formats.checkpoint import Checkpoint, resume_source
 from ..formats.files import read_json_object
 from ..model.config import ModelConfig
@@ -78,7 +79,7 @@ def _base_configs(args: argparse.Namespace) -> tuple[dict, dict]:
         data = read_json_object(args.config)
         model, train = data.get("model"), data.get("train", {})
         if not isinstance(model, dict) or not isinstance(train, dict):
-            raise ValueError(f"{args.config}: expected {{\"model\": {{...}}, \"train\": {{...}}}} "
+            raise InputError(args.config, "expected {\"model\": {...}, \"train\": {...}} "
                              "(objects of ModelConfig and TrainConfig fields)")
         return dict(model), dict(train)
     if args.preset is None and args.resume and Path(args.out).exists():
@@ -92,7 +93,7 @@ def _base_configs(args: argparse.Namespace) -> tuple[dict, dict]:
     if name in PRESETS:
         return PRESETS[name].to_dict(), {}
     known = ", ".join(sorted(RECIPES) + sorted(PRESETS))
-    raise ValueError(f"unknown preset {name!r}; known: {known}")
+    raise InputError(None, f"unknown preset {name!r}; known: {known}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         if train_config.init is None:
             model_config = ModelConfig.from_dict({"vocab_size": 1, **model_config})  # the tokenizer's
     except ValueError as error:
-        raise ValueError(f"{args.config}: {error}" if args.config else str(error)) from None
+        raise InputError(args.config, f"{error}" if args.config else str(error)) from None
     echo = (lambda s: tqdm.write(s, file=sys.stderr)) if args.json else tqdm.write
     summary = train(args.data, args.out, model_config, train_config, resume=args.resume,
                     progress=not args.no_progress, echo=echo, threads=args.thread_policy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import InputError
 from . import ablation, decode_cache, explain, length, recall
 from .report import write_html
 from .runner import Runner
@@ -21,11 +22,11 @@ def run_experiment(name: str, out: str | Path, budget: float, data: str | Path |
     `options` narrow an experiment's plan (see each module's `settings`); `device` is where the
     recall experiment runs its model (the others run on the CPU)."""
     if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+        raise InputError(None, f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
     if device is not None and name != "recall":
-        raise ValueError(f"device: the {name} experiment runs on the CPU; only recall takes a device")
+        raise InputError("device", f"the {name} experiment runs on the CPU; only recall takes a device")
     if budget <= 0:
-        raise ValueError(f"budget: must be positive seconds, got {budget}")
+        raise InputError("budget", f"must be positive seconds, got {budget}")
     module, out = EXPERIMENTS[name], Path(out)
     if module.NEEDS_DATA:
         data = Path(data or DEFAULT_DATA)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError
 from ..formats.checkpoint import Checkpoint
 from ..interpret.params import count_parameters
 from ..model.config import ModelConfig
@@ -57,12 +58,12 @@ def settings(budget: float, data: Path, seeds: int = 2, variants=tuple(VARIANTS)
     """The plan: seconds per run from the budget. `variants` (base included) narrows the
     comparison, e.g. for a quick check; `equal` is "time" or "steps"."""
     if equal not in ("time", "steps"):
-        raise ValueError(f"equal: choose time or steps, got {equal!r}")
+        raise InputError("equal", f"choose time or steps, got {equal!r}")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or "base" not in variants:
-        raise ValueError(f"variants: need 'base' among {', '.join(VARIANTS)}; got {unknown}")
+        raise InputError("variants", f"need 'base' among {', '.join(VARIANTS)}; got {unknown}")
     if seeds < 2:
-        raise ValueError(f"seeds: need at least 2 to show a spread, got {seeds}")
+        raise InputError("seeds", f"need at least 2 to show a spread, got {seeds}")
     n_runs = len(variants) * seeds
     return {"budget": budget, "data": str(data), "seeds": seeds, "variants": list(variants),
             "equal": equal,

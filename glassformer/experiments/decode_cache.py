@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.transformer import Transformer
 from .report import save_figure
@@ -37,7 +38,7 @@ GROWTH_PER_DOUBLING = 2.5  # to plan the budget: between linear layers (2) and a
 def settings(budget: float, models=MODELS) -> dict:
     unknown = sorted(set(models) - set(MODELS))
     if unknown or not models:
-        raise ValueError(f"models: choose among {', '.join(MODELS)}; got {unknown or 'none'}")
+        raise InputError("models", f"choose among {', '.join(MODELS)}; got {unknown or 'none'}")
     return {"budget": budget, "models": list(models), "repeats": 3 if budget >= 60 else 1}
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from ..interpret.attribution import attention_rollout, quadrature
 from ..interpret.trace import intervene, run_with_cache
 from ..model.presets import get_preset
@@ -46,7 +47,7 @@ def settings(budget: float, layers: int | None = None) -> dict:
     compares the rankings on those), e.g. for a quick check."""
     n_layers = get_preset("smollm2-135m").n_layers
     if layers is not None and not 1 <= layers <= n_layers:
-        raise ValueError(f"layers: choose 1..{n_layers}, got {layers}")
+        raise InputError("layers", f"choose 1..{n_layers}, got {layers}")
     return {"budget": budget, "model": MODEL, "layers": layers or n_layers,
             "repeat": 10 if budget < 120 else 20, "sequences": int(min(max(budget // 150, 1), 8)),
             "ig_panels": 4 if budget < 120 else 10, "seed": 0}
@@ -70,7 +71,7 @@ def _setup(state: dict, config: dict) -> dict:
         tokenizer = language_model.tokenizer
         start = tokenizer.encode(DOCUMENT_START)
         if len(start) != 1:
-            raise ValueError(f"{config['model']}: {DOCUMENT_START!r} is not one token")
+            raise InputError(None, f"{config['model']}: {DOCUMENT_START!r} is not one token")
         R, B = config["repeat"], config["sequences"]
         generator = torch.Generator().manual_seed(config["seed"])
         half = torch.randint(1000, model.config.vocab_size - 1000, (B, R), generator=generator)

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError
 from ..generation.config import GenerationConfig, GenerationResult, RequestParams
 from ..generation.context_extension import extend_context
 from ..generation.generate import generate
@@ -74,13 +75,14 @@ def settings(budget: float, data: Path, models=tuple(MODELS), max_length: int | 
              min_length: int | None = None, retrieve_tokens: int = RETRIEVE_TOKENS) -> dict:
     unknown = sorted(set(models) - set(MODELS))
     if unknown or not models:
-        raise ValueError(f"models: choose among {', '.join(MODELS)}; got {unknown or 'none'}")
+        raise InputError("models", f"choose among {', '.join(MODELS)}; got {unknown or 'none'}")
     if max_length is not None and max_length < 256:
-        raise ValueError(f"max_length: at least 256 tokens, got {max_length}")
+        raise InputError("max_length", f"at least 256 tokens, got {max_length}")
     if min_length is not None and not 256 <= min_length <= (max_length or min_length):
-        raise ValueError(f"min_length: from 256 tokens up to max_length, got {min_length}")
+        raise InputError("min_length", f"from 256 tokens up to max_length, got {min_length}")
     if retrieve_tokens < 2 * CHUNK_TOKENS:
-        raise ValueError(f"retrieve_tokens: at least {2 * CHUNK_TOKENS} (two chunks), got {retrieve_tokens}")
+        raise InputError("retrieve_tokens",
+                         f"at least {2 * CHUNK_TOKENS} (two chunks), got {retrieve_tokens}")
     return {"budget": budget, "data": str(data), "models": list(models), "max_length": max_length,
             "min_length": min_length, "retrieve_tokens": retrieve_tokens,
             "depths": 11 if budget >= 3600 else 5 if budget >= 60 else 3, "kv_dtypes": list(KV_DTYPES),

@@ -18,6 +18,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import InputError
+
 CITIES = ("Verona", "Padua", "Mantua", "Milan", "Venice", "Florence", "Pisa", "Naples", "Rome",
           "Messina", "Athens", "Ephesus", "Tyre", "Antioch", "Vienna", "Elsinore", "Windsor",
           "Bordeaux", "Orleans", "Rouen", "Harfleur", "Coventry", "York", "Bristol", "Dover",
@@ -60,7 +62,7 @@ class Prompt:
 def needles(seed: int, count: int, spelled: bool = False) -> list[Needle]:
     """`count` needles with distinct cities and distinct four-digit numbers."""
     if not 1 <= count <= len(CITIES):
-        raise ValueError(f"count: needles must number 1..{len(CITIES)}, got {count}")
+        raise InputError("count", f"needles must number 1..{len(CITIES)}, got {count}")
     rng = random.Random(seed)
     cities = rng.sample(CITIES, count)
     numbers = rng.sample(range(1000, 10000), count)
@@ -92,15 +94,15 @@ def haystack_prompt(tokenizer, hay: Sequence[int], hidden: Sequence[Needle], dep
     """A prompt of exactly `length` tokens: hay ids with `hidden[i]` at `depths[i]` of the
     document; the question asks for `hidden[0]`."""
     if any(not 0.0 <= d <= 1.0 for d in depths) or len(depths) != len(hidden):
-        raise ValueError(f"depths: one per needle, each in [0, 1]; got {list(depths)}")
+        raise InputError("depths", f"one per needle, each in [0, 1]; got {list(depths)}")
     head, tail = frame(tokenizer, hidden[0])
     pieces = [tokenizer.encode(f"\n{n.sentence}\n") for n in hidden]
     n_document = length - len(head) - len(tail)
     n_hay = n_document - sum(len(p) for p in pieces)
     if n_hay < 0:
-        raise ValueError(f"length: {length} tokens cannot hold the question and {len(hidden)} needles")
+        raise InputError("length", f"{length} tokens cannot hold the question and {len(hidden)} needles")
     if n_hay > len(hay):
-        raise ValueError(f"length: the haystack has {len(hay)} tokens, {n_hay} are needed")
+        raise InputError("length", f"the haystack has {len(hay)} tokens, {n_hay} are needed")
     # each needle's start in the document, then in the hay (the needles before it removed)
     wanted = [round(d * (n_document - len(p))) for d, p in zip(depths, pieces, strict=True)]
     order = sorted(range(len(hidden)), key=lambda i: wanted[i])

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..errors import InputError
 from ..formats.files import write_atomic
 
 RESULTS = "results.json"
@@ -102,16 +103,16 @@ class Runner:
         if path.is_file():
             record = json.loads(path.read_text(encoding="utf-8"))
             if record.get("experiment") != self.experiment:
-                raise ValueError(f"{self.out} holds the {record.get('experiment')!r} experiment; "
+                raise InputError(None, f"{self.out} holds the {record.get('experiment')!r} experiment; "
                                  "choose another --out")
             if record.get("settings") != self.settings:
                 changed = sorted(k for k in {*self.settings, *record.get("settings", {})}
                                  if record["settings"].get(k) != self.settings.get(k))
-                raise ValueError(f"{self.out} holds a run with other settings ({', '.join(changed)}); "
+                raise InputError(None, f"{self.out} holds a run with other settings ({', '.join(changed)}); "
                                  "rerun with the same --budget and --data, or choose another --out")
             return record
         if self.out.exists() and any(self.out.iterdir()):
-            raise ValueError(f"{self.out} is not empty and holds no experiment; choose another --out")
+            raise InputError(None, f"{self.out} is not empty and holds no experiment; choose another --out")
         return {"experiment": self.experiment, "settings": self.settings, "cells": {},
                 "machine": machine()}
 

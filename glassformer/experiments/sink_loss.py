@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from ..model.sink import SinkKVCache, SinkPolicy
 from ..model.transformer import Transformer
 
@@ -69,7 +70,7 @@ def sink_loss(model: Transformer, ids: list[int], window: int, sink_tokens: int 
     """The curves as block means over W tokens, and for each streamed one `flat` (1.0:
     perfectly flat; see the module's docstring)."""
     if len(ids) < 16 * window:
-        raise ValueError(f"ids: need at least 16 x window = {16 * window} tokens, got {len(ids)}")
+        raise InputError("ids", f"need at least 16 x window = {16 * window} tokens, got {len(ids)}")
     text = torch.tensor(ids, device=model.embed.tokens.weight.device)
     model = model.eval()
     result: dict = {"window": window, "sink_tokens": sink_tokens, "tokens": len(ids), "blocks": {}}

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import InputError
+
 
 def mean_spread(values: Sequence[float]) -> tuple[float, float]:
     """Mean and spread (half the range: with 2 seeds, how far each lies from the mean)."""
@@ -57,7 +59,7 @@ def growth_exponent(lengths: Sequence[float], seconds: Sequence[float]) -> float
     pairs = sorted(zip(lengths, seconds, strict=True))
     pairs = pairs[(len(pairs) - 1) // 2:]
     if len(pairs) < 2:
-        raise ValueError("growth_exponent: need at least two lengths")
+        raise InputError("growth_exponent", "need at least two lengths")
     x = np.log([p[0] for p in pairs])
     y = np.log([p[1] for p in pairs])
     return float(np.polyfit(x, y, 1)[0])

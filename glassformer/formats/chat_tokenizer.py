@@ -16,6 +16,7 @@ from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from ..errors import InputError
 from .files import read_json_object
 from .tokenizers import HFTokenizer, read_tokenizer, token_text
 
@@ -62,7 +63,7 @@ class ChatTokenizer(HFTokenizer):
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation as text, through the model's own Jinja chat template."""
         if not self.chat_template:
-            raise ValueError("this model has no chat template")
+            raise InputError(None, "this model has no chat template")
         size = sum(len(str(m.get("content", ""))) for m in messages)
         return render_template(self.chat_template, max(TEMPLATE_MIN_OUTPUT, 4 * size),
                                messages=messages, add_generation_prompt=add_generation_prompt,
@@ -106,32 +107,33 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
     """Rebuild a byte-level BPE tokenizer from `tokenizer.ggml.*` metadata."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer {kind!r} (supported: byte-level BPE 'gpt2')")
+        raise InputError(None, f"unsupported GGUF tokenizer {kind!r} (supported: byte-level BPE 'gpt2')")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
-        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
+        raise InputError(None, f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
                          f"{', '.join(sorted(PRE_TOKENIZERS))}")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
-        raise ValueError("GGUF lacks its vocabulary (tokenizer.ggml.tokens)")
+        raise InputError(None, "GGUF lacks its vocabulary (tokenizer.ggml.tokens)")
     if not all(isinstance(t, str) for t in tokens):
-        raise ValueError("GGUF tokenizer.ggml.tokens: expected a list of strings")
+        raise InputError(None, "GGUF tokenizer.ggml.tokens: expected a list of strings")
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
     if not isinstance(types, list) or len(types) != len(tokens):
-        raise ValueError(f"GGUF tokenizer.ggml.token_type: {len(types) if isinstance(types, list) else 0} "
+        raise InputError(None,
+                         f"GGUF tokenizer.ggml.token_type: {len(types) if isinstance(types, list) else 0} "
                          f"entries for {len(tokens)} tokens")
     merges = meta.get("tokenizer.ggml.merges", [])
     if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
-        raise ValueError("GGUF tokenizer.ggml.merges: expected strings of two tokens")
+        raise InputError(None, "GGUF tokenizer.ggml.merges: expected strings of two tokens")
     merges = [tuple(m.split(" ", 1)) for m in merges]
     vocab = {token: i for i, token in enumerate(tokens)}
     for a, b in merges:  # the tokenizers library panics on a merge outside the vocabulary
         if a not in vocab or b not in vocab or a + b not in vocab:
-            raise ValueError(f"GGUF tokenizer.ggml.merges: {a!r} + {b!r} is not in the vocabulary")
+            raise InputError(None, f"GGUF tokenizer.ggml.merges: {a!r} + {b!r} is not in the vocabulary")
     for key in ("eos", "bos"):  # an end-of-text id outside the vocabulary never stops a reply
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
-            raise ValueError(f"GGUF tokenizer.ggml.{key}_token_id = {i!r} is outside the "
+            raise InputError(None, f"GGUF tokenizer.ggml.{key}_token_id = {i!r} is outside the "
                              f"vocabulary of {len(tokens)} tokens")
     tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
@@ -145,13 +147,13 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
 
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
-        raise ValueError("GGUF tokenizer.chat_template: expected a string")
+        raise InputError(None, "GGUF tokenizer.chat_template: expected a string")
     return ChatTokenizer(tokenizer, token("eos"), token("bos"), template,
                          bool(meta.get("tokenizer.ggml.add_bos_token", False)))
 
 
 def _raise(message: str) -> None:
-    raise ValueError(f"chat template: {message}")
+    raise InputError(None, f"chat template: {message}")
 
 
 class _Limits(ImmutableSandboxedEnvironment):
@@ -167,7 +169,7 @@ class _Limits(ImmutableSandboxedEnvironment):
 
     def _tick(self) -> None:
         if time.monotonic() > self.deadline:
-            raise ValueError(f"chat template: rendering took over {TEMPLATE_SECONDS:g} s")
+            raise InputError(None, f"chat template: rendering took over {TEMPLATE_SECONDS:g} s")
 
     def _range(self, *args: int):
         for i, value in enumerate(range(*args)):
@@ -185,12 +187,12 @@ class _Limits(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context, operator, left, right):
         if operator == "**" and isinstance(right, int) and abs(right) > 64:
-            raise ValueError(f"chat template: exponent {right} is too large")
+            raise InputError(None, f"chat template: exponent {right} is too large")
         if operator == "*":
             size = max(len(v) if isinstance(v, (str, list, tuple)) else 1 for v in (left, right))
             count = max(v if isinstance(v, int) else 1 for v in (left, right))
             if size * count > self.max_chars:
-                raise ValueError(f"chat template: output over {self.max_chars} characters")
+                raise InputError(None, f"chat template: output over {self.max_chars} characters")
         return super().call_binop(context, operator, left, right)
 
 
@@ -203,14 +205,15 @@ def render_template(template: str, max_chars: int, **values: Any) -> str:
         for piece in env.from_string(template).generate(**values):
             size += len(piece)
             if size > max_chars:
-                raise ValueError(f"chat template: output over {max_chars} characters")
+                raise InputError(None, f"chat template: output over {max_chars} characters")
             env._tick()
             pieces.append(piece)
         return "".join(pieces)
     except TemplateSyntaxError as error:
-        raise ValueError(f"chat template: syntax error on line {error.lineno}: {error.message}") from None
+        raise InputError("chat template",
+                         f"syntax error on line {error.lineno}: {error.message}") from None
     except SecurityError as error:
-        raise ValueError(f"chat template: unsafe operation refused ({error})") from None
+        raise InputError(None, f"chat template: unsafe operation refused ({error})") from None
     except (TemplateError, TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError,
             OverflowError, RecursionError) as error:
-        raise ValueError(f"chat template: {type(error).__name__}: {error}") from None
+        raise InputError(None, f"chat template: {type(error).__name__}: {error}") from None

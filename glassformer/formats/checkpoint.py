@@ -30,6 +30,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import build_model
 from .chat_tokenizer import ChatTokenizer
@@ -217,11 +218,11 @@ class Checkpoint:
         folder = resolve(path)
         meta = read_json_object(folder / "config.json")
         if not isinstance(meta.get("model"), dict):
-            raise ValueError(f"{folder / 'config.json'}: lacks the \"model\" object of a checkpoint")
+            raise InputError(None, f"{folder / 'config.json'}: lacks the \"model\" object of a checkpoint")
         try:
             return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
         except ValueError as error:
-            raise ValueError(f"{folder / 'config.json'}: {error}") from None
+            raise InputError(None, f"{folder / 'config.json'}: {error}") from None
 
     def tokenizer(self):
         """The run's tokenizer; a chat model's keeps its template (ChatTokenizer)."""
@@ -252,9 +253,9 @@ def load_weights(model: torch.nn.Module, path: str | Path, device: str | torch.d
         _check_float_storage(model, path)
         safetensors.torch.load_model(model, str(path), strict=True, device=str(device))
     except RuntimeError as error:  # missing, unexpected or misshapen tensors
-        raise ValueError(f"{path}: the weights do not fit the model: {error}") from None
+        raise InputError(path, f"the weights do not fit the model: {error}") from None
     except SafetensorError as error:
-        raise ValueError(f"{path}: corrupt or truncated safetensors file ({error})") from None
+        raise InputError(path, f"corrupt or truncated safetensors file ({error})") from None
     check_model(model, str(path))
 
 
@@ -264,7 +265,7 @@ def _check_float_storage(model: torch.nn.Module, path: str | Path) -> None:
         for name in stored.keys():
             kind = stored.get_slice(name).get_dtype()  # "F32", "BF16", "I64", "BOOL", ...
             if name in expected and expected[name].is_floating_point() and not kind.startswith(("F", "BF")):
-                raise ValueError(f"{path}: tensor {name} is stored as {kind}, not a floating-point "
+                raise InputError(path, f"tensor {name} is stored as {kind}, not a floating-point "
                                  f"type; the model holds it as {expected[name].dtype}")
 
 
@@ -272,11 +273,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """(Transformer or EncoderDecoder, tokenizer, meta) from a checkpoint folder or a run folder."""
     checkpoint = Checkpoint.open(path)
     if not (checkpoint.folder / "model.safetensors").is_file():
-        raise ValueError(f"{checkpoint.folder} holds a LoRA adapter, not a whole model: fold it "
+        raise InputError(None, f"{checkpoint.folder} holds a LoRA adapter, not a whole model: fold it "
                          "into its base with glassformer export --merge-lora")
     tokenizer = checkpoint.tokenizer()
     if tokenizer.vocab_size > checkpoint.config.vocab_size:
-        raise ValueError(f"{checkpoint.folder}: the tokenizer has {tokenizer.vocab_size} tokens but "
+        raise InputError(checkpoint.folder, f"the tokenizer has {tokenizer.vocab_size} tokens but "
                          f"the model {checkpoint.config.vocab_size}: they do not belong together")
     model = build_model(checkpoint.config).to(device)
     checkpoint.load_weights(model, device)

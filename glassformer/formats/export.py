@@ -18,6 +18,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
@@ -34,7 +35,7 @@ _GPT2_NAMES = {ours: theirs for theirs, ours in GPT2_ACTIVATIONS.items() if thei
 def _require(config: ModelConfig, family: str, **expected: Any) -> None:
     for field, value in expected.items():
         if getattr(config, field) != value:
-            raise ValueError(f"{field}: {getattr(config, field)!r} cannot be exported as {family} "
+            raise InputError(field, f"{getattr(config, field)!r} cannot be exported as {family} "
                              f"(needs {value!r})")
 
 
@@ -51,7 +52,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
                  mlp_bias=True, tie_embeddings=True, kv_heads=config.n_heads,
                  head_dim=config.d_model // config.n_heads, sliding_window=None)
         if config.activation not in _GPT2_NAMES:
-            raise ValueError(f"activation: {config.activation!r} cannot be exported as GPT-2")
+            raise InputError("activation", f"{config.activation!r} cannot be exported as GPT-2")
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
                 "vocab_size": config.vocab_size, "n_positions": config.context_length,
                 "n_embd": config.d_model, "n_layer": config.n_layers, "n_head": config.n_heads,
@@ -60,10 +61,10 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     _require(config, "Llama", position="rope", norm="rmsnorm", activation="silu", gated=True)
     if config.attn_out_bias and not config.attn_bias:
-        raise ValueError("attn_out_bias: a bias on W_O alone cannot be exported")
+        raise InputError("attn_out_bias", "a bias on W_O alone cannot be exported")
     qwen = config.attn_bias and not config.attn_out_bias  # Qwen2: biases on q, k, v only
     if config.rope_scaling not in ("none", "linear"):
-        raise ValueError(f"rope_scaling: {config.rope_scaling!r} cannot be exported (none, linear)")
+        raise InputError("rope_scaling", f"{config.rope_scaling!r} cannot be exported (none, linear)")
     kind = "qwen2" if qwen else "mistral" if config.sliding_window else "llama"
     out = {"model_type": kind,
            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

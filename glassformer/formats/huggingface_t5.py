@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 
 # feed_forward_proj -> (activation, gated); transformers maps "gated-gelu" to the tanh GELU.
@@ -24,7 +25,8 @@ def t5_config(hf: dict[str, Any]) -> ModelConfig:
     """A ModelConfig equal to a T5 config.json (as a dict); KeyError names a missing field."""
     proj = hf.get("feed_forward_proj", "relu")
     if proj not in FEED_FORWARD:
-        raise ValueError(f"unsupported T5 feed_forward_proj {proj!r} (supported: {', '.join(FEED_FORWARD)})")
+        raise InputError(None,
+                         f"unsupported T5 feed_forward_proj {proj!r} (supported: {', '.join(FEED_FORWARD)})")
     activation, gated = FEED_FORWARD[proj]
     n_heads, d_kv = hf["num_heads"], hf["d_kv"]
     tied = hf.get("tie_word_embeddings", True) is not False
@@ -87,10 +89,10 @@ def t5_hf_config(c: ModelConfig) -> dict[str, Any]:
                     scale_scores=False, scale_head_input=c.tie_embeddings, kv_heads=c.n_heads)
     for field, value in expected.items():
         if getattr(c, field) != value:
-            raise ValueError(f"{field}: {getattr(c, field)!r} cannot be exported as T5 (needs {value!r})")
+            raise InputError(field, f"{getattr(c, field)!r} cannot be exported as T5 (needs {value!r})")
     names = {spec: proj for proj, spec in FEED_FORWARD.items()}
     if (c.activation, c.gated) not in names:
-        raise ValueError(f"activation: {c.activation!r} (gated={c.gated}) cannot be exported as T5")
+        raise InputError("activation", f"{c.activation!r} (gated={c.gated}) cannot be exported as T5")
     return {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
             "is_encoder_decoder": True, "vocab_size": c.vocab_size, "n_positions": c.context_length,
             "d_model": c.d_model, "d_kv": c.head_dim, "d_ff": c.ff_dim,

@@ -20,6 +20,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..errors import InputError
+
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
@@ -61,33 +63,33 @@ def read_adapter(folder: str | Path) -> tuple[dict[str, Any], dict]:
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{config_path}: not valid JSON ({error})") from None
+        raise InputError(config_path, f"not valid JSON ({error})") from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise ValueError(f"{config_path}: not a LoRA adapter (peft_type {config.get('peft_type')!r})"
+        raise InputError(config_path, f"not a LoRA adapter (peft_type {config.get('peft_type')!r})"
                          if isinstance(config, dict) else f"{config_path}: expected a JSON object")
     for field, plain in (("use_dora", False), ("use_rslora", False), ("bias", "none")):
         if config.get(field, plain) != plain:
-            raise ValueError(f"{config_path}: {field}={config[field]!r} is not supported")
+            raise InputError(config_path, f"{field}={config[field]!r} is not supported")
     for field in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
         if config.get(field):
-            raise ValueError(f"{config_path}: {field}={config[field]!r} is not supported")
+            raise InputError(config_path, f"{field}={config[field]!r} is not supported")
     modules = config.get("target_modules") or []
     if isinstance(modules, str) or any(m not in _TARGET_OF for m in modules):
-        raise ValueError(f"{config_path}: target_modules {modules!r}: expected a list among "
+        raise InputError(config_path, f"target_modules {modules!r}: expected a list among "
                          f"{', '.join(_TARGET_OF)}")
     try:
         files = load_file(str(weights_path))
     except SafetensorError as error:
-        raise ValueError(f"{weights_path}: corrupt or truncated safetensors file ({error})") from None
+        raise InputError(weights_path, f"corrupt or truncated safetensors file ({error})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, value in files.items():
         match = _KEY.fullmatch(key)
         if match is None or match[3] not in _TARGET_OF:
-            raise ValueError(f"{weights_path}: unexpected tensor {key}")
+            raise InputError(weights_path, f"unexpected tensor {key}")
         pairs.setdefault((int(match[1]), _TARGET_OF[match[3]]), {})[match[4]] = value
     incomplete = [k for k, v in pairs.items() if set(v) != {"A", "B"}]
     if incomplete:
-        raise ValueError(f"{weights_path}: layer {incomplete[0][0]} {incomplete[0][1]} lacks "
+        raise InputError(weights_path, f"layer {incomplete[0][0]} {incomplete[0][1]} lacks "
                          "lora_A or lora_B")
     settings = {"rank": config.get("r"), "alpha": config.get("lora_alpha"),
                 "dropout": config.get("lora_dropout", 0.0),

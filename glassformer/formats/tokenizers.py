@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ..errors import InputError
 from .files import read_json_object
 
 EOT = "<|endoftext|>"
@@ -36,9 +37,9 @@ class CharTokenizer:
 
     def __init__(self, chars: str, eos_token: str = EOT, mask_token: str | None = None):
         if len(set(chars)) != len(chars):
-            raise ValueError("chars: characters must be unique")
+            raise InputError("chars", "characters must be unique")
         if mask_token is not None and (not isinstance(mask_token, str) or len(mask_token) < 2):
-            raise ValueError(f"mask_token: expected a text of two or more characters, got {mask_token!r}")
+            raise InputError("mask_token", f"expected a text of two or more characters, got {mask_token!r}")
         self.chars = "".join(sorted(chars))
         self.eos_token, self.mask_token = eos_token, mask_token
         self._codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # sorted
@@ -49,7 +50,7 @@ class CharTokenizer:
         for doc in documents:
             seen.update(doc)
         if not seen:
-            raise ValueError("cannot build a character vocabulary from an empty corpus")
+            raise InputError(None, "cannot build a character vocabulary from an empty corpus")
         return cls("".join(seen))
 
     @property
@@ -85,7 +86,7 @@ class CharTokenizer:
         known[known] = self._codes[ids[known]] == codes[known]
         if not known.all():
             bad = chr(int(codes[np.argmin(known)]))
-            raise ValueError(f"character {bad!r} is not in the tokenizer's vocabulary")
+            raise InputError(None, f"character {bad!r} is not in the tokenizer's vocabulary")
         return ids.astype(np.int64)
 
     def encode(self, text: str) -> list[int]:
@@ -119,7 +120,7 @@ class HFTokenizer:
             eos_token = next((t for t in _EOS_CANDIDATES if t in vocab), None)
         for name, token in (("eos_token", eos_token), ("bos_token", bos_token)):
             if token is not None and token not in vocab:
-                raise ValueError(f"{name}: {token!r} is not in the vocabulary")
+                raise InputError(name, f"{token!r} is not in the vocabulary")
         self.eos_token, self.bos_token = eos_token, bos_token
         self._eos_id = None if eos_token is None else vocab[eos_token]
         self._bos_id = None if bos_token is None else vocab[bos_token]
@@ -131,8 +132,8 @@ class HFTokenizer:
         """Byte-level BPE (GPT-2 style) with `<|endoftext|>` as its one special token."""
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet) + 1:
-            raise ValueError(
-                f"vocab_size: byte-level BPE needs at least {len(alphabet) + 1} "
+            raise InputError("vocab_size",
+                f"byte-level BPE needs at least {len(alphabet) + 1} "
                 f"(256 bytes + end-of-text), got {vocab_size}"
             )
         tokenizer = Tokenizer(models.BPE())
@@ -184,9 +185,9 @@ def train_tokenizer(kind: str, documents: Iterable[str], vocab_size: int | None 
         return CharTokenizer.train(documents)
     if kind == "bpe":
         if vocab_size is None:
-            raise ValueError("vocab_size: byte-level BPE needs a vocabulary size")
+            raise InputError("vocab_size", "byte-level BPE needs a vocabulary size")
         return HFTokenizer.train_bpe(documents, vocab_size)
-    raise ValueError(f"tokenizer: unknown kind {kind!r}; choose 'char' or 'bpe'")
+    raise InputError("tokenizer", f"unknown kind {kind!r}; choose 'char' or 'bpe'")
 
 
 def load_tokenizer(path: str | Path, eos_token: str | None = None,
@@ -202,7 +203,7 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None,
     data = read_json_object(path)
     if data.get("type") == "char":
         if not isinstance(data.get("chars"), str):
-            raise ValueError(f"{path}: a character tokenizer lacks its \"chars\" string")
+            raise InputError(path, "a character tokenizer lacks its \"chars\" string")
         return CharTokenizer(data["chars"], data.get("eos_token", EOT), data.get("mask_token"))
     side = path.with_name("tokenizer_config.json")
     if side.is_file():
@@ -218,7 +219,7 @@ def read_tokenizer(path: Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as error:  # the library raises bare Exceptions
         reason = (str(error).splitlines() or ["unknown error"])[0]
-        raise ValueError(f"{path}: not a readable tokenizer ({reason})") from None
+        raise InputError(path, f"not a readable tokenizer ({reason})") from None
 
 
 def token_text(value) -> str | None:

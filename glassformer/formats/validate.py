@@ -13,6 +13,8 @@ import warnings
 
 import torch
 
+from ..errors import InputError
+
 LIMITS = {"norm": 1e3, "embedding": 1e3, "bias": 1e4, "matrix": 1e3}
 _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
 
@@ -37,7 +39,7 @@ def check_tensor(tensor: torch.Tensor, name: str, where: str) -> None:
     low, high = _extremes(tensor.detach())
     if not (math.isfinite(low) and math.isfinite(high)):
         bad = int((~torch.isfinite(tensor)).sum())
-        raise ValueError(f"{where}: tensor {name} holds {bad} non-finite value(s) (NaN or Inf)")
+        raise InputError(where, f"tensor {name} holds {bad} non-finite value(s) (NaN or Inf)")
     peak, limit = max(-low, high), LIMITS[kind(name)]
     if peak > limit:
         warnings.warn(f"{where}: tensor {name} reaches {peak:.3g}, above {limit:g}: far more than a "

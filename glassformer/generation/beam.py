@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.transformer import Transformer
 from .batching import select_rows
@@ -89,7 +90,7 @@ def beam_search(
     tokenizer: Decoder | None = None,
 ) -> GenerationResult:
     if config.overflow != "stop":
-        raise ValueError("overflow: beam search stops at the end of the window; it cannot slide")
+        raise InputError("overflow", "beam search stops at the end of the window; it cannot slide")
     mc, W = model.config, config.beams
     eos = eos_ids(config, tokenizer)
     prompt = Row(prompt_ids, config, mc.context_length, eos, tokenizer).prompt  # checks prompt, stop

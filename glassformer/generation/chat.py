@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.sink import SinkKVCache, SinkPolicy
 from ..model.transformer import Transformer
@@ -30,9 +31,9 @@ class ChatSession:
         """`sink`: keep the first S and last W tokens (model/sink.py) and talk past the window;
         a turn that rewrites what the cache has already evicted starts the cache again."""
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat: this model's tokenizer has no chat template")
+            raise InputError("chat", "this model's tokenizer has no chat template")
         if model.config.n_encoder_layers:
-            raise ValueError("chat: a conversation's cache grows turn by turn in a decoder-only "
+            raise InputError("chat", "a conversation's cache grows turn by turn in a decoder-only "
                              "model; an encoder-decoder answers one source at a time (generate)")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = GenerationConfig(max_new_tokens=max_new_tokens, sink=sink,
@@ -64,7 +65,7 @@ class ChatSession:
         ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
         if self.config.sink is None and len(ids) + 1 > self.max_length:
             self.messages.pop()
-            raise ValueError(f"chat: the conversation ({len(ids)} tokens) no longer fits the "
+            raise InputError("chat", f"the conversation ({len(ids)} tokens) no longer fits the "
                              f"{self.max_length}-token context; start again with /reset")
         shared = _common_prefix(self.cached_ids, ids, limit=len(ids) - 1)  # feed >= 1 token
         sink = isinstance(self.cache, SinkKVCache)

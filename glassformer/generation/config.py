@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..errors import InputError
 from ..model.kv_formats import check_kv_dtype
 from ..model.sink import SinkPolicy
 from .sampling import SamplingConfig
@@ -25,10 +26,10 @@ SEEDS = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes: [low, high)
 
 def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer, got {value!r}")
+        raise InputError(name, f"must be an integer, got {value!r}")
     if value < low or (high is not None and value >= high):
         bound = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"{name}: must be {bound}, got {value!r}")
+        raise InputError(name, f"must be {bound}, got {value!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,15 +43,15 @@ class Steer:
 
     def __post_init__(self) -> None:
         if not isinstance(self.site, str) or not self.site:
-            raise ValueError(f"steer: site must be a hook site name, got {self.site!r}")
+            raise InputError("steer", f"site must be a hook site name, got {self.site!r}")
         vector = self.vector
         if not isinstance(vector, torch.Tensor) or vector.ndim != 1 or not vector.is_floating_point():
-            raise ValueError("steer: vector must be a 1-D float tensor (d_model,)")
+            raise InputError("steer", "vector must be a 1-D float tensor (d_model,)")
         if not bool(torch.isfinite(self.vector).all()):
-            raise ValueError(f"steer: vector {self.name!r} holds non-finite values")
+            raise InputError("steer", f"vector {self.name!r} holds non-finite values")
         alpha = self.alpha
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
-            raise ValueError(f"steer: alpha must be a finite number, got {alpha!r}")
+            raise InputError("steer", f"alpha must be a finite number, got {alpha!r}")
 
 
 @dataclass(frozen=True)
@@ -76,49 +77,49 @@ class RequestParams:
     def __post_init__(self) -> None:
         _integer("max_new_tokens", self.max_new_tokens, 1)
         if not isinstance(self.sampling, SamplingConfig):
-            raise ValueError(f"sampling: must be a SamplingConfig, got {type(self.sampling).__name__}")
+            raise InputError("sampling", f"must be a SamplingConfig, got {type(self.sampling).__name__}")
         if self.seed is not None:
             _integer("seed", self.seed, *SEEDS)
         if isinstance(self.stop, str) or not isinstance(self.stop, tuple):
-            raise ValueError(f"stop: a tuple of strings, got {self.stop!r}")
+            raise InputError("stop", f"a tuple of strings, got {self.stop!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop: stop strings must be non-empty strings, got {self.stop!r}")
+            raise InputError("stop", f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.eos_ids is not None:
             if not isinstance(self.eos_ids, tuple):
-                raise ValueError(f"eos_ids: a tuple of token ids or None, got {self.eos_ids!r}")
+                raise InputError("eos_ids", f"a tuple of token ids or None, got {self.eos_ids!r}")
             for token in self.eos_ids:
                 _integer("eos_ids", token, 0)
         _integer("beams", self.beams, 1)
         penalty = self.length_penalty
         if isinstance(penalty, bool) or not isinstance(penalty, int | float) or not math.isfinite(penalty):
-            raise ValueError(f"length_penalty: must be a finite number, got {penalty!r}")
+            raise InputError("length_penalty", f"must be a finite number, got {penalty!r}")
         if self.beams > 1 and (not self.sampling.greedy or self.sampling.uses_counts):
-            raise ValueError("beams: beam search ranks raw log-probabilities; drop sampling and penalties")
+            raise InputError("beams", "beam search ranks raw log-probabilities; drop sampling and penalties")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0)
             if self.beams > 1:
-                raise ValueError("logprobs: not with beams (only the winner is reported)")
+                raise InputError("logprobs", "not with beams (only the winner is reported)")
         if not isinstance(self.capture, tuple) or any(not isinstance(s, str) for s in self.capture):
-            raise ValueError(f"capture: a tuple of hook site names, got {self.capture!r}")
+            raise InputError("capture", f"a tuple of hook site names, got {self.capture!r}")
         if self.capture and self.beams > 1:
-            raise ValueError("capture: not with beams (each beam computes other rows)")
+            raise InputError("capture", "not with beams (each beam computes other rows)")
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
-            raise ValueError(f"adapter: the name of a loaded LoRA adapter or None, got {self.adapter!r}")
+            raise InputError("adapter", f"the name of a loaded LoRA adapter or None, got {self.adapter!r}")
         if not isinstance(self.steer, tuple) or any(not isinstance(s, Steer) for s in self.steer):
-            raise ValueError(f"steer: a tuple of Steer, got {self.steer!r}")
+            raise InputError("steer", f"a tuple of Steer, got {self.steer!r}")
         if not isinstance(self.ablate, tuple) or any(not isinstance(s, str) for s in self.ablate):
-            raise ValueError(f"ablate: a tuple of head names (blocks.3.attn.head.2), got {self.ablate!r}")
+            raise InputError("ablate", f"a tuple of head names (blocks.3.attn.head.2), got {self.ablate!r}")
         if self.lens is not None:
             _integer("lens", self.lens, 1)
         if self.lens_layers is not None:
             if self.lens is None or not isinstance(self.lens_layers, tuple) or not self.lens_layers:
-                raise ValueError("lens_layers: a non-empty tuple of layers, with lens; "
+                raise InputError("lens_layers", "a non-empty tuple of layers, with lens; "
                                  f"got {self.lens_layers!r}")
             for layer in self.lens_layers:
                 _integer("lens_layers", layer, 0)
         for name in ("steer", "ablate", "lens"):
             if getattr(self, name) not in ((), None) and self.beams > 1:
-                raise ValueError(f"{name}: not with beams (each beam computes other rows)")
+                raise InputError(name, "not with beams (each beam computes other rows)")
 
     @classmethod
     def from_fields(cls, **fields: Any) -> RequestParams:
@@ -128,7 +129,7 @@ class RequestParams:
         sampling = {f.name for f in dataclasses.fields(SamplingConfig)}
         unknown = sorted(set(fields) - own - sampling)
         if unknown:
-            raise ValueError(f"{unknown[0]}: unknown setting; use {sorted(own | sampling)}")
+            raise InputError(unknown[0], f"unknown setting; use {sorted(own | sampling)}")
         if isinstance(fields.get("stop"), str):
             fields["stop"] = (fields["stop"],)
         for name in ("stop", "eos_ids", "ablate", "lens_layers"):
@@ -154,29 +155,29 @@ class GenerationConfig(RequestParams):
         super().__post_init__()
         for name in ("use_cache", "truncate"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+                raise InputError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.kv_dtype is not None:
             check_kv_dtype(self.kv_dtype)
         if self.overflow not in ("stop", "slide"):
-            raise ValueError(f"overflow: choose 'stop' or 'slide', got {self.overflow!r}")
+            raise InputError("overflow", f"choose 'stop' or 'slide', got {self.overflow!r}")
         if self.sink is not None:
             if not isinstance(self.sink, SinkPolicy):
-                raise ValueError(f"sink: a SinkPolicy or None, got {type(self.sink).__name__}")
+                raise InputError("sink", f"a SinkPolicy or None, got {type(self.sink).__name__}")
             if not self.use_cache or self.beams > 1:
-                raise ValueError("sink: the sink policy lives in the KV cache of one continuation; "
+                raise InputError("sink", "the sink policy lives in the KV cache of one continuation; "
                                  "not with use_cache=False or beams > 1")
             if self.kv_dtype not in (None, "fp32"):
-                raise ValueError(f"sink: the sink cache keeps float32 keys, not kv_dtype={self.kv_dtype!r}")
+                raise InputError("sink", f"the sink cache keeps float32 keys, not kv_dtype={self.kv_dtype!r}")
         if self.logprobs is not None:
-            raise ValueError("logprobs: only the serving engine reports log-probabilities")
+            raise InputError("logprobs", "only the serving engine reports log-probabilities")
         if self.adapter is not None:
-            raise ValueError("adapter: only the serving engine picks adapters by name; apply one "
+            raise InputError("adapter", "only the serving engine picks adapters by name; apply one "
                              "to the model (training.lora.apply_adapter)")
         if self.capture:
-            raise ValueError("capture: the serving engine's; generate's sites are glassformer.trace's")
+            raise InputError("capture", "the serving engine's; generate's sites are glassformer.trace's")
         for name in ("steer", "ablate", "lens", "lens_layers"):
             if getattr(self, name) not in ((), None):
-                raise ValueError(f"{name}: the serving engine's; generate steers with "
+                raise InputError(name, "the serving engine's; generate steers with "
                                  "glassformer.interpret.steer.steered (the whole batch)")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..model.config import RopeScaling
 from ..model.transformer import Transformer
 
@@ -19,13 +20,13 @@ def extend_context(model: Transformer, scaling: RopeScaling, factor: float) -> T
     """A model sharing `model`'s weights whose window is `factor` times longer."""
     config = model.config
     if factor < 1.0:
-        raise ValueError(f"factor: must be >= 1, got {factor}")
+        raise InputError("factor", f"must be >= 1, got {factor}")
     if config.position in ("learned", "sinusoidal"):
-        raise ValueError(f"position: {config.position!r} positions cannot be extended past the window")
+        raise InputError("position", f"{config.position!r} positions cannot be extended past the window")
     if config.position != "rope" and scaling != "none":
-        raise ValueError(f"rope_scaling: {config.position!r} models extrapolate; use scaling='none'")
+        raise InputError("rope_scaling", f"{config.position!r} models extrapolate; use scaling='none'")
     if config.rope_scaling != "none":
-        raise ValueError(f"rope_scaling: the model is already extended ({config.rope_scaling!r})")
+        raise InputError("rope_scaling", f"the model is already extended ({config.rope_scaling!r})")
     extended = config.replace(context_length=int(config.context_length * factor))
     if scaling != "none":
         extended = extended.replace(

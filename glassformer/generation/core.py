@@ -20,6 +20,7 @@ from collections.abc import Generator, Sequence
 import torch
 from torch import Tensor
 
+from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.sink import SinkKVCache
 from ..model.transformer import Transformer
@@ -40,7 +41,7 @@ def prefill(
     A sink cache takes the prompt in the pieces its window allows (model/sink.py `room`)."""
     if isinstance(cache, SinkKVCache):
         if pad_mask is not None:
-            raise ValueError("sink: the sink policy streams prompts of one length together (no padding)")
+            raise InputError("sink", "the sink policy streams prompts of one length together (no padding)")
         start = 0
         while start < ids.shape[1]:
             end = start + cache.room()
@@ -73,12 +74,12 @@ def fit_prompt(prompt: Sequence[int], context_length: int, config: GenerationCon
     keeps room for max_new_tokens, but never less than half the window of prompt."""
     prompt = list(prompt)
     if not prompt:
-        raise ValueError("prompt: empty; give at least one token")
+        raise InputError("prompt", "empty; give at least one token")
     if len(prompt) <= context_length:
         return prompt
     if not config.truncate:
-        raise ValueError(
-            f"prompt: {len(prompt)} tokens exceed the model's context_length={context_length} "
+        raise InputError("prompt",
+            f"{len(prompt)} tokens exceed the model's context_length={context_length} "
             "(truncate=True / --truncate keeps the end of the prompt)"
         )
     keep = context_length - min(config.max_new_tokens, context_length // 2)
@@ -158,7 +159,7 @@ class Row:
     def __init__(self, prompt: Sequence[int], config: GenerationConfig, window: float,
                  eos: set[int], tokenizer: Decoder | None) -> None:
         if config.stop and tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer to decode the text")
+            raise InputError("stop", "stop strings need a tokenizer to decode the text")
         if config.sink is not None:  # the sink cache streams past any window
             window = math.inf
         self.prompt = fit_prompt(prompt, window, config)
@@ -215,9 +216,9 @@ def decode_rows(
     earlier turns): only the rest is prefilled into it."""
     mc = model.config
     if config.use_cache and not mc.causal:
-        raise ValueError("use_cache: a bidirectional model cannot decode incrementally; use_cache=False")
+        raise InputError("use_cache", "a bidirectional model cannot decode incrementally; use_cache=False")
     if cache is not None and (len(rows) != 1 or not config.use_cache):
-        raise ValueError("cache: a kept cache continues exactly one row, with use_cache=True")
+        raise InputError("cache", "a kept cache continues exactly one row, with use_cache=True")
     device = model.embed.tokens.weight.device
     live = list(range(len(rows)))  # batch row -> index in `rows`
     resume = cache is not None

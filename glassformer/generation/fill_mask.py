@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
 from ..model.transformer import Transformer
 
 
@@ -33,17 +34,17 @@ class MaskFill:
 def fill_mask(model: Transformer, tokenizer: Any, text: str, top_k: int = 5) -> list[MaskFill]:
     """The `top_k` most likely tokens at every mask token of `text`, in order."""
     if model.config.causal:
-        raise ValueError("fill-mask: this model is causal (a decoder); masks need a bidirectional "
+        raise InputError("fill-mask", "this model is causal (a decoder); masks need a bidirectional "
                          "encoder such as BERT")
     mask_id = getattr(tokenizer, "mask_id", None)
     if mask_id is None:
-        raise ValueError("fill-mask: this model's tokenizer has no mask token")
+        raise InputError("fill-mask", "this model's tokenizer has no mask token")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0:
-        raise ValueError(f"top_k: must be a positive integer, got {top_k!r}")
+        raise InputError("top_k", f"must be a positive integer, got {top_k!r}")
     ids = tokenizer.encode_sequence(text)
     positions = [i for i, t in enumerate(ids) if t == mask_id]
     if not positions:
-        raise ValueError(f"fill-mask: the text holds no mask token {tokenizer.mask_token!r}")
+        raise InputError("fill-mask", f"the text holds no mask token {tokenizer.mask_token!r}")
     device = model.embed.tokens.weight.device
     with torch.no_grad():
         logits = model(torch.tensor([ids], device=device))[0, positions].float()  # (M, vocab)

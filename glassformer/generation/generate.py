@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator, Sequence
 
+from ..errors import InputError
 from ..model.transformer import Transformer
 from .beam import beam_search
 from .config import GenerationConfig, GenerationResult, Piece
@@ -63,7 +64,7 @@ def stream(
 ) -> Stream:
     """Iterate over the Pieces of one prompt's continuation as each token is generated."""
     if config.beams > 1:
-        raise ValueError("beams: beam search settles its output only at the end; it cannot stream")
+        raise InputError("beams", "beam search settles its output only at the end; it cannot stream")
     if model.config.n_encoder_layers:
         return Stream(stream_seq2seq(model, prompt_ids, config, tokenizer))
     return Stream(stream_batch(model, [prompt_ids], config, tokenizer))

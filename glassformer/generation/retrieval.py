@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import InputError
 from ..model.transformer import Transformer
 
 RANKINGS = ("bm25", "embedding", "both")
@@ -59,9 +60,9 @@ def spans(n_tokens: int, chunk_tokens: int, overlap: int) -> list[tuple[int, int
     """[start, end) of each chunk of a document of `n_tokens`: `chunk_tokens` long (the last
     may be shorter), each sharing `overlap` tokens with the one before."""
     if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens: must be at least 1, got {chunk_tokens}")
+        raise InputError("chunk_tokens", f"must be at least 1, got {chunk_tokens}")
     if not 0 <= overlap < chunk_tokens:
-        raise ValueError(f"overlap: must be in [0, chunk_tokens), got {overlap}")
+        raise InputError("overlap", f"must be in [0, chunk_tokens), got {overlap}")
     stride = chunk_tokens - overlap
     return [(i, min(i + chunk_tokens, n_tokens)) for i in range(0, max(n_tokens - overlap, 1), stride)]
 
@@ -114,7 +115,7 @@ def rank(model: Transformer, tokenizer, chunks: Sequence[Sequence[int]], questio
          ranking: str, cache: dict[tuple[int, ...], torch.Tensor] | None = None) -> list[int]:
     """Chunk indices, best first, by `ranking` (one of RANKINGS); `cache`: embeddings'."""
     if ranking not in RANKINGS:
-        raise ValueError(f"ranking: choose one of {', '.join(RANKINGS)}, got {ranking!r}")
+        raise InputError("ranking", f"choose one of {', '.join(RANKINGS)}, got {ranking!r}")
     scores = []
     if ranking in ("bm25", "both"):
         scores.append(bm25_scores([tokenizer.decode(c) for c in chunks], question))
@@ -132,12 +133,12 @@ def retrieve(model: Transformer, tokenizer, document: str, question: str,
     `build` writes the question after the context (and any chat template around both);
     `cache` keeps the chunks' embeddings across calls with the same model (see embeddings)."""
     if not document.strip():
-        raise ValueError("document: empty; retrieval needs text to cut into chunks")
+        raise InputError("document", "empty; retrieval needs text to cut into chunks")
     room = limit - len(build(""))
     if room < 1:
-        raise ValueError(f"limit: {limit} tokens leave no room for the document beside the question")
+        raise InputError("limit", f"{limit} tokens leave no room for the document beside the question")
     if chunk_tokens > room:
-        raise ValueError(f"chunk_tokens: {chunk_tokens} exceed the {room} tokens the window "
+        raise InputError("chunk_tokens", f"{chunk_tokens} exceed the {room} tokens the window "
                          "leaves for the document")
     ids = tokenizer.encode(document)
     cuts = spans(len(ids), chunk_tokens, chunk_tokens // 4)

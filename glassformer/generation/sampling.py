@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import InputError
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -32,18 +34,18 @@ class SamplingConfig:
                      "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"{name}: must be a finite number, got {value!r}")
+                raise InputError(name, f"must be a finite number, got {value!r}")
         if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+            raise InputError("temperature", f"must be >= 0, got {self.temperature}")
         top_k = self.top_k
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k: must be a positive integer or None, got {self.top_k!r}")
+            raise InputError("top_k", f"must be a positive integer or None, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise InputError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+            raise InputError("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+            raise InputError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
@@ -129,7 +131,7 @@ def process_logits(
     logits = logits.float()
     if config.uses_counts:
         if counts is None:
-            raise ValueError("counts: penalties need the token counts of the context")
+            raise InputError("counts", "penalties need the token counts of the context")
         if config.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, counts, config.repetition_penalty)
         if config.presence_penalty or config.frequency_penalty:

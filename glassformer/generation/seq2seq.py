@@ -11,6 +11,7 @@ from collections.abc import Generator, Sequence
 
 import torch
 
+from ..errors import InputError
 from ..model.encoder_decoder import EncoderDecoder
 from .beam import beam_search
 from .config import GenerationConfig, GenerationResult, Piece
@@ -45,7 +46,7 @@ def stream_seq2seq(
     """Decode one source, yielding each new token as a Piece; returns [its GenerationResult],
     whose prompt_ids are the source ids."""
     if config.overflow != "stop":
-        raise ValueError("overflow: an encoder-decoder's output stops at the end of its window")
+        raise InputError("overflow", "an encoder-decoder's output stops at the end of its window")
     source, memory, encode_seconds = encode_source(model, source_ids, config)
     view, mc = model.decoder_view(memory), model.config
     prompt = [mc.decoder_start_id]

@@ -13,6 +13,8 @@ import copy
 from collections.abc import Sequence
 from typing import Protocol
 
+from ..errors import InputError
+
 REPLACEMENT = "\ufffd"
 
 
@@ -61,7 +63,7 @@ class TextStream:
         self, tokenizer: Decoder, stop: Sequence[str] = (), context: Sequence[int] = ()
     ) -> None:
         if any(not s for s in stop):
-            raise ValueError("stop: stop strings must be non-empty")
+            raise InputError("stop", "stop strings must be non-empty")
         self.decoder = IncrementalDecoder(tokenizer, context)
         self.stop = tuple(stop)
         self.text = ""  # decoded so far, including held-back text
@@ -78,7 +80,7 @@ class TextStream:
 
     def push(self, token_id: int) -> str:
         if self.stop_string is not None:
-            raise ValueError("push: the stream already stopped")
+            raise InputError("push", "the stream already stopped")
         return self._extend(self.decoder.push(token_id))
 
     def flush(self) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import InputError
 from ..model.transformer import Transformer
 
 
@@ -27,12 +28,12 @@ def attention_rollout(patterns: Sequence[torch.Tensor]) -> torch.Tensor:
     made of the input tokens (each row sums to 1).
     """
     if not patterns:
-        raise ValueError("patterns: need at least one layer's attention weights")
+        raise InputError("patterns", "need at least one layer's attention weights")
     rollout = None
     for pattern in patterns:
         B, _, Tq, Tk = pattern.shape
         if Tq != Tk:
-            raise ValueError(f"patterns: rollout needs square weights (T × T), got {Tq} × {Tk}")
+            raise InputError("patterns", f"rollout needs square weights (T × T), got {Tq} × {Tk}")
         eye = torch.eye(Tq, dtype=torch.float32, device=pattern.device)  # (T, T)
         mixed = 0.5 * pattern.float().mean(dim=1) + 0.5 * eye  # (B, T, T)
         mixed = mixed / mixed.sum(dim=-1, keepdim=True)
@@ -89,16 +90,16 @@ def integrated_gradients(
     is cut at `edges` and each panel gets `steps` points, evaluated in batches of `batch_size`.
     """
     if model.training:
-        raise ValueError("integrated_gradients: call model.eval() first (dropout is random)")
+        raise InputError("integrated_gradients", "call model.eval() first (dropout is random)")
     if steps < 1:
-        raise ValueError(f"steps: must be at least 1, got {steps}")
+        raise InputError("steps", f"must be at least 1, got {steps}")
     ids = ids.reshape(1, -1)  # (1, T)
     T = ids.shape[1]
     with torch.no_grad():
         x = model.embed.tokens(ids)[0]  # (T, d)
     x_base = torch.zeros_like(x) if baseline is None else baseline.to(x)
     if x_base.shape != x.shape:
-        raise ValueError(f"baseline: expected shape {tuple(x.shape)}, got {tuple(x_base.shape)}")
+        raise InputError("baseline", f"expected shape {tuple(x.shape)}, got {tuple(x_base.shape)}")
     nodes, weights = quadrature(steps, edges)  # (n,) each
     n_nodes = nodes.shape[0]
     alphas = torch.cat([nodes, torch.tensor([0.0, 1.0], dtype=torch.float64)]).float()

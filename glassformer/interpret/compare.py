@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
 from ..formats import hub
 from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
@@ -111,7 +112,7 @@ def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict
     """The reference's tensors at our sites, from output_hidden_states and forward hooks."""
     kind = reference.config.model_type
     if kind not in LAYOUTS:
-        raise ValueError(f"compare: no layout for reference model_type {kind!r}")
+        raise InputError("compare", f"no layout for reference model_type {kind!r}")
     base_name, layers_name, attn_name, norm_name = LAYOUTS[kind]
     base = reference.get_submodule(base_name)
     layers = base.get_submodule(layers_name)
@@ -148,7 +149,7 @@ def seq2seq_activations(reference: torch.nn.Module, ids: torch.Tensor,
                         decoder_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """A T5 reference's tensors at our encoder-decoder sites, from forward hooks."""
     if reference.config.model_type != "t5":
-        raise ValueError(f"compare: no layout for reference model_type {reference.config.model_type!r}")
+        raise InputError("compare", f"no layout for reference model_type {reference.config.model_type!r}")
     found: dict[str, torch.Tensor] = {}
 
     def keep(site: str):
@@ -182,7 +183,8 @@ def hf_reference(source: str, model: Transformer | EncoderDecoder, tokenizer: An
     try:
         import transformers
     except ImportError:
-        raise ValueError("compare --reference hf needs transformers: pip install transformers") from None
+        raise InputError(None,
+                         "compare --reference hf needs transformers: pip install transformers") from None
     path = Path(source).expanduser()
     if not path.exists() and source in hub.MODELS:
         path = hub.model_path(source)

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
+from ..errors import InputError
 from ..formats.files import read_json_object, write_atomic
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import EncoderDecoder
@@ -54,9 +55,10 @@ def lens_sites(config: ModelConfig, layers: tuple[int, ...] | None = None) -> li
         return sites
     for layer in layers:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(sites):
-            raise ValueError(f"lens_layers: layers are 0 (the embedding) to {len(sites) - 1}, got {layer!r}")
+            raise InputError("lens_layers",
+                             f"layers are 0 (the embedding) to {len(sites) - 1}, got {layer!r}")
     if len(set(layers)) != len(layers):
-        raise ValueError(f"lens_layers: each layer once, got {list(layers)}")
+        raise InputError("lens_layers", f"each layer once, got {list(layers)}")
     return [sites[layer] for layer in layers]
 
 
@@ -92,9 +94,9 @@ class TunedLens(nn.Module):
         """Refuse a lens trained for another shape of model; return self."""
         d_model, n_layers = self.maps[0].in_features, len(self.maps)
         if d_model != config.d_model:
-            raise ValueError(f"tuned lens: d_model={d_model}, the model has {config.d_model}")
+            raise InputError(None, f"tuned lens: d_model={d_model}, the model has {config.d_model}")
         if n_layers != config.n_layers:
-            raise ValueError(f"tuned lens: n_layers={n_layers}, the model has {config.n_layers}")
+            raise InputError(None, f"tuned lens: n_layers={n_layers}, the model has {config.n_layers}")
         return self
 
     def save(self, folder: str | Path, about: dict) -> Path:
@@ -115,16 +117,16 @@ class TunedLens(nn.Module):
         about = read_json_object(folder / ABOUT)
         for field in ("d_model", "n_layers"):
             if not isinstance(about.get(field), int) or about[field] < 1:
-                raise ValueError(f"{folder / ABOUT}: {field} must be a positive integer")
+                raise InputError(None, f"{folder / ABOUT}: {field} must be a positive integer")
         lens = cls(about["d_model"], about["n_layers"])
         tensors = load_file(folder / WEIGHTS)
         expected = lens.state_dict()
         if set(tensors) != set(expected):
-            raise ValueError(f"{folder / WEIGHTS}: tensors {sorted(set(tensors) ^ set(expected))[:3]} "
+            raise InputError(None, f"{folder / WEIGHTS}: tensors {sorted(set(tensors) ^ set(expected))[:3]} "
                              "do not match the lens's maps")
         for name, tensor in tensors.items():
             if tensor.shape != expected[name].shape:
-                raise ValueError(f"{folder / WEIGHTS}: {name} has shape {tuple(tensor.shape)}, "
+                raise InputError(None, f"{folder / WEIGHTS}: {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(expected[name].shape)}")
         lens.load_state_dict(tensors, strict=True)
         return lens.eval()
@@ -161,7 +163,7 @@ def top_tokens(model: Transformer | EncoderDecoder, residuals: list[torch.Tensor
                tuned: TunedLens | None = None) -> Lens:
     """The lens over residuals already captured (one per site of residual_sites, in order)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k: must be a positive integer, got {top_k!r}")
+        raise InputError("top_k", f"must be a positive integer, got {top_k!r}")
     k = min(top_k, model.config.vocab_size)
     with torch.no_grad():
         tops = [top_of(logits, k) for logits in _read(model, residuals, tuned)]
@@ -171,10 +173,11 @@ def top_tokens(model: Transformer | EncoderDecoder, residuals: list[torch.Tensor
 
 def _residuals(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     if isinstance(model, EncoderDecoder):
-        raise ValueError("model: the lens of an encoder-decoder needs its source; use top_tokens "
+        raise InputError("model", "the lens of an encoder-decoder needs its source; use top_tokens "
                          "on residuals captured from model(source, target)")
     if ids.ndim != 2 or ids.shape[1] == 0:
-        raise ValueError(f"ids: expected a (batch, tokens) tensor with tokens, got shape {tuple(ids.shape)}")
+        raise InputError("ids",
+                         f"expected a (batch, tokens) tensor with tokens, got shape {tuple(ids.shape)}")
     sites = residual_sites(model.config)
     logits, acts = run_with_cache(model, ids, names=sites)
     return logits, [acts[site] for site in sites]
@@ -221,9 +224,9 @@ class LensTraining:
         for field in ("steps", "batch", "context"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field}: must be a positive integer, got {value!r}")
+                raise InputError(field, f"must be a positive integer, got {value!r}")
         if not math.isfinite(self.lr) or self.lr <= 0:
-            raise ValueError(f"lr: must be a positive finite number, got {self.lr!r}")
+            raise InputError("lr", f"must be a positive finite number, got {self.lr!r}")
 
 
 @contextmanager
@@ -256,9 +259,9 @@ def train_tuned_lens(model: Transformer, tokens: torch.Tensor, settings: LensTra
     """A tuned lens for `model` trained on windows of `tokens` (N,) against the model's final
     distribution; `progress(step, loss)` hears each step's KL summed over the maps."""
     if isinstance(model, EncoderDecoder) or model.training:
-        raise ValueError("model: a tuned lens is trained on a decoder or encoder in eval mode")
+        raise InputError("model", "a tuned lens is trained on a decoder or encoder in eval mode")
     if tokens.ndim != 1 or len(tokens) == 0:
-        raise ValueError("data: no tokens to train the tuned lens on")
+        raise InputError("data", "no tokens to train the tuned lens on")
     weight = model.lm_head.weight
     lens = TunedLens.for_model(model.config).to(device=weight.device)
     optimizer = torch.optim.Adam(lens.parameters(), lr=settings.lr)

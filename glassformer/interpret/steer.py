@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
+from ..errors import InputError
 from ..formats.files import write_atomic
 from ..generation.config import Steer
 from ..model.config import ModelConfig
@@ -43,9 +44,9 @@ def check_site(config: ModelConfig, site: str) -> None:
     """Raises ValueError naming `steer` unless the model has `site` and it is d_model wide
     along a token axis (a residual stream, a norm's output, a sublayer's output)."""
     if site not in site_names(config):
-        raise ValueError(f"steer: the model has no site {site!r} (glassformer.trace lists them)")
+        raise InputError("steer", f"the model has no site {site!r} (glassformer.trace lists them)")
     if site_dims(site) != RESIDUAL_DIMS:
-        raise ValueError(f"steer: {site!r} is {site_dims(site)}; a vector is added where the "
+        raise InputError("steer", f"{site!r} is {site_dims(site)}; a vector is added where the "
                          "tensor is (batch, pos, d_model), e.g. blocks.3.resid_post")
 
 
@@ -54,7 +55,7 @@ def check_steer(config: ModelConfig, steers: Iterable[Steer]) -> None:
     for steer in steers:
         check_site(config, steer.site)
         if steer.vector.shape != (config.d_model,):
-            raise ValueError(f"steer: vector {steer.name!r} has width {steer.vector.shape[0]}, "
+            raise InputError("steer", f"vector {steer.name!r} has width {steer.vector.shape[0]}, "
                              f"the model's d_model is {config.d_model}")
 
 
@@ -63,12 +64,12 @@ def parse_head(config: ModelConfig, name: str) -> tuple[str, int]:
     naming `ablate` for a name that is not one of this model's heads."""
     match = HEAD.fullmatch(name) if isinstance(name, str) else None
     if match is None:
-        raise ValueError(f"ablate: {name!r} is not a head name like blocks.3.attn.head.2")
+        raise InputError("ablate", f"{name!r} is not a head name like blocks.3.attn.head.2")
     layer, head = int(match[1]), int(match[2])
     if config.n_encoder_layers or layer >= config.n_layers:
-        raise ValueError(f"ablate: the model has no block {layer} (n_layers={config.n_layers})")
+        raise InputError("ablate", f"the model has no block {layer} (n_layers={config.n_layers})")
     if head >= config.n_heads:
-        raise ValueError(f"ablate: block {layer} has no head {head} (n_heads={config.n_heads})")
+        raise InputError("ablate", f"block {layer} has no head {head} (n_heads={config.n_heads})")
     return f"blocks.{layer}.attn.context", head
 
 
@@ -92,14 +93,14 @@ class SteeringVector:
                 header_length = int.from_bytes(f.read(8), "little")
                 metadata = _metadata(f.read(header_length))
         except (SafetensorError, OSError) as error:
-            raise ValueError(f"{path}: not a steering vector file ({error})") from None
+            raise InputError(path, f"not a steering vector file ({error})") from None
         vector = tensors.get("vector")
         if set(tensors) != {"vector"} or vector.ndim != 1:
-            raise ValueError(f"{path}: a steering vector file holds one 1-D tensor named 'vector'")
+            raise InputError(path, "a steering vector file holds one 1-D tensor named 'vector'")
         if metadata.get("width") != str(vector.shape[0]) or not metadata.get("site"):
-            raise ValueError(f"{path}: its metadata must name the site and the vector's width")
+            raise InputError(path, "its metadata must name the site and the vector's width")
         if not bool(torch.isfinite(vector).all()):
-            raise ValueError(f"{path}: the vector holds non-finite values")
+            raise InputError(path, "the vector holds non-finite values")
         return cls(vector.float(), metadata["site"], metadata.get("model", ""))
 
     def steer(self, alpha: float, name: str = "") -> Steer:
@@ -115,7 +116,7 @@ def _metadata(header: bytes) -> dict[str, str]:
 def mean_activation(model: Transformer, prompts: Sequence[Sequence[int]], site: str) -> torch.Tensor:
     """The site's activation averaged over each prompt's tokens, then over the prompts: (d,)."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts: give at least one prompt, each with tokens")
+        raise InputError("prompts", "give at least one prompt, each with tokens")
     device = model.embed.tokens.weight.device
     means = []
     for prompt in prompts:

@@ -46,6 +46,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
 from ..model.kv_cache import KVCache
@@ -138,7 +139,7 @@ def site_dims(name: str) -> tuple[str, ...]:
     layer_sites = LAYER_SITES | (CROSS_SITES if stack == "decoder" else {})
     if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in layer_sites:
         return layer_sites[parts[2]]
-    raise ValueError(f"unknown hook site {name!r}; see glassformer.trace for the names")
+    raise InputError(None, f"unknown hook site {name!r}; see glassformer.trace for the names")
 
 
 def resolve_names(config: ModelConfig, names: Names) -> list[str]:
@@ -151,7 +152,7 @@ def resolve_names(config: ModelConfig, names: Names) -> list[str]:
     names = [names] if isinstance(names, str) else list(names)
     missing = sorted(set(names) - set(known))
     if missing:
-        raise ValueError(f"unknown hook site(s) for this model: {', '.join(missing)}")
+        raise InputError(None, f"unknown hook site(s) for this model: {', '.join(missing)}")
     return names
 
 
@@ -202,7 +203,7 @@ def ablate(
     if heads is not None:
         for site in sites:
             if site_dims(site)[1] not in HEAD_DIMS:
-                raise ValueError(f"heads: site {site!r} has no head dimension")
+                raise InputError("heads", f"site {site!r} has no head dimension")
 
     def zero(tensor: torch.Tensor, site: str) -> torch.Tensor:
         if heads is None:
@@ -222,8 +223,8 @@ def patch(model: Transformer, values: Mapping[str, torch.Tensor]) -> Iterator[No
     def replace(tensor: torch.Tensor, site: str) -> torch.Tensor:
         value = values[site]
         if value.shape != tensor.shape:
-            raise ValueError(
-                f"patch: {site} has shape {tuple(tensor.shape)}, got {tuple(value.shape)}"
+            raise InputError("patch",
+                f"{site} has shape {tuple(tensor.shape)}, got {tuple(value.shape)}"
             )
         return value.to(device=tensor.device, dtype=tensor.dtype)
 

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, get_args
 
+from ..errors import InputError
+
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "relative", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post"]
@@ -29,15 +31,15 @@ class ConfigFields:
     @classmethod
     def from_dict(cls: type[Config], values: dict[str, Any]) -> Config:
         if not isinstance(values, dict):
-            raise ValueError(f"{cls.__name__}: expected an object of fields, got {type(values).__name__}")
+            raise InputError(cls.__name__, f"expected an object of fields, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"{unknown[0]}: not a {cls.__name__} field")
+            raise InputError(unknown[0], f"not a {cls.__name__} field")
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in values
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
-            raise ValueError(f"{missing[0]}: a required {cls.__name__} field is missing")
+            raise InputError(missing[0], f"a required {cls.__name__} field is missing")
         return cls(**values)
 
     def replace(self: Config, **changes: Any) -> Config:
@@ -100,14 +102,14 @@ class ModelConfig(ConfigFields):
         for name in ("relative_buckets", "relative_max_distance"):
             _positive(name, getattr(self, name))
         if self.n_encoder_layers < 0:
-            raise ValueError(f"n_encoder_layers: must be 0 or more, got {self.n_encoder_layers}")
+            raise InputError("n_encoder_layers", f"must be 0 or more, got {self.n_encoder_layers}")
         if not 0 <= self.decoder_start_id < self.vocab_size:
-            raise ValueError(f"decoder_start_id: {self.decoder_start_id} is not a token id below "
+            raise InputError("decoder_start_id", f"{self.decoder_start_id} is not a token id below "
                              f"vocab_size={self.vocab_size}")
         if self.n_encoder_layers and not self.causal:
-            raise ValueError("causal: an encoder-decoder's decoder is causal (its encoder is not)")
+            raise InputError("causal", "an encoder-decoder's decoder is causal (its encoder is not)")
         if self.position == "relative" and self.relative_buckets < 4:
-            raise ValueError(f"relative_buckets: needs at least 4, got {self.relative_buckets}")
+            raise InputError("relative_buckets", f"needs at least 4, got {self.relative_buckets}")
         for name in ("n_kv_heads", "d_head", "d_ff", "sliding_window", "rope_original_context"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
@@ -121,36 +123,36 @@ class ModelConfig(ConfigFields):
             ("head", Head),
         ):
             if getattr(self, name) not in get_args(kind):
-                raise ValueError(
-                    f"{name}: unknown value {getattr(self, name)!r}; choose one of {get_args(kind)}"
+                raise InputError(name,
+                    f"unknown value {getattr(self, name)!r}; choose one of {get_args(kind)}"
                 )
         if self.d_head is None and self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model: {self.d_model} is not divisible by n_heads={self.n_heads} "
+            raise InputError("d_model",
+                f"{self.d_model} is not divisible by n_heads={self.n_heads} "
                 "(or set d_head explicitly)"
             )
         if self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"n_kv_heads: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}"
+            raise InputError("n_kv_heads",
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}"
             )
         if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"d_head: RoPE needs an even head size, got {self.head_dim}")
+            raise InputError("d_head", f"RoPE needs an even head size, got {self.head_dim}")
         if self.position == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"d_model: sinusoidal positions need an even d_model, got {self.d_model}")
+            raise InputError("d_model", f"sinusoidal positions need an even d_model, got {self.d_model}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+            raise InputError("dropout", f"must be in [0, 1), got {self.dropout}")
         if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps: must be positive, got {self.norm_eps}")
+            raise InputError("norm_eps", f"must be positive, got {self.norm_eps}")
         if self.rope_theta <= 0:
-            raise ValueError(f"rope_theta: must be positive, got {self.rope_theta}")
+            raise InputError("rope_theta", f"must be positive, got {self.rope_theta}")
         if self.rope_factor < 1.0:
-            raise ValueError(f"rope_factor: must be >= 1, got {self.rope_factor}")
+            raise InputError("rope_factor", f"must be >= 1, got {self.rope_factor}")
         if self.rope_scaling != "none" and self.position != "rope":
-            raise ValueError("rope_scaling: context extension applies to position='rope' only")
+            raise InputError("rope_scaling", "context extension applies to position='rope' only")
         if self.init_std <= 0:
-            raise ValueError(f"init_std: must be positive, got {self.init_std}")
+            raise InputError("init_std", f"must be positive, got {self.init_std}")
         if isinstance(self.n_token_types, bool) or self.n_token_types < 0:
-            raise ValueError(f"n_token_types: must be >= 0, got {self.n_token_types!r}")
+            raise InputError("n_token_types", f"must be >= 0, got {self.n_token_types!r}")
 
     @property
     def kv_heads(self) -> int:
@@ -191,11 +193,11 @@ def check_finite(config: Any) -> None:
             continue
         if kind in _KINDS and (not isinstance(value, _KINDS[kind])
                                or (kind != "bool" and isinstance(value, bool))):
-            raise ValueError(f"{field.name}: expected {kind}, got {value!r}")
+            raise InputError(field.name, f"expected {kind}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{field.name}: must be a finite number, got {value}")
+            raise InputError(field.name, f"must be a finite number, got {value}")
 
 
 def _positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        raise InputError(name, f"must be a positive integer, got {value!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import InputError
 from .config import ModelConfig
 from .hooks import Hooks
 from .kv_cache import KVCache
@@ -81,7 +82,7 @@ class EncoderDecoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if not config.n_encoder_layers:
-            raise ValueError("n_encoder_layers: 0 means a decoder-only Transformer")
+            raise InputError("n_encoder_layers", "0 means a decoder-only Transformer")
         self.config = config
         self.hooks = Hooks()
         self.embed = Embedding(config, self.hooks)  # one token table for both stacks
@@ -108,7 +109,7 @@ class EncoderDecoder(nn.Module):
         padding."""
         B, S = ids.shape
         if S > self.config.context_length:
-            raise ValueError(f"context: {S} source tokens exceed context_length="
+            raise InputError("context", f"{S} source tokens exceed context_length="
                              f"{self.config.context_length}")
         positions = torch.arange(S, device=ids.device).expand(B, S)  # (B, S)
         x = self.dropout(self.embed(ids, positions))  # (B, S, d)
@@ -135,8 +136,8 @@ class EncoderDecoder(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + T, device=ids.device).expand(B, T)  # (B, T)
         if start + T > self.config.context_length:
-            raise ValueError(
-                f"context: {start + T} tokens exceed context_length={self.config.context_length}"
+            raise InputError("context",
+                f"{start + T} tokens exceed context_length={self.config.context_length}"
             )
         if cache is None:
             kv = self.cross_kv(memory)

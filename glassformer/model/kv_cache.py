@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from ..errors import InputError
 from .config import ModelConfig
 from .kv_formats import KV_DTYPES, check_kv_dtype, dequantize_kv, is_scaled, quantize_kv
 from .layers.masking import AttentionMask
@@ -59,8 +60,8 @@ class KVCache:
     ) -> None:
         self.max_length = max_length or config.context_length
         if self.max_length > config.context_length:
-            raise ValueError(
-                f"max_length: {self.max_length} exceeds context_length={config.context_length}"
+            raise InputError("max_length",
+                f"{self.max_length} exceeds context_length={config.context_length}"
             )
         self.batch_size = batch_size
         self.shape = (batch_size, config.kv_heads, self.max_length, config.head_dim)
@@ -87,8 +88,8 @@ class KVCache:
         """Record the positions (B, T) about to be written; raises when they would not fit."""
         T = positions.shape[1]
         if self.length + T > self.max_length:
-            raise ValueError(
-                f"context: {self.length} cached + {T} new tokens exceed the cache's "
+            raise InputError("context",
+                f"{self.length} cached + {T} new tokens exceed the cache's "
                 f"{self.max_length} positions"
             )
         if self.positions.device != positions.device:
@@ -102,7 +103,7 @@ class KVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
         if mask is None:
-            raise ValueError("mask: the dense cache attends under the model's mask")
+            raise InputError("mask", "the dense cache attends under the model's mask")
         keys, values = self.update(layer, k, v)  # (B, KV, S, d_head): cached + new rows
         return attention(q, keys, values, mask)
 
@@ -160,7 +161,7 @@ class KVCache:
     def crop(self, length: int) -> None:
         """Forget every position from `length` on (e.g. to rewind a rejected continuation)."""
         if not 0 <= length <= self.length:
-            raise ValueError(f"length: must be within 0..{self.length}, got {length}")
+            raise InputError("length", f"must be within 0..{self.length}, got {length}")
         self.length = length
         self.valid[:, length:] = True
         self.padded = bool((~self.valid[:, :length]).any())

@@ -16,6 +16,8 @@ from types import MappingProxyType
 
 import torch
 
+from ..errors import InputError
+
 KV_DTYPES = MappingProxyType({
     "fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn,
 })
@@ -24,7 +26,7 @@ SCALE_TOP = MappingProxyType({"int8": 127.0, "fp8": torch.finfo(torch.float8_e4m
 
 def check_kv_dtype(kv_dtype: str) -> None:
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype: choose one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
+        raise InputError("kv_dtype", f"choose one of {tuple(KV_DTYPES)}, got {kv_dtype!r}")
 
 
 def is_scaled(kv_dtype: str | None) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import InputError
 from .config import ModelConfig
 
 _GPT1 = ModelConfig(
@@ -85,4 +86,4 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
+        raise InputError(None, f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None

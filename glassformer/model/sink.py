@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from .config import ModelConfig
 from .kv_cache import AttentionFn, KVCache
 from .layers.masking import AttentionMask
@@ -64,7 +65,7 @@ class SinkPolicy:
         for name, low in (("sink_tokens", 0), ("window", 1), ("chunk", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+                raise InputError(name, f"must be an integer >= {low}, got {value!r}")
 
     @property
     def capacity(self) -> int:
@@ -73,17 +74,17 @@ class SinkPolicy:
     def check(self, config: ModelConfig) -> None:
         """Refuse a model the policy cannot serve, naming the field."""
         if self.capacity > config.context_length:
-            raise ValueError(f"window: sink_tokens + window = {self.capacity} exceeds the model's "
+            raise InputError("window", f"sink_tokens + window = {self.capacity} exceeds the model's "
                              f"context_length={config.context_length}")
         if config.sliding_window is not None and self.capacity > config.sliding_window:
-            raise ValueError(f"window: sink_tokens + window = {self.capacity} exceeds the model's "
+            raise InputError("window", f"sink_tokens + window = {self.capacity} exceeds the model's "
                              f"sliding_window={config.sliding_window}")
         if config.position not in MOVABLE_POSITIONS:
-            raise ValueError(f"position: the sink policy places keys at positions within the cache; "
+            raise InputError("position", f"the sink policy places keys at positions within the cache; "
                              f"{config.position!r} positions are fixed in the embedding "
                              f"(use a {'/'.join(MOVABLE_POSITIONS)} model)")
         if not config.causal or config.n_encoder_layers:
-            raise ValueError("causal: the sink policy streams a decoder-only model's text")
+            raise InputError("causal", "the sink policy streams a decoder-only model's text")
 
     def slot(self, t: int) -> int:
         S, W = self.sink_tokens, self.window
@@ -201,9 +202,9 @@ class SinkKVCache(KVCache):
     def reserve(self, positions: torch.Tensor, pad_mask: torch.Tensor | None) -> None:
         T = positions.shape[1]
         if pad_mask is not None:
-            raise ValueError("context: the sink policy streams one text per row (no padding)")
+            raise InputError("context", "the sink policy streams one text per row (no padding)")
         if T > self.room():
-            raise ValueError(f"context: the sink cache takes {self.room()} new tokens now, got {T}")
+            raise InputError("context", f"the sink cache takes {self.room()} new tokens now, got {T}")
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
@@ -262,6 +263,6 @@ class SinkKVCache(KVCache):
     def crop(self, length: int) -> None:
         """Forget every token from `length` on; only possible before the first eviction."""
         if not 0 <= length <= self.seen or (length < self.seen and self.seen > self.max_length):
-            raise ValueError(f"length: a sink cache that saw {self.seen} tokens can be cut back "
+            raise InputError("length", f"a sink cache that saw {self.seen} tokens can be cut back "
                              "only before its first eviction")
         self.seen = length

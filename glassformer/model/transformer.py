@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..errors import InputError
 from .config import ModelConfig
 from .hooks import Hooks
 from .kv_cache import KVCache
@@ -31,7 +32,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.n_encoder_layers:
-            raise ValueError("n_encoder_layers: an encoder-decoder is an EncoderDecoder "
+            raise InputError("n_encoder_layers", "an encoder-decoder is an EncoderDecoder "
                              "(glassformer.model.build_model chooses)")
         self.config = config
         self.hooks = Hooks()
@@ -141,14 +142,14 @@ class Transformer(nn.Module):
         if start + T > config.context_length or (
             not contiguous and T and int(positions.max()) >= config.context_length
         ):
-            raise ValueError(
-                f"context: {start + T} tokens exceed context_length={config.context_length}"
+            raise InputError("context",
+                f"{start + T} tokens exceed context_length={config.context_length}"
             )
         if cache is not None and documents is not None:
-            raise ValueError("documents: packed sequences are for training, not with a cache")
+            raise InputError("documents", "packed sequences are for training, not with a cache")
         if cache is not None:
             if not config.causal:
-                raise ValueError("causal: a bidirectional model cannot decode incrementally")
+                raise InputError("causal", "a bidirectional model cannot decode incrementally")
             cache.reserve(positions, pad_mask)
             k_pos, k_valid = cache.key_positions(T), cache.key_valid(T)
         else:
@@ -203,7 +204,7 @@ class Transformer(nn.Module):
     def pool(self, h: torch.Tensor) -> torch.Tensor:
         """The pooled vector (B, d) of each sequence's final hidden states h (B, T, d)."""
         if self.pooler is None:
-            raise ValueError("pooler: this model has no pooler (pooler=False)")
+            raise InputError("pooler", "this model has no pooler (pooler=False)")
         return self.pooler(h)
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..accel.fast_decode import fused_adapter
+from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from ..training.lora import AdapterTensors, LoRAConfig, check_targets, read_lora, target_slices
@@ -68,14 +69,14 @@ def check_tensors(model: ModelConfig, config: LoRAConfig, tensors: AdapterTensor
     want = {(i, t) for i in range(model.n_layers) for t in config.targets}
     if set(tensors) != want:
         odd = sorted(set(tensors) ^ want)[0]
-        raise ValueError(f"{where}: the adapter's layers do not match the model's (layer {odd[0]}, "
+        raise InputError(where, f"the adapter's layers do not match the model's (layer {odd[0]}, "
                          f"target {odd[1]}): an adapter for another base")
     for (i, t), (a, b) in tensors.items():
         path, (start, stop) = slices[t]
         needed = {"A": (a, (config.rank, sizes[path])), "B": (b, (stop - start, config.rank))}
         for name, (saved, shape) in needed.items():
             if tuple(saved.shape) != shape:
-                raise ValueError(f"{where}: layer {i} {t} lora_{name} has shape {tuple(saved.shape)}, "
+                raise InputError(where, f"layer {i} {t} lora_{name} has shape {tuple(saved.shape)}, "
                                  f"this model and r={config.rank} need {shape}: an adapter for another "
                                  "base, or another rank")
 
@@ -116,11 +117,11 @@ class Adapters:
     def read(self, name: str, path: str | Path) -> ServedAdapter:
         """An adapter folder read and checked against the served model (nothing is registered)."""
         if not isinstance(name, str) or not name.strip():
-            raise ValueError(f"lora_name: a non-empty name, got {name!r}")
+            raise InputError("lora_name", f"a non-empty name, got {name!r}")
         try:
             config, tensors, folder = read_lora(path, self.base)
         except FileNotFoundError as error:
-            raise ValueError(f"lora_path: {error}") from None
+            raise InputError("lora_path", f"{error}") from None
         check_targets(self.config, config)
         check_tensors(self.config, config, tensors, str(folder))
         slices = target_slices(self.config)
@@ -144,7 +145,7 @@ class Adapters:
 
     def add(self, adapter: ServedAdapter) -> None:
         if adapter.name in self._by_name:
-            raise ValueError(f"lora_name: {adapter.name!r} is loaded already; unload it first")
+            raise InputError("lora_name", f"{adapter.name!r} is loaded already; unload it first")
         self._by_name[adapter.name] = adapter
 
     def remove(self, name: str) -> None:

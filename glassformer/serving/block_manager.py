@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..errors import InputError
 from .sequence import Sequence
 
 
@@ -45,7 +46,8 @@ def prefix_key(tokens: tuple[int, ...], parent: int | tuple | None) -> int:
 class BlockManager:
     def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if n_blocks < 1 or block_size < 1:
-            raise ValueError(f"blocks: need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
+            raise InputError("blocks",
+                             f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
         self.block_size, self.prefix_caching = block_size, prefix_caching
         self.blocks = [Block(i) for i in range(n_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))  # LRU first
@@ -128,7 +130,7 @@ class BlockManager:
         if block.ref_count == 1:
             return None
         if not self.free:
-            raise ValueError("blocks: no free block for a copy-on-write")
+            raise InputError("blocks", "no free block for a copy-on-write")
         copy = self._take()
         self._unref(block.id)
         seq.block_table[index] = copy.id

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..interpret.lens import lens_sites, read_out, top_of
 from ..interpret.trace import EMBED_SITES, LAYER_SITES, site_dims, site_names
 from ..model.config import ModelConfig
@@ -65,9 +66,9 @@ def check_capture(config: ModelConfig, sites: tuple[str, ...]) -> None:
     known = set(site_names(config))
     for site in sites:
         if site not in known:
-            raise ValueError(f"capture: the model has no site {site!r} (glassformer.trace lists them)")
+            raise InputError("capture", f"the model has no site {site!r} (glassformer.trace lists them)")
         if token_axis(site) is None:
-            raise ValueError(f"capture: {site!r} has no token axis; the engine keeps sites with one "
+            raise InputError("capture", f"{site!r} has no token axis; the engine keeps sites with one "
                              "(attention weights, the final norm and the logits are not kept)")
 
 

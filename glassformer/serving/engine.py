@@ -26,6 +26,7 @@ import torch
 
 from ..accel.greedy import argmax_rows
 from ..accel.threads import ThreadPolicy, hand_over_cores
+from ..errors import InputError
 from ..generation.config import GenerationResult, RequestParams
 from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
@@ -74,13 +75,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
-            raise ValueError(f"attention: choose one of {ATTENTION}, got {self.attention!r}")
+            raise InputError("attention", f"choose one of {ATTENTION}, got {self.attention!r}")
         if self.kv_memory_mb <= 0:
-            raise ValueError(f"kv_memory_mb: must be positive, got {self.kv_memory_mb}")
+            raise InputError("kv_memory_mb", f"must be positive, got {self.kv_memory_mb}")
         if self.sink is not None and not isinstance(self.sink, SinkPolicy):
-            raise ValueError(f"sink: a SinkPolicy or None, got {type(self.sink).__name__}")
+            raise InputError("sink", f"a SinkPolicy or None, got {type(self.sink).__name__}")
         if self.sink is not None and self.kv_dtype != "fp32":
-            raise ValueError(f"sink: the sink policy keeps float32 keys; not with kv_dtype={self.kv_dtype!r}")
+            raise InputError("sink",
+                             f"the sink policy keeps float32 keys; not with kv_dtype={self.kv_dtype!r}")
 
 
 class Engine:
@@ -92,7 +94,7 @@ class Engine:
         source, which a LoRA adapter's base name must match where both are known here."""
         reason = CAPABILITIES.why_not(model.config)
         if reason is not None:
-            raise ValueError(reason)
+            raise InputError(None, reason)
         if config.sink is not None:
             config.sink.check(model.config)
         self.model, self.tokenizer, self.config, self.threads = model.eval(), tokenizer, config, threads
@@ -135,23 +137,23 @@ class Engine:
         if self._error is not None:
             raise RuntimeError(f"engine: stopped after an error ({self._error!r})")
         if not isinstance(params, RequestParams):
-            raise ValueError(f"params: a RequestParams, got {type(params).__name__}")
+            raise InputError("params", f"a RequestParams, got {type(params).__name__}")
         prompt = list(prompt)
         if not prompt:
-            raise ValueError("prompt: empty; give at least one token")
+            raise InputError("prompt", "empty; give at least one token")
         if len(prompt) > self.window:
-            raise ValueError(f"prompt: {len(prompt)} tokens exceed context_length={mc.context_length}")
+            raise InputError("prompt", f"{len(prompt)} tokens exceed context_length={mc.context_length}")
         if self.config.sink is not None and params.beams > 1:
-            raise ValueError("beams: not with the sink policy (beams would share a ring of slots)")
+            raise InputError("beams", "not with the sink policy (beams would share a ring of slots)")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer to decode the text")
+            raise InputError("stop", "stop strings need a tokenizer to decode the text")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in prompt):
-            raise ValueError(f"prompt: token ids must be integers in 0..{mc.vocab_size - 1}")
+            raise InputError("prompt", f"token ids must be integers in 0..{mc.vocab_size - 1}")
         check_capture(mc, params.capture)
         check_lens(mc, params.lens_layers)
         check_edits(mc, params)
         if params.logprobs is not None and params.logprobs > mc.vocab_size:
-            raise ValueError(f"logprobs: at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")
+            raise InputError("logprobs", f"at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")
         slots = self.config.sink.capacity if self.config.sink else mc.context_length
         longest = min(len(prompt) + params.max_new_tokens, slots)
         needed = self.blocks.blocks_for(longest) * params.beams  # every beam may need its own
@@ -169,10 +171,10 @@ class Engine:
             if self._closed:
                 raise RuntimeError("engine: closed; submit to a new Engine")
             if seq.id in self._handles:
-                raise ValueError(f"request_id: {seq.id!r} is already in use")
+                raise InputError("request_id", f"{seq.id!r} is already in use")
             if params.adapter is not None:
                 if params.adapter not in self.adapters:
-                    raise ValueError(f"adapter: no LoRA adapter named {params.adapter!r} is loaded "
+                    raise InputError("adapter", f"no LoRA adapter named {params.adapter!r} is loaded "
                                      f"(loaded: {', '.join(self.adapters.names()) or 'none'})")
                 seq.prefix_root = self.adapters[params.adapter].key
             self._handles[seq.id] = (unit, handle)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..generation.config import RequestParams
 from ..interpret.steer import check_steer, parse_head
 from ..model.config import ModelConfig
@@ -40,7 +41,7 @@ def check_edits(config: ModelConfig, params: RequestParams) -> None:
     check_steer(config, params.steer)
     for steer in params.steer:
         if token_axis(steer.site) is None:
-            raise ValueError(f"steer: {steer.site!r} has no token axis")
+            raise InputError("steer", f"{steer.site!r} has no token axis")
     for name in params.ablate:
         parse_head(config, name)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.kv_formats import (
     KV_DTYPES,
@@ -58,7 +59,7 @@ class KVPool:
         if n_blocks <= self.allocated:
             return
         if n_blocks > self.n_blocks:
-            raise ValueError(f"blocks: {n_blocks} needed, the pool has {self.n_blocks}")
+            raise InputError("blocks", f"{n_blocks} needed, the pool has {self.n_blocks}")
         grown = min(self.n_blocks, max(n_blocks, self.allocated + self.allocated // 4))
         extra = (grown - self.allocated) * self.block_size  # new slots
         for store in (self.keys, self.values, self.key_scales, self.value_scales):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..errors import InputError
 from ..model.sink import SinkPolicy
 from .block_manager import BlockManager
 from .interventions import changes, uses_hooks
@@ -46,12 +47,12 @@ class Scheduler:
         (the fast attention's query group, paged_attention.py `query_group`; at most
         token_budget, so the oldest request always proceeds)."""
         if max_batch < 1:
-            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+            raise InputError("max_batch", f"must be >= 1, got {max_batch}")
         if token_budget < max_batch:
-            raise ValueError(f"token_budget: must be >= max_batch={max_batch}, got {token_budget}")
+            raise InputError("token_budget", f"must be >= max_batch={max_batch}, got {token_budget}")
         self.blocks, self.max_batch, self.token_budget = blocks, max_batch, token_budget
         if not 1 <= align <= token_budget:
-            raise ValueError(f"align: between 1 and token_budget={token_budget}, got {align}")
+            raise InputError("align", f"between 1 and token_budget={token_budget}, got {align}")
         self.sink, self.align = sink, align
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

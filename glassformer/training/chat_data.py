@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError
 from ..formats.tokenizers import HFTokenizer
 from .head_loss import language_model_loss
 from .masking import IGNORE
@@ -40,7 +41,7 @@ def is_chat_data(sources: Sequence[Path]) -> bool:
     """Chat data is given as .jsonl files (every source, or the run is refused)."""
     chat = [Path(s).suffix == ".jsonl" for s in sources]
     if any(chat) and not all(chat):
-        raise ValueError("data: chat files (.jsonl) and text files cannot be mixed in one run")
+        raise InputError("data", "chat files (.jsonl) and text files cannot be mixed in one run")
     return bool(chat) and all(chat)
 
 
@@ -53,7 +54,7 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
             if line.strip():
                 conversations.append(_messages(line, f"{path}:{number}"))
     if not any(m["role"] == "assistant" for c in conversations for m in c):
-        raise ValueError(f"{path}: no assistant turns (chat fine-tuning learns the assistant's "
+        raise InputError(path, "no assistant turns (chat fine-tuning learns the assistant's "
                          "replies; each line needs a message with role 'assistant')")
     return conversations
 
@@ -62,15 +63,15 @@ def _messages(line: str, where: str) -> list[dict[str, str]]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+        raise InputError(where, f"not valid JSON ({error.msg})") from None
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+        raise InputError(None, f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ValueError(f"{where}: messages[{i}].role must be one of {', '.join(ROLES)}")
+            raise InputError(where, f"messages[{i}].role must be one of {', '.join(ROLES)}")
         if not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: messages[{i}].content must be a string")
+            raise InputError(where, f"messages[{i}].content must be a string")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -91,7 +92,7 @@ def render(tokenizer, messages: list[dict[str, str]]) -> Conversation:
         through = tokenizer.render_chat(messages[: i + 1], add_generation_prompt=False)
         if not (whole.startswith(before) and whole.startswith(through)
                 and cuts[-1] <= len(before) <= len(through)):
-            raise ValueError("chat template: a conversation's prefix does not render as a "
+            raise InputError(None, "chat template: a conversation's prefix does not render as a "
                              "prefix of it, so the assistant turns cannot be found")
         cuts += [len(before), len(through)]
         spans.append(len(cuts) - 2)  # the piece cuts[-2]:cuts[-1] is an assistant turn
@@ -138,7 +139,7 @@ def pack(conversations: Sequence[Conversation], length: int, pad_id: int) -> Pac
         document = rows[-1][-1][3] + 1 if rows[-1] else 0
         rows[-1] += [(x, y, j, document) for j, (x, y) in enumerate(pairs)]
     if not rows[-1]:
-        raise ValueError("data: no conversation has an assistant token within the context")
+        raise InputError("data", "no conversation has an assistant token within the context")
     for row in rows:
         pad = length - len(row)
         document = row[-1][3] + 1
@@ -158,14 +159,14 @@ class ChatData:
     def build(cls, sources: Sequence[Path], tokenizer, length: int,
               val_fraction: float) -> ChatData:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("data: chat data (.jsonl) is rendered with the model's chat "
+            raise InputError("data", "chat data (.jsonl) is rendered with the model's chat "
                              "template, and this tokenizer has none (start from a chat model "
                              "with --init)")
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction: must be in (0, 1), got {val_fraction}")
+            raise InputError("val_fraction", f"must be in (0, 1), got {val_fraction}")
         conversations = [render(tokenizer, m) for s in sources for m in read_conversations(s)]
         if len(conversations) < 2:
-            raise ValueError("data: chat data needs at least two conversations (one for "
+            raise InputError("data", "chat data needs at least two conversations (one for "
                              "validation)")
         n_val = max(1, int(len(conversations) * val_fraction))
         pad = tokenizer.eos_id

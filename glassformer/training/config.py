@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import InputError
 from ..model.config import ConfigFields, ModelConfig, check_finite
 from .lora import LoRAConfig
 
@@ -60,37 +61,37 @@ class TrainConfig(ConfigFields):
                      "log_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+                raise InputError(name, f"must be a positive integer, got {value!r}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "warmup_iters", "sample_tokens"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+                raise InputError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.min_lr > self.lr:
-            raise ValueError(f"min_lr: {self.min_lr} is above lr={self.lr}")
+            raise InputError("min_lr", f"{self.min_lr} is above lr={self.lr}")
         if self.optimizer not in ("adamw", "muon"):
-            raise ValueError(f"optimizer: choose adamw or muon, got {self.optimizer!r}")
+            raise InputError("optimizer", f"choose adamw or muon, got {self.optimizer!r}")
         if self.muon_lr < 0:
-            raise ValueError(f"muon_lr: must be >= 0, got {self.muon_lr}")
+            raise InputError("muon_lr", f"must be >= 0, got {self.muon_lr}")
         for name in ("beta1", "beta2", "muon_momentum"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name}: must be in [0, 1), got {getattr(self, name)}")
+                raise InputError(name, f"must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction: must be in (0, 1), got {self.val_fraction}")
+            raise InputError("val_fraction", f"must be in (0, 1), got {self.val_fraction}")
         if self.max_time is not None and self.max_time <= 0:
-            raise ValueError(f"max_time: must be positive, got {self.max_time}")
+            raise InputError("max_time", f"must be positive, got {self.max_time}")
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype: choose float32 or bfloat16, got {self.dtype!r}")
+            raise InputError("dtype", f"choose float32 or bfloat16, got {self.dtype!r}")
         if self.tokenizer not in ("char", "bpe"):
-            raise ValueError(f"tokenizer: choose char or bpe, got {self.tokenizer!r}")
+            raise InputError("tokenizer", f"choose char or bpe, got {self.tokenizer!r}")
         if self.tokenizer == "bpe" and self.vocab_size is None:
-            raise ValueError("vocab_size: a bpe tokenizer needs --vocab-size")
+            raise InputError("vocab_size", "a bpe tokenizer needs --vocab-size")
         if self.objective not in ("clm", "span", "mlm"):
-            raise ValueError(f"objective: choose clm, span or mlm, got {self.objective!r}")
+            raise InputError("objective", f"choose clm, span or mlm, got {self.objective!r}")
         if self.init is not None and (not isinstance(self.init, str) or not self.init):
-            raise ValueError(f"init: expected a model name or path, got {self.init!r}")
+            raise InputError("init", f"expected a model name or path, got {self.init!r}")
         if self.lora is not None and self.init is None:
-            raise ValueError("lora_rank: LoRA adapts a pretrained model; give --init")
+            raise InputError("lora_rank", "LoRA adapts a pretrained model; give --init")
         if self.documents not in ("file", "line", "blank"):
-            raise ValueError(f"documents: choose file, line or blank, got {self.documents!r}")
+            raise InputError("documents", f"choose file, line or blank, got {self.documents!r}")
 
     @property
     def lora(self) -> LoRAConfig | None:
@@ -152,7 +153,7 @@ def get_recipe(name: str) -> Recipe:
     try:
         return RECIPES[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(RECIPES))}") from None
+        raise InputError(None, f"unknown preset {name!r}; known: {', '.join(sorted(RECIPES))}") from None
 
 
 def resume_conflicts(saved: TrainConfig, asked: TrainConfig) -> list[str]:

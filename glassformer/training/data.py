@@ -21,6 +21,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ..errors import InputError
+
 Documents = Literal["file", "line", "blank"]  # one per file, one per line, blank-line separated
 _FLUSH_TOKENS = 1 << 20
 
@@ -45,7 +47,7 @@ def list_sources(paths: str | Path | Sequence[str | Path]) -> list[Path]:
             raise FileNotFoundError(f"data file not found: {path}")
     for source in sources:
         if source.stat().st_size == 0:
-            raise ValueError(f"data file is empty: {source}")
+            raise InputError(None, f"data file is empty: {source}")
     return sources
 
 
@@ -60,12 +62,12 @@ def _warn_skipped(folder: Path, skipped: list[Path], shown: int = 8) -> None:
 def iter_documents(sources: Sequence[Path], documents: Documents = "file") -> Iterator[str]:
     """The documents in `sources`, lazily; empty documents are skipped."""
     if documents not in ("file", "line", "blank"):
-        raise ValueError(f"documents: unknown value {documents!r}; choose file, line or blank")
+        raise InputError("documents", f"unknown value {documents!r}; choose file, line or blank")
     for source in sources:
         try:
             yield from _documents(Path(source), documents)
         except UnicodeDecodeError as error:
-            raise ValueError(f"{source}: not valid UTF-8 ({error.reason}); the data must be text") from None
+            raise InputError(source, f"not valid UTF-8 ({error.reason}); the data must be text") from None
 
 
 def _documents(source: Path, documents: Documents) -> Iterator[str]:
@@ -144,15 +146,15 @@ class TokenData:
         path = Path(path)
         meta = json.loads(path.with_suffix(".json").read_text())
         if meta["n_tokens"] == 0:
-            raise ValueError(f"no tokens in {path}")
+            raise InputError(None, f"no tokens in {path}")
         tokens = np.memmap(path, dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction: must be in (0, 1), got {val_fraction}")
+            raise InputError("val_fraction", f"must be in (0, 1), got {val_fraction}")
         n_val = int(len(tokens) * val_fraction)
         data = cls(tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:])
         for name, split in (("training", data.train), ("validation", data.val)):
             if len(split) < context_length + 1:
-                raise ValueError(
+                raise InputError(None,
                     f"corpus too short: the {name} split has {len(split)} tokens, one window "
                     f"needs context_length + 1 = {context_length + 1} "
                     f"({len(tokens)} tokens in all, {val_fraction:.0%} for validation)"

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import InputError
+
 
 @dataclass(frozen=True)
 class Process:
@@ -32,18 +34,18 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device: unknown device {name!r} (cpu, cuda, cuda:N, mps)") from None
+        raise InputError("device", f"unknown device {name!r} (cpu, cuda, cuda:N, mps)") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device: {name!r} asked for, but CUDA is not available here")
+            raise InputError("device", f"{name!r} asked for, but CUDA is not available here")
         if device.index is None:
             device = torch.device("cuda", local_rank)
         if device.index >= torch.cuda.device_count():
-            raise ValueError(f"device: {name!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+            raise InputError("device", f"{name!r}: this machine has {torch.cuda.device_count()} GPU(s)")
     elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device: {name!r} asked for, but MPS is not available here")
+        raise InputError("device", f"{name!r} asked for, but MPS is not available here")
     elif device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"device: {name!r} is not supported (cpu, cuda, cuda:N, mps)")
+        raise InputError("device", f"{name!r} is not supported (cpu, cuda, cuda:N, mps)")
     return device
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..errors import InputError
 from ..model.transformer import Transformer
 from .masking import IGNORE
 
@@ -80,7 +81,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     and targets (...), `reduction` "mean" (over the counted targets; 0 where none counts) or
     "sum", without the logits; gradients for whichever of h, weight, bias need one."""
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction: 'mean' or 'sum', got {reduction!r}")
+        raise InputError("reduction", f"'mean' or 'sum', got {reduction!r}")
     rows, y = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # (N, d), (N,)
     tracked = torch.is_grad_enabled()
     grads = tuple(tracked and t is not None and t.requires_grad for t in (rows, weight, bias))

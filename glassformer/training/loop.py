@@ -22,6 +22,7 @@ from tqdm import tqdm
 from ..accel.decisions import bf16_products_pay
 from ..accel.fast_training import clip_grad_norm_, use_fast_training
 from ..accel.threads import ThreadPolicy
+from ..errors import InputError
 from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
 from ..formats.peft import read_adapter
 from ..formats.tokenizers import train_tokenizer
@@ -138,20 +139,20 @@ def _prepare(data, out: Path, model_config, config: TrainConfig, resume: bool, p
     objective = get_objective(config.objective)
     sources = list_sources(data)
     if is_chat_data(sources) and (config.init is None or config.objective != "clm"):
-        raise ValueError("data: chat data (.jsonl) fine-tunes a pretrained chat model: pass "
+        raise InputError("data", "chat data (.jsonl) fine-tunes a pretrained chat model: pass "
                          "--init, with the default objective clm")
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out}: not a folder (--out names the run folder)")
     if not resume:
         left = run_contents(out)
         if left:
-            raise ValueError(f"{out} already holds a training run ({', '.join(left[:4])}"
+            raise InputError(None, f"{out} already holds a training run ({', '.join(left[:4])}"
                              f"{' ...' if len(left) > 4 else ''}): pass --resume to continue it, "
                              "or give a fresh --out")
         if config.init is not None:  # the pretrained model's config, weights and tokenizer
             pretrained, tokenizer = load_pretrained(config.init)
             if tokenizer.eos_id is None:  # documents are joined with it
-                raise ValueError(f"init: {config.init}'s tokenizer has no end-of-text token")
+                raise InputError("init", f"{config.init}'s tokenizer has no end-of-text token")
             model_config = run_config(pretrained.config, model_config, config.init)
             objective.check(model_config)
             if config.lora is not None:
@@ -173,7 +174,7 @@ def _prepare(data, out: Path, model_config, config: TrainConfig, resume: bool, p
     conflicts = [f"{k}={asked[k]!r} (saved {saved[k]!r})" for k in saved if saved[k] != asked[k]]
     conflicts += resume_conflicts(TrainConfig.from_dict(checkpoint.meta["train"]), config)
     if conflicts:
-        raise ValueError(f"cannot resume {out}: this run asks for {', '.join(conflicts)}")
+        raise InputError(None, f"cannot resume {out}: this run asks for {', '.join(conflicts)}")
     pretrained = load_pretrained(config.init)[0] if config.lora is not None else None  # the base
     return sources, tokenizer, model_config, checkpoint, pretrained
 
@@ -383,7 +384,7 @@ def _check_finite(name: str, value: float, step: int, out: Path) -> None:
     if not math.isfinite(value):
         kept = f"; the last good checkpoint is {(out / 'latest').resolve()}" \
             if (out / "latest").is_symlink() else "; no checkpoint was saved"
-        raise ValueError(f"training diverged at step {step}: the {name} is {value} "
+        raise InputError(None, f"training diverged at step {step}: the {name} is {value} "
                          f"(try a lower --lr){kept}")
 
 

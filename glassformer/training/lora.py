@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..errors import InputError
 from ..formats.hub import MODELS
 from ..formats.peft import ADAPTER_CONFIG, read_adapter, write_adapter
 from ..model.config import ModelConfig
@@ -37,14 +38,14 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lora_rank: must be an integer >= 1, got {self.rank!r}")
+            raise InputError("lora_rank", f"must be an integer >= 1, got {self.rank!r}")
         if not self.alpha > 0:
-            raise ValueError(f"lora_alpha: must be > 0, got {self.alpha!r}")
+            raise InputError("lora_alpha", f"must be > 0, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora_dropout: must be in [0, 1), got {self.dropout!r}")
+            raise InputError("lora_dropout", f"must be in [0, 1), got {self.dropout!r}")
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
-            raise ValueError(f"lora_targets: {','.join(self.targets)!r}: give distinct names "
+            raise InputError("lora_targets", f"{','.join(self.targets)!r}: give distinct names "
                              f"among {','.join(TARGETS)}")
 
     @property
@@ -162,12 +163,12 @@ def target_slices(config: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]
 def check_targets(model: ModelConfig, config: LoRAConfig) -> None:
     """Refuses targets the model lacks, before anything is built or written."""
     if model.n_encoder_layers:
-        raise ValueError("lora_targets: LoRA here adapts decoder-only and encoder models, "
+        raise InputError("lora_targets", "LoRA here adapts decoder-only and encoder models, "
                          "not encoder-decoders")
     slices = target_slices(model)
     missing = [t for t in config.targets if t not in slices]
     if missing:
-        raise ValueError(f"lora_targets: this model has no {missing[0]!r} projection (a "
+        raise InputError("lora_targets", f"this model has no {missing[0]!r} projection (a "
                          f"feed-forward without a gate); choose among {','.join(slices)}")
 
 
@@ -203,13 +204,13 @@ def load_adapter_tensors(model: nn.Module, tensors: AdapterTensors, where: str) 
             for t in layer.slices}
     if set(tensors) != set(have):
         odd = sorted(set(tensors) ^ set(have))[0]
-        raise ValueError(f"{where}: the adapter's layers do not match the model's "
+        raise InputError(where, f"the adapter's layers do not match the model's "
                          f"(layer {odd[0]}, target {odd[1]})")
     for (i, t), (a, b) in tensors.items():
         layer = have[(i, t)]
         for name, saved, param in (("A", a, layer.lora_A[t]), ("B", b, layer.lora_B[t])):
             if saved.shape != param.shape:
-                raise ValueError(f"{where}: layer {i} {t} lora_{name} has shape {tuple(saved.shape)}"
+                raise InputError(where, f"layer {i} {t} lora_{name} has shape {tuple(saved.shape)}"
                                  f", the model needs {tuple(param.shape)}: an adapter for another "
                                  "base")
             param.copy_(saved)
@@ -239,7 +240,7 @@ def read_lora(folder: str | Path, base: str | None = None) -> tuple[LoRAConfig, 
     settings, tensors = read_adapter(folder)
     named = settings["base"]
     if base is not None and named and known_here(named) and not same_model(named, base):
-        raise ValueError(f"{folder}: the adapter was trained on {settings['base']}, not {base}")
+        raise InputError(folder, f"the adapter was trained on {settings['base']}, not {base}")
     config = LoRAConfig(settings["rank"], settings["alpha"], settings["dropout"], settings["targets"])
     return config, tensors, folder
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InputError
 from ..formats.tokenizers import MASK, CharTokenizer, HFTokenizer
 
 IGNORE = -100  # a target that counts for nothing (cross_entropy's ignore_index)
@@ -48,4 +49,4 @@ def with_mask_token(tokenizer):
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.tokenizer.add_special_tokens([MASK])
         return HFTokenizer(tokenizer.tokenizer, tokenizer.eos_token, tokenizer.bos_token)
-    raise ValueError(f"objective: masked LM has no mask token for a {type(tokenizer).__name__}")
+    raise InputError("objective", f"masked LM has no mask token for a {type(tokenizer).__name__}")

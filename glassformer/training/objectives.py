@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 from .head_loss import language_model_loss
 from .masking import apply_masks, draw_choices, with_mask_token
@@ -35,7 +36,7 @@ class CausalLM:
 
     def check(self, config: ModelConfig) -> None:
         if config.n_encoder_layers:
-            raise ValueError("objective: clm trains decoder-only models; an encoder-decoder "
+            raise InputError("objective", "clm trains decoder-only models; an encoder-decoder "
                              "trains with --objective span")
 
     def prepare_tokenizer(self, tokenizer, context_length: int):
@@ -60,7 +61,7 @@ class SpanCorruption:
 
     def check(self, config: ModelConfig) -> None:
         if not config.n_encoder_layers:
-            raise ValueError("objective: span corruption trains encoder-decoder models "
+            raise InputError("objective", "span corruption trains encoder-decoder models "
                              "(e.g. --model tiny-t5)")
         span_counts(config.context_length)
 
@@ -88,7 +89,7 @@ class MaskedLM:
 
     def check(self, config: ModelConfig) -> None:
         if config.causal or config.n_encoder_layers:
-            raise ValueError("objective: mlm trains a bidirectional encoder (causal=False, no "
+            raise InputError("objective", "mlm trains a bidirectional encoder (causal=False, no "
                              "decoder; e.g. --preset tiny-bert)")
 
     def prepare_tokenizer(self, tokenizer, context_length: int):
@@ -100,7 +101,7 @@ class MaskedLM:
 
     def batch(self, x: torch.Tensor, y: torch.Tensor, tokenizer, masks: torch.Tensor | None = None) -> Batch:
         if tokenizer.mask_id is None:
-            raise ValueError("objective: mlm needs a tokenizer with a mask token")
+            raise InputError("objective", "mlm needs a tokenizer with a mask token")
         return apply_masks(x, masks, tokenizer.mask_id, tokenizer.vocab_size)
 
     def loss(self, model: torch.nn.Module, batch: Batch, reduction: str = "mean") -> torch.Tensor:
@@ -115,4 +116,4 @@ def get_objective(name: str):
     try:
         return OBJECTIVES[name]
     except KeyError:
-        raise ValueError(f"objective: unknown {name!r}; choose one of {', '.join(OBJECTIVES)}") from None
+        raise InputError("objective", f"unknown {name!r}; choose one of {', '.join(OBJECTIVES)}") from None

@@ -24,6 +24,7 @@ from torch.optim._muon import _adjust_lr
 
 from ..accel import kernels
 from ..accel.decisions import bf16_products_pay
+from ..errors import InputError
 from ..model.transformer import Transformer
 from .config import TrainConfig
 
@@ -61,7 +62,7 @@ class Optimizers:
     def load_state_dict(self, state_dict: dict) -> None:
         groups, offset = list(state_dict["param_groups"]), 0
         if len(groups) != len(self.param_groups):
-            raise ValueError("the saved optimizer state has a different set of parameter groups")
+            raise InputError(None, "the saved optimizer state has a different set of parameter groups")
         for opt in self.optimizers:
             mine, groups = groups[: len(opt.param_groups)], groups[len(opt.param_groups):]
             count = sum(len(g["params"]) for g in mine)

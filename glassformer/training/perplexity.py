@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from .data import Documents, iter_documents, list_sources, windows
 
 
@@ -32,13 +33,13 @@ def perplexity(model: torch.nn.Module, ids: np.ndarray, batch_size: int = 8,
     """Loss over consecutive, non-overlapping windows of context_length + 1 tokens."""
     T = model.config.context_length
     if not model.config.causal:
-        raise ValueError("perplexity: an encoder (bidirectional attention) sees the tokens it would "
+        raise InputError("perplexity", "an encoder (bidirectional attention) sees the tokens it would "
                          "predict; next-token perplexity needs a causal model")
     if max_tokens is not None:
         ids = ids[: max_tokens + 1]
     window = min(T, len(ids) - 1)
     if window < 1:
-        raise ValueError(f"the text has {len(ids)} tokens: too short to predict any")
+        raise InputError(None, f"the text has {len(ids)} tokens: too short to predict any")
     n_windows = (len(ids) - 1) // window
     starts = torch.arange(n_windows) * window  # (n_windows,)
     device = next(model.parameters()).device

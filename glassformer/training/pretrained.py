@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
 from ..model.config import ModelConfig
 
 # Fields a fine-tuning run may set differently from the pretrained model: regularization, the
@@ -39,20 +40,20 @@ def run_config(pretrained: ModelConfig, asked: dict[str, Any] | ModelConfig | No
     asked, have = dict(asked or {}), pretrained.to_dict()
     unknown = [k for k in asked if k not in have]
     if unknown:
-        raise ValueError(f"{unknown[0]}: not a ModelConfig field")
+        raise InputError(unknown[0], "not a ModelConfig field")
     conflicts = [f"{k}={v!r} (it has {have[k]!r})" for k, v in asked.items()
                  if k not in ADJUSTABLE and v != have[k]]
     if conflicts:
-        raise ValueError(f"init: {source} fixes the model, but the run asks for "
+        raise InputError("init", f"{source} fixes the model, but the run asks for "
                          f"{', '.join(conflicts)}; leave these fields out")
     config = pretrained.replace(**{k: v for k, v in asked.items() if k in ADJUSTABLE})
     if config.context_length != pretrained.context_length:
         if config.position != "rope" or config.rope_scaling != "none":
-            raise ValueError(f"context_length: {source} has {config.position} positions"
+            raise InputError("context_length", f"{source} has {config.position} positions"
                              f"{'' if config.rope_scaling == 'none' else ' with context extension'}"
                              f"; keep its context_length {pretrained.context_length}")
         if config.context_length > pretrained.context_length:
-            raise ValueError(f"context_length: {config.context_length} is longer than "
+            raise InputError("context_length", f"{config.context_length} is longer than "
                              f"{source}'s {pretrained.context_length}")
     return config
 

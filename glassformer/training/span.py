@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import AddedToken
 
+from ..errors import InputError
 from ..formats.tokenizers import CharTokenizer, HFTokenizer
 
 NOISE_DENSITY = 0.15
@@ -31,7 +32,7 @@ def span_counts(length: int, density: float = NOISE_DENSITY,
                 mean_span: float = MEAN_SPAN_LENGTH) -> tuple[int, int]:
     """(noise tokens, noise spans) in a window of `length` tokens (at least 2)."""
     if length < 2:
-        raise ValueError(f"context_length: span corruption needs windows of 2 or more tokens, got {length}")
+        raise InputError("context_length", f"span corruption needs windows of 2 or more tokens, got {length}")
     n_noise = min(max(round(length * density), 1), length - 1)
     return n_noise, max(round(n_noise / mean_span), 1)
 
@@ -84,7 +85,7 @@ def with_sentinels(tokenizer, n: int):
         tokenizer.tokenizer.add_special_tokens([AddedToken(f"<extra_id_{i}>", special=True)
                                                 for i in range(n)])
         return tokenizer
-    raise ValueError(f"objective: span corruption has no sentinels for a {type(tokenizer).__name__}")
+    raise InputError("objective", f"span corruption has no sentinels for a {type(tokenizer).__name__}")
 
 
 def sentinel_ids(tokenizer, n: int) -> torch.Tensor:
@@ -98,5 +99,5 @@ def sentinel_ids(tokenizer, n: int) -> torch.Tensor:
     except (KeyError, ValueError):
         ids = []
     if len(ids) != n or any(len(i) != 1 for i in ids):
-        raise ValueError(f"objective: the tokenizer lacks the {n} sentinel tokens span corruption needs")
+        raise InputError("objective", f"the tokenizer lacks the {n} sentinel tokens span corruption needs")
     return torch.tensor([i[0] for i in ids])  # (n,)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ...errors import InputError
 from ...model.encoder_decoder import EncoderDecoder
 from ...model.kv_cache import KVCache
 from ...model.transformer import Transformer
@@ -80,11 +81,11 @@ def _logit_lens(model: Transformer | EncoderDecoder, tokenizer, residuals: list[
 
 def _check_length(n_tokens: int, context_length: int, max_tokens: int) -> None:
     if n_tokens == 0:
-        raise ValueError("text: nothing to trace (it encodes to no tokens)")
+        raise InputError("text", "nothing to trace (it encodes to no tokens)")
     if n_tokens > context_length:
-        raise ValueError(f"text: {n_tokens} tokens exceed context_length={context_length}")
+        raise InputError("text", f"{n_tokens} tokens exceed context_length={context_length}")
     if n_tokens > max_tokens:  # the page holds T × T weights per head and layer
-        raise ValueError(f"text: {n_tokens} tokens, over the journey's limit of {max_tokens} "
+        raise InputError("text", f"{n_tokens} tokens, over the journey's limit of {max_tokens} "
                          "(max_tokens, --max-tokens): trace a shorter text or raise the limit")
 
 
@@ -103,7 +104,7 @@ def collect_journey(
     first mask token (else at the last position); it has no decode step. A text of more than
     `max_tokens` tokens is refused; `progress` hears each stage as it begins."""
     if model.training:
-        raise ValueError("journey: call model.eval() first (dropout is random)")
+        raise InputError("journey", "call model.eval() first (dropout is random)")
     if isinstance(model, EncoderDecoder):
         return collect_seq2seq_journey(model, tokenizer, text, top_k, max_tokens=max_tokens,
                                        progress=progress)

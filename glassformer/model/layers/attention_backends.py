@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ...errors import InputError
 from .masking import AttentionMask
 
 Hook = Callable[[str, torch.Tensor], torch.Tensor]
@@ -89,7 +90,7 @@ def flash_attention(
     block_k: int = 64,
 ) -> torch.Tensor:
     if dropout:
-        raise ValueError("attention_kernel: 'flash' is exact attention and takes no dropout")
+        raise InputError("attention_kernel", "'flash' is exact attention and takes no dropout")
     B, H, Tq, d_head = q.shape
     Tk, n_rep = k.shape[2], H // k.shape[1]
     scale = 1.0 / math.sqrt(d_head) if scale is None else scale

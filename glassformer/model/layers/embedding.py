@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from ...errors import InputError
 from ..config import ModelConfig
 from ..hooks import Hooks
 from .norm import make_norm
@@ -57,7 +58,7 @@ class Embedding(nn.Module):
                 token_types = torch.zeros_like(ids)  # (B, T)
             x = x + self.hooks("embed.token_types", self.token_types(token_types))
         elif token_types is not None:
-            raise ValueError("token_types: this model has no token-type embeddings (n_token_types=0)")
+            raise InputError("token_types", "this model has no token-type embeddings (n_token_types=0)")
         if self.norm is not None:
             x = self.norm(x)
         return self.hooks("embed.out", x)  # (B, T, d)

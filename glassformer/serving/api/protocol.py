@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from ...errors import InputError
 from ...generation.sampling import SamplingConfig
 from .. import RequestParams
 from ..capture import token_axis
@@ -85,7 +86,7 @@ class SamplingFields(Strict):
     @classmethod
     def _number(cls, value):
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError("must be a number")
+            raise InputError(None, "must be a number")
         return float(value)
 
     @field_validator("stop")
@@ -93,7 +94,7 @@ class SamplingFields(Strict):
     def _stops(cls, value):
         stops = [value] if isinstance(value, str) else value or []
         if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
+            raise InputError(None, "stop strings must not be empty")
         return value
 
     def params(self, max_new_tokens: int, eos_id: int | None) -> RequestParams:
@@ -161,7 +162,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs set to true")
+            raise InputError("top_logprobs", "needs logprobs set to true")
         return self
 
     @property

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from ...accel.threads import ThreadPolicy
+from ...errors import InputError
 from ...generation.config import GenerationResult
 from ...interpret.lens import Lens, lens_sites
 from ...interpret.lens_page import lens_data
@@ -59,18 +60,18 @@ class ServerConfig:
         for name in ("max_queue", "max_tokens", "max_body_bytes"):
             value, low = getattr(self, name), 0 if name == "max_queue" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+                raise InputError(name, f"must be an integer >= {low}, got {value!r}")
         for name in ("request_timeout_s", "body_timeout_s", "header_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
-                raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
+                raise InputError(name, f"must be a positive number of seconds, got {value!r}")
         size = self.max_capture_mb
         if isinstance(size, bool) or not isinstance(size, int | float) or not 0 <= size < float("inf"):
-            raise ValueError(f"max_capture_mb: must be a finite number of MB >= 0, got {size!r}")
+            raise InputError("max_capture_mb", f"must be a finite number of MB >= 0, got {size!r}")
         for name in ("allowed_hosts", "allowed_origins"):
             values = getattr(self, name)
             if not isinstance(values, tuple) or any(not isinstance(v, str) or not v for v in values):
-                raise ValueError(f"{name}: a tuple of non-empty strings, got {values!r}")
+                raise InputError(name, f"a tuple of non-empty strings, got {values!r}")
 
 
 @dataclass

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ...errors import InputError
 from ...generation.config import Steer
 from ...interpret.steer import SteeringVector, check_steer
 from ...model.config import ModelConfig
@@ -31,11 +32,11 @@ class SteeringVectors:
     def add(self, name: str, vector: SteeringVector) -> None:
         """Register (or replace) a vector; ValueError naming the field for one this model cannot take."""
         if not NAME.fullmatch(name):
-            raise ValueError(f"name: {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+            raise InputError("name", f"{name!r} must be 1-64 letters, digits, '_', '.' or '-'")
         check_steer(self.config, [vector.steer(1.0, name)])
         with self._lock:
             if name not in self._vectors and len(self._vectors) >= MOST:
-                raise ValueError(f"name: this server keeps at most {MOST} steering vectors")
+                raise InputError("name", f"this server keeps at most {MOST} steering vectors")
             self._vectors[name] = vector
 
     def steers(self, fields: list[SteerField]) -> tuple[Steer, ...]:
@@ -45,7 +46,7 @@ class SteeringVectors:
         steers = []
         for field in fields:
             if field.vector not in known:
-                raise ValueError(f"steer: no steering vector named {field.vector!r} on this server "
+                raise InputError("steer", f"no steering vector named {field.vector!r} on this server "
                                  f"(GET /v1/steering_vectors lists {len(known)})")
             vector = known[field.vector]
             steers.append(Steer(field.site or vector.site, vector.vector, field.alpha, field.vector))
@@ -61,5 +62,5 @@ def uploaded(name: str, site: str, values: list[float]) -> SteeringVector:
     """A vector sent as numbers; ValueError naming `vector` for a non-finite one."""
     vector = torch.tensor(values, dtype=torch.float32)  # (d,)
     if not bool(torch.isfinite(vector).all()):
-        raise ValueError("vector: every value must be finite (also in float32)")
+        raise InputError("vector", "every value must be finite (also in float32)")
     return SteeringVector(vector, site, "uploaded")
