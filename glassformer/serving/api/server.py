@@ -317,25 +317,31 @@ class Server:
         shape = responses.Chunks(head, chat, decode, tuple(sites))
 
         async def stream() -> AsyncIterator[str]:
-            """The events that arrived together go out in one write (one body chunk)."""
+            """The events that arrived together go out in one write (one body chunk). A failure
+            past the headers ends the stream with an error event (500) and [DONE]."""
             error, with_usage = None, body.stream_options is not None and body.stream_options.include_usage
             if chat:
                 yield shape.chunk("", None, role=True)
-            async for batch in self.events(handle, admission, watch):
-                out = [shape.token(event) for event in batch if event.logprobs is not None or event.text
-                       or set(event.captured or ()) & set(sites)]
-                last = batch[-1]
-                if last.finished:
-                    error = self.stopped(last, admission)
-                    if error is None:
-                        out.append(shape.chunk(None, FINISH[last.stop_reason], more=await extra()))
-                    else:
-                        out.append(responses.sse(error.payload()))
-                    if error is None and with_usage:
-                        out.append(shape.usage(usage()))
-                    out.append(responses.sse("[DONE]"))
-                if out:
-                    yield "".join(out)
+            try:
+                async for batch in self.events(handle, admission, watch):
+                    out = [shape.token(event) for event in batch if event.logprobs is not None or event.text
+                           or set(event.captured or ()) & set(sites)]
+                    last = batch[-1]
+                    if last.finished:
+                        error = self.stopped(last, admission)
+                        if error is None:
+                            out.append(shape.chunk(None, FINISH[last.stop_reason], more=await extra()))
+                        else:
+                            out.append(responses.sse(error.payload()))
+                        if error is None and with_usage:
+                            out.append(shape.usage(usage()))
+                        out.append(responses.sse("[DONE]"))
+                    if out:
+                        yield "".join(out)
+            except Exception:
+                errors.log.exception("unexpected error in a stream on %s", request.url.path)
+                failed = APIError(500, "internal error; see the server's log", code="internal_error")
+                yield responses.sse(failed.payload()) + responses.sse("[DONE]")
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

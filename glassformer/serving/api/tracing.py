@@ -6,7 +6,8 @@ Sites with a token axis are kept by the engine inside the steps that computed th
 attention weights, the final norm, the logits) come from a run of the request's tokens (the
 prompt and every generated token the model read) through `run_with_cache` alone, once it has
 finished, on a twin of the model that shares its weights but has its own hooks (a registry
-made empty, never a copy of the model's, where the engine's capture hooks may sit mid-step), so
+made empty, never a copy of the model's, where the engine's capture hooks may sit mid-step; no
+fused step, which a converted model's weights cannot copy), so
 the engine's batched steps never see them and it never sees theirs."""
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class Tracer:
                 # a registry of its own, empty: the engine may be mid-step with its capture hooks
                 # on the model's, and a copy of those would hand this run's tensors to them
                 shared[id(self.source.hooks)] = Hooks()
+                # no fused step (a converted model's cannot be copied): hooked runs take the
+                # module path anyway
+                shared.update({id(self.source._step): None, id(self.source._step_builder): None})
                 self._twin = copy.deepcopy(self.source, memo=shared)
             device = self.source.embed.tokens.weight.device
             _, cache = run_with_cache(self._twin, torch.tensor([ids], device=device), names)
