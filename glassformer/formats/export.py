@@ -26,6 +26,7 @@ from .huggingface import GPT2_ACTIVATIONS, key_map
 from .huggingface_bert import bert_hf_config
 from .huggingface_t5 import t5_hf_config
 from .tokenizers import HFTokenizer
+from .validate import check_model_finite
 
 _BERT_SPECIALS = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
                   "unk_token": "[UNK]"}
@@ -92,12 +93,13 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 
 def export_hf(model: Transformer | EncoderDecoder, tokenizer: Any, folder: str | Path) -> Path:
     """Write config.json, model.safetensors and (for tokenizers.json-based tokenizers) the
-    tokenizer files into a new folder; returns it."""
+    tokenizer files into a new folder (a non-finite weight is refused by name); returns it."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"{folder} exists and is not a folder")
     if folder.exists() and any(folder.iterdir()):
         raise FileExistsError(f"{folder} exists and is not empty")
+    check_model_finite(model, "model")  # never a folder the loaders would refuse
     config = model.config
     hf = hf_config(config)
     ours = model.state_dict()

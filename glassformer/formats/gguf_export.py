@@ -31,6 +31,7 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .gguf import config_from_metadata, tensor_map
+from .validate import check_model_finite
 
 # --dtype -> (the matrices' GGML type, general.file_type)
 DTYPES = {
@@ -139,7 +140,7 @@ def _pre_tokenizer(pre: dict) -> str:
 def export_gguf(model: Transformer, tokenizer, path: str | Path, dtype: str = "f32",
                 force: bool = False) -> Path:
     """Write `model` and `tokenizer` as one GGUF file at `path`; an existing file is replaced
-    only with `force`. Returns the path."""
+    only with `force`, a non-finite weight is refused by name. Returns the path."""
     if dtype not in DTYPES:
         raise InputError("dtype", f"unknown {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = Path(path)
@@ -147,6 +148,7 @@ def export_gguf(model: Transformer, tokenizer, path: str | Path, dtype: str = "f
         raise IsADirectoryError(f"{path} is a folder; GGUF export writes one file")
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists (pass --force to replace it)")
+    check_model_finite(model, "model")  # never a file the loaders would refuse
     config = model.config
     meta = gguf_metadata(config) | tokenizer_metadata(tokenizer, config.vocab_size)
     qtype, file_type = DTYPES[dtype]

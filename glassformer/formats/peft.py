@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import InputError
+from .validate import check_tensor
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
@@ -54,7 +55,8 @@ def write_adapter(folder: Path, tensors: dict, rank: int, alpha: float, dropout:
 
 def read_adapter(folder: str | Path) -> tuple[dict[str, Any], dict]:
     """(settings {rank, alpha, dropout, targets, base}, {(layer, target): (A, B)}) of a PEFT
-    LoRA adapter folder; anything else PEFT can express but this cannot is refused."""
+    LoRA adapter folder; anything else PEFT can express but this cannot is refused, and so is
+    a tensor holding NaN or Inf (named)."""
     folder = Path(folder)
     config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     for path in (config_path, weights_path):
@@ -86,6 +88,7 @@ def read_adapter(folder: str | Path) -> tuple[dict[str, Any], dict]:
         match = _KEY.fullmatch(key)
         if match is None or match[3] not in _TARGET_OF:
             raise InputError(weights_path, f"unexpected tensor {key}")
+        check_tensor(value, key, str(weights_path))  # NaN / Inf refused by name
         pairs.setdefault((int(match[1]), _TARGET_OF[match[3]]), {})[match[4]] = value
     incomplete = [k for k, v in pairs.items() if set(v) != {"A", "B"}]
     if incomplete:

@@ -4,6 +4,7 @@ A min and a max per tensor (no copy): NaN propagates to both and ±Inf shows at 
 A non-finite value refuses the file, naming the tensor; a magnitude far beyond what such a
 tensor holds in trained models (norm gains, embeddings and matrices stay within
 tens; the limits are a hundred times that) is a warning, since it may be deliberate.
+What is written (an export, a merged adapter) is checked again for finite values only.
 """
 
 from __future__ import annotations
@@ -38,12 +39,22 @@ def check_tensor(tensor: torch.Tensor, name: str, where: str) -> None:
         return
     low, high = _extremes(tensor.detach())
     if not (math.isfinite(low) and math.isfinite(high)):
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise InputError(where, f"tensor {name} holds {bad} non-finite value(s) (NaN or Inf)")
+        _refuse(tensor, name, where)
     peak, limit = max(-low, high), LIMITS[kind(name)]
     if peak > limit:
         warnings.warn(f"{where}: tensor {name} reaches {peak:.3g}, above {limit:g}: far more than a "
                       f"trained {kind(name)} holds", WeightWarning, stacklevel=2)
+
+
+def check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
+    """Refuse a non-finite value in `tensor` (weights about to be written or merged)."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor.detach()).all()):
+        _refuse(tensor, name, where)
+
+
+def _refuse(tensor: torch.Tensor, name: str, where: str) -> None:
+    bad = int((~torch.isfinite(tensor.detach())).sum())
+    raise InputError(where, f"tensor {name} holds {bad} non-finite value(s) (NaN or Inf)")
 
 
 def _extremes(tensor: torch.Tensor) -> tuple[float, float]:
@@ -61,4 +72,10 @@ def check_model(model: torch.nn.Module, where: str, parameters: bool = True) -> 
         check_tensor(tensor, name, where)
     for name, tensor in model.named_buffers():
         check_tensor(tensor, name, where)
+
+
+def check_model_finite(model: torch.nn.Module, where: str) -> None:
+    """Every tensor of a model about to be written (or just merged): finite, or refused by name."""
+    for name, tensor in model.state_dict().items():
+        check_finite(tensor, name, where)
 

@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 from ..errors import InputError
 from ..formats.hub import MODELS
 from ..formats.peft import ADAPTER_CONFIG, read_adapter, write_adapter
+from ..formats.validate import check_finite
 from ..model.config import ModelConfig
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -217,11 +218,14 @@ def load_adapter_tensors(model: nn.Module, tensors: AdapterTensors, where: str) 
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base layer and unwrap it; returns the plain model."""
-    for block in model.blocks:
+    """Fold every adapter into its base layer and unwrap it; returns the plain model. A merged
+    weight that overflows to Inf or NaN is refused, naming it."""
+    for i, block in enumerate(model.blocks):
         for path, layer in list(block.named_modules()):
             if isinstance(layer, LoRALinear):
-                block.set_submodule(path, layer.merged())
+                merged = layer.merged()
+                check_finite(merged.weight, f"blocks.{i}.{path}.weight", "lora (merged)")
+                block.set_submodule(path, merged)
     return model
 
 

@@ -370,3 +370,64 @@ def test_real_model_with_a_nan_block_scale(quantize, smol_copy, tmp_path, refuse
         f.seek(info.offset)
         f.write(np.float16(np.nan).tobytes())
     refused(_generate(path, *quantize), "non-finite", path)
+
+
+def _adapter(tmp_path, base, change):
+    """A rank-2 PEFT adapter on q and down of every layer of `base` (LLAMA), `change`d."""
+    from glassformer.formats.peft import write_adapter
+
+    torch.manual_seed(1)
+    d_in = {"q": 32, "down": 64}  # d_model, d_ff; both write d_model = 32 rows
+    tensors = {(i, t): (torch.randn(2, d_in[t]) * 0.1, torch.randn(32, 2) * 0.1)
+               for i in range(2) for t in d_in}
+    change(tensors)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    write_adapter(folder, tensors, 2, 4.0, 0.0, ("q", "down"), str(base))
+    return folder
+
+
+def _nan_q(tensors):
+    tensors[(0, "q")] = (torch.full((2, 32), math.nan), tensors[(0, "q")][1])
+
+
+def _huge(tensors):  # finite factors whose product overflows float32
+    tensors[(1, "down")] = (torch.full((2, 64), 1e30), torch.full((32, 2), 1e30))
+
+
+@pytest.mark.parametrize("command", ["generate", "export-gguf", "export-hf"])
+def test_a_non_finite_lora_adapter_is_refused_naming_the_tensor(command, tmp_path, refused):
+    model = hf_folder(tmp_path / "hf")
+    adapter = _adapter(tmp_path, model, _nan_q)
+    argv = (_generate(model, "--lora", adapter) if command == "generate" else
+            ["export", "--model", model, "--merge-lora", adapter, "--to", command[7:],
+             tmp_path / "out"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy cast warning on the way
+        refused(argv, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to", ["gguf", "hf"])
+def test_a_merge_that_overflows_is_refused_naming_the_weight(to, tmp_path, refused):
+    model = hf_folder(tmp_path / "hf")
+    adapter = _adapter(tmp_path, model, _huge)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", WeightWarning)  # 1e30 is far beyond a trained factor
+        refused(["export", "--model", model, "--merge-lora", adapter, "--to", to, tmp_path / "out"],
+                "blocks.1.mlp.down.weight", tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_to_write_a_non_finite_weight(tmp_path):
+    from glassformer.formats.export import export_hf
+    from glassformer.formats.gguf_export import export_gguf
+
+    torch.manual_seed(0)
+    model, tokenizer = load_gguf(write_gguf(tmp_path / "m.gguf"))
+    with torch.no_grad():
+        model.blocks[0].norm1.weight[3] = math.inf
+    for write, out in ((export_gguf, tmp_path / "x.gguf"), (export_hf, tmp_path / "x")):
+        with pytest.raises(ValueError, match="blocks.0.norm1.weight holds 1 non-finite"):
+            write(model, tokenizer, out)
+        assert not out.exists()
