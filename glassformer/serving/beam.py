@@ -8,6 +8,10 @@ copied on the next write), and a member no candidate continues gives its blocks 
 stop strings each member carries its own text stream, and a candidate pushes its one token
 onto a fork of its source's: the text is followed token by token, never decoded again. Only
 the winner is reported, at the end.
+
+The group is scheduled as one (scheduler.py): its members are admitted together, only when the
+blocks of all of them are free, and preempted together, so no member waits for the logits of
+one that cannot run.
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ class BeamGroup:
         """A member's next-token logits (V,); True once every member has offered."""
         self.logits[seq] = logits
         return all(m in self.logits for m in self.members)
+
+    def forget(self, seq: Sequence) -> None:
+        """A member was preempted: the logits it offered come again once it is recomputed."""
+        self.logits.pop(seq, None)
 
     def advance(self, blocks: BlockManager) -> tuple[list[Sequence], list[Sequence]]:
         """Rank the candidates; returns (new forked members, members to drop). Sets `winner`

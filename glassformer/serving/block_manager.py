@@ -10,6 +10,8 @@ The pool holds `n_blocks` blocks of `block_size` token slots. A sequence owns a 
   A freed block keeps its key until it is reused; the free list is least-recently-freed first,
   so unreferenced cached blocks are evicted in LRU order.
 - Copy-on-write: before a sequence writes into a block it shares, it gets a private copy.
+  Growing counts those copies with the new blocks: it takes every block a step's writes need,
+  or none (vLLM's allocate_slots), so a short pool makes a request wait, never fail.
 """
 
 from __future__ import annotations
@@ -110,21 +112,40 @@ class BlockManager:
         self.hit_tokens += seq.num_computed
         return seq.num_computed
 
-    def can_grow(self, seq: Sequence, n_tokens: int) -> bool:
-        return self.blocks_for(n_tokens) - len(seq.block_table) <= len(self.free)
+    def blocks_needed(self, seq: Sequence, n_tokens: int, first: int | None = None) -> int:
+        """The free blocks that holding n_tokens slots takes: the blocks past seq's table, and,
+        where slots from `first` on are to be written, a private copy of each shared block they
+        fall in (copy-on-write: a forked beam's first write into its parent's last block)."""
+        table, end = seq.block_table, self.blocks_for(n_tokens)
+        new = max(0, end - len(table))
+        if first is None:
+            return new
+        written = table[first // self.block_size : end]
+        return new + sum(1 for b in written if self.blocks[b].ref_count > 1)
 
-    def grow(self, seq: Sequence, n_tokens: int) -> bool:
-        """Extend the block table to hold n_tokens slots; False (nothing taken) when the free
-        blocks do not suffice."""
-        if not self.can_grow(seq, n_tokens):
-            return False
-        while len(seq.block_table) < self.blocks_for(n_tokens):
+    def can_grow(self, seq: Sequence, n_tokens: int, first: int | None = None) -> bool:
+        return self.blocks_needed(seq, n_tokens, first) <= len(self.free)
+
+    def grow(self, seq: Sequence, n_tokens: int, first: int | None = None) -> list[tuple[int, int]] | None:
+        """Extend the block table to hold n_tokens slots and make private every shared block
+        that slots from `first` on fall in: the copies made, (source, copy) block ids; None
+        (nothing taken) when the free blocks do not suffice for all of it."""
+        if not self.can_grow(seq, n_tokens, first):
+            return None
+        end, copies = self.blocks_for(n_tokens), []
+        if first is not None:
+            for index in range(first // self.block_size, min(end, len(seq.block_table))):
+                copy = self.write_block(seq, index * self.block_size)
+                if copy is not None:
+                    copies.append(copy)
+        while len(seq.block_table) < end:
             seq.block_table.append(self._take().id)
-        return True
+        return copies
 
     def write_block(self, seq: Sequence, position: int) -> tuple[int, int] | None:
         """Make the block holding `position` private before it is written: (source, copy)
-        block ids when it was shared and had to be copied, else None."""
+        block ids when it was shared and had to be copied, else None. `grow` with `first`
+        counts these copies among the blocks it needs, so the scheduler never gets here short."""
         index = position // self.block_size
         block = self.blocks[seq.block_table[index]]
         if block.ref_count == 1:

@@ -48,8 +48,9 @@ from .stats import EngineStats, StepTrace
 log = logging.getLogger("glassformer.serving.engine")
 
 
-class CapacityError(ValueError):
-    """A request larger than the whole KV pool: it could never run, so it is refused at once."""
+class CapacityError(InputError):
+    """A request larger than the whole KV pool: it could never run, so it is refused at once
+    (naming `beams` where its beams are what make it too large, else `prompt`)."""
 
 
 class AdapterInUse(ValueError):
@@ -159,9 +160,11 @@ class Engine:
         needed = self.blocks.blocks_for(longest) * params.beams  # every beam may need its own
         if needed > self.blocks.n_blocks:
             size, beams = self.blocks.block_size, f"{params.beams} beams x " if params.beams > 1 else ""
-            raise CapacityError(f"prompt: the request needs {needed * size} tokens of cache "
-                                f"({beams}{len(prompt)} prompt + {longest - len(prompt)} new, in blocks "
-                                f"of {size}); the engine holds {self.blocks.n_blocks * size}")
+            raise CapacityError("beams" if params.beams > 1 else "prompt",
+                                f"the request needs {needed * size} tokens of cache ({beams}"
+                                f"{len(prompt)} prompt + {longest - len(prompt)} new, in blocks of "
+                                f"{size}); the engine holds {self.blocks.n_blocks * size}",
+                                "context_length_exceeded")
         eos = set(params.eos_ids) if params.eos_ids is not None else (
             {self.tokenizer.eos_id} if getattr(self.tokenizer, "eos_id", None) is not None else set())
         seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id)
@@ -293,7 +296,11 @@ class Engine:
             raise RuntimeError("step: the engine's own thread is stepping it (see start/close)")
         self._intake()
         plan = self.scheduler.schedule()
+        for seq in plan.refused:  # alone on the pool it could not start (submit's check forestalls it)
+            unit = seq.group if seq.group is not None else seq
+            self._fail(unit, _too_large(unit, self.blocks))
         if not plan.scheduled:
+            self._wakeups.send()
             return None
         start = time.perf_counter()
         logits = self.runner.run(plan)  # (R, V)
@@ -381,6 +388,15 @@ class Engine:
             captured=captured(seq),
             lens=lens_of(seq),
         )
+
+
+def _too_large(unit: Sequence | BeamGroup, blocks: BlockManager) -> InputError:
+    members = unit.members if isinstance(unit, BeamGroup) else [unit]
+    longest, size = max(seq.num_tokens for seq in members), blocks.block_size
+    return InputError("beams" if len(members) > 1 else "prompt",
+                      f"{len(members)} sequence(s) of up to {longest} tokens need more KV cache than "
+                      f"the engine's {blocks.n_blocks * size} tokens (blocks of {size})",
+                      "context_length_exceeded")
 
 
 def _plain_greedy(seq: Sequence) -> bool:

@@ -3,11 +3,16 @@ chunked prefill, first come first served, preemption when KV blocks run out.
 
 A step has a token budget. Running requests go first, oldest first: a decoding one needs one
 token, one still prefilling takes the next chunk of its prompt (as much as the budget
-leaves). Then waiting requests join while budget, batch size and blocks allow. When a running
-request needs a block and none is free, the newest running request gives its blocks back
-and waits to be recomputed (its full blocks usually stay cached). The oldest request can
-always proceed, so the engine never deadlocks; a request too large for the whole pool is
-refused at submission.
+leaves). Then waiting requests join while budget, batch size and blocks allow. A request's
+blocks for a step are every block its tokens write, a private copy of a shared one included
+(a forked beam's first write): all of them or none. When a running request cannot get them,
+the newest running request gives its blocks back and waits to be recomputed (its full blocks
+usually stay cached). A beam group is one request here: its members join together, only when
+the blocks of all their tokens are free, and are preempted together (a member alone would wait
+forever for the others' logits). The oldest request can always proceed, so the engine never
+deadlocks: a request too large for the whole pool is refused at submission, and one that still
+cannot start on a pool empty of others is handed back to be ended (StepPlan.refused); a step
+where nothing running could proceed preempts the newest rather than come back empty.
 
 Under a sink policy (model/sink.py) a request holds the blocks of S + W slots however long it
 runs: its tokens enter as many at once as fit before the first eviction, then in whole chunks
@@ -34,6 +39,7 @@ class StepPlan:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, copy)
+    refused: list[Sequence] = field(default_factory=list)  # could never fit the pool: to end
 
     @property
     def n_tokens(self) -> int:
@@ -62,8 +68,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def adopt(self, seq: Sequence) -> None:
-        """A running sequence forked from another (it holds its blocks already)."""
-        self.running.append(seq)
+        """A running sequence forked from another (it holds its blocks already); it takes its
+        place beside its group's other members, so the group stays as old as its request."""
+        last = max(i for i, other in enumerate(self.running) if other.group is seq.group)
+        self.running.insert(last + 1, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -77,60 +85,99 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = Status.FINISHED
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        self.blocks.release(seq)
-        seq.status = Status.WAITING
-        seq.preemptions += 1
-        self.preemptions += 1
-        self.waiting.appendleft(seq)
-        plan.preempted.append(seq)
+    def _preempt_newest(self, plan: StepPlan) -> list[Sequence]:
+        """The newest running request gives its blocks back and waits at the front of the queue,
+        a beam group all its members at once (what they scheduled this step is dropped)."""
+        unit = _unit(self.running[-1])
+        self.running = [seq for seq in self.running if seq not in unit]
+        for seq in unit:
+            self.blocks.release(seq)
+            seq.status = Status.WAITING
+            seq.preemptions += 1
+            if seq.group is not None:
+                seq.group.forget(seq)  # its logits come again once it is recomputed
+        self.preemptions += len(unit)
+        self.waiting.extendleft(reversed(unit))
+        plan.preempted.extend(unit)
+        plan.scheduled = [(seq, n) for seq, n in plan.scheduled if seq not in unit]
+        plan.copies = [c for c in plan.copies if self.blocks.blocks[c[1]].ref_count > 0]
+        return unit
 
-    def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
-        """Blocks for seq's next n tokens (private where written), or False."""
-        end, first = seq.num_computed + n, seq.num_computed  # slots needed, first slot written
+    def _span(self, seq: Sequence, n: int) -> tuple[int, int]:
+        """(slots needed, first slot written) for seq's next n tokens."""
+        end, first = seq.num_computed + n, seq.num_computed
         if self.sink is not None:
             end, first = min(end, self.sink.capacity), self.sink.slot(first)
-        if not self.blocks.grow(seq, end):
+        return end, first
+
+    def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
+        """Every block seq's next n tokens write (private copies of shared ones included), or
+        False with nothing taken."""
+        copies = self.blocks.grow(seq, *self._span(seq, n))
+        if copies is None:
             return False
-        copy = self.blocks.write_block(seq, first)
-        if copy is not None:
-            plan.copies.append(copy)
+        plan.copies += copies
         return True
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.token_budget
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.n_tokens < self.token_budget:
             seq = self.running[i]
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, self.token_budget - plan.n_tokens)
             if n == 0:  # a beam waiting for its group, or a sink chunk for a step with room
                 i += 1
                 continue
             while not self._reserve(seq, n, plan):
-                victim = self.running.pop()  # the newest request
-                self._preempt(victim, plan)
-                if victim is seq:
+                if seq in self._preempt_newest(plan):
                     break
             if seq.status is Status.WAITING:
-                break  # it was preempted itself: nothing newer is left running
+                break  # its own request was the newest: nothing newer is left running
             plan.scheduled.append((seq, n))
-            budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch and not plan.preempted:
-            seq = self.waiting[0]
+        while (self.waiting and plan.n_tokens < self.token_budget and len(self.running) < self.max_batch
+               and not plan.preempted):
+            if not self._admit(plan):
+                break
+        if not plan.scheduled and self.running and not plan.preempted:
+            self._preempt_newest(plan)  # nothing running could proceed: make room rather than spin
+        return plan
+
+    def _admit(self, plan: StepPlan) -> bool:
+        """Start the first waiting request if it gets the blocks of its next chunk; a beam group
+        only with all its members, and only if the blocks of every member's whole recomputation
+        are free. When the pool is empty of others and it still cannot start, it never will: it
+        is taken out and handed to the engine (plan.refused)."""
+        unit = _unit(self.waiting[0])
+        for seq in unit:
             if not seq.block_table and not uses_hooks(seq.params):  # a hook sees every row
                 self.blocks.match_prefix(seq)
-            n = self._chunk(seq, budget)
-            if n == 0 or not self._reserve(seq, n, plan):
+        chunks, budget = [], self.token_budget - plan.n_tokens
+        for seq in unit:
+            chunks.append(self._chunk(seq, budget))
+            budget -= chunks[-1]
+        fits = chunks[0] > 0
+        if fits and len(unit) > 1:
+            whole = sum(self.blocks.blocks_needed(seq, *self._span(seq, seq.num_tokens - seq.num_computed))
+                        for seq in unit)
+            fits = whole <= len(self.blocks.free)
+        if fits:
+            fits = all(n == 0 or self._reserve(seq, n, plan) for seq, n in zip(unit, chunks, strict=True))
+        if not fits:
+            for seq in unit:
                 self.blocks.release(seq)  # keep nothing while waiting
-                break
-            self.waiting.popleft()
+            if not self.running and not plan.scheduled and chunks[0] > 0:
+                for seq in unit:
+                    self.waiting.remove(seq)
+                plan.refused.append(unit[0])
+            return False
+        for seq, n in zip(unit, chunks, strict=True):
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            plan.scheduled.append((seq, n))
-            budget -= n
-        return plan
+            if n:
+                plan.scheduled.append((seq, n))
+        return True
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of seq's tokens the step can take: within the budget, and within the sink
@@ -159,3 +206,9 @@ class Scheduler:
             if seq.num_computed == seq.num_tokens:
                 ready.append(seq)
         return ready
+
+
+def _unit(seq: Sequence) -> list[Sequence]:
+    """What is admitted and preempted as one: a beam group's members (no member can go on
+    without the others' logits), or the request alone."""
+    return list(seq.group.members) if seq.group is not None else [seq]

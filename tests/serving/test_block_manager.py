@@ -10,7 +10,7 @@ def _seq(tokens) -> Sequence:
 
 def _computed(bm: BlockManager, seq: Sequence, n: int) -> None:
     """As if the engine had computed the first n tokens of seq."""
-    assert bm.grow(seq, n)
+    assert bm.grow(seq, n) is not None
     seq.num_computed = n
     bm.register(seq)
 
@@ -22,8 +22,8 @@ def _whole(bm: BlockManager) -> None:
 def test_grow_and_release_return_every_block():
     bm = BlockManager(8, 4)
     seq = _seq(range(10))
-    assert bm.grow(seq, 10) and len(seq.block_table) == 3
-    assert not bm.grow(_seq(range(30)), 30)  # 8 blocks needed, 5 free: nothing taken
+    assert bm.grow(seq, 10) == [] and len(seq.block_table) == 3
+    assert bm.grow(_seq(range(30)), 30) is None  # 8 blocks needed, 5 free: nothing taken
     assert bm.stats().used == 3 and bm.stats().free == 5
     bm.release(seq)
     _whole(bm)
@@ -74,7 +74,7 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_freed_first():
     bm.release(new)
     assert bm.stats().cached == 2
     taker = _seq(range(6))
-    assert bm.grow(taker, 6)  # three blocks: the two never used, then old's
+    assert bm.grow(taker, 6) is not None  # three blocks: the two never used, then old's
     assert bm.match_prefix(_seq([1, 2, 3])) == 0  # evicted
     probe = _seq([5, 6, 7])
     assert bm.match_prefix(probe) == 2  # still cached
@@ -110,3 +110,36 @@ def test_prefix_caching_off_never_hits():
 def test_invalid_sizes_are_refused():
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(4, 0)
+
+
+def test_growing_counts_the_copy_a_write_into_a_shared_block_needs():
+    bm = BlockManager(4, 4)
+    parent = _seq(range(6))
+    _computed(bm, parent, 6)  # blocks [0..4) full, [4..6) partial
+    child = _seq(range(6))
+    bm.fork(parent, child)
+    assert bm.grow(_seq(range(4)), 4) == []  # one block left free
+    assert bm.blocks_needed(child, 9) == 1 and bm.can_grow(child, 9)  # without its writes
+    assert bm.blocks_needed(child, 9, first=6) == 2  # a new block and a copy of the shared one
+    before = (list(child.block_table), [b.ref_count for b in bm.blocks], list(bm.free))
+    assert not bm.can_grow(child, 9, first=6) and bm.grow(child, 9, first=6) is None
+    assert (child.block_table, [b.ref_count for b in bm.blocks], list(bm.free)) == before  # nothing taken
+    source = child.block_table[1]
+    assert bm.blocks_needed(child, 8, first=6) == 1
+    assert bm.grow(child, 8, first=6) == [(source, child.block_table[1])] != [(source, source)]
+    assert bm.blocks[source].ref_count == 1 and not bm.free
+    assert bm.blocks_needed(parent, 8, first=6) == 0  # the copy made parent's block private
+    assert bm.grow(parent, 8, first=6) == []
+
+
+def test_a_write_past_the_shared_blocks_copies_nothing():
+    bm = BlockManager(8, 4)
+    parent = _seq(range(8))
+    _computed(bm, parent, 8)  # two full blocks
+    child = _seq(range(8))
+    bm.fork(parent, child)
+    assert bm.blocks_needed(child, 9, first=8) == 1  # only the new block
+    assert bm.grow(child, 9, first=8) == [] and child.block_table[:2] == parent.block_table
+    bm.release(parent)
+    bm.release(child)
+    _whole(bm)

@@ -2,10 +2,11 @@ import random
 
 import pytest
 
+from glassformer.serving.beam import BeamGroup
 from glassformer.serving.block_manager import BlockManager
 from glassformer.serving.paged_attention import query_group
 from glassformer.serving.scheduler import Scheduler
-from glassformer.serving.sequence import RequestParams, Sequence
+from glassformer.serving.sequence import RequestParams, Sequence, Status
 
 
 def _seq(n_prompt: int, max_new: int = 4) -> Sequence:
@@ -89,6 +90,86 @@ def test_random_traffic_never_deadlocks_or_leaks(seed):
             break
     assert not sched.has_work(), "requests left behind"
     assert len(bm.free) == bm.n_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def _beams(n_prompt: int, width: int) -> BeamGroup:
+    params = RequestParams(max_new_tokens=4, beams=width, eos_ids=())
+    root = Sequence(list(range(1, n_prompt + 1)), params, 1000)
+    return BeamGroup(root, None, 64)
+
+
+def _fork(group: BeamGroup, sched: Scheduler) -> None:
+    """As the engine does after the group's first ranking: the root's prompt is computed; it
+    forks, and each member takes another token."""
+    root = group.root
+    while len(group.members) < group.ranking.width:
+        child = group._fork(root, sched.blocks)
+        group.members.append(child)
+        sched.adopt(child)
+    for token, member in enumerate(group.members, 40):
+        member.tokens.append(token)
+
+
+def test_a_forked_beam_short_of_its_copy_on_write_waits_with_its_group():
+    """Beams forked on a full pool: the write into the shared block needs a copy, and no block
+    is free; the group (the newest request) is preempted whole and comes back whole."""
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_batch=4, token_budget=16)
+    old, group = _seq(7, max_new=1), _beams(6, 2)
+    sched.add(old)
+    sched.add(group.root)
+    sched.advance(sched.schedule())  # both prompts: every block taken
+    old.tokens.append(7)
+    _fork(group, sched)
+    root, child = group.members
+    assert not bm.free and bm.blocks[root.block_table[1]].ref_count == 2
+    plan = sched.schedule()  # old decodes; the root's write would need a copy of block 1
+    assert [s for s, _ in plan.scheduled] == [old] and plan.preempted == [root, child]
+    assert list(sched.waiting) == [root, child] and sched.running == [old] and not plan.copies
+    sched.advance(plan)
+    sched.remove(old)
+    plan = sched.schedule()  # the group comes back whole, its prompt's full block shared
+    assert plan.scheduled == [(root, 3), (child, 3)] and sched.running == [root, child]
+    assert root.block_table[0] == child.block_table[0] and root.block_table[1] != child.block_table[1]
+
+
+def test_a_group_joins_only_when_the_blocks_of_all_its_members_are_free():
+    bm = BlockManager(6, 4)
+    sched = Scheduler(bm, max_batch=8, token_budget=64)
+    group = _beams(6, 3)
+    sched.add(group.root)
+    sched.advance(sched.schedule())
+    _fork(group, sched)
+    members = list(group.members)
+    sched._preempt_newest(sched.schedule())  # as if a longer one had needed the room
+    assert list(sched.waiting) == members and not sched.running
+    holder = _seq(12, max_new=2)
+    holder.status = Status.RUNNING
+    sched.running.append(holder)
+    assert bm.grow(holder, 12) == []  # 3 blocks held; 3 free, one the members' cached first block
+    plan = sched.schedule()  # one member's chunk would fit (1 block), the three members' not (3)
+    assert plan.scheduled == [(holder, 12)] and not plan.refused
+    assert list(sched.waiting) == members and all(not m.block_table for m in members)  # none kept
+    sched.advance(plan)
+    sched.remove(holder)
+    plan = sched.schedule()
+    assert plan.scheduled == [(m, 3) for m in members] and sched.running == members
+
+
+def test_a_group_that_cannot_start_on_an_empty_pool_is_refused_not_spun_on():
+    bm = BlockManager(3, 4)
+    sched = Scheduler(bm, max_batch=4, token_budget=16)
+    group = _beams(6, 2)
+    group.members.append(group._fork(group.root, bm))  # two members of 6 tokens: 4 blocks, 3 in the pool
+    for member in group.members:
+        member.status = Status.WAITING
+        sched.add(member)
+    later = _seq(3)
+    sched.add(later)
+    plan = sched.schedule()
+    assert plan.refused == [group.root] and not plan.scheduled and list(sched.waiting) == [later]
+    assert [s for s, _ in sched.schedule().scheduled] == [later]
+    assert bm.stats().used == 1
 
 
 def test_the_budget_must_cover_a_full_batch():
