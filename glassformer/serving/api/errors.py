@@ -49,6 +49,8 @@ def from_validation(error: ValidationError) -> APIError:
     if kind == "json_invalid":
         return APIError(400, f"the body is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})",
                         code="invalid_json")
+    if kind == "model_type" and loc:  # a nested object sent as null, a list, a number...
+        return APIError(400, f"{param}: must be a JSON object", param, "invalid_type")
     if kind == "model_type" or (kind.endswith("_type") and not loc):
         return APIError(400, "the body must be a JSON object", code="invalid_type")
     if kind == "extra_forbidden":
