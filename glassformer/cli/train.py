@@ -107,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
             model_config = ModelConfig.from_dict({"vocab_size": 1, **model_config})  # the tokenizer's
     except ValueError as error:
         raise InputError(args.config, f"{error}" if args.config else str(error)) from None
+    lora_flags = [k for k in _overrides(args, "train.") if k.startswith("lora_")]
+    if train_config.lora_rank is None and lora_flags:  # even at their defaults: never ignored
+        raise InputError(lora_flags[0], f"--{lora_flags[0].replace('_', '-')} applies to LoRA: "
+                         "give --lora-rank too")
     echo = (lambda s: tqdm.write(s, file=sys.stderr)) if args.json else tqdm.write
     summary = train(args.data, args.out, model_config, train_config, resume=args.resume,
                     progress=not args.no_progress, echo=echo, threads=args.thread_policy)

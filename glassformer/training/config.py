@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from ..errors import InputError
@@ -50,7 +50,8 @@ class TrainConfig(ConfigFields):
     init: str | None = None  # start from this pretrained model (what glassformer.load reads):
     # its config, weights and tokenizer (training/pretrained.py)
     lora_rank: int | None = None  # LoRA (training/lora.py): rank-r adapters on the frozen --init
-    # model; None: every weight trains
+    # model, r at most min(in, out) of each target; None: every weight trains (the other lora_
+    # fields are then refused unless at their defaults)
     lora_alpha: float = 16.0  # the updates are scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated projections of each block
@@ -90,6 +91,12 @@ class TrainConfig(ConfigFields):
             raise InputError("init", f"expected a model name or path, got {self.init!r}")
         if self.lora is not None and self.init is None:
             raise InputError("lora_rank", "LoRA adapts a pretrained model; give --init")
+        if self.lora_rank is None:  # never a full fine-tune when LoRA was asked
+            for field in fields(self):
+                name = field.name
+                if name.startswith("lora_") and getattr(self, name) != field.default:
+                    raise InputError(name, f"--{name.replace('_', '-')} applies to LoRA: give "
+                                     "--lora-rank too")
         if self.documents not in ("file", "line", "blank"):
             raise InputError("documents", f"choose file, line or blank, got {self.documents!r}")
 

@@ -47,7 +47,8 @@ class LoRAConfig:
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise InputError("lora_targets", f"{','.join(self.targets)!r}: give distinct names "
-                             f"among {','.join(TARGETS)}")
+                             f"among {','.join(TARGETS)} (PEFT's q_proj ... down_proj without "
+                             "_proj)")
 
     @property
     def scale(self) -> float:
@@ -162,7 +163,9 @@ def target_slices(config: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]
 
 
 def check_targets(model: ModelConfig, config: LoRAConfig) -> None:
-    """Refuses targets the model lacks, before anything is built or written."""
+    """Refuses targets the model lacks, and a rank above min(in, out) of the smallest targeted
+    product (B A would hold no more than that, in factors larger than the weight itself),
+    before anything is built or written."""
     if model.n_encoder_layers:
         raise InputError("lora_targets", "LoRA here adapts decoder-only and encoder models, "
                          "not encoder-decoders")
@@ -171,6 +174,14 @@ def check_targets(model: ModelConfig, config: LoRAConfig) -> None:
     if missing:
         raise InputError("lora_targets", f"this model has no {missing[0]!r} projection (a "
                          f"feed-forward without a gate); choose among {','.join(slices)}")
+    inputs = {"attn.qkv": model.d_model, "attn.out": model.n_heads * model.head_dim,
+              "mlp.up": model.d_model, "mlp.down": model.ff_dim}
+    sizes = {t: min(inputs[slices[t][0]], slices[t][1][1] - slices[t][1][0]) for t in config.targets}
+    smallest = min(sizes, key=sizes.get)
+    if config.rank > sizes[smallest]:
+        raise InputError("lora_rank", f"{config.rank} is above {sizes[smallest]}, min(in, out) of "
+                         f"this model's {smallest} product: give --lora-rank {sizes[smallest]} "
+                         "or less")
 
 
 def add_lora(model: nn.Module, config: LoRAConfig) -> None:

@@ -9,6 +9,7 @@ import os
 import shutil
 
 import pytest
+from hostile_helpers import checkpoint_folder
 
 from glassformer.cli import main
 from glassformer.model.config import ModelConfig
@@ -247,3 +248,40 @@ def test_resume_from_a_checkpoint_with_a_broken_config(finished, corpus, tmp_pat
     refused(["train", "--data", corpus, "--out", out, "--resume", "--no-progress"],
             "expected a JSON object", out)
 
+
+
+BAD_LORA = {  # the model: d_model 16, two heads of 8, kv_heads 2, a 64-wide plain feed-forward
+    "rank beyond every product": (["--lora-rank", "100000", "--lora-targets", "q,k,v,o,up,down"],
+                                  "--lora-rank 16 or less"),
+    "rank beyond the smallest target": (["--lora-rank", "17", "--lora-targets", "q,down"],
+                                        "--lora-rank 16 or less"),
+    "targets without a rank": (["--lora-targets", "q"], "give --lora-rank too"),
+    "default targets without a rank": (["--lora-targets", "q,k,v,o,gate,up,down"],
+                                       "give --lora-rank too"),
+    "alpha without a rank": (["--lora-alpha", "8"], "give --lora-rank too"),
+    "dropout without a rank": (["--lora-dropout", "0.1"], "give --lora-rank too"),
+    "PEFT's name without a rank": (["--lora-targets", "q_proj"], "give --lora-rank too"),
+    "PEFT's name": (["--lora-rank", "2", "--lora-targets", "q_proj"],
+                    "among q,k,v,o,gate,up,down"),
+    "a target the model lacks": (["--lora-rank", "2", "--lora-targets", "gate"],
+                                 "choose among q,k,v,o,down,up"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LORA))
+def test_lora_options_are_checked_against_the_model_before_any_work(case, corpus, tmp_path,
+                                                                     refused):
+    model = checkpoint_folder(tmp_path / "model")
+    extra, message = BAD_LORA[case]
+    out = tmp_path / "run"
+    refused(["train", "--init", model, "--data", corpus, "--out", out, "--max-iters", "1",
+             "--no-progress", *extra], message, model, corpus, seconds=10)
+    assert not out.exists()
+
+
+def test_the_largest_rank_a_model_allows_trains(corpus, tmp_path):
+    model = checkpoint_folder(tmp_path / "model")
+    summary = loop.train(corpus, tmp_path / "run", None, TRAIN.replace(
+        init=str(model), lora_rank=16, lora_targets="q,down", max_iters=1, eval_interval=1),
+        progress=False, echo=lambda s: None)
+    assert summary["trainable_parameters"] == 16 * (16 + 16) + 16 * (64 + 16)
