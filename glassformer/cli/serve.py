@@ -29,6 +29,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add(parser, "--model", required=True)
     parser.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
     add(parser, "--quantize", "--lora")
+    parser.add_argument("--lora-dir", action="append", default=None, metavar="DIR",
+                        help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter for "
+                             "adapters under DIR (repeat for more folders; without it both answer "
+                             "403: only --lora's adapters are served)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("GLASSFORMER_API_KEY"),
@@ -88,11 +92,20 @@ def run(args: argparse.Namespace) -> int:
                          "pip install 'glassformer[serve]'") from None
 
     hosts = tuple(dict.fromkeys((args.host, *LOOPBACK, *args.allowed_hosts)))
+    for folder in args.lora_dir or ():
+        if not os.path.isdir(folder):
+            raise InputError("--lora-dir", f"{folder!r} is not a folder")
+    names = [name for name, _ in args.lora or ()]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise InputError("--lora", f"the name {twice!r} is given twice; give each adapter its own "
+                         "NAME=PATH")
     config = ServerConfig(args.name or args.model, args.api_key or None, args.max_queue,
                           args.max_request_tokens,
                           args.max_body_kb * 1024, args.timeout, args.body_timeout, hosts,
                           tuple(args.allowed_origins), args.metrics_key, args.header_timeout,
-                          max_capture_mb=args.max_capture_mb)
+                          max_capture_mb=args.max_capture_mb,
+                          lora_dirs=tuple(os.path.realpath(d) for d in args.lora_dir or ()))
     vectors = _steering_vectors(args.steer or [])
     engine = engine_config(args)
     if args.ray:
@@ -124,13 +137,15 @@ def _steering_vectors(specs: list[str]) -> dict:
     """NAME=PATH each: the vectors requests may name."""
     from ..interpret.steer import SteeringVector
 
-    vectors = {}
+    paths = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise InputError(None, f"--steer: {spec!r}: give NAME=PATH (a file from glassformer steer build)")
-        vectors[name] = SteeringVector.load(path)
-    return vectors
+        if name in paths:
+            raise InputError("--steer", f"the name {name!r} is given twice; give each vector its own NAME")
+        paths[name] = path
+    return {name: SteeringVector.load(path) for name, path in paths.items()}
 
 
 def _draining(settings, server, grace: float):

@@ -32,9 +32,16 @@ def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
         raise InputError(name, f"must be {bound}, got {value!r}")
 
 
+# the most a steer may add to one activation (|α| · max|vector|): a trained model's residual
+# stream holds values within thousands, and this much, squared by a norm and summed over any
+# d_model, stays far below float32's largest value (3.4e38); beyond it the output is noise
+MAX_STEER = 1e6
+
+
 @dataclass(frozen=True, eq=False)
 class Steer:
-    """α × a vector (d_model,) added at a hook site to every row of the request that steers."""
+    """α × a vector (d_model,) added at a hook site to every row of the request that steers;
+    |α| · max|vector| at most MAX_STEER."""
 
     site: str  # a residual-width site with a token axis, e.g. blocks.3.resid_post
     vector: torch.Tensor  # (d_model,)
@@ -52,6 +59,11 @@ class Steer:
         alpha = self.alpha
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
             raise InputError("steer", f"alpha must be a finite number, got {alpha!r}")
+        peak = abs(alpha) * float(vector.abs().max()) if vector.numel() else 0.0
+        if not peak <= MAX_STEER:
+            raise InputError("steer", f"alpha {alpha:g} x the largest value of vector {self.name!r} "
+                             f"({float(vector.abs().max()):g}) adds {peak:g} to an activation, over "
+                             f"{MAX_STEER:g}: its activations would overflow")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ adapter's rows keep the module path.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from ..model.transformer import Transformer
 from ..training.lora import AdapterTensors, LoRAConfig, check_targets, read_lora, target_slices
 
 PRODUCTS = ("attn.qkv", "attn.out", "mlp.up", "mlp.down")  # the paths LoRA targets, in a block
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a served adapter's (and steering vector's) name
 
 
 def input_sizes(config: ModelConfig) -> dict[str, int]:
@@ -64,7 +66,8 @@ class ServedAdapter:
 
 
 def check_tensors(model: ModelConfig, config: LoRAConfig, tensors: AdapterTensors, where: str) -> None:
-    """Every (layer, target) of the model's blocks present, with the shapes this model needs."""
+    """Every (layer, target) of the model's blocks present, with the shapes this model needs
+    and finite values (a NaN would silently spoil every row that uses the adapter)."""
     slices, sizes = target_slices(model), input_sizes(model)
     want = {(i, t) for i in range(model.n_layers) for t in config.targets}
     if set(tensors) != want:
@@ -79,6 +82,8 @@ def check_tensors(model: ModelConfig, config: LoRAConfig, tensors: AdapterTensor
                 raise InputError(where, f"layer {i} {t} lora_{name} has shape {tuple(saved.shape)}, "
                                  f"this model and r={config.rank} need {shape}: an adapter for another "
                                  "base, or another rank")
+            if not bool(torch.isfinite(saved).all()):
+                raise InputError(where, f"layer {i} {t} lora_{name} holds non-finite values (NaN or Inf)")
 
 
 def itself(product: nn.Module) -> nn.Module:
@@ -116,8 +121,9 @@ class Adapters:
 
     def read(self, name: str, path: str | Path) -> ServedAdapter:
         """An adapter folder read and checked against the served model (nothing is registered)."""
-        if not isinstance(name, str) or not name.strip():
-            raise InputError("lora_name", f"a non-empty name, got {name!r}")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise InputError("lora_name", f"{name!r}: a name is 1-64 letters, digits, '_', '.' or '-', "
+                             "beginning with a letter or digit")
         try:
             config, tensors, folder = read_lora(path, self.base)
         except FileNotFoundError as error:
@@ -136,6 +142,9 @@ class Adapters:
                 ups, scaled = [], []
                 for t in targets:
                     b = tensors[(i, t)][1].to(self.device, self.dtype) * config.scale  # (e - s, r)
+                    if not bool(torch.isfinite(b).all()):
+                        raise InputError(str(folder), f"layer {i} {t} lora_B x lora_alpha/r "
+                                         f"({config.scale:g}) overflows {self.dtype}")
                     ups.append((*slices[t][1], self.wrap(_linear(b))))
                     scaled.append((slices[t][1][0], b))
                 updates[(i, path)] = Update(self.wrap(_linear(a)), tuple(ups))

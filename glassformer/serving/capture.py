@@ -193,20 +193,58 @@ def lens_of(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
     return torch.stack([ids for ids, _ in rows], dim=1), torch.stack([probs for _, probs in rows], dim=1)
 
 
+def _elements(config: ModelConfig, site: str, tokens: int) -> int:
+    """How many numbers a site's tensor holds over `tokens` positions (batch 1)."""
+    sizes = {"batch": 1, "pos": tokens, "query": tokens, "key": tokens, "head": config.n_heads,
+             "kv_head": config.kv_heads, "d_head": config.head_dim, "d_model": config.d_model,
+             "d_ff": config.ff_dim, "vocab": config.vocab_size}
+    elements = 1
+    for dim in site_dims(site):
+        elements *= sizes[dim]
+    return elements
+
+
+def _lens_sites(config: ModelConfig, lens_layers: tuple[int, ...] | None) -> int:
+    return config.n_layers + 1 if lens_layers is None else len(lens_layers)
+
+
 def capture_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None, tokens: int,
                   lens_layers: tuple[int, ...] | None = None) -> int:
     """An upper bound on what a request's capture and lens hold over `tokens` positions, as
     float32 (token ids as int64): every site's tensor at full length."""
-    sizes = {"batch": 1, "pos": tokens, "query": tokens, "key": tokens, "head": config.n_heads,
-             "kv_head": config.kv_heads, "d_head": config.head_dim, "d_model": config.d_model,
-             "d_ff": config.ff_dim, "vocab": config.vocab_size}
+    total = sum(4 * _elements(config, site, tokens) for site in sites)
+    if lens is not None:
+        total += (4 + 8) * _lens_sites(config, lens_layers) * tokens * min(lens, config.vocab_size)
+    return total
+
+
+# The most bytes one number of a trace takes in an answer's JSON: a float32 read as a Python
+# float prints in at most 23 characters ("-1.2345678901234567e-38"), then its separator and a
+# share of its list's brackets.
+FLOAT_JSON = 32
+# One lens entry, `{"id": 123, "token": "...", "prob": 0.1234}, `, less its id's digits and its
+# token's text: 37 characters with a separator's space, and its position's brackets.
+LENS_ENTRY_JSON = 44
+
+
+def answer_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None, tokens: int,
+                 lens_layers: tuple[int, ...] | None = None, token_json: int = 0,
+                 streamed: bool = False) -> int:
+    """An upper bound on the JSON an answer carries for a request's trace sites and lens over
+    `tokens` positions (what the server's --max-capture-mb bounds; it is several times
+    capture_bytes). `token_json`: the most characters one token's text takes as a JSON string
+    (quotes and escapes included); `streamed`: the sites the engine keeps go out twice, their
+    rows in each token's chunk (with that chunk's wrapping) and the whole in the last."""
     total = 0
     for site in sites:
-        elements = 1
-        for dim in site_dims(site):
-            elements *= sizes[dim]
-        total += 4 * elements
+        copies = 2 if streamed and token_axis(site) is not None else 1
+        total += FLOAT_JSON * _elements(config, site, tokens) * copies
+        if streamed and token_axis(site) is not None:
+            total += 64 * tokens  # {"glassformer": {"trace": {"<site>": ...}}} in each chunk
     if lens is not None:
-        n_sites = config.n_layers + 1 if lens_layers is None else len(lens_layers)
-        total += (4 + 8) * n_sites * tokens * min(lens, config.vocab_size)
+        digits = len(str(config.vocab_size))
+        entry = LENS_ENTRY_JSON + digits + token_json
+        per_site = 64 + tokens * min(lens, config.vocab_size) * entry  # with {"site": ..., "top": ...}
+        total += _lens_sites(config, lens_layers) * per_site
+        total += tokens * (token_json + digits + 4)  # the tokens read, as text and ids
     return total

@@ -5,11 +5,12 @@
            for each request that caught up:   pick its next token with its own generator,
                stream it, stop it or go on
 
-A request whose own work fails inside a step (its pick, its text, its beams) ends alone with
-an error event; only a failed forward pass, which every request shares, stops the engine.
-`step()` can be driven by hand (tests, offline batches); `start()` runs it on a background
-thread that sleeps while nothing waits. `submit` and `cancel` are safe from any thread: they
-only queue work that the stepping thread picks up at the start of its next step.
+A request whose own work fails inside a step (its pick, its text, its beams, its logits
+turned NaN or Inf) ends alone with an error event; only a failed forward pass, which every
+request shares, stops the engine. `step()` can be driven by hand (tests, offline batches);
+`start()` runs it on a background thread that sleeps while nothing waits. `submit` and `cancel`
+are safe from any thread: they only queue work that the stepping thread picks up at the start
+of its next step.
 """
 
 from __future__ import annotations
@@ -305,6 +306,7 @@ class Engine:
         start = time.perf_counter()
         logits = self.runner.run(plan)  # (R, V)
         ready = self.scheduler.advance(plan)
+        broken = _non_finite_rows(logits)
         plain = [i for i, seq in enumerate(ready) if seq.group is None]
         plain_logits = logits if len(plain) == len(ready) else logits[plain]  # no copy when all
         greedy = [_plain_greedy(ready[i]) for i in plain]
@@ -312,6 +314,8 @@ class Engine:
         for j, i in enumerate(plain):
             seq = ready[i]
             try:  # a request that fails here fails alone
+                if i in broken:
+                    raise FloatingPointError(NON_FINITE)
                 token = argmax[j] if greedy[j] else self._sample(seq, plain_logits[j : j + 1])
                 self._emit(seq, token, logits[i])
             except Exception as error:
@@ -321,6 +325,8 @@ class Engine:
             if group is None or group.id not in self._handles:
                 continue
             try:
+                if i in broken:
+                    raise FloatingPointError(NON_FINITE)
                 if group.offer(seq, logits[i]):
                     self._advance_beams(group)
             except Exception as error:
@@ -388,6 +394,16 @@ class Engine:
             captured=captured(seq),
             lens=lens_of(seq),
         )
+
+
+NON_FINITE = ("its logits hold NaN or Inf: its activations overflowed (a steer's alpha, an adapter's "
+              "weights?); no token was picked")
+
+
+def _non_finite_rows(logits: torch.Tensor) -> set[int]:
+    """The rows of (R, V) logits holding NaN or Inf: one reduction, rows listed only if any."""
+    finite = torch.isfinite(logits).all(dim=-1)  # (R,)
+    return set() if bool(finite.all()) else set((~finite).nonzero().flatten().tolist())
 
 
 def _too_large(unit: Sequence | BeamGroup, blocks: BlockManager) -> InputError:

@@ -11,6 +11,7 @@ the next step. A shutdown past its grace ends every running request in OpenAI's 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -28,7 +29,7 @@ from ...interpret.lens_page import lens_data
 from ...interpret.steer import SteeringVector
 from ...language_model import LanguageModel
 from .. import Engine, EngineConfig, Event, RequestHandle
-from ..capture import capture_bytes, token_axis
+from ..capture import answer_bytes, token_axis
 from ..engine import CapacityError
 from . import errors, responses
 from .errors import APIError
@@ -55,6 +56,9 @@ class ServerConfig:
     metrics_need_key: bool = False  # whether /metrics also needs the API key
     header_timeout_s: float = 10.0  # headers not whole by then get 408 and the connection closes
     max_capture_mb: float = 64.0  # most one request's trace sites and lens may hold; more get 400 (0: none)
+    # folders /v1/load_lora_adapter may read adapters from (their real paths); none: loading and
+    # unloading adapters at run time is off (403)
+    lora_dirs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_tokens", "max_body_bytes"):
@@ -68,7 +72,7 @@ class ServerConfig:
         size = self.max_capture_mb
         if isinstance(size, bool) or not isinstance(size, int | float) or not 0 <= size < float("inf"):
             raise InputError("max_capture_mb", f"must be a finite number of MB >= 0, got {size!r}")
-        for name in ("allowed_hosts", "allowed_origins"):
+        for name in ("allowed_hosts", "allowed_origins", "lora_dirs"):
             values = getattr(self, name)
             if not isinstance(values, tuple) or any(not isinstance(v, str) or not v for v in values):
                 raise InputError(name, f"a tuple of non-empty strings, got {values!r}")
@@ -100,6 +104,7 @@ class Server:
         self.shutting_down = False
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
         self._guards: set[asyncio.Task] = set()
+        self._token_json: int | None = None  # token_json(), once asked
 
     def drain(self, grace: float) -> None:
         """A shutdown began (from any thread, a signal handler included): requests still running
@@ -179,21 +184,32 @@ class Server:
         return handle, admission
 
     def check_capture_size(self, fields: SamplingFields, tokens: int) -> None:
-        """400 for a request whose trace sites and lens would hold more than max_capture_mb
-        (at 0, any trace or lens)."""
+        """400 for a request whose trace sites and lens would make more than max_capture_mb of
+        its answer's JSON (capture.answer_bytes; at 0, any trace or lens)."""
         asked = fields.glassformer
         lens, layers = (None, None) if asked.lens is None else (asked.lens.top_k, asked.lens.layers)
-        size = capture_bytes(self.language_model.config, tuple(asked.trace), lens, tokens,
-                             None if layers is None else tuple(layers))
+        size = answer_bytes(self.language_model.config, tuple(asked.trace), lens, tokens,
+                            None if layers is None else tuple(layers),
+                            0 if lens is None else self.token_json(),
+                            bool(getattr(fields, "stream", False)))
         most = self.config.max_capture_mb
         if size and not most:
             raise APIError(400, "glassformer: this server keeps no trace or lens (--max-capture-mb 0)",
                            "glassformer", "capture_disabled")
         if size > most * 2**20:
-            raise APIError(400, f"glassformer: the trace and lens would hold {size / 2**20:.1f} MB over "
-                                f"{tokens} tokens; this server allows {most:g} MB per request "
+            raise APIError(400, f"glassformer: the trace and lens could take {size / 2**20:.1f} MB of the "
+                                f"answer over {tokens} tokens; this server allows {most:g} MB per request "
                                 "(--max-capture-mb): ask fewer sites or tokens", "glassformer",
                            "capture_too_large")
+
+    def token_json(self) -> int:
+        """The most characters one token's text takes as a JSON string (escaped as ASCII, so at
+        least its UTF-8 bytes), the lens answer's token fields; read over the vocabulary once."""
+        if self._token_json is None:
+            decode = self.language_model.tokenizer.decode
+            self._token_json = max(len(json.dumps(decode([i])))
+                                   for i in range(self.language_model.config.vocab_size))
+        return self._token_json
 
     async def _guard(self, handle: RequestHandle, request: Request, admission: Admission) -> None:
         """Holds the request's admission until its reader is done; cancels it in the engine as

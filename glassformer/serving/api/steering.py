@@ -5,7 +5,6 @@ it names another) and the engine adds α × vector to that request's rows only."
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Mapping
 
@@ -15,9 +14,9 @@ from ...errors import InputError
 from ...generation.config import Steer
 from ...interpret.steer import SteeringVector, check_steer
 from ...model.config import ModelConfig
+from ..adapters import NAME
 from .protocol import SteerField
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MOST = 256  # vectors one server keeps
 
 
@@ -30,12 +29,18 @@ class SteeringVectors:
             self.add(name, vector)
 
     def add(self, name: str, vector: SteeringVector) -> None:
-        """Register (or replace) a vector; ValueError naming the field for one this model cannot take."""
+        """Register a vector under a name not taken yet; ValueError naming the field for one this
+        model cannot take."""
         if not NAME.fullmatch(name):
             raise InputError("name", f"{name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        if not bool(torch.isfinite(vector.vector).all()):
+            raise InputError("vector", f"{name!r} holds non-finite values (NaN or Inf)")
         check_steer(self.config, [vector.steer(1.0, name)])
         with self._lock:
-            if name not in self._vectors and len(self._vectors) >= MOST:
+            if name in self._vectors:
+                raise InputError("name", f"a steering vector named {name!r} is registered already; "
+                                 "upload it under another name")
+            if len(self._vectors) >= MOST:
                 raise InputError("name", f"this server keeps at most {MOST} steering vectors")
             self._vectors[name] = vector
 
@@ -62,5 +67,5 @@ def uploaded(name: str, site: str, values: list[float]) -> SteeringVector:
     """A vector sent as numbers; ValueError naming `vector` for a non-finite one."""
     vector = torch.tensor(values, dtype=torch.float32)  # (d,)
     if not bool(torch.isfinite(vector).all()):
-        raise InputError("vector", "every value must be finite (also in float32)")
+        raise InputError("vector", f"{name!r}: every value must be finite (also in float32)")
     return SteeringVector(vector, site, "uploaded")

@@ -1,6 +1,7 @@
-"""LoRA adapters over HTTP: loaded and unloaded at run time (behind the API key when one is
-set), picked by a request's `model`, listed by /v1/models; an adapter's answer is the merged
-model's, the base's is the plain model's; bad adapters and names are 4xx in OpenAI's shape."""
+"""LoRA adapters over HTTP: loaded and unloaded at run time (from the folders the server names,
+behind the API key when one is set), picked by a request's `model`, listed by /v1/models; an
+adapter's answer is the merged model's, the base's is the plain model's; bad adapters and names
+are 4xx in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def complete(http, model: str, headers=None) -> httpx.Response:
 
 def test_adapters_load_serve_and_unload(language_model, adapter):
     folder, merged = adapter
-    with serving(language_model) as (url, _), httpx.Client(base_url=url, timeout=30) as http:
+    config = ServerConfig(MODEL, max_tokens=64, lora_dirs=(str(folder.parent),))  # runtime loads on
+    with serving(language_model, config) as (url, _), httpx.Client(base_url=url, timeout=30) as http:
         load = {"lora_name": "mine", "lora_path": str(folder)}
         assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
         models = http.get("/v1/models").json()["data"]
@@ -71,7 +73,7 @@ def test_adapters_load_serve_and_unload(language_model, adapter):
 
 def test_adapter_routes_need_the_api_key(language_model, adapter):
     folder, _ = adapter
-    config = ServerConfig(MODEL, api_key="s3cret", max_tokens=8)
+    config = ServerConfig(MODEL, api_key="s3cret", max_tokens=8, lora_dirs=(str(folder),))
     with serving(language_model, config) as (url, _), httpx.Client(base_url=url, timeout=30) as http:
         load, unload = {"lora_name": "mine", "lora_path": str(folder)}, {"lora_name": "mine"}
         for path, body in (("/v1/load_lora_adapter", load), ("/v1/unload_lora_adapter", unload)):
