@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from ..errors import InputError
+from ..formats.files import check_location
 from .options import add
 
 
@@ -44,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
                          "--dtype is for --to gguf")
     if args.format == "gguf" and Path(output).exists() and not args.force:
         raise InputError("output", f"{output} exists (pass --force to replace it)")
+    if args.format == "hf" and Path(output).exists() and (not Path(output).is_dir()
+                                                          or any(Path(output).iterdir())):
+        raise InputError("output", f"{output} exists and is not an empty folder")
+    check_location(output, makes_folders=True)  # all before the model is read
     language_model = load(args.model)
     if args.merge_lora:
         from ..training.lora import apply_adapter, merge_lora

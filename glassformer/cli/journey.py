@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -69,8 +68,6 @@ def run(args: argparse.Namespace) -> int:
     if output is not None:  # refused before the model is read, never after the work is done
         inputs = [p for p in (args.model, args.prompt_file) if p is not None]
         check_output(output, inputs, args.force)
-        if not Path(output).absolute().parent.is_dir():
-            raise InputError(output, "the folder to write it in does not exist")
     device = or_default(args.device, "cpu")
     if args.model is not None:
         loaded = load(args.model, quantize=args.quantize).to(device)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
 from ..errors import InputError
-from ..formats.files import check_output, read_text, write_atomic
+from ..formats.files import check_location, check_output, read_text, write_atomic
 from ..interpret.lens import LensTraining, TunedLens, held_out, kl_curve, logit_lens, train_tuned_lens
 from ..interpret.lens_page import lens_data, render_html
 from ..language_model import load
@@ -51,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--steps", type=positive_int, help=f"optimizer steps (default {defaults.steps})")
     train.add_argument("--batch", type=positive_int, help=f"windows per step (default {defaults.batch})")
     train.add_argument("--lens-context", type=positive_int, dest="context",
-                       help=f"tokens per window (default {defaults.context})")
+                       help=f"tokens per window, at most the model's context (default "
+                            f"{defaults.context}, or the model's context if shorter)")
     train.add_argument("--lens-lr", type=finite, dest="lr",
                        help=f"Adam's learning rate for the lens (default {defaults.lr})")
     add(train, "--seed")
@@ -106,13 +107,14 @@ def _train(args: argparse.Namespace) -> int:
                          f"--{'data' if args.data is None else 'out'}: `glassformer lens {TRAIN}` needs it")
     for flag in ("tuned", "html"):
         if getattr(args, flag) is not None:
-            raise InputError(None, f"--{flag}: not for `glassformer lens {TRAIN}` (it reads a prompt)")
+            raise InputError(f"--{flag}", f"not for `glassformer lens {TRAIN}` (it reads a prompt)")
     if len(args.data) != 1:
         raise InputError("--data", f"`glassformer lens {TRAIN}` reads one text file, got {len(args.data)}")
     data = args.data[0]
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise InputError(None, f"--out: {out} is a file; give a folder")
+        raise InputError("--out", f"{out} is a file; give a folder")
+    check_location(out, makes_folders=True)
     settings = LensTraining(**{k: v for k, v in (("steps", args.steps), ("batch", args.batch),
                                ("context", args.context), ("lr", args.lr)) if v is not None},
                             **({} if args.seed is None else {"seed": args.seed}))
@@ -120,9 +122,14 @@ def _train(args: argparse.Namespace) -> int:
     loaded = load(args.model).to(args.device)
     settle_threads(args)
     model = loaded.model.eval()
+    if settings.context > model.config.context_length:  # before the text is encoded
+        if args.context is not None:
+            raise InputError("--lens-context", f"{settings.context} is above {args.model}'s "
+                             f"context length, {model.config.context_length}")
+        settings = replace(settings, context=model.config.context_length)  # the default's cap
     tokens = torch.tensor(loaded.encode(text), dtype=torch.long)
     if len(tokens) < 2:
-        raise InputError(None, f"--data: {data} holds {len(tokens)} tokens; a tuned lens needs more")
+        raise InputError("--data", f"{data} holds {len(tokens)} tokens; a tuned lens needs more")
     context = min(settings.context, model.config.context_length, len(tokens))
     train, measure = held_out(tokens, context)
     measure = measure.to(args.device)

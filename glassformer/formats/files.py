@@ -35,8 +35,8 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
 
 
 def check_output(output: str | Path, inputs: Iterable[str | Path] = (), force: bool = False) -> Path:
-    """Refuse an output that is one of the inputs or lies inside an input folder, or (without
-    `force`) any file already there."""
+    """Refuse an output that is one of the inputs or lies inside an input folder, (without
+    `force`) any file already there, or one `check_location` refuses."""
     output = Path(output)
     for source in inputs:
         source = Path(source)
@@ -50,6 +50,21 @@ def check_output(output: str | Path, inputs: Iterable[str | Path] = (), force: b
         raise InputError(output, "is a folder; give a file name")
     if (output.exists() or output.is_symlink()) and not force:
         raise InputError(None, f"{output} already exists; pass --force to replace it")
+    return check_location(output)
+
+
+def check_location(output: str | Path, makes_folders: bool = False) -> Path:
+    """Refuse an output that cannot be written where it is asked, before any work: a path
+    through a regular file, or a folder to write it in that does not exist (unless the writer
+    `makes_folders`, as a run folder or an export does)."""
+    output = Path(output)
+    for parent in output.absolute().parents:  # the nearest that exists decides
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(output, f"{parent} is a file, not a folder")
+            break
+    if not makes_folders and not output.absolute().parent.is_dir():
+        raise InputError(output, "the folder to write it in does not exist")
     return output
 
 

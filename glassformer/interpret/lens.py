@@ -257,11 +257,15 @@ def _windows(tokens: torch.Tensor, settings: LensTraining, context_length: int) 
 def train_tuned_lens(model: Transformer, tokens: torch.Tensor, settings: LensTraining = LensTraining(),
                      progress: Callable[[int, float], None] | None = None) -> TunedLens:
     """A tuned lens for `model` trained on windows of `tokens` (N,) against the model's final
-    distribution; `progress(step, loss)` hears each step's KL summed over the maps."""
+    distribution; `progress(step, loss)` hears each step's KL summed over the maps. A window
+    longer than the model's context is refused (a text shorter than a window is one window)."""
     if isinstance(model, EncoderDecoder) or model.training:
         raise InputError("model", "a tuned lens is trained on a decoder or encoder in eval mode")
     if tokens.ndim != 1 or len(tokens) == 0:
         raise InputError("data", "no tokens to train the tuned lens on")
+    if settings.context > model.config.context_length:
+        raise InputError("context", f"{settings.context} tokens per window is above the model's "
+                         f"context length, {model.config.context_length}")
     weight = model.lm_head.weight
     lens = TunedLens.for_model(model.config).to(device=weight.device)
     optimizer = torch.optim.Adam(lens.parameters(), lr=settings.lr)

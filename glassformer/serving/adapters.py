@@ -126,7 +126,7 @@ class Adapters:
                              "beginning with a letter or digit")
         try:
             config, tensors, folder = read_lora(path, self.base)
-        except FileNotFoundError as error:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
             raise InputError("lora_path", f"{error}") from None
         check_targets(self.config, config)
         check_tensors(self.config, config, tensors, str(folder))

@@ -24,6 +24,7 @@ from ..accel.fast_training import clip_grad_norm_, use_fast_training
 from ..accel.threads import ThreadPolicy
 from ..errors import InputError
 from ..formats.checkpoint import Checkpoint, resume_source, run_contents, save_to_run
+from ..formats.files import check_location
 from ..formats.peft import read_adapter
 from ..formats.tokenizers import train_tokenizer
 from ..generation.config import GenerationConfig
@@ -143,6 +144,7 @@ def _prepare(data, out: Path, model_config, config: TrainConfig, resume: bool, p
                          "--init, with the default objective clm")
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out}: not a folder (--out names the run folder)")
+    check_location(out, makes_folders=True)  # not under a regular file
     if not resume:
         left = run_contents(out)
         if left:

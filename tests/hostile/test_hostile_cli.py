@@ -256,3 +256,25 @@ def test_journey_shows_its_progress(model, tmp_path, capsys):
     assert stages == ["journey: the forward pass over 8 tokens ...", "journey: integrated gradients ...",
                       "journey: the logit lens and the tensors' summaries ...", f"journey: writing {out} ..."]
     assert out.read_text(encoding="utf-8").startswith("<!")
+
+
+def test_a_lens_window_beyond_the_model_context_is_refused_at_once(tmp_path, refused):
+    model = checkpoint_folder(tmp_path / "model")  # a context of 32
+    data = tmp_path / "text.txt"
+    data.write_text("to be or not to be " * 20, encoding="utf-8")
+    out = tmp_path / "lens"
+    refused(["lens", "train", "--model", model, "--data", data, "--out", out,
+             "--lens-context", "100000"], "100000 is above", tmp_path, seconds=10)
+    assert not out.exists()
+
+
+def test_train_tuned_lens_refuses_a_window_beyond_the_context():
+    import torch
+
+    from glassformer import ModelConfig, Transformer
+    from glassformer.interpret.lens import LensTraining, train_tuned_lens
+
+    model = Transformer(ModelConfig(vocab_size=16, context_length=8, d_model=16, n_layers=1,
+                                    n_heads=2)).eval()
+    with pytest.raises(ValueError, match="^context: 9 tokens per window is above .* 8$"):
+        train_tuned_lens(model, torch.arange(16) % 16, LensTraining(steps=1, context=9))

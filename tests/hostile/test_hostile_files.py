@@ -105,3 +105,51 @@ def test_pull_unknown_name_writes_nothing(tmp_path, refused, monkeypatch):
     monkeypatch.setenv("GLASSFORMER_HOME", str(tmp_path / "home"))
     refused(["pull", "no-such-model"], "unknown model", tmp_path)
     assert not (tmp_path / "home").exists()
+
+
+def _writers(model, gguf_model, tmp_path, out):
+    """Every command that writes a file or a folder, writing to `out`."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("to be or not to be " * 50, encoding="utf-8")
+    for name in ("p.txt", "n.txt"):
+        (tmp_path / name).write_text("good\n", encoding="utf-8")
+    return {
+        "train": ["train", "--data", corpus, "--out", out, "--n-layers", "1", "--d-model", "16",
+                  "--n-heads", "2", "--context-length", "8", "--no-progress", "--max-iters", "1"],
+        "export": ["export", "--model", model, "-o", out],
+        "export gguf": ["export", "--model", gguf_model, "--to", "gguf", "-o", out],
+        "lens train": ["lens", "train", "--model", model, "--data", corpus, "--out", out,
+                       "--steps", "1"],
+        "lens --html": ["lens", "--model", model, "hi", "--html", out],
+        "steer build": ["steer", "build", "--model", model, "--site", "blocks.0.resid_post",
+                        "--positive", tmp_path / "p.txt", "--negative", tmp_path / "n.txt",
+                        "--out", out],
+        "journey": ["journey", "--model", model, "-o", out, "hi", "--ig-steps", "1"],
+    }
+
+
+WRITERS = ["train", "export", "export gguf", "lens train", "lens --html", "steer build", "journey"]
+
+
+@pytest.mark.parametrize("command", WRITERS)
+def test_an_output_under_a_regular_file_is_refused_before_loading(command, tmp_path, refused):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine", encoding="utf-8")
+    nothing = tmp_path / "no-model"  # were it read first, the error would be about it
+    argv = _writers(nothing, nothing, tmp_path, blocker / "sub" / "out")[command]
+    refused(argv, f"{blocker} is a file, not a folder", tmp_path)
+
+
+@pytest.mark.parametrize("command", ["lens --html", "steer build", "journey"])
+def test_a_file_in_a_missing_folder_is_refused_before_loading(command, tmp_path, refused):
+    out, nothing = tmp_path / "no" / "such" / "out", tmp_path / "no-model"
+    refused(_writers(nothing, nothing, tmp_path, out)[command], "does not exist", tmp_path)
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "export", "export gguf", "lens train"])
+def test_a_folder_or_export_makes_its_missing_folders(command, checkpoint, gguf_file, tmp_path):
+    out = tmp_path / "no" / "such" / "out"
+    argv = _writers(checkpoint, gguf_file, tmp_path, out)[command]
+    assert main([str(a) for a in argv]) == 0
+    assert out.exists()

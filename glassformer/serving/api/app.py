@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ...accel.threads import ThreadPolicy
+from ...errors import InputError
 from ...interpret.steer import SteeringVector
 from ...language_model import LanguageModel
 from .. import EngineConfig
@@ -119,8 +120,8 @@ def create_app(language_model: LanguageModel, config: ServerConfig, engine: Engi
         body = await server.parse(request, SteeringVectorUpload)
         try:
             server.steering.add(body.name, uploaded(body.name, body.site, body.vector))
-        except ValueError as error:
-            raise APIError(400, str(error), str(error).split(":")[0], "invalid_value") from None
+        except InputError as error:
+            raise errors.from_input(error) from None
         return {"object": "steering_vector", "id": body.name, "site": body.site, "width": len(body.vector)}
 
     return app

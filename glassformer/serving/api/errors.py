@@ -4,6 +4,7 @@ with a 4xx status for anything the client can fix; never a traceback or a file p
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from ...errors import InputError
 from .protocol import ErrorBody, ErrorResponse
 
 log = logging.getLogger("glassformer.serving.api")
@@ -37,6 +39,13 @@ class APIError(Exception):
         return JSONResponse(self.payload(), self.status, headers=self.headers)
 
 
+def from_input(error: InputError, fields: Mapping[str, str] | None = None) -> APIError:
+    """400 for a mistake in the request, `param` and `code` taken from the error's data;
+    `fields`: what the request calls a field the library names otherwise."""
+    param = (fields or {}).get(error.field, error.field)
+    return APIError(400, str(error), param, error.code)
+
+
 def from_validation(error: ValidationError) -> APIError:
     """The first problem pydantic found, named by its field path. Where a field may take several
     types, the member the value has the type of explains the problem best."""
@@ -57,6 +66,9 @@ def from_validation(error: ValidationError) -> APIError:
         return APIError(400, f"{param}: unknown field", param, "unknown_field")
     if kind == "missing":
         return APIError(400, f"{param}: required", param, "missing_field")
+    cause = first.get("ctx", {}).get("error")
+    if not loc and isinstance(cause, InputError):  # a check across fields names its field itself
+        return from_input(cause)
     message = first["msg"].removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}" if param else message, param, "invalid_value")
 
@@ -88,4 +100,6 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("unexpected error on %s", request.url.path)
-        return APIError(500, "internal error; see the server's log", code="internal_error").response()
+        # the error goes on to the HTTP server, which closes the connection after this answer
+        return APIError(500, "internal error; see the server's log", code="internal_error",
+                        headers={"Connection": "close"}).response()

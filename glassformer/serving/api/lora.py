@@ -22,7 +22,9 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from pydantic import Field
 
+from ...errors import InputError
 from ..engine import AdapterInUse
+from . import errors
 from .errors import APIError
 from .protocol import Strict
 from .server import Server
@@ -86,9 +88,9 @@ def install(app: FastAPI, server: Server, authorize: Callable[[Request], None]) 
                            "invalid_value")
         try:  # the files are read off the event loop
             await asyncio.to_thread(server.engine.load_adapter, body.lora_name, path)
-        except ValueError as error:
-            field = "lora_name" if str(error).startswith("lora_name") else "lora_path"
-            raise APIError(400, str(error), field, "invalid_value") from None
+        except InputError as error:  # anything but the name is about the adapter's files
+            field = error.field if error.field in LoadLoRARequest.model_fields else "lora_path"
+            raise errors.from_input(error, {error.field: field}) from None
         except OSError:  # unreadable under an allowed folder: no more detail than that
             raise APIError(400, "lora_path: no adapter could be read there", "lora_path",
                            "invalid_value") from None

@@ -40,6 +40,10 @@ from .tracing import Tracer
 from .ui_live import Live, Watch, live_sites
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
+# the request's name for a field the engine's RequestParams (or the steering table) names otherwise
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "adapter": "model", "capture": "glassformer.trace",
+                  "steer": "glassformer.steer", "ablate": "glassformer.ablate", "lens": "glassformer.lens",
+                  "lens_layers": "glassformer.lens.layers"}
 
 
 @dataclass(frozen=True)
@@ -174,8 +178,8 @@ class Server:
         except CapacityError as error:
             message = str(error).replace("the engine holds", "the server holds")
             raise APIError(400, message, "prompt", "context_length_exceeded") from None
-        except ValueError as error:
-            raise APIError(400, str(error), str(error).split(":")[0], "invalid_value") from None
+        except InputError as error:
+            raise errors.from_input(error, REQUEST_FIELDS) from None
         admission = Admission()
         self.active.add(handle)
         guard = asyncio.create_task(self._guard(handle, request, admission))
@@ -275,7 +279,7 @@ class Server:
                     for m in body.messages]
         try:
             return tokenizer.apply_chat_template(messages)
-        except (jinja2.TemplateError, ValueError) as error:
+        except (jinja2.TemplateError, InputError) as error:
             raise APIError(400, f"messages: {error}", "messages", "invalid_value") from None
 
     async def answer(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
@@ -286,7 +290,7 @@ class Server:
         if sites:
             try:
                 self.tracer.check(sites)
-            except ValueError as error:
+            except InputError as error:
                 raise APIError(400, f"glassformer.trace: {error}", "glassformer.trace",
                                "invalid_value") from None
             if body.model != self.config.model_name and any(token_axis(site) is None for site in sites):

@@ -12,7 +12,7 @@ import torch
 
 from ...errors import InputError
 from ...generation.config import Steer
-from ...interpret.steer import SteeringVector, check_steer
+from ...interpret.steer import SteeringVector, check_site
 from ...model.config import ModelConfig
 from ..adapters import NAME
 from .protocol import SteerField
@@ -35,7 +35,13 @@ class SteeringVectors:
             raise InputError("name", f"{name!r} must be 1-64 letters, digits, '_', '.' or '-'")
         if not bool(torch.isfinite(vector.vector).all()):
             raise InputError("vector", f"{name!r} holds non-finite values (NaN or Inf)")
-        check_steer(self.config, [vector.steer(1.0, name)])
+        try:  # named by the upload's fields: a vector's site, its numbers
+            check_site(self.config, vector.site)
+        except InputError as error:
+            raise InputError("site", f"{error.detail} (vector {name!r})") from None
+        if vector.vector.shape != (self.config.d_model,):
+            raise InputError("vector", f"{name!r} has width {vector.vector.shape[0]}, the model's "
+                             f"d_model is {self.config.d_model}")
         with self._lock:
             if name in self._vectors:
                 raise InputError("name", f"a steering vector named {name!r} is registered already; "

@@ -77,7 +77,7 @@ CASES = [  # (id, path, body, status, param, a fragment of the message)
     ("echo-unsupported", C, completion(echo=True), 400, "echo", ""),
     ("logprobs-too-many", C, completion(logprobs=6), 400, "logprobs", "less than or equal to 5"),
     ("logprobs-bool", C, completion(logprobs=True), 400, "logprobs", "integer"),
-    ("chat-top-logprobs-alone", CHAT, chat(top_logprobs=2), 400, None, "needs logprobs"),
+    ("chat-top-logprobs-alone", CHAT, chat(top_logprobs=2), 400, "top_logprobs", "needs logprobs"),
     ("chat-top-logprobs-too-many", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs",
      "less than or equal to 20"),
     ("glassformer-unknown", C, completion(glassformer={"x": 1}), 400, "glassformer.x", "unknown field"),

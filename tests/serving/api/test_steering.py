@@ -85,9 +85,9 @@ def test_bad_steering_lens_and_capture_requests_get_4xx(language_model):
         upload = {"model": MODEL, "name": "v", "site": "blocks.0.resid_post", "vector": _vector(d)}
         _refused(http.post("/v1/steering_vectors", json=upload), 401, "")
         _refused(http.post("/v1/steering_vectors", json=upload | {"vector": [1.0] * (d + 1)}, headers=auth),
-                 400, "steer")
+                 400, "vector")
         _refused(http.post("/v1/steering_vectors", json=upload | {"site": "blocks.9.resid_post"},
-                           headers=auth), 400, "steer")
+                           headers=auth), 400, "site")
         assert http.post("/v1/steering_vectors", json=upload, headers=auth).status_code == 200
 
         def ask(max_tokens=4, **glassformer):
@@ -97,10 +97,10 @@ def test_bad_steering_lens_and_capture_requests_get_4xx(language_model):
             return http.post("/v1/completions", content=text, headers=auth | kind)
 
         _refused(ask(steer=[{"vector": "v", "alpha": "ALPHA"}]), 400, "glassformer.steer.0.alpha")
-        _refused(ask(steer=[{"vector": "nope", "alpha": 1.0}]), 400, "steer")
-        _refused(ask(steer=[{"vector": "v", "site": "blocks.9.resid_post", "alpha": 1.0}]), 400, "steer")
-        _refused(ask(steer=[{"vector": "v", "site": "blocks.0.attn.q", "alpha": 1.0}]), 400, "steer")
-        _refused(ask(ablate=["blocks.0.attn.head.99"]), 400, "ablate")
+        _refused(ask(steer=[{"vector": "nope", "alpha": 1.0}]), 400, "glassformer.steer")
+        for site in ("blocks.9.resid_post", "blocks.0.attn.q"):
+            _refused(ask(steer=[{"vector": "v", "site": site, "alpha": 1.0}]), 400, "glassformer.steer")
+        _refused(ask(ablate=["blocks.0.attn.head.99"]), 400, "glassformer.ablate")
         _refused(ask(lens={"top_k": 0}), 400, "glassformer.lens.top_k")
         _refused(ask(60, trace=["blocks.0.attn.pattern"]), 400, "glassformer")  # 4 heads x 62² floats
         assert ask(4, trace=["blocks.0.attn.pattern"]).status_code == 200
