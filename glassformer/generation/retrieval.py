@@ -22,8 +22,9 @@ Two rankings, and their fusion:
   embedding depends on its token ids alone, so a caller that asks about the same text again
   (the same document under other questions) passes a dict that keeps them by their ids.
 - "both": the two orders interleaved, BM25's first, the embedding's first, BM25's second ...
-  (a chunk met again is skipped), so each ranking's best chunks are kept whatever the other
-  makes of them. (Fusing ranks, 1 / (60 + rank_bm25) + 1 / (60 + rank_emb), lets chunks both
+  (a chunk met again is skipped; the embedding's alone where BM25 finds no word to match),
+  so each ranking's best chunks are kept whatever the other makes of them. (Fusing ranks,
+  1 / (60 + rank_bm25) + 1 / (60 + rank_emb), lets chunks both
   rank middling pass the one BM25 puts first: a small model's mean-pooled states rank a
   needle's chunk anywhere, and a prompt of a few chunks then loses it.)
 Chunks are taken best first while their tokens fit the room the window leaves; the prompt is
@@ -67,14 +68,17 @@ def spans(n_tokens: int, chunk_tokens: int, overlap: int) -> list[tuple[int, int
     return [(i, min(i + chunk_tokens, n_tokens)) for i in range(0, max(n_tokens - overlap, 1), stride)]
 
 
-def bm25_scores(chunks: Sequence[str], question: str) -> np.ndarray:
-    """BM25 score (n,) of each chunk's text for the question's words."""
+def bm25_scores(chunks: Sequence[str], question: str) -> np.ndarray | None:
+    """BM25 score (n,) of each chunk's text for the question's words; None where there is
+    nothing to match (no word in the question, or in any chunk)."""
     import bm25s
 
-    index = bm25s.BM25()
-    index.index(bm25s.tokenize(list(chunks), stopwords="en", show_progress=False),
-                show_progress=False)
+    corpus = bm25s.tokenize(list(chunks), stopwords="en", show_progress=False)
     words = bm25s.tokenize([question], stopwords="en", return_ids=False, show_progress=False)[0]
+    if not words or not any(corpus.ids):
+        return None
+    index = bm25s.BM25()
+    index.index(corpus, show_progress=False)
     return np.asarray(index.get_scores(words), dtype=np.float64)
 
 
@@ -117,8 +121,13 @@ def rank(model: Transformer, tokenizer, chunks: Sequence[Sequence[int]], questio
     if ranking not in RANKINGS:
         raise InputError("ranking", f"choose one of {', '.join(RANKINGS)}, got {ranking!r}")
     scores = []
-    if ranking in ("bm25", "both"):
-        scores.append(bm25_scores([tokenizer.decode(c) for c in chunks], question))
+    if ranking in ("bm25", "both"):  # "both" without words to match: the embedding's order
+        bm25 = bm25_scores([tokenizer.decode(c) for c in chunks], question)
+        if bm25 is None and ranking == "bm25":
+            raise InputError("ranking", "BM25 finds no word to match in the question or in the "
+                             "document's chunks (words: two or more letters or digits, stop "
+                             "words dropped); rank by embedding, or give longer chunks")
+        scores += [] if bm25 is None else [bm25]
     if ranking in ("embedding", "both"):
         scores.append(embedding_scores(model, chunks, tokenizer.encode(question), cache))
     return interleaved(*(np.argsort(-score, kind="stable").tolist() for score in scores))
@@ -134,6 +143,8 @@ def retrieve(model: Transformer, tokenizer, document: str, question: str,
     `cache` keeps the chunks' embeddings across calls with the same model (see embeddings)."""
     if not document.strip():
         raise InputError("document", "empty; retrieval needs text to cut into chunks")
+    if not question.strip():
+        raise InputError("question", "empty; the document's chunks are ranked against it")
     room = limit - len(build(""))
     if room < 1:
         raise InputError("limit", f"{limit} tokens leave no room for the document beside the question")

@@ -278,3 +278,31 @@ def test_train_tuned_lens_refuses_a_window_beyond_the_context():
                                     n_heads=2)).eval()
     with pytest.raises(ValueError, match="^context: 9 tokens per window is above .* 8$"):
         train_tuned_lens(model, torch.arange(16) % 16, LensTraining(steps=1, context=9))
+
+
+DOCUMENT = "the quick brown fox jumps over the lazy dog " * 6
+RETRIEVALS = {  # (document, question, extra flags) -> None: answers; else the refusal's words
+    "a one-token document": (("fox", "what?", []), None),
+    "chunks of one token": ((DOCUMENT, "fox?", ["--chunk-tokens", "1"]), None),
+    "a question of stop words, both rankings": ((DOCUMENT, "the", []), None),
+    "an empty question": ((DOCUMENT, "", []), "question: empty"),
+    "a blank question": ((DOCUMENT, "  ", []), "question: empty"),
+    "bm25 with nothing to match": ((DOCUMENT, "the", ["--ranking", "bm25"]), "BM25 finds no word"),
+}
+
+
+@pytest.mark.parametrize("case", list(RETRIEVALS))
+def test_retrieval_of_degenerate_inputs_answers_or_says_why(case, tmp_path, refused, capsys):
+    import warnings
+
+    from hostile_helpers import hf_folder
+
+    (document, question, extra), message = RETRIEVALS[case]
+    argv = ["generate", "--model", hf_folder(tmp_path / "model"), "--context", "retrieve",
+            "--question", question, "-n", "2", "--chunk-tokens", "8", *extra, document]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy warning on the way
+        if message is None:
+            assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
+        else:
+            refused(argv, message, tmp_path)
