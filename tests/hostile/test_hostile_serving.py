@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import socket
 import threading
 import time
@@ -17,6 +18,8 @@ from servers import serving
 
 import glassformer
 from glassformer import Transformer, get_preset
+from glassformer.cli import main
+from glassformer.errors import InputError
 from glassformer.generation.config import GenerationConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
 from glassformer.serving.api.server import ServerConfig
@@ -74,6 +77,99 @@ def test_submit_and_start_after_close_raise(model):
         engine.submit([1, 2])
     with pytest.raises(RuntimeError, match="closed"):
         engine.start()
+
+
+@pytest.fixture
+def one_thread():
+    """A tiny model's products: one intra-op thread (more only wait on each other)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_hundred_requests_mixing_beams_on_a_small_pool_all_end(model, one_thread):
+    """Beams of 1 to 6 and plain requests arriving between steps on a pool a few requests fill,
+    some cancelled: no step fails the engine for want of a block or comes back with nothing to
+    do, every request ends with its result or is refused at submission naming its field, and
+    every block comes back."""
+    rng = random.Random(0)
+    engine = Engine(model, None, EngineConfig(n_blocks=40, block_size=2, token_budget=32, max_batch=8))
+    handles, refused, steps = [], [], 0
+    for _ in range(100):
+        prompt = [rng.randrange(96) for _ in range(rng.randint(1, 20))]
+        params = RequestParams(max_new_tokens=rng.randint(1, 10), beams=rng.choice([1, 1, 2, 3, 4, 6]),
+                               eos_ids=())
+        try:
+            handles.append((engine.submit(prompt, params), params))
+        except InputError as error:
+            assert error.field in ("beams", "prompt") and error.code == "context_length_exceeded"
+            refused.append(error)
+        if rng.random() < 0.05:
+            rng.choice(handles)[0].cancel()
+        for _ in range(rng.randint(0, 2)):
+            engine.step()
+            steps += 1
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < 1500, "the engine stopped making progress"
+    assert len(handles) > 60 and refused and engine.scheduler.preemptions > 0
+    for handle, params in handles:
+        result = handle.wait(0)
+        assert result.stop_reason in ("max_new_tokens", "cancelled"), result.stop_reason
+        if result.stop_reason == "max_new_tokens":
+            assert len(result.generated_ids) == params.max_new_tokens
+    assert engine.blocks.stats().used == 0
+
+
+def test_a_beam_group_too_large_for_the_pool_is_refused_at_once_and_the_rest_served(model):
+    with Engine(model, None, EngineConfig(n_blocks=20, block_size=2)) as engine:  # its own thread
+        served = engine.submit([1, 2, 3], RequestParams(max_new_tokens=6, beams=3, eos_ids=()))
+        start = time.perf_counter()
+        with pytest.raises(InputError, match=r"^beams: the request needs 56 tokens of cache") as refused:
+            engine.submit([1] * 10, RequestParams(max_new_tokens=4, beams=4, eos_ids=()))
+        assert refused.value.field == "beams" and time.perf_counter() - start < 1
+        assert served.wait(30).stop_reason == "max_new_tokens"
+
+
+def test_a_group_that_cannot_start_on_an_empty_pool_ends_alone_with_an_error(model, one_thread):
+    """The scheduler's last guard, which submit's check forestalls: the pool shrinks under a
+    group admitted to it. Once it is alone and still cannot go on, it ends with an error event
+    naming `beams`; the next request is served."""
+    engine = Engine(model, None, EngineConfig(n_blocks=40, block_size=2, token_budget=32))
+    big = engine.submit(list(range(1, 13)), RequestParams(max_new_tokens=6, beams=3, eos_ids=()))
+    small = engine.submit([1, 2, 3], RequestParams(max_new_tokens=2, eos_ids=()))
+    blocks = engine.blocks
+    for block in blocks.blocks[10:]:
+        del blocks.free[block.id]
+    del blocks.blocks[10:]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < 100, "the engine stopped making progress"
+    events = list(big)
+    assert events[-1].stop_reason == "error" and "InputError: beams: 3 sequence(s)" in events[-1].error
+    assert small.wait(0).stop_reason == "max_new_tokens" and blocks.stats().used == 0
+
+
+@pytest.mark.parametrize(("block_size", "beams"), [(1, (4,)), (2, (4,)), (1, (4, 1))])
+def test_generate_with_beams_on_a_small_pool_prints_every_result(gguf_file, tmp_path, capsys, block_size,
+                                                                 beams):
+    """`glassformer generate --prompts-file` with beams on a pool of 143 tokens: it used to spin
+    forever (block size 1) or lose every result to a copy-on-write with no free block (2)."""
+    lines = [{"prompt": "ab cd ef" * (i % 3 + 1), "beams": beams[i % len(beams)], "max_tokens": 12}
+             for i in range(8)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    start = time.perf_counter()
+    argv = ["--prompts-file", str(path), "--kv-memory-mb", "0.035", "--block-size", str(block_size)]
+    assert main(["generate", "--model", str(gguf_file), *argv]) == 0
+    assert time.perf_counter() - start < 20
+    out = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert len(out) == 9 and out[8]["requests"] == 8
+    assert all(r["stop_reason"] in ("max_new_tokens", "eos") for r in out[:8])
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -90,3 +90,33 @@ def test_beam_stop_strings_follow_the_text_token_by_token(tiny):
     assert want.stop_reason == "stop_string"
     assert (got.generated_ids, got.text, got.stop_reason) == (want.generated_ids, want.text, want.stop_reason)
     assert tokenizer.longest <= 6  # windows of a few ids, never a candidate's whole text
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+def test_beams_on_a_pool_with_few_free_blocks_wait_their_turn_and_equal_generate(tiny, prompts, block_size):
+    """Every fork's first write needs a copy of the shared block, on a pool just larger than
+    the largest request: groups wait or are preempted whole, and each search's result is still
+    generate's."""
+    model = tiny()
+    todo, widths = prompts([6, 9, 5, 7, 4], seed=3), [4, 2, 3, 4, 2]
+    want = [generate(model, p, GenerationConfig(max_new_tokens=8, beams=w, eos_ids=(3,)))
+            for p, w in zip(todo, widths, strict=True)]
+    largest = max(-(-(len(p) + 8) // block_size) * w for p, w in zip(todo, widths, strict=True))
+    engine = Engine(model, None, EngineConfig(n_blocks=largest + 2, block_size=block_size, token_budget=32,
+                                              max_batch=8))
+    plain = engine.submit(prompts([5], seed=9)[0], RequestParams(max_new_tokens=8, eos_ids=()))
+    handles = [engine.submit(p, RequestParams(max_new_tokens=8, beams=w, eos_ids=(3,)))
+               for p, w in zip(todo, widths, strict=True)]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < 300, "the engine stopped making progress"
+    assert engine.scheduler.preemptions > 0  # the pool was short: groups had to give way
+    for handle, expected in zip(handles, want, strict=True):
+        got = handle.wait(0)
+        assert got.generated_ids == expected.generated_ids and got.stop_reason == expected.stop_reason
+        assert got.log_prob == pytest.approx(expected.log_prob, abs=1e-4)
+    solo = generate(model, prompts([5], seed=9)[0], GenerationConfig(max_new_tokens=8, eos_ids=()))
+    assert plain.wait(0).generated_ids == solo.generated_ids
+    assert engine.blocks.stats().used == 0
