@@ -47,13 +47,24 @@ def is_chat_data(sources: Sequence[Path]) -> bool:
 
 def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
     """The conversations of one .jsonl file; one ValueError naming the file and line for the
-    first malformed line, and one for a file with no assistant turn at all."""
+    first malformed line (not UTF-8, not JSON, not a conversation), and one for a file with no
+    assistant turn at all."""
+    return [messages for _, messages in _conversations(path)]
+
+
+def _conversations(path: str | Path) -> list[tuple[str, list[dict[str, str]]]]:
+    """(file:line, messages) of each conversation in one .jsonl file (read_conversations)."""
     conversations = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise InputError(where, f"not valid UTF-8 (byte {error.start} of the line)") from None
             if line.strip():
-                conversations.append(_messages(line, f"{path}:{number}"))
-    if not any(m["role"] == "assistant" for c in conversations for m in c):
+                conversations.append((where, _messages(line, where)))
+    if not any(m["role"] == "assistant" for _, c in conversations for m in c):
         raise InputError(path, "no assistant turns (chat fine-tuning learns the assistant's "
                          "replies; each line needs a message with role 'assistant')")
     return conversations
@@ -164,7 +175,8 @@ class ChatData:
                              "with --init)")
         if not 0.0 < val_fraction < 1.0:
             raise InputError("val_fraction", f"must be in (0, 1), got {val_fraction}")
-        conversations = [render(tokenizer, m) for s in sources for m in read_conversations(s)]
+        conversations = [_rendered(tokenizer, messages, where) for s in sources
+                         for where, messages in _conversations(s)]
         if len(conversations) < 2:
             raise InputError("data", "chat data needs at least two conversations (one for "
                              "validation)")
@@ -172,6 +184,14 @@ class ChatData:
         pad = tokenizer.eos_id
         return cls(pack(conversations[:-n_val], length, pad),
                    pack(conversations[-n_val:], length, pad))
+
+
+def _rendered(tokenizer, messages: list[dict[str, str]], where: str) -> Conversation:
+    """render, its errors (the template's own included) naming the file and line."""
+    try:
+        return render(tokenizer, messages)
+    except InputError as error:
+        raise InputError(where, error.detail if error.field is None else str(error)) from None
 
 
 class ChatSFT:

@@ -285,3 +285,30 @@ def test_the_largest_rank_a_model_allows_trains(corpus, tmp_path):
         init=str(model), lora_rank=16, lora_targets="q,down", max_iters=1, eval_interval=1),
         progress=False, echo=lambda s: None)
     assert summary["trainable_parameters"] == 16 * (16 + 16) + 16 * (64 + 16)
+
+
+REPLY = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
+CHATS = {  # the second line of a chat file -> the refusal
+    "not UTF-8": (b'{"messages": [{"role": "user", "content": "\xff"}]}', "not valid UTF-8"),
+    "the assistant first": (json.dumps({"messages": REPLY["messages"][::-1]}).encode(),
+                            "chat template: UndefinedError"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHATS))
+def test_a_bad_chat_line_is_named_by_file_and_line(case, tmp_path, refused):
+    import gguf
+    from hostile_helpers import TEMPLATE, write_gguf
+
+    # a default system turn, as SmolLM2's template writes: it reads messages[0]
+    template = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nbe kind<|im_end|>\n"
+                "{% endif %}" + TEMPLATE)
+    model = write_gguf(tmp_path / "chat.gguf",
+                       meta={"tokenizer.chat_template": (template, gguf.GGUFValueType.STRING)})
+    line, message = CHATS[case]
+    data = tmp_path / "chat.jsonl"
+    data.write_bytes(json.dumps(REPLY).encode() + b"\n" + line + b"\n" + json.dumps(REPLY).encode())
+    out = tmp_path / "run"
+    refused(["train", "--init", model, "--data", data, "--out", out, "--max-iters", "1",
+             "--no-progress"], f"{data}:2: {message}", tmp_path, seconds=10)
+    assert not out.exists()
