@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     options = {}
     if args.equal is not None:
         if args.name != "ablation":
-            raise InputError(None, "--equal: applies to the ablation experiment only")
+            raise InputError("--equal", "applies to the ablation experiment only")
         options["equal"] = args.equal
     for flag, value in (("--models", args.models), ("--max-length", args.max_length),
                         ("--min-length", args.min_length), ("--retrieve-tokens", args.retrieve_tokens)):
@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
                 raise InputError(flag, "applies to the recall experiment only")
             options[flag[2:].replace("-", "_")] = tuple(value) if flag == "--models" else value
     if args.data is not None and args.name not in ("ablation", "length", "recall"):
-        raise InputError(None, f"--data: the {args.name} experiment reads no training text")
+        raise InputError("--data", f"the {args.name} experiment reads no training text")
     if args.data is not None and len(args.data) > 1:
-        raise InputError(None, f"--data: the {args.name} experiment reads one file or folder")
+        raise InputError("--data", f"the {args.name} experiment reads one file or folder")
     out = args.out or f"experiment-{args.name}"
     settle_threads(args)
     record = run_experiment(args.name, out, args.budget, args.data and args.data[0],

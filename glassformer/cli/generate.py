@@ -88,7 +88,7 @@ def _steers(specs: list[str]) -> list[Steer]:
         try:
             value = finite(alpha)
         except argparse.ArgumentTypeError as error:
-            raise InputError(None, f"--steer: {spec!r}: ALPHA {error}") from None
+            raise InputError("--steer", f"{spec!r}: ALPHA {error}") from None
         steers.append(SteeringVector.load(path).steer(value, path))
     return steers
 
@@ -97,7 +97,7 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
     if not chat:
         return tokenizer.encode(prompt)
     if not hasattr(tokenizer, "apply_chat_template"):
-        raise InputError(None, "--chat: this model's tokenizer has no chat template")
+        raise InputError("--chat", "this model's tokenizer has no chat template")
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
 
 
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts_file is not None and (args.prompt is not None or args.prompt_file is not None):
         raise InputError(None, "give a prompt or --prompts-file, not both")
     if (args.context == "retrieve") != (args.question is not None):
-        raise InputError(None, "--question: give it with --context retrieve, and only then")
+        raise InputError("--question", "give it with --context retrieve, and only then")
     if args.context == "retrieve" and args.prompts_file is not None:
         raise InputError(None, "--context retrieve: one document at a time, not with --prompts-file")
     prompt = None if args.prompts_file is not None else read_prompt(args)
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     extend = args.rope_scaling not in (None, "none")  # a new window first, then the weights converted
     quantize = or_default(args.quantize, "none")
     if args.lora is not None and len(args.lora) > 1:
-        raise InputError(None, "--lora: generate applies one adapter (serve serves several)")
+        raise InputError("--lora", "generate applies one adapter (serve serves several)")
     convert = extend or args.lora is not None  # plain weights first, converted at the end
     language_model = load(args.model, quantize=None if convert else quantize)
     settle_threads(args)
@@ -238,7 +238,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _run_many(args: argparse.Namespace, language_model: LanguageModel, config: GenerationConfig) -> int:
     if args.beams > 1 or args.no_cache or args.slide or args.truncate:
-        raise InputError(None, "--prompts-file: --beams, --no-cache, --slide and --truncate need one prompt")
+        raise InputError("--prompts-file", "--beams, --no-cache, --slide and --truncate need one prompt")
     prompts, params = _read_requests(args, language_model, config)
     engine = engine_config(args)
     start, done = time.perf_counter(), [0, 0]

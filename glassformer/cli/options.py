@@ -271,12 +271,12 @@ def sink_policy(args: argparse.Namespace, retrieve: bool = False) -> SinkPolicy 
     takes it, `retrieve`)."""
     if args.context != "sink":
         if args.window is not None:
-            raise InputError(None, "--window: only with --context sink")
+            raise InputError("--window", "only with --context sink")
         if args.context == "retrieve" and not retrieve:
             raise InputError(None, "--context retrieve: generate's (a document, chunks and a --question)")
         return None
     if args.window is None:
-        raise InputError(None, "--window: --context sink needs the number of latest tokens to keep")
+        raise InputError("--window", "--context sink needs the number of latest tokens to keep")
     return SinkPolicy(args.sink_tokens, args.window)
 
 

@@ -110,11 +110,11 @@ def run(args: argparse.Namespace) -> int:
     engine = engine_config(args)
     if args.ray:
         if args.lora:
-            raise InputError(None, "--lora: not with --ray (each replica would need its own copy)")
+            raise InputError("--lora", "not with --ray (each replica would need its own copy)")
         if or_default(args.device, "cpu") != "cpu":
-            raise InputError(None, "--device: the --ray replicas run on the cpu")
+            raise InputError("--device", "the --ray replicas run on the cpu")
         if vectors:
-            raise InputError(None, "--steer: not with --ray (upload vectors: POST /v1/steering_vectors)")
+            raise InputError("--steer", "not with --ray (upload vectors: POST /v1/steering_vectors)")
         return _run_on_ray(args, config, engine)
     language_model = load(args.model, quantize=or_default(args.quantize, "none"))
     settle_threads(args)
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                      vectors)
     for name, path in args.lora or ():
         if name == config.model_name:
-            raise InputError(None, f"--lora: {name!r} is the base model's name; give NAME=PATH")
+            raise InputError("--lora", f"{name!r} is the base model's name; give NAME=PATH")
         app.state.server.engine.load_adapter(name, path)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler it found:
     # with this one, that ends here and the command exits 0.
@@ -141,7 +141,7 @@ def _steering_vectors(specs: list[str]) -> dict:
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
-            raise InputError(None, f"--steer: {spec!r}: give NAME=PATH (a file from glassformer steer build)")
+            raise InputError("--steer", f"{spec!r}: give NAME=PATH (a file from glassformer steer build)")
         if name in paths:
             raise InputError("--steer", f"the name {name!r} is given twice; give each vector its own NAME")
         paths[name] = path
