@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 import warnings
+from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from ..accel import threads
+from ..errors import InputError
+from ..formats.files import write_atomic
+from ..home import home
 from . import (
     chat,
     compare,
@@ -30,8 +37,8 @@ COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, fil
             experiment, lens, steer]
 
 
-class UserError(Exception):
-    """A mistake in the user's input: reported as one line, never a traceback."""
+# the file errors a command expects from the paths it is given: reported as one line
+FILE_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 class Parser(argparse.ArgumentParser):
@@ -75,9 +82,39 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(args, "threads"):  # a command that computes: settled once it has loaded
                 args.thread_policy = threads.ThreadPolicy(args.threads)
             return args.run(args)
-        except (UserError, ValueError, FileNotFoundError, NotADirectoryError, OSError) as error:
-            print(f"glassformer: error: {error}", file=sys.stderr)
-            return 2
         except KeyboardInterrupt:
             print("glassformer: interrupted", file=sys.stderr)
             return 130
+        except Exception as error:
+            if users_mistake(error):
+                print(f"glassformer: error: {error}", file=sys.stderr)
+                return 2
+            report = crash_report(error, args.command)
+            if report is None:
+                raise  # no file to hold it: the traceback itself
+            message = " ".join(str(error).split())
+            print(f"glassformer: internal error: {type(error).__name__}: {message}; the full report is "
+                  f"in {report}", file=sys.stderr)
+            return 1
+
+
+def users_mistake(error: Exception) -> bool:
+    """An InputError, or a file error about a path (a missing file, a full disk writing one):
+    one line and exit 2. Anything else is a bug in Glassformer."""
+    if isinstance(error, (InputError, *FILE_ERRORS)):
+        return True
+    return isinstance(error, OSError) and error.filename is not None
+
+
+def crash_report(error: Exception, command: str) -> Path | None:
+    """The traceback written to <home>/crash-reports/<time>-<pid>.txt (atomically); None where it
+    cannot be written."""
+    now = datetime.now(timezone.utc)
+    text = (f"glassformer {_version()}, command {command!r}, {now.isoformat()}\n\n"
+            + "".join(traceback.format_exception(error)))
+    try:
+        folder = home() / "crash-reports"
+        folder.mkdir(parents=True, exist_ok=True)
+        return write_atomic(folder / f"{now:%Y%m%dT%H%M%S%fZ}-{os.getpid()}.txt", text)
+    except OSError:
+        return None
