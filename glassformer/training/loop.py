@@ -288,6 +288,7 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
         _check_finite("validation loss", val_loss, state["step"], out)
         best = val_loss < state["best_val_loss"]
         state["best_val_loss"] = min(val_loss, state["best_val_loss"])
+        state["val_step"], state["val_loss"] = state["step"], val_loss  # kept for a resume
         record = {"iter": state["step"], "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
                   "train_loss": train_loss, "best": best,
                   "elapsed": time.perf_counter() - started}
@@ -308,7 +309,8 @@ def _train(data, out, model_config, config, resume, progress, echo, process, sta
     bar = tqdm(total=config.max_iters, initial=state["step"], disable=not (main and progress),
                unit="it", dynamic_ncols=True)
     loop_start, run_tokens, run_train_seconds = time.perf_counter(), 0, 0.0
-    train_loss, val_loss, last_eval = math.nan, math.nan, -1
+    # a run resumed at an evaluated step logs (and evaluates) that step no second time
+    train_loss, val_loss, last_eval = math.nan, state.get("val_loss", math.nan), state.get("val_step", -1)
     try:
         while state["step"] < config.max_iters and not interrupted:
             if config.max_time and time.perf_counter() - loop_start >= config.max_time:

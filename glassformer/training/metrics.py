@@ -23,18 +23,33 @@ class MetricsLog:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past `step` (logged after the checkpoint a run resumes from)."""
+        """Drop records past `step` (logged after the checkpoint a run resumes from), and a
+        line a killed run left half-written."""
         if not (self.enabled and self.path.is_file()):
             return
-        kept = [line for line in read_metrics(self.path) if line.get("iter", 0) <= step]
+        kept = [r for r in read_metrics(self.path, torn=True) if r.get("iter", 0) <= step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         os.replace(tmp, self.path)
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_metrics(path: str | Path, torn: bool = False) -> list[dict]:
+    """The records of a metrics.jsonl; with `torn`, lines that are not whole JSON objects
+    (a write cut short by a kill) are skipped."""
+    records = []
+    with open(path, encoding="utf-8", errors="replace" if torn else "strict") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if not torn:
+                    raise
+                continue
+            if isinstance(record, dict) or not torn:
+                records.append(record)
+    return records
 
 
 def plot_losses(metrics_path: str | Path, png_path: str | Path) -> None:

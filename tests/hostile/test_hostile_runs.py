@@ -312,3 +312,26 @@ def test_a_bad_chat_line_is_named_by_file_and_line(case, tmp_path, refused):
     refused(["train", "--init", model, "--data", data, "--out", out, "--max-iters", "1",
              "--no-progress"], f"{data}:2: {message}", tmp_path, seconds=10)
     assert not out.exists()
+
+
+def test_a_resume_after_a_kill_logs_each_iteration_once(corpus, tmp_path):
+    out = tmp_path / "run"
+    loop.train(corpus, out, MODEL, TRAIN.replace(max_iters=2), progress=False, echo=lambda s: None)
+    dead = [{"iter": 3, "train_loss": 9.0, "lr": 0.1, "tokens_seen": 1, "tokens_per_second": 1.0},
+            {"iter": 4, "train_loss": 9.0, "lr": 0.1, "tokens_seen": 2, "tokens_per_second": 1.0},
+            {"iter": 4, "val_loss": 9.0, "val_perplexity": 1.0, "train_loss": 9.0, "best": True}]
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:  # killed past the checkpoint,
+        f.write("".join(json.dumps(r) + "\n" for r in dead) + '{"iter": 5, "train_lo')  # mid-line
+
+    def records():
+        lines = (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines]
+
+    loop.train(corpus, out, MODEL, TRAIN, resume=True, progress=False, echo=lambda s: None)
+    logged = records()
+    assert [r["iter"] for r in logged if "lr" in r] == [1, 2, 3, 4]
+    assert [r["iter"] for r in logged if "val_loss" in r] == [2, 4]
+    assert all(r["train_loss"] != 9.0 for r in logged)
+    summary = loop.train(corpus, out, MODEL, TRAIN, resume=True, progress=False,
+                         echo=lambda s: None)  # nothing left to train: nothing logged again
+    assert records() == logged and summary["val_loss"] == logged[-1]["val_loss"]
