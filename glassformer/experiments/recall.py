@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
+from ..formats.files import read_text
 from ..generation.config import GenerationConfig, GenerationResult, RequestParams
 from ..generation.context_extension import extend_context
 from ..generation.generate import generate
@@ -134,7 +135,7 @@ def _model(ctx: Context, name: str, loaded: dict, device: str) -> tuple:
             language_model = load(name, progress=False)
             model, tokenizer = language_model.model, language_model.tokenizer
         longest = native(name) * FACTORS[-1]
-        text = Path(ctx.settings["data"]).read_text(encoding="utf-8")[: 6 * longest]
+        text = read_text(ctx.settings["data"])[: 6 * longest]
         loaded[name] = (model.to(device).eval(), tokenizer, tokenizer.encode(text), {})
     return loaded[name]
 

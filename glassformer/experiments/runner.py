@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import InputError
-from ..formats.files import write_atomic
+from ..formats.files import read_json_object, write_atomic
 
 RESULTS = "results.json"
 
@@ -101,7 +101,7 @@ class Runner:
     def _open(self) -> dict:
         path = self.out / RESULTS
         if path.is_file():
-            record = json.loads(path.read_text(encoding="utf-8"))
+            record = read_json_object(path)
             if record.get("experiment") != self.experiment:
                 raise InputError(None, f"{self.out} holds the {record.get('experiment')!r} experiment; "
                                  "choose another --out")

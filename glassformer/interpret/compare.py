@@ -14,7 +14,6 @@ residual streams) and final norm, then the logits.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 from ..errors import InputError
 from ..formats import hub
+from ..formats.files import read_json_object
 from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .trace import capture
@@ -200,7 +200,7 @@ def hf_reference(source: str, model: Transformer | EncoderDecoder, tokenizer: An
     config_path = path / "config.json"
     if path.is_file():
         reference = load(path.parent, gguf_file=path.name)
-    elif config_path.is_file() and "model_type" in json.loads(config_path.read_text()):
+    elif config_path.is_file() and "model_type" in read_json_object(config_path):
         reference = load(path)
     else:
         from ..formats.export import export_hf

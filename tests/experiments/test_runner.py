@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from glassformer.errors import InputError
 from glassformer.experiments.runner import Cell, Runner
 
 
@@ -69,3 +70,11 @@ def test_cell_folder_starts_empty(tmp_path):
     (tmp_path / "run" / "results.json").write_text(json.dumps(runner.record))
     Runner(tmp_path / "run", "demo", {}).run([Cell("x/y", write)], progress=False)
     assert sorted(p.name for p in stale.iterdir()) == ["out.txt"]
+
+
+@pytest.mark.parametrize("content", [b'{"experiment": "demo", ', b"\xff\xfe not text", b"[1, 2]"])
+def test_a_torn_or_foreign_results_file_is_refused_by_name(tmp_path, content):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_bytes(content)
+    with pytest.raises(InputError, match="results.json"):
+        Runner(tmp_path / "run", "demo", {"budget": 1})

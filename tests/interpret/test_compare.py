@@ -9,6 +9,7 @@ import torch
 
 from glassformer import ModelConfig, Transformer
 from glassformer.cli import main
+from glassformer.errors import InputError
 from glassformer.formats.export import export_hf
 from glassformer.formats.huggingface import load_hf
 from glassformer.formats.tokenizers import HFTokenizer
@@ -63,3 +64,11 @@ def test_cli_json(hf_folder, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["first_failure"] is None
     assert [s["site"] for s in report["sites"]] == sites(3)
+
+
+@pytest.mark.parametrize("content", [b'{"model_type": ', b"\xff not text"])
+def test_a_reference_folder_whose_config_is_not_json_is_refused_by_name(tmp_path, content):
+    model = Transformer(ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, context_length=8))
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(InputError, match="config.json"):
+        hf_reference(str(tmp_path), model, None)
