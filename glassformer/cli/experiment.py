@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ..errors import InputError
+from ..formats.files import check_location
 from .options import add, add_threads, positive, positive_int, settle_threads
 
 NAMES = ("ablation", "length", "cache", "explain", "recall")
@@ -62,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None and len(args.data) > 1:
         raise InputError("--data", f"the {args.name} experiment reads one file or folder")
     out = args.out or f"experiment-{args.name}"
+    if Path(out).exists() and not Path(out).is_dir():
+        raise InputError("--out", f"{out} is a file; give a folder")
+    check_location(out, makes_folders=True)
     settle_threads(args)
     record = run_experiment(args.name, out, args.budget, args.data and args.data[0],
                             progress=not args.no_progress, device=args.device, **options)

@@ -125,10 +125,12 @@ def _writers(model, gguf_model, tmp_path, out):
                         "--positive", tmp_path / "p.txt", "--negative", tmp_path / "n.txt",
                         "--out", out],
         "journey": ["journey", "--model", model, "-o", out, "hi", "--ig-steps", "1"],
+        "experiment": ["experiment", "cache", "--out", out, "--budget", "1"],
     }
 
 
-WRITERS = ["train", "export", "export gguf", "lens train", "lens --html", "steer build", "journey"]
+WRITERS = ["train", "export", "export gguf", "lens train", "lens --html", "steer build", "journey",
+           "experiment"]
 
 
 @pytest.mark.parametrize("command", WRITERS)
