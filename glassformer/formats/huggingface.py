@@ -56,6 +56,11 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
             return bert_config(hf, pooler)
     except KeyError as error:
         raise InputError(None, f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
+    except InputError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as error:  # a value of another type
+        raise InputError(None, f"config.json: a value this model_type ({kind!r}) cannot take "
+                         f"({type(error).__name__}: {error})") from None
     raise InputError(None, f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
                      "t5, bert)")
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from glassformer.errors import InputError
 from glassformer.formats.huggingface import config_from_hf, load_hf
 from glassformer.formats.tokenizers import HFTokenizer
 from glassformer.generation.generate import GenerationConfig, generate
@@ -158,6 +159,15 @@ def test_unsupported_architecture(llama_folder):
 def test_unsupported_rope_scaling():
     hf = CONFIGS["llama"]().to_dict() | {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}
     with pytest.raises(ValueError, match="unsupported rope type 'dynamic'"):
+        config_from_hf(hf)
+
+
+@pytest.mark.parametrize("change", [{"num_attention_heads": 0}, {"hidden_size": "48"}, {"rope_theta": "x"},
+                                    {"rope_scaling": [1]}])
+def test_a_config_value_of_another_type_is_an_input_error(change):
+    hf = {"model_type": "llama", "vocab_size": 32, "max_position_embeddings": 64, "hidden_size": 16,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 32} | change
+    with pytest.raises(InputError, match="config.json"):
         config_from_hf(hf)
 
 
