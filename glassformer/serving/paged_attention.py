@@ -9,19 +9,19 @@ in position order, under the mask the model itself builds (`Transformer.attentio
 causality, the window, ALiBi, T5's relative bias):
 
 - reference: each query alone over its own prefix. Every call has a shape set by the token's
-  position alone, so its numbers are the same bit for bit whatever shares the step, the
-  chunk, the block size or the cache hits; a decoding query is the very call `generate`
-  makes on the module path.
+  position alone; a decoding query is the very call `generate` makes on the module path.
 - fast: a chunk's queries in groups of `query_group` at fixed positions (0..G-1, G..2G-1,
   ...), one call a group, with the causal mask offset by its cached prefix; every
   single-query call of the step (decoding rows, a group of one) together, their keys
   gathered into (B, KV, L, d_head) with the padding masked, where each row's L is its own
-  keys padded to whole blocks (rows of different L in separate calls). A call's numbers
-  depend on the queries it takes together and on its padded length; those depend here on
-  the request's own positions alone, and the scheduler cuts prompts at multiples of the
-  group (cache hits are whole blocks), so a request's numbers are the same bit for bit
-  whatever shares the step, as long as it is not preempted (recomputed tokens attend as a
-  prompt's, not as decoding rows).
+  keys padded to whole blocks (rows of different L in separate calls). A call's shape
+  depends here on the request's own positions alone, and the scheduler cuts prompts at
+  multiples of the group (cache hits are whole blocks).
+Either way the numbers are the attention function's (the model's kernel, PyTorch's), and a
+PyTorch kernel may round a row otherwise by the batch it shares a call with, the thread that
+takes its head or the alignment of its buffers: MKL does on AMD EPYC. So a request's
+numbers here are the same whatever shares the step within float32 rounding; bit for bit
+only where its rows run on the fused step (runner.py), row by row in Glassformer's kernels.
 Queries, keys and values of request r are at positions 0..S_r-1 of its own sequence; under a
 sink policy those are cache positions (`Part.slots` lists the kept slots in cache order), and
 the view rotates the keys, stored unrotated, at them (model/sink.py). A chunk past the sink

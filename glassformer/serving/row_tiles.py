@@ -5,9 +5,11 @@ A QuantizedLinear's C++ kernels compute each row on its own whatever the number 
 (register tiles of rows, each row's sums in one fixed order: accel/csrc/quantized.cpp), so
 every weight is read once per pass over a step's rows, a prefill's included: int8 / int4
 layers do so as they are, float layers once told to (`QuantizedLinear.row_invariant`), the
-LM head among them. Products without such kernels (plain nn.Linear, or any layer where the
-kernels are not built) may change their summation order with the number of rows, so they run
-in tiles padded to exactly ROW_TILE rows: one fixed shape, one code path.
+LM head among them. Every other product (plain nn.Linear, or any layer whose kernels are not
+built or not chosen: `backend="torch"`, `GLASSFORMER_KERNELS=torch`) runs through PyTorch's
+BLAS, which picks its kernels by shape (and, on some CPUs, sums a row in another order at
+another number of rows), so it runs in tiles padded to exactly ROW_TILE rows: one fixed
+shape, one code path.
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ from ..accel.weight_formats import WeightFormat
 def row_invariant(product: nn.Module) -> nn.Module:
     """`product` computing each row independently of the call's size: through the kernels
     where it has them, else in row tiles."""
-    if isinstance(product, QuantizedLinear):
+    if isinstance(product, QuantizedLinear) and product.backend != "torch" and kernels.available():
         if product.mode in (WeightFormat.INT8, WeightFormat.INT4):
             return product
-        if product.backend != "torch" and kernels.available():
-            return product.row_invariant()
+        return product.row_invariant()
     return RowTiles(product)
 
 
@@ -38,7 +39,6 @@ class RowTiles(nn.Module):
     def __init__(self, product: nn.Module) -> None:
         super().__init__()
         self.product = product
-        self.pad = not isinstance(product, QuantizedLinear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # (M, K)
@@ -46,7 +46,7 @@ class RowTiles(nn.Module):
         for i in range(0, rows.shape[0], ROW_TILE):
             tile = rows[i : i + ROW_TILE]
             m = tile.shape[0]
-            if self.pad and m < ROW_TILE:
+            if m < ROW_TILE:
                 tile = torch.cat([tile, tile.new_zeros(ROW_TILE - m, tile.shape[1])])
             outs.append(self.product(tile)[:m])
         y = torch.cat(outs) if len(outs) > 1 else outs[0]  # (M, N)

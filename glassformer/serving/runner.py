@@ -9,9 +9,11 @@ Each weight is read once per panel of rows for all requests together.
 Batch invariance: every product computes each row on its own (row_tiles.py): the weight
 kernels at any number of rows, in every format, the head included (plain nn.Linear in tiles
 padded to exactly ROW_TILE rows: one fixed shape, one code path); the norms and
-activations treat every row alike. So a token's numbers do not depend on which tokens share
-its step. The price is prefill speed for float weights; `invariant=False` sends all rows to
-each product at once instead.
+activations treat every row alike. Attention on this path is the model's PyTorch kernel,
+whose rounding may follow the call's batch, threads and buffers (paged_attention.py), so a
+token's numbers here agree whatever shares its step within float32 rounding; on the fused
+step below, bit for bit. The price is prefill speed for float weights; `invariant=False`
+sends all rows to each product at once instead.
 
 A converted model (glassformer.quantize) with fast attention and a float32 pool runs the
 step's rows, prompt chunks (of prompts up to FUSED_PROMPT_TOKENS) and new tokens alike,

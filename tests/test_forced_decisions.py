@@ -1,0 +1,46 @@
+"""The promises of equal bits and of one function on every path, under each forced decision.
+
+The rest of the suite runs with the choices measured on this machine (accel/decisions.py:
+bfloat16 products, oneDNN products, the kernels' target) and the C++ kernels where they
+build. A promise must hold whatever each choice picked, on any CPU, so the tests that carry
+one run again here in a fresh process per choice forced by its environment variable:
+the engine's batch invariance, each product row against the lone row, the cross-path
+property test, and training's fused passes against the module path. A forced choice that
+would test nothing new here (the AVX2 target on a CPU whose native build is AVX2) is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ENGINE = ("tests/serving/test_engine.py::"
+          "test_fast_attention_gives_a_request_the_same_numbers_whatever_shares_its_steps")
+PREEMPTED = "tests/serving/test_engine.py::test_on_the_fused_step_a_preempted_request_gets_the_same_numbers"
+INFERENCE = [ENGINE, PREEMPTED, "tests/accel/test_row_invariance.py", "tests/test_paths_property.py"]
+TRAINING = [ENGINE, "tests/accel/test_fast_training.py"]
+
+# variable, value, the tests whose numbers it can change
+FORCED = [
+    ("GLASSFORMER_KERNELS", "torch", INFERENCE),
+    ("GLASSFORMER_KERNEL_TARGET", "avx2", INFERENCE),
+    ("GLASSFORMER_BF16", "0", TRAINING),
+    ("GLASSFORMER_BF16", "1", TRAINING),
+    ("GLASSFORMER_ONEDNN", "0", TRAINING),
+    ("GLASSFORMER_ONEDNN", "1", TRAINING),
+]
+
+
+@pytest.mark.parametrize(("variable", "value", "tests"), FORCED, ids=[f"{v}={x}" for v, x, _ in FORCED])
+def test_the_promises_hold_under_a_forced_decision(variable, value, tests):
+    avx2_only = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    if (variable, value) == ("GLASSFORMER_KERNEL_TARGET", "avx2") and avx2_only:
+        pytest.skip("this CPU has AVX2 only: the native build the suite tests is the AVX2 one")
+    env = {**os.environ, variable: value}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{variable}={value}:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
