@@ -11,6 +11,7 @@ import time
 
 from ..accel.quantize import quantize_format, quantize_model
 from ..errors import InputError
+from ..formats.files import read_text
 from ..generation.config import Steer
 from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
@@ -199,22 +200,21 @@ def _read_requests(args: argparse.Namespace, language_model: LanguageModel, conf
         "eos_ids": config.eos_ids,
     }
     prompts, params = [], []
-    with open(args.prompts_file, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                fields = json.loads(line)
-                prompt = fields.pop("prompt")
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                raise InputError(None, f"{args.prompts_file}:{number}: expected a JSON object with a prompt"
-                                 ) from None
-            try:
-                params.append(RequestParams.from_fields(**(defaults | _own_names(fields))))
-                prompts.append(_prompt_ids(language_model.tokenizer, prompt, args.chat)
-                               if isinstance(prompt, str) else language_model.encode(prompt))
-            except (ValueError, TypeError) as error:
-                raise InputError(None, f"{args.prompts_file}:{number}: {error}") from None
+    for number, line in enumerate(read_text(args.prompts_file).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            fields = json.loads(line)
+            prompt = fields.pop("prompt")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise InputError(None, f"{args.prompts_file}:{number}: expected a JSON object with a prompt"
+                             ) from None
+        try:
+            params.append(RequestParams.from_fields(**(defaults | _own_names(fields))))
+            prompts.append(_prompt_ids(language_model.tokenizer, prompt, args.chat)
+                           if isinstance(prompt, str) else language_model.encode(prompt))
+        except (ValueError, TypeError) as error:
+            raise InputError(None, f"{args.prompts_file}:{number}: {error}") from None
     if not prompts:
         raise InputError(args.prompts_file, "no prompts")
     return prompts, params

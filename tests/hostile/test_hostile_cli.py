@@ -241,6 +241,13 @@ def test_prompts_file_ids_outside_the_vocabulary_name_the_line(line, message, mo
             f"{prompts}:3: {message}", prompts, model)
 
 
+def test_a_prompts_file_that_is_not_utf8_is_named(model, tmp_path, refused):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "hi"}\n{"prompt": "caf\xe9"}\n')
+    refused(["generate", "--model", model, "--prompts-file", prompts, "-n", "1"],
+            f"{prompts}: not valid UTF-8", prompts, model)
+
+
 def test_journey_refuses_a_prompt_over_its_limit(model, tmp_path, refused):
     out = tmp_path / "j.html"
     refused(["journey", "--model", model, "-o", out, "--max-tokens", "8", "abcdefghi"],
