@@ -239,7 +239,10 @@ class Checkpoint:
         path = self.folder / "training_state.safetensors"
         if not path.is_file():
             raise FileNotFoundError(f"{self.folder} holds no training state to resume from")
-        return safetensors.torch.load_file(str(path))
+        try:
+            return safetensors.torch.load_file(str(path))
+        except SafetensorError as error:
+            raise InputError(path, f"corrupt or truncated safetensors file ({error})") from None
 
     def load_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.load_state_dict(optimizer_from_safe(self.training_state(), self.meta["optimizer"]))

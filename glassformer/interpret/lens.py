@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
@@ -119,7 +120,10 @@ class TunedLens(nn.Module):
             if not isinstance(about.get(field), int) or about[field] < 1:
                 raise InputError(None, f"{folder / ABOUT}: {field} must be a positive integer")
         lens = cls(about["d_model"], about["n_layers"])
-        tensors = load_file(folder / WEIGHTS)
+        try:
+            tensors = load_file(folder / WEIGHTS)
+        except SafetensorError as error:
+            raise InputError(folder / WEIGHTS, f"corrupt or truncated safetensors file ({error})") from None
         expected = lens.state_dict()
         if set(tensors) != set(expected):
             raise InputError(None, f"{folder / WEIGHTS}: tensors {sorted(set(tensors) ^ set(expected))[:3]} "

@@ -335,3 +335,11 @@ def test_a_resume_after_a_kill_logs_each_iteration_once(corpus, tmp_path):
     summary = loop.train(corpus, out, MODEL, TRAIN, resume=True, progress=False,
                          echo=lambda s: None)  # nothing left to train: nothing logged again
     assert records() == logged and summary["val_loss"] == logged[-1]["val_loss"]
+
+
+def test_resume_from_a_truncated_training_state_names_the_file(finished, corpus, tmp_path, refused):
+    out = _copy(finished, tmp_path, lambda out: None)
+    state = (out / "latest").resolve() / "training_state.safetensors"
+    state.write_bytes(state.read_bytes()[:100])
+    refused(["train", "--data", corpus, "--out", out, "--resume", "--max-iters", "6", "--no-progress"],
+            "training_state.safetensors: corrupt or truncated", corpus)

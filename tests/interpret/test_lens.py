@@ -6,6 +6,7 @@ import torch
 
 from glassformer import Transformer, get_preset
 from glassformer.cli import main
+from glassformer.errors import InputError
 from glassformer.formats.checkpoint import write_checkpoint
 from glassformer.formats.tokenizers import CharTokenizer
 from glassformer.interpret.lens import (
@@ -117,6 +118,10 @@ def test_a_saved_tuned_lens_loads_the_same_and_refuses_another_model(tmp_path):
         loaded.check(get_preset("tiny-llama").replace(n_layers=3))
     with pytest.raises(FileNotFoundError, match="no tuned lens"):
         TunedLens.load(tmp_path)
+    weights = tmp_path / "lens" / "tuned_lens.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-9])  # truncated
+    with pytest.raises(InputError, match="tuned_lens.safetensors: corrupt or truncated"):
+        TunedLens.load(tmp_path / "lens")
 
 
 def test_top_k_and_training_settings_are_checked():
