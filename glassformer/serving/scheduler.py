@@ -121,10 +121,11 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        budget = self.token_budget
         i = 0
-        while i < len(self.running) and plan.n_tokens < self.token_budget:
+        while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, self.token_budget - plan.n_tokens)
+            n = self._chunk(seq, budget)
             if n == 0:  # a beam waiting for its group, or a sink chunk for a step with room
                 i += 1
                 continue
@@ -134,25 +135,28 @@ class Scheduler:
             if seq.status is Status.WAITING:
                 break  # its own request was the newest: nothing newer is left running
             plan.scheduled.append((seq, n))
+            budget -= n
             i += 1
-        while (self.waiting and plan.n_tokens < self.token_budget and len(self.running) < self.max_batch
-               and not plan.preempted):
-            if not self._admit(plan):
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch and not plan.preempted:
+            taken = self._admit(plan, budget)
+            if not taken:
                 break
+            budget -= taken
         if not plan.scheduled and self.running and not plan.preempted:
             self._preempt_newest(plan)  # nothing running could proceed: make room rather than spin
         return plan
 
-    def _admit(self, plan: StepPlan) -> bool:
-        """Start the first waiting request if it gets the blocks of its next chunk; a beam group
-        only with all its members, and only if the blocks of every member's whole recomputation
-        are free. When the pool is empty of others and it still cannot start, it never will: it
-        is taken out and handed to the engine (plan.refused)."""
+    def _admit(self, plan: StepPlan, budget: int) -> int:
+        """Start the first waiting request if it gets the blocks of its next chunk (returns the
+        tokens it takes, 0 when it waits); a beam group only with all its members, and only if
+        the blocks of every member's whole recomputation are free. When the pool is empty of
+        others and it still cannot start, it never will: it is taken out and handed to the
+        engine (plan.refused)."""
         unit = _unit(self.waiting[0])
         for seq in unit:
             if not seq.block_table and not uses_hooks(seq.params):  # a hook sees every row
                 self.blocks.match_prefix(seq)
-        chunks, budget = [], self.token_budget - plan.n_tokens
+        chunks = []
         for seq in unit:
             chunks.append(self._chunk(seq, budget))
             budget -= chunks[-1]
@@ -170,14 +174,14 @@ class Scheduler:
                 for seq in unit:
                     self.waiting.remove(seq)
                 plan.refused.append(unit[0])
-            return False
+            return 0
         for seq, n in zip(unit, chunks, strict=True):
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             if n:
                 plan.scheduled.append((seq, n))
-        return True
+        return sum(chunks)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of seq's tokens the step can take: within the budget, and within the sink
