@@ -9,11 +9,15 @@ other exception is a bug in Glassformer and keeps its traceback.
 
 from __future__ import annotations
 
+import os
+
 
 class InputError(ValueError):
     """A mistake in what the caller gave: `field` names the input it concerns (None for the
     input as a whole), `code` the kind of mistake (OpenAI's error `code`)."""
 
-    def __init__(self, field: str | None, message: str, code: str = "invalid_value") -> None:
+    def __init__(self, field: str | os.PathLike[str] | None, message: str,
+                 code: str = "invalid_value") -> None:
         super().__init__(f"{field}: {message}" if field else message)
-        self.field, self.code, self.detail = field, code, message
+        self.field = str(field) if field else None  # a file's path may come as a Path
+        self.code, self.detail = code, message

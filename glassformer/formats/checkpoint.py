@@ -218,11 +218,11 @@ class Checkpoint:
         folder = resolve(path)
         meta = read_json_object(folder / "config.json")
         if not isinstance(meta.get("model"), dict):
-            raise InputError(None, f"{folder / 'config.json'}: lacks the \"model\" object of a checkpoint")
+            raise InputError(folder / "config.json", 'lacks the "model" object of a checkpoint')
         try:
             return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
         except ValueError as error:
-            raise InputError(None, f"{folder / 'config.json'}: {error}") from None
+            raise InputError(folder / "config.json", str(error)) from None
 
     def tokenizer(self):
         """The run's tokenizer; a chat model's keeps its template (ChatTokenizer)."""

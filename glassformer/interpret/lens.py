@@ -118,7 +118,7 @@ class TunedLens(nn.Module):
         about = read_json_object(folder / ABOUT)
         for field in ("d_model", "n_layers"):
             if not isinstance(about.get(field), int) or about[field] < 1:
-                raise InputError(None, f"{folder / ABOUT}: {field} must be a positive integer")
+                raise InputError(folder / ABOUT, f"{field} must be a positive integer")
         lens = cls(about["d_model"], about["n_layers"])
         try:
             tensors = load_file(folder / WEIGHTS)
@@ -126,11 +126,11 @@ class TunedLens(nn.Module):
             raise InputError(folder / WEIGHTS, f"corrupt or truncated safetensors file ({error})") from None
         expected = lens.state_dict()
         if set(tensors) != set(expected):
-            raise InputError(None, f"{folder / WEIGHTS}: tensors {sorted(set(tensors) ^ set(expected))[:3]} "
+            raise InputError(folder / WEIGHTS, f"tensors {sorted(set(tensors) ^ set(expected))[:3]} "
                              "do not match the lens's maps")
         for name, tensor in tensors.items():
             if tensor.shape != expected[name].shape:
-                raise InputError(None, f"{folder / WEIGHTS}: {name} has shape {tuple(tensor.shape)}, "
+                raise InputError(folder / WEIGHTS, f"{name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(expected[name].shape)}")
         lens.load_state_dict(tensors, strict=True)
         return lens.eval()
