@@ -26,7 +26,7 @@ from ..model.sink import SinkKVCache
 from ..model.transformer import Transformer
 from .batching import left_pad, select_rows
 from .config import GenerationConfig, GenerationResult, Piece, StopReason
-from .sampling import SamplingConfig, greedy, process_logits, sample, token_counts
+from .sampling import SamplingConfig, greedy, process_logits, sample_rows, token_counts
 from .stopping import Decoder, TextStream
 
 
@@ -128,7 +128,7 @@ class SamplingState:
         if self.config.greedy:
             tokens = greedy(logits)  # (B,)
         else:  # each row draws with its own generator, as it would alone
-            tokens = torch.cat([sample(row[None], g) for row, g in zip(logits, self.generators, strict=True)])
+            tokens = sample_rows(logits, self.generators)  # (B,)
         if self.counts is not None:
             self.counts[torch.arange(len(tokens), device=tokens.device), tokens] += 1
         return tokens

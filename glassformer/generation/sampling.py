@@ -119,9 +119,22 @@ def greedy(logits: Tensor) -> Tensor:
 
 
 def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """next ~ Categorical(softmax(z)); (B, V) -> (B,). Tokens at -inf are never drawn."""
+    """next ~ Categorical(softmax(z)); (B, V) -> (B,). Drawn as the exponential race:
+    argmax_v p_v / E_v with E_v ~ Exp(1) independent (the argmax is distributed as p), on the
+    logits' device with `generator` (one on that device), so nothing waits for the host. Tokens
+    at -inf (p = 0) are never drawn: exponential_ never draws 0."""
     probs = logits.float().softmax(dim=-1)  # (B, V)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)  # (B, V)
+    return (probs / race).argmax(dim=-1)
+
+
+def sample_rows(logits: Tensor, generators: list[torch.Generator]) -> Tensor:
+    """Row b drawn with generators[b], as `sample` draws it alone: (B, V) -> (B,), the race's
+    division and argmax once for the batch."""
+    probs = logits.float().softmax(dim=-1)  # (B, V)
+    race = torch.stack([torch.empty_like(row).exponential_(generator=g)
+                        for row, g in zip(probs, generators, strict=True)])  # (B, V)
+    return (probs / race).argmax(dim=-1)
 
 
 def process_logits(

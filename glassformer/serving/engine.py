@@ -168,7 +168,7 @@ class Engine:
                                 "context_length_exceeded")
         eos = set(params.eos_ids) if params.eos_ids is not None else (
             {self.tokenizer.eos_id} if getattr(self.tokenizer, "eos_id", None) is not None else set())
-        seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id)
+        seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id, self.runner.device)
         unit = BeamGroup(seq, self.tokenizer, mc.context_length) if params.beams > 1 else seq
         handle = RequestHandle(seq.id, self.cancel)
         with self._wake:
@@ -311,13 +311,23 @@ class Engine:
         plain_logits = logits if len(plain) == len(ready) else logits[plain]  # no copy when all
         greedy = [_plain_greedy(ready[i]) for i in plain]
         argmax = argmax_rows(plain_logits).tolist() if any(greedy) else []  # (R,): each row's own
+        drawn, failed = {}, set()  # plain row -> its draw (1,), still on the device
+        for j, i in enumerate(plain):
+            if not greedy[j] and i not in broken:
+                try:  # a request that fails here fails alone
+                    drawn[j] = self._sample(ready[i], plain_logits[j : j + 1])
+                except Exception as error:
+                    self._fail(ready[i], error)
+                    failed.add(j)
+        sampled = dict(zip(drawn, torch.cat(list(drawn.values())).tolist(), strict=True)) if drawn else {}
         for j, i in enumerate(plain):
             seq = ready[i]
-            try:  # a request that fails here fails alone
+            if j in failed:
+                continue
+            try:
                 if i in broken:
                     raise FloatingPointError(NON_FINITE)
-                token = argmax[j] if greedy[j] else self._sample(seq, plain_logits[j : j + 1])
-                self._emit(seq, token, logits[i])
+                self._emit(seq, argmax[j] if greedy[j] else sampled[j], logits[i])
             except Exception as error:
                 self._fail(seq, error)
         for i, seq in enumerate(ready):
@@ -353,9 +363,10 @@ class Engine:
             event = Event(group.id, None, result.text or "", True, result.stop_reason)
             self._finish(group, event, result)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """A draw from one row (1, V) with the request's settings and its own generator."""
-        return int(next_token(logits, seq.params.sampling, seq.generator, seq.counts))
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        """A draw from one row (1, V) with the request's settings and its own generator: (1,),
+        on the logits' device (the step moves every draw to the host at once)."""
+        return next_token(logits, seq.params.sampling, seq.generator, seq.counts)
 
     def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
         """Accept a request's next token and stream it (the last event once it stopped)."""

@@ -28,7 +28,9 @@ _ids = itertools.count()
 class Sequence:
     def __init__(self, prompt: Ids[int], params: RequestParams, vocab_size: int,
                  tokenizer: Decoder | None = None, eos: set[int] | None = None,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, device: torch.device | None = None) -> None:
+        """`device`: the model's, where the request's generator and token counts live (the
+        engine samples there)."""
         self.id = request_id if request_id is not None else f"req-{next(_ids)}"
         self.tokens = list(prompt)  # the prompt, then every generated token
         self.prompt_len = len(self.tokens)
@@ -38,11 +40,11 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix keys of the full blocks, in order
         self.prefix_root = None  # the first block's parent key: its adapter's (Engine.submit)
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=device or "cpu")
         self.generator.manual_seed(params.seed) if params.seed is not None else self.generator.seed()
         self.counts = None
         if params.sampling.uses_counts:  # (1, V) occurrences for the penalties
-            self.counts = token_counts(torch.tensor([self.tokens]), vocab_size)
+            self.counts = token_counts(torch.tensor([self.tokens], device=device), vocab_size)
         self.text = None if tokenizer is None else TextStream(tokenizer, params.stop, self.tokens[-4:])
         self.stop_reason: StopReason | None = None
         self.arrival = time.perf_counter()
