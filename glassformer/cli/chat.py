@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import InputError
 from .options import (
     CONTEXT,
     SAMPLING,
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         try:
             checked_text(text, "that line")
-        except ValueError as error:
+        except InputError as error:
             print(f"glassformer: {error}; type it again", file=sys.stderr)
             continue
         print("assistant> " if interactive else "", end="", flush=True)

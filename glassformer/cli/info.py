@@ -42,7 +42,7 @@ def load_config(preset: str | None, path: str | None) -> ModelConfig:
     values = read_json_object(path)
     try:
         return ModelConfig.from_dict(values.get("model", values))
-    except ValueError as error:
+    except InputError as error:
         raise InputError(path, f"{error}") from None
 
 

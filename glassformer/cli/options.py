@@ -87,8 +87,8 @@ def device(text: str) -> str:
 
     try:
         pick_device(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error).removeprefix("device: ")) from None
+    except InputError as error:
+        raise argparse.ArgumentTypeError(error.detail) from None
     return text
 
 

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         model_config = {**model, **_overrides(args, "model.")}  # checked against --init's model
         if train_config.init is None:
             model_config = ModelConfig.from_dict({"vocab_size": 1, **model_config})  # the tokenizer's
-    except ValueError as error:
+    except InputError as error:
         raise InputError(args.config, f"{error}" if args.config else str(error)) from None
     lora_flags = [k for k in _overrides(args, "train.") if k.startswith("lora_")]
     if train_config.lora_rank is None and lora_flags:  # even at their defaults: never ignored
