@@ -221,7 +221,7 @@ class Checkpoint:
             raise InputError(folder / "config.json", 'lacks the "model" object of a checkpoint')
         try:
             return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
-        except ValueError as error:
+        except InputError as error:
             raise InputError(folder / "config.json", str(error)) from None
 
     def tokenizer(self):
