@@ -112,9 +112,13 @@ class Transformer(nn.Module):
         pad_mask: torch.Tensor | None = None,
         token_types: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
-        return self.head(self.forward_hidden(ids, cache, positions, pad_mask, token_types,
-                                             documents))
+        """The logits (B, T, vocab); with head=False the final hidden state (B, T, d) instead,
+        for a loss that takes the head itself (training/head_loss.py) through a wrapper that
+        calls forward only (DistributedDataParallel, torch.compile)."""
+        h = self.forward_hidden(ids, cache, positions, pad_mask, token_types, documents)
+        return self.head(h) if head else h
 
     def forward_hidden(
         self,

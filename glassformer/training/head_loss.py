@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import InputError
 from ..model.transformer import Transformer
@@ -95,10 +96,23 @@ def reduced(total: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch
     return total / (targets != IGNORE).sum().clamp(min=1)
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DistributedDataParallel (`module`) and torch.compile's wrapper, which
+    keeps it as `_orig_mod` (its class is not imported here: that would load the compiler)."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def fused_head_applies(model: nn.Module) -> bool:
-    """Whether the model's head can be fused with its loss: a plain Transformer (not wrapped by
-    DistributedDataParallel or torch.compile), its head a float32 linear layer taking the final
-    hidden state as it is, no hooks to show the logits to, no autocast."""
+    """Whether the model's head can be fused with its loss: a Transformer (wrapped by
+    DistributedDataParallel or torch.compile or not), its head a float32 linear layer taking
+    the final hidden state as it is, no hooks to show the logits to, no autocast."""
+    model = unwrapped(model)
     return (
         isinstance(model, Transformer)
         and model.head_transform is None
@@ -116,8 +130,9 @@ def language_model_loss(model: nn.Module, ids: torch.Tensor, targets: torch.Tens
     IGNORE counting for nothing: through `linear_cross_entropy` where `fused_head_applies`,
     else on the logits."""
     if fused_head_applies(model):
-        h = model.forward_hidden(ids, **inputs)  # (B, T, d)
-        return linear_cross_entropy(h, model.lm_head.weight, model.lm_head.bias, targets, reduction)
+        h = model(ids, head=False, **inputs)  # (B, T, d), through the wrapper's own forward
+        head = unwrapped(model).lm_head
+        return linear_cross_entropy(h, head.weight, head.bias, targets, reduction)
     logits = model(ids, **inputs).flatten(0, 1).float()  # (B·T, V)
     return reduced(F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE, reduction="sum"),
                    targets, reduction)

@@ -121,3 +121,41 @@ def test_reduction_is_checked():
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(torch.randn(2, 3), torch.randn(4, 3), None, torch.zeros(2, dtype=torch.long),
                              "none")
+
+
+@pytest.mark.parametrize("wrapper", ["compile", "ddp"])
+def test_a_wrapped_model_still_takes_the_fused_head(wrapper, tmp_path, monkeypatch):
+    """torch.compile's wrapper and DistributedDataParallel call the model's forward only: the
+    loss goes through it for the final hidden state and still never builds the logits; the loss
+    and every gradient are the plain model's."""
+    import torch.distributed as dist
+
+    from glassformer.training import head_loss
+
+    model, plain = _model(tie=False, bias=True), _model(tie=False, bias=True)
+    x, y = _batch()
+    fused_calls = []
+    fused = head_loss.linear_cross_entropy
+
+    def counted(*args, **kwargs):
+        fused_calls.append(1)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(head_loss, "linear_cross_entropy", counted)
+    if wrapper == "ddp":
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = (torch.compile(model, backend="eager") if wrapper == "compile"
+                   else torch.nn.parallel.DistributedDataParallel(model))
+        assert fused_head_applies(wrapped)
+        loss = language_model_loss(wrapped, x, y)
+        loss.backward()
+    finally:
+        if wrapper == "ddp":
+            dist.destroy_process_group()
+    expected = F.cross_entropy(plain(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    expected.backward()
+    assert fused_calls == [1]
+    torch.testing.assert_close(loss, expected)
+    for (name, got), want in zip(_grads(model).items(), _grads(plain).values(), strict=True):
+        torch.testing.assert_close(got, want, msg=name)
