@@ -20,7 +20,7 @@ def test_unknown_or_repeated_lens_layers_get_400(client, language_model):
                                                      "glassformer": {"lens": {"layers": layers}}})
 
     for layers in ([last + 1], [1, 1]):
-        _refused(ask(layers), 400, "lens_layers")
+        _refused(ask(layers), 400, "glassformer.lens.layers")
     for layers in ([], [-1], ["1"]):
         _refused(ask(layers), 400, "glassformer.lens.layers")
     assert ask([last]).status_code == 200
