@@ -13,7 +13,9 @@ of what it holds at least: a pool grown by doubling held up to twice what the re
 than five times in all.
 The block manager hands out never-used blocks in order before it reuses freed ones (which may
 hold a cached prefix), so memory follows the work the engine has seen, up to the pool's size:
-two short prompts never take the whole `--kv-memory-mb`.
+two short prompts never take the whole `--kv-memory-mb`. On an accelerator the whole pool is
+taken at once instead (`preallocate`): its addresses never move, so a step's index tensors
+and a captured graph stay valid, and the device's memory is set aside for the cache anyway.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str) -> int:
 
 class KVPool:
     def __init__(self, config: ModelConfig, n_blocks: int, block_size: int, kv_dtype: str = "fp32",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", preallocate: bool | None = None) -> None:
+        """`preallocate`: take all n_blocks now (default: on any device but the CPU)."""
         bytes_per_block(config, block_size, kv_dtype)  # validates kv_dtype
         self.n_blocks, self.block_size, self.kv_dtype = n_blocks, block_size, kv_dtype
         self.slot_shape = (config.kv_heads, config.head_dim)  # (KV, d_head) per slot
@@ -52,6 +55,8 @@ class KVPool:
         if is_scaled(kv_dtype):  # (slots, KV) one scale per slot and head
             scales = [torch.zeros(0, config.kv_heads, device=device) for _ in range(2 * config.n_layers)]
             self.key_scales, self.value_scales = scales[: config.n_layers], scales[config.n_layers :]
+        if preallocate if preallocate is not None else torch.device(device).type != "cpu":
+            self.reserve(n_blocks)
 
     def reserve(self, n_blocks: int) -> None:
         """Hold at least the first `n_blocks` blocks in memory (grown by a quarter at least, up

@@ -124,3 +124,16 @@ def test_the_pool_grows_with_the_blocks_used_and_keeps_what_it_holds(kv_dtype):
     assert pool.allocated == 31 and torch.equal(pool.read(1, torch.arange(120, 124))[0], before[0])
     with pytest.raises(ValueError, match="blocks"):
         pool.reserve(41)
+
+
+def test_a_preallocated_pool_holds_every_block_at_fixed_addresses():
+    """On an accelerator (or when asked) the pool takes all its blocks at once: reserving and
+    writing never move a layer's storage."""
+    config = get_preset("tiny-llama").replace(n_layers=2)
+    pool = KVPool(config, 40, 4, preallocate=True)
+    assert pool.allocated == 40 and pool.nbytes() == 40 * bytes_per_block(config, 4, "fp32")
+    addresses = [t.data_ptr() for t in pool.keys + pool.values]
+    pool.reserve(40)
+    pool.write(0, torch.arange(150, 154), *torch.randn(2, 4, config.kv_heads, config.head_dim))
+    assert [t.data_ptr() for t in pool.keys + pool.values] == addresses
+    assert KVPool(config, 40, 4).allocated == 0  # the CPU's default: grown as used
