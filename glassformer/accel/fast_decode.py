@@ -40,6 +40,8 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "rope_scaling": any_value("the angles come from Python"),
     "rope_factor": any_value("the angles come from Python"),
     "rope_original_context": any_value("the angles come from Python"),
+    "rope_low_freq_factor": any_value("the angles come from Python"),
+    "rope_high_freq_factor": any_value("the angles come from Python"),
     "norm": any_value("rmsnorm and layernorm rows"),
     "norm_placement": only("pre", reason="the layers are written pre-norm"),
     "norm_eps": any_value(), "norm_bias": any_value("a bias where the norm has one"),

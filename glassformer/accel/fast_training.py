@@ -49,6 +49,8 @@ CAPABILITIES = CapabilityTable("fused training passes", {
     "rope_scaling": any_value("the angles come from the model"),
     "rope_factor": any_value("the angles come from the model"),
     "rope_original_context": any_value("the angles come from the model"),
+    "rope_low_freq_factor": any_value("the angles come from the model"),
+    "rope_high_freq_factor": any_value("the angles come from the model"),
     "norm": any_value("RMSNorm and LayerNorm passes"), "norm_placement": any_value(_MODULES),
     "norm_eps": any_value(), "norm_bias": any_value("LayerNorm with or without its bias"),
     "activation": any_value("silu (gated) and gelu passes; " + _PER_CALL),

@@ -64,8 +64,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     if config.attn_out_bias and not config.attn_bias:
         raise InputError("attn_out_bias", "a bias on W_O alone cannot be exported")
     qwen = config.attn_bias and not config.attn_out_bias  # Qwen2: biases on q, k, v only
-    if config.rope_scaling not in ("none", "linear"):
-        raise InputError("rope_scaling", f"{config.rope_scaling!r} cannot be exported (none, linear)")
+    if config.rope_scaling not in ("none", "linear", "llama3"):
+        raise InputError("rope_scaling", f"{config.rope_scaling!r} cannot be exported (none, linear, llama3)")
     kind = "qwen2" if qwen else "mistral" if config.sliding_window else "llama"
     out = {"model_type": kind,
            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -75,8 +75,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
            "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
            "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
            "rms_norm_eps": config.norm_eps, "hidden_act": "silu", "rope_theta": config.rope_theta,
-           "rope_scaling": None if config.rope_scaling == "none"
-           else {"rope_type": "linear", "factor": config.rope_factor},
+           "rope_scaling": _rope_scaling(config),
            "tie_word_embeddings": config.tie_embeddings, "attention_bias": config.attn_out_bias,
            "mlp_bias": config.mlp_bias, "attention_dropout": 0.0}
     if kind == "mistral":
@@ -89,6 +88,18 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         out |= {"use_sliding_window": config.sliding_window is not None,
                 "sliding_window": config.sliding_window, "max_window_layers": config.n_layers}
     return out
+
+
+def _rope_scaling(config: ModelConfig) -> dict | None:
+    """The Hugging Face rope_scaling entry of a config (huggingface.py `_rope_scaling` reversed)."""
+    if config.rope_scaling == "none":
+        return None
+    entry = {"rope_type": config.rope_scaling, "factor": config.rope_factor}
+    if config.rope_scaling == "llama3":
+        entry |= {"low_freq_factor": config.rope_low_freq_factor,
+                  "high_freq_factor": config.rope_high_freq_factor,
+                  "original_max_position_embeddings": config.original_context}
+    return entry
 
 
 def export_hf(model: Transformer | EncoderDecoder, tokenizer: Any, folder: str | Path) -> Path:

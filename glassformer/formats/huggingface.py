@@ -82,13 +82,30 @@ def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
+# A Hugging Face rope_type -> the ModelConfig's rope_scaling
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+
+
+def _rope_scaling(rope_type: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of a Hugging Face rope_parameters (rope_scaling) entry; every key
+    that changes the angles is read (llama3: factor, both band factors, the original context)."""
+    if rope_type == "default":
+        return {}
+    fields = {"rope_scaling": ROPE_TYPES[rope_type], "rope_factor": float(rope["factor"])}
+    if rope_type == "llama3":
+        fields |= {"rope_low_freq_factor": float(rope["low_freq_factor"]),
+                   "rope_high_freq_factor": float(rope["high_freq_factor"]),
+                   "rope_original_context": int(rope["original_max_position_embeddings"])}
+    return fields
+
+
 def _llama_config(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise InputError(None, f"unsupported hidden_act {hf['hidden_act']!r} (expected silu)")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear"):
-        raise InputError(None, f"unsupported rope type {rope_type!r} (supported: default, linear)")
+    if rope_type not in ROPE_TYPES:
+        raise InputError(None, f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     qwen = hf["model_type"] == "qwen2"
     window = hf.get("sliding_window")
@@ -104,8 +121,7 @@ def _llama_config(hf: dict[str, Any]) -> ModelConfig:
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         d_head=d_head if d_head * n_heads != hf["hidden_size"] else None,
         d_ff=hf["intermediate_size"], position="rope", rope_theta=float(theta),
-        rope_scaling="linear" if rope_type == "linear" else "none",
-        rope_factor=float(rope.get("factor", 1.0)) if rope_type == "linear" else 1.0,
+        **_rope_scaling(rope_type, rope),
         norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="silu", gated=True,
         attn_bias=qwen or bool(hf.get("attention_bias", False)),
         attn_out_bias=not qwen and bool(hf.get("attention_bias", False)),

@@ -15,7 +15,7 @@ Norm = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 AttentionKernel = Literal["reference", "sdpa", "flash"]
-RopeScaling = Literal["none", "linear", "ntk", "yarn"]
+RopeScaling = Literal["none", "linear", "ntk", "yarn", "llama3"]
 Head = Literal["lm", "mlm"]  # mlm: BERT's dense + activation + norm before the decoder
 
 
@@ -65,6 +65,8 @@ class ModelConfig(ConfigFields):
     rope_scaling: RopeScaling = "none"  # context extension for RoPE (see layers/positions.py)
     rope_factor: float = 1.0  # new context / original context
     rope_original_context: int | None = None  # None: context_length / rope_factor
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths past original / this are interpolated
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original / this are kept
     norm: Norm = "layernorm"
     norm_placement: NormPlacement = "pre"
     norm_eps: float = 1e-5
@@ -149,6 +151,10 @@ class ModelConfig(ConfigFields):
             raise InputError("rope_factor", f"must be >= 1, got {self.rope_factor}")
         if self.rope_scaling != "none" and self.position != "rope":
             raise InputError("rope_scaling", "context extension applies to position='rope' only")
+        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise InputError("rope_low_freq_factor",
+                             "needs 0 < rope_low_freq_factor < rope_high_freq_factor, "
+                             f"got {self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
         if self.init_std <= 0:
             raise InputError("init_std", f"must be positive, got {self.init_std}")
         if isinstance(self.n_token_types, bool) or self.n_token_types < 0:

@@ -80,7 +80,8 @@ CAPABILITIES = CapabilityTable("serving engine", {
         "dropout", "attention_kernel", "init_std", "n_token_types", "embed_norm", "head",
         "scale_scores", "scale_head_input")},
     **{name: any_value(_ANGLES) for name in (
-        "rope_theta", "rope_scaling", "rope_factor", "rope_original_context")},
+        "rope_theta", "rope_scaling", "rope_factor", "rope_original_context", "rope_low_freq_factor",
+        "rope_high_freq_factor")},
     "position": any_value("RoPE from the table; ALiBi and T5's bias through the model's masks"),
     **{name: any_value("through the model's masks") for name in (
         "sliding_window", "relative_buckets", "relative_max_distance")},

@@ -21,12 +21,17 @@ COMMON = dict(vocab_size=VOCAB, initializer_range=0.2, bos_token_id=None, eos_to
 LLAMA = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
              rope_theta=5000.0, tie_word_embeddings=False, **COMMON)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, n_positions=64, **COMMON),
     "llama": lambda: transformers.LlamaConfig(**LLAMA),
     "llama_tied": lambda: transformers.LlamaConfig(**(LLAMA | {"tie_word_embeddings": True})),
     "mistral": lambda: transformers.MistralConfig(**LLAMA, sliding_window=5),
     "qwen2": lambda: transformers.Qwen2Config(**LLAMA),
+    # Llama 3.1's RoPE bands over an original context of 16: the 17-token tests cross it, and
+    # d_head 8 puts one pair in the mixed band, three in the interpolated one
+    "llama3": lambda: transformers.LlamaConfig(**LLAMA, rope_scaling=LLAMA3_ROPE),
 }
 
 
@@ -236,3 +241,38 @@ def test_config_missing_a_field_is_one_error(llama_folder):
     path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="config.json lacks 'hidden_size'"):
         load_hf(llama_folder)
+
+
+def test_llama3_rope_on_every_path_and_back_to_transformers(tmp_path):
+    """Llama 3.1's RoPE scaling: the module path, the fused step and the engine equal
+    transformers past the original context; the exported folder is read back by transformers
+    with the same rope_scaling and logits."""
+    from glassformer.accel.quantize import quantize_model
+    from glassformer.formats.export import export_hf
+    from glassformer.serving import Engine, EngineConfig, RequestParams
+
+    reference = _save("llama3", tmp_path / "in")
+    model, tokenizer = load_hf(tmp_path / "in")
+    assert (model.config.rope_scaling, model.config.rope_factor, model.config.original_context,
+            model.config.rope_high_freq_factor) == ("llama3", 8.0, 16, 4.0)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        torch.testing.assert_close(model(ids), expected, atol=1e-5, rtol=1e-5)
+    prompt = ids[0, :30].tolist()
+    with torch.no_grad():
+        theirs = reference.generate(ids[:, :30], attention_mask=torch.ones_like(ids[:, :30]),
+                                    do_sample=False, max_new_tokens=12, min_new_tokens=12)[0, 30:].tolist()
+    greedy = GenerationConfig(max_new_tokens=12, eos_ids=())
+    fused = quantize_model(load_hf(tmp_path / "in")[0], "none")
+    engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64))
+    handle = engine.submit(prompt, RequestParams(max_new_tokens=12, eos_ids=()))
+    engine.run_until_done()
+    assert generate(model, prompt, greedy).generated_ids == theirs
+    assert generate(fused, prompt, greedy).generated_ids == theirs
+    assert handle.result.generated_ids == theirs
+    export_hf(model, tokenizer, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert again.config.rope_parameters["rope_type"] == "llama3"
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, expected, atol=1e-5, rtol=1e-5)

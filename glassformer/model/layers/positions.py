@@ -26,6 +26,10 @@ def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     - yarn (Peng et al. 2023): per band, interpolate θ_i/s where a wavelength exceeds the original
       context (fewer than β_slow=1 turns), keep θ_i where it has more than β_fast=32 turns, ramp
       linearly between; and scale attention logits by (0.1·ln s + 1)² via cos and sin.
+    - llama3 (Meta's Llama 3.1): with the original context C, a wavelength λ_i = 2π/θ_i longer
+      than C / rope_low_freq_factor is interpolated (θ_i / s), one shorter than
+      C / rope_high_freq_factor kept, and between them θ_i is mixed as (1 - t)·θ_i/s + t·θ_i
+      with t = (C/λ_i - low) / (high - low).
     with s = rope_factor.
     """
     d, base, s = config.head_dim, config.rope_theta, config.rope_factor
@@ -41,7 +45,17 @@ def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
         keep = 1.0 - ramp.clamp(0.0, 1.0)  # 1: extrapolate (keep θ_i), 0: interpolate (θ_i / s)
         inv_freq = inv_freq / s * (1.0 - keep) + inv_freq * keep
         return inv_freq, 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+    if config.rope_scaling == "llama3":
+        return _llama3(inv_freq, s, config.original_context, config.rope_low_freq_factor,
+                       config.rope_high_freq_factor), 1.0
     return inv_freq, 1.0
+
+
+def _llama3(inv_freq: torch.Tensor, s: float, context: int, low: float, high: float) -> torch.Tensor:
+    """Llama 3.1's bands (rope_inverse_frequencies): (d/2,) -> (d/2,)."""
+    turns = context * inv_freq / (2 * math.pi)  # C / λ_i: how often pair i turns over the context
+    mix = ((turns - low) / (high - low)).clamp(0.0, 1.0)  # 0: interpolate, 1: keep
+    return inv_freq / s * (1.0 - mix) + inv_freq * mix
 
 
 def _yarn_band(fast: float, slow: float, d: int, base: float, context: int) -> tuple[int, int]:
