@@ -80,7 +80,11 @@ def test_adapter_rows_equal_the_merged_model_and_base_rows_stay_bitwise(tiny, pr
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 def test_fused_adapter_rows_equal_the_module_path_s(tiny, prompts, tmp_path, monkeypatch, mode):
     """Adapter rows on the fused step against the same engine with its adapters refused by the
-    fused step (the module path, the oracle): two adapters and base rows share each step."""
+    fused step (the module path, the oracle): two adapters and base rows share each step. The
+    two paths add an adapter's update in another order; int8 / int4 layers round their
+    activations to 8 bits per block, so one float ulp there may move an activation a whole
+    step: a few hundredths in a log-probability (seen on the AVX2 kernels, AMD EPYC Zen 3),
+    the bound of tests/test_paths_property.py."""
     from glassformer.accel.fast_decode import FastDecoder
     from glassformer.serving import adapters as served_adapters
 
@@ -117,9 +121,10 @@ def test_fused_adapter_rows_equal_the_module_path_s(tiny, prompts, tmp_path, mon
     assert all(s is None for s in steps)  # the oracle's adapter rows never took the fused step
     alone = run(Engine(served, config=ENGINE), [r for r in requests if r[1] is None])
     assert [t for t, (_, a) in zip(fused, requests, strict=True) if a is None] == alone  # bitwise
+    tolerance = 1e-5 if mode == "none" else 3e-2
     for (tokens, logprobs), (expected_tokens, expected) in zip(fused, module, strict=True):
         assert tokens == expected_tokens
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), atol=tolerance, rtol=1e-5)
 
 
 def test_without_row_tiles_adapter_rows_still_equal_the_merged_model(tiny, prompts, tmp_path):
