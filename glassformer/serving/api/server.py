@@ -177,7 +177,7 @@ class Server:
             handle = self.engine.submit(ids, params)
         except CapacityError as error:
             message = str(error).replace("the engine holds", "the server holds")
-            raise APIError(400, message, "prompt", "context_length_exceeded") from None
+            raise APIError(400, message, error.field, error.code) from None
         except InputError as error:
             raise errors.from_input(error, REQUEST_FIELDS) from None
         admission = Admission()
