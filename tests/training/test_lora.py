@@ -90,11 +90,13 @@ def test_logits_and_gradients_match_peft(base, tmp_path):
     names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
              "down": "mlp.down_proj"}
+    # the gradients sum 22 rows x 300 logits in PyTorch's BLAS order, which differs by CPU:
+    # on AMD EPYC (Zen 3) one of 128 entries moved 1.6e-4 of a gradient near 0.3
     for i, t in adapter_tensors(model):
         key = f"base_model.model.model.layers.{i}.{names[t]}.lora_{{}}.default.weight"
         layer = next(m for m in model.blocks[i].modules() if isinstance(m, LoRALinear) and t in m.slices)
-        torch.testing.assert_close(layer.lora_A[t].grad, named[key.format("A")].grad, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(layer.lora_B[t].grad, named[key.format("B")].grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.lora_A[t].grad, named[key.format("A")].grad, atol=5e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.lora_B[t].grad, named[key.format("B")].grad, atol=5e-4, rtol=1e-4)
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
 
 
