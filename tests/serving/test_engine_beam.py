@@ -8,6 +8,16 @@ from glassformer.generation.sampling import SamplingConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
 
 
+def _assert_as_generate(model, prompts, handles, expected, plain):
+    """Each beam request's result is generate's beam search's; the plain request (prompt
+    prompts([5], seed=9)) is its greedy generate."""
+    for handle, want in zip(handles, expected, strict=True):
+        got = handle.wait(0)
+        assert got.generated_ids == want.generated_ids and got.stop_reason == want.stop_reason
+        assert got.log_prob == pytest.approx(want.log_prob, abs=1e-4)
+    solo = generate(model, prompts([5], seed=9)[0], GenerationConfig(max_new_tokens=8, eos_ids=()))
+    assert plain.wait(0).generated_ids == solo.generated_ids
+
 @pytest.mark.parametrize("beams", [2, 3])
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_beam_search_equals_generate_and_leaks_nothing(tiny, prompts, beams, block_size):
@@ -21,12 +31,7 @@ def test_beam_search_equals_generate_and_leaks_nothing(tiny, prompts, beams, blo
     handles = [engine.submit(p, params) for p in todo]
     other = engine.submit(prompts([5], seed=9)[0], RequestParams(max_new_tokens=8, eos_ids=()))
     engine.run_until_done()
-    for handle, want in zip(handles, expected, strict=True):
-        got = handle.wait(0)
-        assert got.generated_ids == want.generated_ids and got.stop_reason == want.stop_reason
-        assert got.log_prob == pytest.approx(want.log_prob, abs=1e-4)
-    solo = generate(model, prompts([5], seed=9)[0], GenerationConfig(max_new_tokens=8, eos_ids=()))
-    assert other.wait(0).generated_ids == solo.generated_ids
+    _assert_as_generate(model, prompts, handles, expected, other)
     stats = engine.blocks.stats()
     assert stats.used == 0 and stats.free == engine.blocks.n_blocks
 
@@ -113,10 +118,5 @@ def test_beams_on_a_pool_with_few_free_blocks_wait_their_turn_and_equal_generate
         steps += 1
         assert steps < 300, "the engine stopped making progress"
     assert engine.scheduler.preemptions > 0  # the pool was short: groups had to give way
-    for handle, expected in zip(handles, want, strict=True):
-        got = handle.wait(0)
-        assert got.generated_ids == expected.generated_ids and got.stop_reason == expected.stop_reason
-        assert got.log_prob == pytest.approx(expected.log_prob, abs=1e-4)
-    solo = generate(model, prompts([5], seed=9)[0], GenerationConfig(max_new_tokens=8, eos_ids=()))
-    assert plain.wait(0).generated_ids == solo.generated_ids
+    _assert_as_generate(model, prompts, handles, want, plain)
     assert engine.blocks.stats().used == 0
