@@ -18,6 +18,7 @@ def _assert_as_generate(model, prompts, handles, expected, plain):
     solo = generate(model, prompts([5], seed=9)[0], GenerationConfig(max_new_tokens=8, eos_ids=()))
     assert plain.wait(0).generated_ids == solo.generated_ids
 
+
 @pytest.mark.parametrize("beams", [2, 3])
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_beam_search_equals_generate_and_leaks_nothing(tiny, prompts, beams, block_size):
