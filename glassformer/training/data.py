@@ -103,9 +103,8 @@ def write_token_file(sources: Sequence[Path], tokenizer, path: str | Path,
     meta_path = path.with_suffix(".json")
     tok_json = json.dumps(_tokenizer_dict(tokenizer), sort_keys=True)
     fingerprint = _fingerprint(sources, documents, tok_json)
-    if path.is_file() and meta_path.is_file():
-        if json.loads(meta_path.read_text()).get("fingerprint") == fingerprint:
-            return
+    if path.is_file() and meta_path.is_file() and _recorded_fingerprint(meta_path) == fingerprint:
+        return
     dtype = token_dtype(tokenizer.vocab_size)
     eot = np.array([tokenizer.eos_id], dtype=dtype)
     tmp = path.with_name(path.name + ".tmp")
@@ -125,7 +124,19 @@ def write_token_file(sources: Sequence[Path], tokenizer, path: str | Path,
     os.replace(tmp, path)
     meta = {"dtype": dtype.name, "n_tokens": n_tokens, "documents": documents,
             "sources": [str(s) for s in sources], "fingerprint": fingerprint}
-    meta_path.write_text(json.dumps(meta, indent=1))
+    partial = meta_path.with_name(meta_path.name + ".tmp")
+    partial.write_text(json.dumps(meta, indent=1))
+    os.replace(partial, meta_path)  # the description last, whole: a killed run leaves none
+
+
+def _recorded_fingerprint(meta_path: Path) -> str | None:
+    """The fingerprint a token file's description records; None where it is torn (a run killed
+    while writing it) or holds none: the tokens are made again."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        return None
+    return meta.get("fingerprint") if isinstance(meta, dict) else None
 
 
 def _tokenizer_dict(tokenizer) -> dict:

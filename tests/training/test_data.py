@@ -64,6 +64,20 @@ def test_token_file_is_reused_until_inputs_change(tmp_path):
     assert json.loads((tmp_path / "tokens.json").read_text())["n_tokens"] == 9
 
 
+
+@pytest.mark.parametrize("torn", ['{"dtype": "uint16", "n_to', "[1, 2]", ""])
+def test_a_torn_token_description_makes_the_tokens_again(tmp_path, torn):
+    """A run killed while writing tokens.json (or a file that holds no description) leaves the
+    tokens to be made again, not a JSON error; the description is written whole."""
+    src = _write(tmp_path / "corpus.txt", "abab")
+    tok = CharTokenizer.train(["ab"])
+    out = tmp_path / "tokens.bin"
+    write_token_file([src], tok, out)
+    (tmp_path / "tokens.json").write_text(torn)
+    write_token_file([src], tok, out)
+    assert json.loads((tmp_path / "tokens.json").read_text())["n_tokens"] == 5
+    assert not list(tmp_path.glob("*.tmp"))
+
 def test_dtype_follows_vocab_size():
     assert token_dtype(65536) == np.uint16
     assert token_dtype(65537) == np.uint32
