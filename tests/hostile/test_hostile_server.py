@@ -52,7 +52,9 @@ def test_a_trace_on_an_int4_server(site, int4):
         traced = reply.json()["glassformer"]["trace"][site]
         assert torch.isfinite(torch.tensor(traced)).all()
         streamed = events(http.post("/v1/completions", json=body | {"stream": True}))
-        assert streamed[-1] == "[DONE]" and streamed[-2]["choices"][0]["finish_reason"] == "length"
+        # a whole stream: its last chunk names why it ended (the sampled tokens may reach the end
+        # of text before max_tokens) and [DONE] follows
+        assert streamed[-1] == "[DONE]" and streamed[-2]["choices"][0]["finish_reason"] in ("length", "stop")
         assert site in streamed[-2]["glassformer"]["trace"]
 
 
