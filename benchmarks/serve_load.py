@@ -16,9 +16,13 @@ sends the request) p50/p95, time per output token (TPOT, first to last token) p5
 end-to-end latency p50/p95, and the server's peak resident memory during the run (its
 high-water mark is reset before the run through /proc/PID/clear_refs; the peak of loading is
 reported once per server). Ratios:
-  load     each run's tokens/s against one client (same mode and workload); at the anchor's
-           8 clients, the HTTP cost against one round of the same requests through the engine
-           alone (no HTTP, built and warmed up once, on the server engine's --threads)
+  load     each run's tokens/s against one client (same mode and workload)
+  alone    at each of the anchor's client counts, the server against the same requests through
+           the engine alone in the same round (no HTTP; built and warmed up once, on the server
+           engine's --threads; c requests in flight at a time, as c clients keep them)
+  llama    at each of the anchor's client counts, the server against `llama-server -np c` on
+           the model's GGUF file, in the same round (its own binary: --llama-cpp DIR or
+           $LLAMA_CPP_DIR, see benchmarks/llama_cpp.py; without it these rows are left out)
   inspect  the anchor workload at --compare-clients on three servers of the same mode: off (a
            server started with --max-capture-mb 0: no trace or lens), none (capture on, no
            request asks), half (every other request asks for the trace of blocks.0.attn.out
@@ -38,7 +42,7 @@ ratio the median of the rounds' ratios. The CPU line comes first (benchmarks/har
     python benchmarks/serve_load.py --workloads --inspect off none half layers --adapter --repeats 5
     python benchmarks/serve_load.py --workloads --inspect --adapter base half --repeats 5
         [--model smollm2-135m-instruct] [--clients 1 4 8 16] [--compare-clients 8]
-        [--threads N] [--new-tokens N] [--corpus PATH] [--json]
+        [--threads N] [--new-tokens N] [--corpus PATH] [--llama-cpp DIR] [--json]
 
 (`--workloads`, `--inspect` or `--adapter` with no values leaves that part out.)
 """
@@ -52,7 +56,6 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +66,7 @@ from pathlib import Path
 
 import harness
 import httpx
+import llama_cpp
 from finetune import served_adapter
 
 from glassformer import load
@@ -74,8 +78,7 @@ SITES = ("blocks.0.attn.out", "blocks.0.resid_post")  # what an inspecting reque
 INSPECT = {"trace": list(SITES), "lens": {"top_k": 5}}
 LENS_EVERY = 8  # inspect "layers": the lens of every 8th residual and the last
 WORKLOADS = ("anchor", "mixed", "shared")
-ALONE_CLIENTS = 8  # the anchor run compared with the engine alone
-TEXT = re.compile(rb'"text": "(?!")')  # a chunk with text (in a completion's stream)
+TEXT = re.compile(rb'"text": ?"(?!")')  # a chunk with text (in a completion's stream)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,12 @@ def inspecting(n_layers: int) -> dict[str, dict]:
     return {"inspect": INSPECT, "inspect-layers": INSPECT | {"lens": {"top_k": 5, "layers": layers}}}
 
 
+def llama_body(prompt: list[int], new: int) -> dict:
+    """The same request for llama-server (its own name for ignore_eos)."""
+    return {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
 def body(prompt: list[int], new: int, inspect: dict | None = None, adapter: bool = False) -> dict:
     return {"model": ADAPTER if adapter else NAME, "prompt": prompt, "max_tokens": new, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
@@ -157,17 +166,18 @@ async def one(url: str, request: dict) -> dict:
     events = [json.loads(line[6:]) for line in unchunked(raw).split(b"\n\n") if line.startswith(b"data: {")]
     if any("error" in event for event in events):
         raise RuntimeError(f"the stream ended with an error: {events[-1].get('error')}")
+    texts = [m.start() for m in TEXT.finditer(b"".join(piece for _, piece in reads))]
     times, edges, seen = [], [], 0  # the arrival time of each text chunk, by its byte offset
     for when, piece in reads:
         seen += len(piece)
         edges.append(seen)
         times.append(when)
-    texts = [m.start() for m in TEXT.finditer(b"".join(piece for _, piece in reads))]
     first = times[bisect.bisect_right(edges, texts[0])] if texts else None
     last = times[bisect.bisect_right(edges, texts[-1])] if texts else None
     finish = next((e for e in events if e["choices"] and e["choices"][0].get("finish_reason")), {})
-    extra, usage = finish.get("glassformer", {}), events[-1]["usage"]
-    tokens = usage["completion_tokens"]
+    extra = finish.get("glassformer", {})
+    usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
+    tokens = usage["completion_tokens"] if usage else len(texts)  # (llama-server without usage)
     if tokens != request["max_tokens"]:
         raise RuntimeError(f"a request generated {tokens} tokens, not {request['max_tokens']}")
     return {"ttft": (first or end) - start, "latency": end - start, "tokens": tokens,
@@ -201,7 +211,7 @@ async def drive(url: str, requests: list[dict], clients: int) -> dict:
     await asyncio.gather(*(client() for _ in range(clients)))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
-    inspecting = ["trace" in r["glassformer"] for r in requests]
+    inspecting = ["trace" in r.get("glassformer", {}) for r in requests]
     if [r["inspected"] for r in results] != inspecting:
         raise RuntimeError("the trace and lens came back for other requests than those that asked")
     return {"tokens_per_second": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
@@ -211,7 +221,7 @@ async def drive(url: str, requests: list[dict], clients: int) -> dict:
             "latency_p50": percentile([r["latency"] for r in results], 0.5),
             "latency_p95": percentile([r["latency"] for r in results], 0.95),
             "requests": len(results), "tokens": sum(r["tokens"] for r in results),
-            "inspected": sum(inspecting), "adapted": sum(r["model"] == ADAPTER for r in requests),
+            "inspected": sum(inspecting), "adapted": sum(r.get("model") == ADAPTER for r in requests),
             "client_cpu_s_per_token": cpu / sum(r["tokens"] for r in results)}
 
 
@@ -220,17 +230,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Served:
     """`glassformer serve` in its own process on a free loopback port, its output in `log`."""
 
     def __init__(self, args: argparse.Namespace, mode: str, flags: list[str], log: Path) -> None:
-        self.url, self.log = f"http://127.0.0.1:{free_port()}", log
+        self.url, self.log = f"http://127.0.0.1:{llama_cpp.free_port()}", log
         command = [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())",
                    "serve", "--model", args.model, "--quantize", mode, "--name", NAME,
                    "--port", self.url.split(":")[-1], "--max-queue", "256", "--threads", str(args.threads),
@@ -262,7 +266,9 @@ class Served:
 
 
 # One engine, built and warmed up before the clock starts, as the server's is; each line on
-# its stdin runs the anchor requests once and answers with their tokens/s.
+# its stdin, a number of clients c, runs the anchor workload's max(8, c) requests once, c at a
+# time (as c clients keep c in flight: the requests are alike, so they end together), and
+# answers with their tokens/s.
 ENGINE_ALONE = """
 import json, sys, time
 import torch
@@ -274,22 +280,25 @@ torch.set_num_threads(int(threads))
 lm = glassformer.load(model, quantize=mode)
 engine = Engine(lm.model, lm.tokenizer, EngineConfig())
 params = RequestParams.from_fields(max_new_tokens=int(new), temperature=0.0, eos_ids=())
-def run(prompts):
-    handles = [engine.submit(p, params) for p in prompts]
-    engine.run_until_done()
-    return [h.result for h in handles]
-run([anchor] * 8)
+def run(clients):
+    results = []
+    for wave in range(0, max(8, clients), clients):
+        handles = [engine.submit(anchor, params) for _ in range(min(clients, max(8, clients) - wave))]
+        engine.run_until_done()
+        results += [h.result for h in handles]
+    return results
+run(8)
 print("ready", flush=True)
-for _ in sys.stdin:
+for line in sys.stdin:
     start = time.perf_counter()
-    results = run([anchor] * 8)
+    results = run(int(line))
     wall = time.perf_counter() - start
     print(json.dumps({"tokens_per_second": sum(r.n_generated for r in results) / wall}), flush=True)
 """
 
 
 class EngineAlone:
-    """The anchor requests at 8 clients through the engine alone, in its own process."""
+    """The anchor requests through the engine alone, in its own process."""
 
     def __init__(self, args: argparse.Namespace, mode: str, anchor: list[int]) -> None:
         new = min(64, args.new_tokens or 64)
@@ -301,10 +310,44 @@ class EngineAlone:
         if self.process.stdout.readline().strip() != "ready":
             raise RuntimeError("the engine alone did not start")
 
-    def round(self) -> float:
-        self.process.stdin.write("go\n")
+    def round(self, clients: int) -> float:
+        self.process.stdin.write(f"{clients}\n")
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())["tokens_per_second"]
+
+
+class Beside:
+    """What an anchor load run at c clients is compared with in the same round: the engine alone
+    (always) and `llama-server -np c` (where its binary and a GGUF file are at hand)."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, anchor: list[int], folder: Path,
+                 processes: list[subprocess.Popen]) -> None:
+        self.anchor, self.new = anchor, min(64, args.new_tokens or 64)
+        self.alone = EngineAlone(args, mode, anchor)
+        processes.append(self.alone.process)
+        self.llama: dict[int, llama_cpp.LlamaServer] = {}
+        server = llama_cpp.find(args.llama_cpp, "llama-server")
+        model = None if server is None else llama_cpp.gguf_file(args.model)
+        if model is not None:
+            for c in args.clients:
+                self.llama[c] = llama_cpp.LlamaServer(server, model, args.threads, c, 1024,
+                                                      folder / f"llama-server-{c}.log")
+                processes.append(self.llama[c].process)
+
+    def wait_ready(self) -> None:
+        self.alone.wait_ready()
+        for server in self.llama.values():
+            server.wait_ready()
+            asyncio.run(drive(server.url, [llama_body(self.anchor, 8)], 1))
+
+    def round(self, clients: int) -> dict[str, float]:
+        """tokens/s of each contender on the anchor requests at `clients`."""
+        side = {"engine alone": self.alone.round(clients)}
+        if clients in self.llama:
+            requests = [llama_body(self.anchor, self.new)] * max(8, clients)
+            side[f"llama-server -np {clients}"] = asyncio.run(
+                drive(self.llama[clients].url, requests, clients))["tokens_per_second"]
+        return side
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -317,19 +360,17 @@ def stop(processes: list[subprocess.Popen]) -> None:
 
 def start(args: argparse.Namespace, mode: str, runs: list[Run], anchor: list[int], folder: Path,
           record: harness.Record, processes: list[subprocess.Popen]
-          ) -> tuple[dict[str, Served], EngineAlone | None]:
+          ) -> tuple[dict[str, Served], Beside | None]:
     """The mode's servers, up and warmed up (each path the runs take: plain, inspecting, on the
-    adapter), and the engine alone if a run is compared with it; their processes in `processes`."""
+    adapter), and what the anchor load runs are compared with, if there are any; their
+    processes in `processes`."""
     flags = {"base": [], "off": ["--max-capture-mb", "0"],
              "lora": ["--lora", f"{ADAPTER}={folder / 'adapter'}"]}
     servers = {}
     for name in dict.fromkeys(run.server for run in runs):
         servers[name] = Served(args, mode, flags[name], folder / f"{mode}-{name}.log")
         processes.append(servers[name].process)
-    alone = None
-    if any(run.label == f"{mode} anchor x{ALONE_CLIENTS}" for run in runs):
-        alone = EngineAlone(args, mode, anchor)
-        processes.append(alone.process)
+    beside = Beside(args, mode, anchor, folder, processes) if any(map(compared, runs)) else None
     for name, server in servers.items():
         server.wait_ready()
         record.figure(f"{mode} server {name}: peak resident memory after loading",
@@ -342,9 +383,14 @@ def start(args: argparse.Namespace, mode: str, runs: list[Run], anchor: list[int
         status = httpx.post(f"{servers['off'].url}/v1/completions", json=refused, timeout=60).status_code
         if status != 400:
             raise RuntimeError(f"--max-capture-mb 0 answered an inspecting request with {status}, not 400")
-    if alone is not None:
-        alone.wait_ready()
-    return servers, alone
+    if beside is not None:
+        beside.wait_ready()
+    return servers, beside
+
+
+def compared(run: Run) -> bool:
+    """Whether a run is an anchor load run, compared with the engine alone and llama-server."""
+    return run.workload == "anchor" and run.label.endswith(f"anchor x{run.clients}")
 
 
 def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[int], folder: Path,
@@ -352,10 +398,10 @@ def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[in
     """Every run of one mode, in rounds: its rows; its figures and ratios in `record`."""
     runs = plan(args, mode)
     rounds: dict[str, list[dict]] = {run.label: [] for run in runs}
-    alone_label, alone_rounds = f"{mode} anchor x{ALONE_CLIENTS}", []
+    sides: dict[str, dict[str, list[float]]] = {}  # run label -> contender -> tokens/s by round
     processes: list[subprocess.Popen] = []
     try:
-        servers, alone = start(args, mode, runs, anchor, folder, record, processes)
+        servers, beside = start(args, mode, runs, anchor, folder, record, processes)
         for r in range(args.repeats):
             for i, run in enumerate(runs):
                 cut = requests_for(run.workload, run.clients, ids, anchor, 1000 * r + i, args.new_tokens)
@@ -371,22 +417,20 @@ def measure(args: argparse.Namespace, mode: str, ids: list[int], anchor: list[in
                           f"{result['ttft_p50']:.3f} p95 {result['ttft_p95']:.3f} s  TPOT p50 "
                           f"{1e3 * result['tpot_p50']:.1f} ms  peak RSS {result['peak_rss_mb']:.0f} MB  "
                           f"client {1e3 * result['client_cpu_s_per_token']:.3f} CPU ms/token", flush=True)
-                if run.label == alone_label and alone is not None:
-                    alone_rounds.append(alone.round())
+                if beside is None or not compared(run):
+                    continue
+                for name, tps in beside.round(run.clients).items():
+                    sides.setdefault(run.label, {}).setdefault(name, []).append(tps)
                     if not args.json:
-                        alone_tps = alone_rounds[-1]
-                        print(f"round {r + 1} {alone_label + ', engine alone':<28} {alone_tps:7.1f} tok/s  "
-                              f"HTTP / engine alone {result['tokens_per_second'] / alone_tps:.3f}",
-                              flush=True)
+                        print(f"round {r + 1} {run.label + ', ' + name:<28} {tps:7.1f} tok/s  "
+                              f"server / it {result['tokens_per_second'] / tps:.3f}", flush=True)
     finally:
         stop(processes)
-    if alone_rounds:
-        record.figure(f"{alone_label}, engine alone, tokens/s", harness.Timing(tuple(alone_rounds)),
-                      "tokens/s")
-        record.ratio(f"{alone_label}: HTTP cost (1 - server / engine alone)", statistics.median(
-            1 - v["tokens_per_second"] / a for v, a in zip(rounds[alone_label], alone_rounds, strict=True)))
-        record.ratio(f"{alone_label}: HTTP / engine alone tokens/s", statistics.median(
-            v["tokens_per_second"] / a for v, a in zip(rounds[alone_label], alone_rounds, strict=True)))
+    for label, contenders in sides.items():
+        for name, values in contenders.items():
+            record.figure(f"{label}, {name}, tokens/s", harness.Timing(tuple(values)), "tokens/s")
+            record.ratio(f"{label}: server / {name} tokens/s", statistics.median(
+                v["tokens_per_second"] / a for v, a in zip(rounds[label], values, strict=True)))
     return report(args, mode, runs, rounds, record)
 
 
@@ -450,6 +494,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=0,
                         help="cap every request's new tokens (0: the workloads' own; short trials)")
     parser.add_argument("--corpus", type=Path, default=CORPUS, help="tinyshakespeare.txt (mixed, shared)")
+    llama_cpp.add_argument(parser)
     parser.add_argument("--json", action="store_true")
     harness.add_arguments(parser, repeats=3)
     args = parser.parse_args()

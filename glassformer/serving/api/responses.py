@@ -9,6 +9,7 @@ when is the server's (server.py)."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 
 from ..handle import Event
@@ -37,12 +38,17 @@ def whole(head: dict, chat: bool, events: list[Event], logprob_count: int | None
 
 class Chunks:
     """The chunks of one stream; `offset` counts the text the logprobs' offsets point into.
-    `sites`: the trace sites whose new rows each token's chunk carries."""
+    `sites`: the trace sites whose new rows each token's chunk carries.
+    A plain text chunk (most of a stream) is its stream's frame around the text as a JSON
+    string: the same bytes as `chunk(text, None)`, without building and serialising the object
+    per token."""
 
     def __init__(self, head: dict, chat: bool, decode: Decode, sites: tuple[str, ...] = ()) -> None:
         self.head, self.chat, self.decode, self.sites = head, chat, decode, sites
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         self.offset = 0
+        mark = json.dumps(f"\x00{uuid.uuid4().hex}")  # text no head can hold, as JSON
+        self.before, self.after = self.chunk(json.loads(mark), None).split(mark)
 
     def chunk(self, text: str | None, finish: str | None, role: bool = False, logprobs=None,
               more: dict | None = None) -> str:
@@ -65,7 +71,10 @@ class Chunks:
         """A token's chunk: its text, and with logprobs or trace sites one chunk per token even
         while its text is still held back."""
         if event.logprobs is None:
-            return self.chunk(event.text, None, more=self.traced(event))
+            traced = self.traced(event)
+            if not traced and event.text:
+                return self.before + json.dumps(event.text) + self.after
+            return self.chunk(event.text, None, more=traced)
         logprobs = (chat_logprobs([event], self.decode) if self.chat
                     else completion_logprobs([event], self.decode, self.offset))
         self.offset += len(self.decode([event.token_id]))
