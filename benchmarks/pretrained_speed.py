@@ -13,9 +13,18 @@ position through the model, the head on the last one only (transformers:
 logits_to_keep=1). Load is reported as wall time and as CPU time (user + system), which a busy
 machine inflates less. llama.cpp runs the same file through llama-cpp-python when that package
 is installed (`pip install llama-cpp-python`, which builds llama.cpp for this CPU); it is not a
-dependency of Glassformer, and without it the llama.cpp row is left out.
+dependency of Glassformer, and without it the llama.cpp row is left out. llama.cpp's own
+`llama-bench` (tg128, no prompt) runs before and after the other rows where its folder is given
+(--llama-cpp DIR or $LLAMA_CPP_DIR, benchmarks/llama_cpp.py).
+
+The roofline: a decode token reads every product's weights once (in their stored format: the
+fp32, bf16, int8 / int4 or GGUF blocks, each tensor once; the token table's one row, the norms
+and the KV cache left out), so the machine's read bandwidth (`torch.sum` over 1 GiB on the same
+threads, before and after the runs) over those bytes is the most tokens/s it allows; each mode's
+decode rate is given as a fraction of it.
 
     .venv/bin/python benchmarks/pretrained_speed.py [--threads N] [--repeats 2] [--json] [--only NAME ...]
+        [--llama-cpp DIR]
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import sys
 import time
 
 import harness
+import llama_cpp
 from harness import peak_mb
 
 PROMPT = "The meaning of life is"
@@ -53,7 +63,31 @@ def glassformer_worker(path: str, mode: str, repeats: int) -> dict:
         return time.perf_counter() - start, result.generated_ids
 
     return _measure(load_s, load_cpu, load_peak, run, lambda ids: prefill(model, ids),
-                    tokenizer.encode, repeats)
+                    tokenizer.encode, repeats) | {"weight_bytes": weight_bytes(model)}
+
+
+def weight_bytes(model) -> int:
+    """The bytes of weights one decode token reads: each product's parameters and buffers in
+    their stored format, each tensor once (a tied head shares the token table)."""
+    tensors = {t.data_ptr(): t for layer in model.linear_layers().values()
+               for t in [*layer.parameters(), *layer.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second `torch.sum` reads over 1 GiB of float32, median of `repeats`."""
+    import statistics
+
+    import torch
+
+    data = torch.ones(1 << 28)  # (2^28,) float32: 1 GiB
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times)
 
 
 def transformers_worker(path: str, weights: str, repeats: int) -> dict:
@@ -152,6 +186,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=modes,
                         help="glassformer modes to run (transformers always runs, and llama.cpp "
                              "where llama-cpp-python is installed)")
+    llama_cpp.add_argument(parser)
     parser.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     harness.add_arguments(parser, repeats=2)
@@ -168,6 +203,17 @@ def main() -> None:
     from glassformer.formats import hub
 
     path = str(hub.model_path("smollm2-135m-instruct"))
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    bench = llama_cpp.find(args.llama_cpp, "llama-bench")
+    bandwidth, bench_rates = [read_bandwidth()], []
+
+    def llama_bench() -> None:
+        if bench is not None:
+            bench_rates.extend(llama_cpp.bench_decode(bench, path, threads, NEW_TOKENS, args.repeats))
+
+    llama_bench()
     results = {}
     for name in RUNS:
         if args.only and name.startswith("glassformer") and name.split()[-1] not in args.only:
@@ -182,6 +228,8 @@ def main() -> None:
         if done.returncode:
             sys.exit(f"{name} failed:\n{done.stderr[-2000:]}")
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    llama_bench()
+    bandwidth.append(read_bandwidth())
     tokens = {name: r.pop("tokens") for name, r in results.items()}
     reference = tokens["transformers"]
     for name, r in results.items():  # greedy tokens shared with transformers, from the start
@@ -204,6 +252,15 @@ def main() -> None:
     if "llama.cpp" in rates and "glassformer gguf" in rates:
         record.ratio("glassformer gguf / llama.cpp decode rate",
                      rates["glassformer gguf"][0].median / rates["llama.cpp"][0].median)
+    record.figure("read bandwidth (torch.sum over 1 GiB, before and after)",
+                  harness.Timing(tuple(b / 1e9 for b in bandwidth)), "GB/s")
+    roofline = roofline_rows(results, min(bandwidth), record)
+    if bench_rates:
+        tg = harness.Timing(tuple(bench_rates))
+        record.figure(f"llama.cpp llama-bench tg{NEW_TOKENS} (before and after)", tg, "tokens/s")
+        for name in ("glassformer gguf", "glassformer int4"):
+            if name in rates:
+                record.ratio(f"{name} / llama-bench decode rate", rates[name][0].median / tg.median)
     record.write()
     if args.json:
         print(json.dumps(results))
@@ -228,6 +285,27 @@ def main() -> None:
             shown = name != "transformers" and higher is not None
             cells.append(f"{value:>9.1f}" + (f" ({ratio:5.2f}x)" if shown else " " * 9))
         print(f"{label:<36}" + "".join(f"{c:>19}" for c in cells))
+    print(f"\nread bandwidth {min(bandwidth) / 1e9:.1f} GB/s (the lower of before and after)")
+    print(f"{'':<20}{'MB a token':>12}{'roofline tok/s':>16}{'decode tok/s':>14}{'of roofline':>13}")
+    for name, (mb, ceiling, decode) in roofline.items():
+        print(f"{name:<20}{mb:>12.1f}{ceiling:>16.1f}{decode:>14.1f}{decode / ceiling:>13.0%}")
+    if bench_rates:
+        print(f"llama-bench tg{NEW_TOKENS}: {', '.join(f'{v:.1f}' for v in bench_rates)} tokens/s")
+        for name, value in record.ratios.items():
+            if "llama-bench" in name:
+                print(f"{name}: {value:.2f}x")
+
+
+def roofline_rows(results: dict, bandwidth: float, record: harness.Record) -> dict[str, tuple]:
+    """Per Glassformer mode: (MB of weights a token reads, the tokens/s the read bandwidth
+    allows, the decode rate); the fraction of the roofline in `record`."""
+    rows = {}
+    for name, r in results.items():
+        if "weight_bytes" in r:
+            ceiling = bandwidth / r["weight_bytes"]
+            rows[name] = (r["weight_bytes"] / 1e6, ceiling, r["decode_tok_s"])
+            record.ratio(f"{name} decode / read roofline", r["decode_tok_s"] / ceiling)
+    return rows
 
 
 if __name__ == "__main__":
