@@ -138,6 +138,16 @@ RECIPES: dict[str, Recipe] = {
                     weight_decay=0.1, beta2=0.99, grad_clip=1.0, eval_interval=250, eval_iters=20),
         "nanoGPT's CPU recipe: 4 layers, 4 heads, d 128, context 64, batch 12, 2000 iterations",
     ),
+    # nanoGPT's GPU recipe (its config/train_shakespeare_char.py on train.py's defaults): bfloat16
+    # where the device computes it, and compiled.
+    "shakespeare-char-gpu": Recipe(
+        _NANOGPT_CHAR.replace(context_length=256, d_model=384, n_layers=6, n_heads=6, dropout=0.2),
+        TrainConfig(batch_size=64, max_iters=5000, lr=1e-3, min_lr=1e-4, warmup_iters=100,
+                    weight_decay=0.1, beta2=0.99, grad_clip=1.0, eval_interval=250, eval_iters=200,
+                    dtype="bfloat16", compile=True),
+        "nanoGPT's GPU recipe: 6 layers, 6 heads, d 384, context 256, batch 64, dropout 0.2, "
+        "5000 iterations, bfloat16, compiled",
+    ),
     # Same depth and width, more learnt per step: rotary positions (no position table to
     # learn), RMSNorm, a SwiGLU feed-forward (d_ff 336: the plain MLP's weight count), Muon for
     # the blocks' matrices (AdamW, at a 4x higher peak with beta2 0.95, for the rest) and a

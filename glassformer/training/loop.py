@@ -9,11 +9,14 @@ that resume exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -35,9 +38,10 @@ from ..model.encoder_decoder import EncoderDecoder, build_model
 from ..model.transformer import Transformer
 from . import distributed
 from .allocator import keep_freed_memory
-from .chat_data import ChatData, ChatSFT, is_chat_data
+from .batches import ChatBatches, TokenBatches
+from .chat_data import ChatData, is_chat_data
 from .config import TrainConfig, resume_conflicts
-from .data import TokenData, draw_starts, iter_documents, list_sources, windows, write_token_file
+from .data import TokenData, iter_documents, list_sources, write_token_file
 from .lora import add_lora, check_targets, load_adapter_tensors, save_adapter
 from .masking import IGNORE
 from .metrics import MetricsLog, plot_losses
@@ -86,37 +90,15 @@ def train_step(model, optimizer, x, y, grad_accum: int, grad_clip: float, amp,
 
 
 @torch.no_grad()
-def evaluate(model, tokens, starts, context_length, batch_size, process, amp,
-             objective=OBJECTIVES["clm"], tokenizer=None) -> float:
-    """Mean validation loss over the windows at `starts` (this process's share). A random
-    objective draws each window's randomness from its start: the same at every evaluation,
-    whatever the number of processes."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=process.device)  # (loss sum, tokens)
-    for chunk in starts.split(batch_size):
-        x, y = windows(tokens, chunk, context_length, process.device)
-        masks = [objective.draw_masks(1, context_length, torch.Generator().manual_seed(int(s)))
-                 for s in chunk]
-        batch = objective.batch(x, y, tokenizer, None if masks[0] is None else torch.cat(masks))
-        with amp:
-            totals[0] += objective.loss(model, batch, reduction="sum").double()
-        totals[1] += (batch[-1] != IGNORE).sum()  # the targets that count
-    distributed.all_reduce_sum(process, totals)
-    model.train()
-    return (totals[0] / totals[1]).item()
-
-
-@torch.no_grad()
-def evaluate_chat(model, chat: ChatData, rows: torch.Tensor, batch_size: int, process, amp) -> float:
-    """Mean validation loss per counted target over the packed validation windows `rows`
-    (this process's share)."""
+def evaluate(model, batches: TokenBatches | ChatBatches, batch_size: int, process, amp) -> float:
+    """Mean validation loss per counted target over the run's validation set (this process's
+    share of it, summed over every process)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=process.device)  # (loss sum, targets)
-    for chunk in rows.split(batch_size):
-        batch = chat.val.batch(chunk, process.device)
+    for batch in batches.validation(batch_size, process.device):
         with amp:
-            totals[0] += ChatSFT().loss(model, batch, reduction="sum").double()
-        totals[1] += (batch[-1] != IGNORE).sum()
+            totals[0] += batches.objective.loss(model, batch, reduction="sum").double()
+        totals[1] += (batch[-1] != IGNORE).sum()  # the targets that count
     distributed.all_reduce_sum(process, totals)
     model.train()
     return (totals[0] / totals[1]).item()
@@ -201,179 +183,210 @@ def train(data, out_dir, model_config: ModelConfig | dict | None, config: TrainC
     keep_freed_memory()
     process = distributed.setup(config.device)
     try:
-        return _train(data, Path(out_dir), model_config, config, resume, progress, echo,
-                      process, started, threads)
+        run = Run.open(data, Path(out_dir), model_config, config, resume, process)
+        return _loop(run, progress, echo, threads, started)
     finally:
         distributed.teardown(process)
 
 
-def _train(data, out, model_config, config, resume, progress, echo, process, started, threads):
-    sources, tokenizer, model_config, checkpoint, pretrained = _prepare(
-        data, out, model_config, config, resume, process
-    )
-    T, main, device = model_config.context_length, process.is_main, process.device
-    chat = ChatData.build(sources, tokenizer, T, config.val_fraction) \
-        if is_chat_data(sources) else None
-    created = not out.exists()
-    distributed.barrier(process)  # every rank has checked the run folder before rank 0 writes
-    try:
-        if main:
-            out.mkdir(parents=True, exist_ok=True)
-            if chat is None:
-                write_token_file(sources, tokenizer, out / "tokens.bin", config.documents)
-        distributed.barrier(process)
-        tokens = None if chat else TokenData.open(out / "tokens.bin", T, config.val_fraction)
-        torch.manual_seed(config.seed)
-        model = build_model(model_config)
-        if pretrained is not None:
-            model.load_state_dict(pretrained.state_dict(), strict=True)
-            del pretrained
-        model = use_fast_training(model.to(device))  # fused C++ passes on a CPU
-        lora = config.lora
-        if lora is not None:  # the base frozen, adapters on its targets
-            add_lora(model, lora)
-        optimizer = make_optimizer(model, config)  # for the parameters that train
-    except BaseException:
-        if main and checkpoint is None:  # a refused fresh run leaves nothing behind
-            _remove_new_run(out, created)
-        raise
-    data_gen = torch.Generator().manual_seed(config.seed)
-    state = {"step": 0, "tokens_seen": 0, "best_val_loss": math.inf, "train_seconds": 0.0}
-    if checkpoint is not None:
-        if lora is not None:  # the base came from config.init
-            load_adapter_tensors(model, read_adapter(checkpoint.folder)[1], str(checkpoint.folder))
-        else:
-            checkpoint.load_weights(model, device)
-        checkpoint.load_optimizer(optimizer)
-        saved = checkpoint.training_state()
-        data_gen.set_state(saved["rng.data"])
-        torch.set_rng_state(saved["rng.torch"])
-        state.update(checkpoint.meta["state"])
-    metrics = MetricsLog(out / "metrics.jsonl", enabled=main)
-    metrics.truncate_after(state["step"])  # a fresh run starts a fresh log
-
-    step_model = torch.compile(model) if config.compile else model
-    if process.world_size > 1:
-        step_model = DistributedDataParallel(
-            step_model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    amp = autocast(device, config.dtype)
-    n_local = config.grad_accum * config.batch_size
-    mine = slice(process.rank * n_local, (process.rank + 1) * n_local)
-    if chat is None:
-        val_starts = draw_starts(len(tokens.val), T, config.eval_iters * config.batch_size,
-                                 torch.Generator().manual_seed(config.seed + 1))
-    else:  # the first validation windows, in order
-        val_starts = torch.arange(min(len(chat.val), config.eval_iters * config.batch_size))
-    val_starts = val_starts[process.rank::process.world_size]
-    objective = ChatSFT() if chat else get_objective(config.objective)
-    tokens_per_step = process.world_size * n_local * T
-
-    def write_adapter(folder: Path) -> None:
-        save_adapter(folder, model, lora, base_name(config.init))
-
-    def save(links):
-        meta = {"train": config.to_dict(), "state": dict(state)}
-        rng = {"rng.data": data_gen.get_state(), "rng.torch": torch.get_rng_state()}
-        if main:
-            save_to_run(out, state["step"], links, model, tokenizer, meta, optimizer, rng,
-                        None if lora is None else write_adapter)
-
-    def run_eval(train_loss):
-        if chat is None:
-            val_loss = evaluate(step_model, tokens.val, val_starts, T, config.batch_size,
-                                process, amp, objective, tokenizer)
-        else:
-            val_loss = evaluate_chat(step_model, chat, val_starts, config.batch_size, process, amp)
-        _check_finite("validation loss", val_loss, state["step"], out)
-        best = val_loss < state["best_val_loss"]
-        state["best_val_loss"] = min(val_loss, state["best_val_loss"])
-        state["val_step"], state["val_loss"] = state["step"], val_loss  # kept for a resume
-        record = {"iter": state["step"], "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
-                  "train_loss": train_loss, "best": best,
-                  "elapsed": time.perf_counter() - started}
-        if main and config.sample_tokens and model_config.causal:  # an encoder writes no text
-            record["sample"] = sample_text(model, tokenizer, config.sample_tokens,
-                                           seed=config.seed + state["step"])
-        metrics.append(record)
-        if main:
-            echo(f"step {state['step']}: val loss {val_loss:.4f} (perplexity "
-                 f"{math.exp(val_loss):.2f}){' best' if best else ''}")
-            if record.get("sample"):
-                echo(record["sample"])
-        save(("latest", "best") if best else ("latest",))
-        return val_loss
-
+def _loop(run: Run, progress: bool, echo, threads: ThreadPolicy | None, started: float) -> dict:
+    """Steps until max_iters (or max_time, or Ctrl-C), logging every log_interval steps and
+    evaluating (and saving) every eval_interval steps and at the end."""
+    config, state, main = run.config, run.state, run.process.is_main
     interrupted = []
     previous = _on_sigint(lambda: interrupted.append(True))
-    bar = tqdm(total=config.max_iters, initial=state["step"], disable=not (main and progress),
+    bar = tqdm(total=config.max_iters, initial=state.step, disable=not (main and progress),
                unit="it", dynamic_ncols=True)
-    loop_start, run_tokens, run_train_seconds = time.perf_counter(), 0, 0.0
+    loop_start, run_tokens, run_seconds = time.perf_counter(), 0, 0.0
     # a run resumed at an evaluated step logs (and evaluates) that step no second time
-    train_loss, val_loss, last_eval = math.nan, state.get("val_loss", math.nan), state.get("val_step", -1)
+    train_loss, val_loss = math.nan, math.nan if state.val_loss is None else state.val_loss
     try:
-        while state["step"] < config.max_iters and not interrupted:
+        while state.step < config.max_iters and not interrupted:
             if config.max_time and time.perf_counter() - loop_start >= config.max_time:
                 break
             if threads is not None:
                 threads.revisit()  # other work on this CPU comes and goes
             t0 = time.perf_counter()
-            lr = learning_rate(state["step"], config.lr, config.min_lr, config.warmup_iters,
-                               config.decay_iters)
-            set_learning_rate(optimizer, lr, config)
-            if chat is None:
-                starts = draw_starts(len(tokens.train), T, process.world_size * n_local, data_gen)
-                x, y = windows(tokens.train, starts[mine], T, device)
-                masks = objective.draw_masks(process.world_size * n_local, T, data_gen)  # every row's
-                batch = objective.batch(x, y, tokenizer, None if masks is None else masks[mine])
-            else:
-                rows = torch.randint(0, len(chat.train), (process.world_size * n_local,),
-                                     generator=data_gen)
-                batch = chat.train.batch(rows[mine], device)
-                x, y = batch[0], batch[-1]
-            loss = train_step(step_model, optimizer, x, y, config.grad_accum, config.grad_clip, amp,
-                              objective, batch)
-            state["step"] += 1
-            state["tokens_seen"] += tokens_per_step
-            run_tokens += tokens_per_step
+            lr, loss = run.step()
             seconds = time.perf_counter() - t0
-            run_train_seconds += seconds
-            state["train_seconds"] += seconds
+            run_tokens, run_seconds = run_tokens + run.tokens_per_step, run_seconds + seconds
+            state.train_seconds += seconds
             bar.update(1)
-            if state["step"] % config.log_interval == 0 or state["step"] == config.max_iters:
-                train_loss = distributed.all_reduce_sum(process, loss).item() / process.world_size
-                _check_finite("training loss", train_loss, state["step"], out)
-                rate = run_tokens / max(run_train_seconds, 1e-9)
+            if state.step % config.log_interval == 0 or state.step == config.max_iters:
+                train_loss = distributed.all_reduce_sum(run.process, loss).item() / run.process.world_size
+                _check_finite("training loss", train_loss, state.step, run.out)
+                rate = run_tokens / max(run_seconds, 1e-9)
                 bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
-                metrics.append({"iter": state["step"], "train_loss": train_loss, "lr": lr,
-                                "tokens_seen": state["tokens_seen"], "tokens_per_second": rate})
-            if state["step"] % config.eval_interval == 0:
-                val_loss, last_eval = run_eval(train_loss), state["step"]
+                run.metrics.append({"iter": state.step, "train_loss": train_loss, "lr": lr,
+                                    "tokens_seen": state.tokens_seen, "tokens_per_second": rate})
+            if state.step % config.eval_interval == 0:
+                val_loss = run.evaluate(train_loss, echo, started)
         if interrupted:
-            save(("latest",))
-        elif last_eval != state["step"]:
-            val_loss = run_eval(train_loss)
+            run.save(("latest",))
+        elif state.val_step != state.step:
+            val_loss = run.evaluate(train_loss, echo, started)
     finally:
         bar.close()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-    if main and (out / "metrics.jsonl").is_file():
-        plot_losses(out / "metrics.jsonl", out / "loss.png")
+    if main and (run.out / "metrics.jsonl").is_file():
+        plot_losses(run.out / "metrics.jsonl", run.out / "loss.png")
     if interrupted:
         raise KeyboardInterrupt
-    distributed.barrier(process)  # no rank returns before rank 0 has saved the run
+    distributed.barrier(run.process)  # no rank returns before rank 0 has saved the run
+    out = run.out
     return {
-        "iters": state["step"], "tokens_seen": state["tokens_seen"], "train_loss": train_loss,
+        "iters": state.step, "tokens_seen": state.tokens_seen, "train_loss": train_loss,
         "val_loss": val_loss, "val_perplexity": math.exp(val_loss) if val_loss == val_loss else None,
-        "best_val_loss": state["best_val_loss"],
-        "tokens_per_second": run_tokens / max(run_train_seconds, 1e-9),
+        "best_val_loss": state.best_val_loss, "tokens_per_second": run_tokens / max(run_seconds, 1e-9),
         "wall_seconds": time.perf_counter() - started, "checkpoint": str(out / "latest"),
         "best_checkpoint": str(out / "best"), "metrics": str(out / "metrics.jsonl"),
-        "loss_curve": str(out / "loss.png"), "world_size": process.world_size,
-        "rank": process.rank,
-        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "dtype": "bfloat16" if config.dtype == "bfloat16" and bf16_supported(device) else "float32",
+        "loss_curve": str(out / "loss.png"), "world_size": run.process.world_size,
+        "rank": run.process.rank,
+        "trainable_parameters": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
+        "dtype": "bfloat16" if config.dtype == "bfloat16" and bf16_supported(run.process.device)
+                 else "float32",
     }
+
+
+@dataclass
+class RunState:
+    """Where a run stands, saved with each checkpoint so that a resume goes on from it."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    best_val_loss: float = math.inf
+    train_seconds: float = 0.0
+    val_step: int | None = None  # the last evaluated step, and its validation loss
+    val_loss: float | None = None
+
+
+@dataclass
+class Run:
+    """One training run, set up: the model (and `step_model`, the same model compiled or
+    wrapped by DDP, which the steps and evaluations call), its optimizer, where its batches
+    come from, the data generator and the state a checkpoint keeps."""
+
+    out: Path
+    config: TrainConfig
+    process: distributed.Process
+    model: Transformer | EncoderDecoder
+    step_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenizer: Any
+    batches: TokenBatches | ChatBatches
+    data_gen: torch.Generator
+    state: RunState
+    metrics: MetricsLog
+    amp: Any
+
+    @classmethod
+    def open(cls, data, out: Path, model_config, config: TrainConfig, resume: bool, process) -> Run:
+        """Checks the run (nothing written if it is refused), writes its token file, builds the
+        model and optimizer, and restores a checkpoint when resuming."""
+        sources, tokenizer, model_config, checkpoint, pretrained = _prepare(
+            data, out, model_config, config, resume, process)
+        T, main, device = model_config.context_length, process.is_main, process.device
+        chat = ChatData.build(sources, tokenizer, T, config.val_fraction) if is_chat_data(sources) else None
+        created = not out.exists()
+        distributed.barrier(process)  # every rank has checked the run folder before rank 0 writes
+        try:
+            if main:
+                out.mkdir(parents=True, exist_ok=True)
+                if chat is None:
+                    write_token_file(sources, tokenizer, out / "tokens.bin", config.documents)
+            distributed.barrier(process)
+            n_val = config.eval_iters * config.batch_size
+            batches = ChatBatches(chat, n_val, process.rank, process.world_size) if chat else TokenBatches(
+                TokenData.open(out / "tokens.bin", T, config.val_fraction), get_objective(config.objective),
+                tokenizer, T, n_val, config.seed, process.rank, process.world_size)
+            torch.manual_seed(config.seed)
+            model = build_model(model_config)
+            if pretrained is not None:
+                model.load_state_dict(pretrained.state_dict(), strict=True)
+                del pretrained
+            model = use_fast_training(model.to(device))  # fused C++ passes on a CPU
+            if config.lora is not None:  # the base frozen, adapters on its targets
+                add_lora(model, config.lora)
+            optimizer = make_optimizer(model, config)  # for the parameters that train
+        except BaseException:
+            if main and checkpoint is None:  # a refused fresh run leaves nothing behind
+                _remove_new_run(out, created)
+            raise
+        data_gen, state = torch.Generator().manual_seed(config.seed), RunState()
+        if checkpoint is not None:
+            if config.lora is not None:  # the base came from config.init
+                load_adapter_tensors(model, read_adapter(checkpoint.folder)[1], str(checkpoint.folder))
+            else:
+                checkpoint.load_weights(model, device)
+            checkpoint.load_optimizer(optimizer)
+            saved = checkpoint.training_state()
+            data_gen.set_state(saved["rng.data"])
+            torch.set_rng_state(saved["rng.torch"])
+            state = RunState(**checkpoint.meta["state"])
+        metrics = MetricsLog(out / "metrics.jsonl", enabled=main)
+        metrics.truncate_after(state.step)  # a fresh run starts a fresh log
+        step_model = torch.compile(model) if config.compile else model
+        if process.world_size > 1:
+            step_model = DistributedDataParallel(
+                step_model, device_ids=[device.index] if device.type == "cuda" else None)
+        return cls(out, config, process, model, step_model, optimizer, tokenizer, batches, data_gen,
+                   state, metrics, autocast(device, config.dtype))
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Every process's windows of one optimizer step, in tokens."""
+        windows = self.process.world_size * self.config.grad_accum * self.config.batch_size
+        return windows * self.model.config.context_length
+
+    def step(self) -> tuple[float, torch.Tensor]:
+        """One optimizer step at the schedule's learning rate: (the rate, the loss)."""
+        config, state = self.config, self.state
+        lr = learning_rate(state.step, config.lr, config.min_lr, config.warmup_iters, config.decay_iters)
+        set_learning_rate(self.optimizer, lr, config)
+        n_local, process = config.grad_accum * config.batch_size, self.process
+        mine = slice(process.rank * n_local, (process.rank + 1) * n_local)
+        batch = self.batches.train(self.data_gen, process.world_size * n_local, mine, process.device)
+        loss = train_step(self.step_model, self.optimizer, batch[0], batch[-1], config.grad_accum,
+                          config.grad_clip, self.amp, self.batches.objective, batch)
+        state.step += 1
+        state.tokens_seen += self.tokens_per_step
+        return lr, loss
+
+    def evaluate(self, train_loss: float, echo, started: float) -> float:
+        """The validation loss now, logged (with a sample of text) and saved: `latest`, and
+        `best` when it is the lowest so far."""
+        config, state, main = self.config, self.state, self.process.is_main
+        val_loss = evaluate(self.step_model, self.batches, config.batch_size, self.process, self.amp)
+        _check_finite("validation loss", val_loss, state.step, self.out)
+        best = val_loss < state.best_val_loss
+        state.best_val_loss = min(val_loss, state.best_val_loss)
+        state.val_step, state.val_loss = state.step, val_loss
+        record = {"iter": state.step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
+                  "train_loss": train_loss, "best": best, "elapsed": time.perf_counter() - started}
+        if main and config.sample_tokens and self.model.config.causal:  # an encoder writes no text
+            record["sample"] = sample_text(self.model, self.tokenizer, config.sample_tokens,
+                                           seed=config.seed + state.step)
+        self.metrics.append(record)
+        if main:
+            echo(f"step {state.step}: val loss {val_loss:.4f} (perplexity "
+                 f"{math.exp(val_loss):.2f}){' best' if best else ''}")
+            if record.get("sample"):
+                echo(record["sample"])
+        self.save(("latest", "best") if best else ("latest",))
+        return val_loss
+
+    def save(self, links: tuple[str, ...]) -> None:
+        """A checkpoint of this step (rank 0 writes it), linked as `links`."""
+        if not self.process.is_main:
+            return
+        config = self.config
+        meta = {"train": config.to_dict(), "state": dataclasses.asdict(self.state)}
+        rng = {"rng.data": self.data_gen.get_state(), "rng.torch": torch.get_rng_state()}
+        adapter = None if config.lora is None else (
+            lambda folder: save_adapter(folder, self.model, config.lora, base_name(config.init)))
+        save_to_run(self.out, self.state.step, links, self.model, self.tokenizer, meta, self.optimizer,
+                    rng, adapter)
 
 
 def _remove_new_run(out: Path, created: bool) -> None:
