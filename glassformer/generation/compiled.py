@@ -59,7 +59,8 @@ def check_compilable(model: Transformer) -> None:
 class SlotCache:
     """The AttentionCache a compiled step hands the blocks: each layer's new keys and values
     (B, KV, 1, d_head) written at `slot` of the fixed buffers, then the layer's attention over
-    all S_max slots (the mask hides those not written yet)."""
+    all S_max slots (the mask hides those not written yet). Buffers in another plain dtype (a
+    kv_dtype of fp32 or bf16) are read back in the queries' dtype, as the dense cache does."""
 
     rotates_keys = False
 
@@ -69,9 +70,9 @@ class SlotCache:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None,
                attention: AttentionFn) -> Tensor:
         keys, values = self.keys[layer], self.values[layer]  # (B, KV, S_max, d_head)
-        keys.index_copy_(2, self.slot, k)
-        values.index_copy_(2, self.slot, v)
-        return attention(q, keys, values, mask)
+        keys.index_copy_(2, self.slot, k.to(keys.dtype))
+        values.index_copy_(2, self.slot, v.to(values.dtype))
+        return attention(q, keys.to(q.dtype), values.to(q.dtype), mask)
 
 
 def static_step(model: Transformer, token: Tensor, slot: Tensor, keys: list[Tensor],
@@ -101,7 +102,7 @@ class CompiledStep:
     def __init__(self, model: Transformer) -> None:
         check_compilable(model)
         self.model = model
-        self.slot = torch.zeros(1, dtype=torch.long)  # (1,): where the next token is written
+        self.slot: Tensor | None = None  # (1,): where the next token is written
         self.length = -1  # the cache length `slot` stands for; -1: none yet
 
     def __call__(self, token: Tensor, cache: KVCache) -> Tensor:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import InputError
-from ..model.kv_formats import check_kv_dtype
+from ..model.kv_formats import check_kv_dtype, is_scaled
 from ..model.sink import SinkPolicy
 from .sampling import SamplingConfig
 
@@ -206,9 +206,9 @@ def refuse_compile(config: GenerationConfig) -> None:
         raise InputError("compile", "beam search reorders its rows every step; not with beams > 1")
     if config.sink is not None:
         raise InputError("compile", "the sink cache moves its keys as a ring; not with attention sinks")
-    if config.kv_dtype is not None:
-        raise InputError("compile", f"the compiled step keeps keys as the model computes them; "
-                         f"not with kv_dtype={config.kv_dtype!r}")
+    if is_scaled(config.kv_dtype):
+        raise InputError("compile", f"the compiled step stores keys in a plain dtype (fp32, bf16); "
+                         f"not with kv_dtype={config.kv_dtype!r} and its scales")
 
 
 @dataclass

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from glassformer import Transformer, get_preset
+from glassformer.cli import main
 from glassformer.errors import InputError
+from glassformer.generation import compiled
 from glassformer.generation.chat import ChatSession
 from glassformer.generation.compiled import CompiledStep, static_step
 from glassformer.generation.core import decode_one_token, prefill
@@ -42,15 +44,17 @@ def greedy(steps: int = STEPS, **fields) -> GenerationConfig:
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_greedy_tokens_equal_the_module_path_with_no_recompile(models, name):
+def test_greedy_tokens_equal_the_module_path_with_no_recompile(models, name, monkeypatch):
     model = models[name]
     expected = generate(model, PROMPT, greedy())
     assert len(set(expected.generated_ids)) > 4  # a text that can tell two paths apart
     generate(model, PROMPT[:3], greedy(steps=4, compile=True))  # warm-up: compiles once
+    steps, step = [], compiled._STEP
+    monkeypatch.setattr(compiled, "_STEP", lambda *inputs: steps.append(1) or step(*inputs))
     with torch.compiler.set_stance("fail_on_recompile"):
         got = generate(model, PROMPT, greedy(compile=True))
     assert got.generated_ids == expected.generated_ids
-    assert got.decode_steps == STEPS - 1
+    assert len(steps) == got.decode_steps == STEPS - 1  # every step the compiled one
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -89,6 +93,15 @@ def test_left_padded_batch_equals_the_module_path(models):
     assert [r.generated_ids for r in got] == [r.generated_ids for r in expected]
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_a_plain_kv_dtype_equals_the_module_path(models, kv_dtype):
+    """Keys stored in the kv_dtype and read back in the model's, as the dense cache does."""
+    model = models["gpt2"]
+    expected = generate(model, PROMPT, greedy(steps=16, kv_dtype=kv_dtype))
+    got = generate(model, PROMPT, greedy(steps=16, kv_dtype=kv_dtype, compile=True))
+    assert got.generated_ids == expected.generated_ids
+
+
 def test_chat_turns_equal_the_module_path(chat_model):
     model, tokenizer = chat_model
     replies = []
@@ -101,7 +114,7 @@ def test_chat_turns_equal_the_module_path(chat_model):
 
 
 @pytest.mark.parametrize("fields", [
-    {"beams": 2}, {"use_cache": False}, {"kv_dtype": "int8"}, {"kv_dtype": "fp32"},
+    {"beams": 2}, {"use_cache": False}, {"kv_dtype": "int8"}, {"kv_dtype": "fp8"},
     {"sink": SinkPolicy(2, 8)},
 ])
 def test_refuses_what_the_request_needs(fields):
@@ -137,3 +150,16 @@ def test_refuses_hooks_and_a_fused_step():
     with pytest.raises(InputError, match="fused"):
         ChatSession(model, type("T", (), {"chat_template": "x"})(), compile=True)
 
+
+
+@pytest.mark.parametrize("command, flags, named", [
+    (["generate", "hi"], ["--quantize", "int8"], "--compile: compiles the plain PyTorch weights"),
+    (["chat"], ["--quantize", "none"], "--compile: compiles the plain PyTorch weights"),
+    (["generate", "hi"], ["--beams", "2"], "compile: beam search"),
+    (["generate", "hi"], ["--no-cache"], "compile: the compiled step decodes against the KV cache"),
+    (["generate", "--prompts-file", "never-read.jsonl"], [], "--compile: --prompts-file"),
+])
+def test_the_command_refuses_in_one_line(command, flags, named, capsys):
+    assert main([*command, "--model", "never-read", "--compile", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0]
