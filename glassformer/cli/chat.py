@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    description=f"Talk to --model (default {MODEL}); {HELP}.")
     add(parser, "--model")
     parser.add_argument("--system", default=None, help="a system message")
-    add(parser, "--max-new-tokens", *SAMPLING, "--seed", "--quantize", "--kv-dtype")
+    add(parser, "--max-new-tokens", *SAMPLING, "--seed", "--quantize", "--compile", "--kv-dtype")
     parser.add_argument("--max-context", type=positive_int, default=2048,
                         help="tokens of conversation kept in the KV cache (--context full)")
     add(parser, *CONTEXT)
@@ -41,12 +41,15 @@ def run(args: argparse.Namespace) -> int:
     from ..language_model import load
 
     model = or_default(args.model, MODEL)
-    language_model = load(model, quantize=or_default(args.quantize, "none"))
+    if args.compile and args.quantize is not None:
+        raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
+                         "(a fused C++ step)")
+    language_model = load(model, quantize=None if args.compile else or_default(args.quantize, "none"))
     settle_threads(args)
     language_model.to(or_default(args.device, "cpu"))
     session = ChatSession(language_model.model, language_model.tokenizer, sampling_config(args),
                           or_default(args.max_new_tokens, MAX_NEW_TOKENS), args.system, args.max_context,
-                          args.seed, args.kv_dtype, sink_policy(args))
+                          args.seed, args.kv_dtype, sink_policy(args), args.compile)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is reported, not fatal
         sys.stdin.reconfigure(errors="surrogateescape")

@@ -53,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add(engine, *(name for name in ENGINE if name != "--kv-dtype"))
     add(parser, "--kv-dtype")
     add(parser, "--model", required=True)
-    add(parser, "--quantize", "--max-new-tokens", *SAMPLING)
+    add(parser, "--quantize", "--compile", "--max-new-tokens", *SAMPLING)
     parser.add_argument("--beams", type=positive_int, default=1, help="beam search width (1: no beam search)")
     parser.add_argument("--length-penalty", type=finite, default=1.0, help="beam score exponent")
     add(parser, "--seed")
@@ -120,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--question", "give it with --context retrieve, and only then")
     if args.context == "retrieve" and args.prompts_file is not None:
         raise InputError(None, "--context retrieve: one document at a time, not with --prompts-file")
+    if args.compile and args.prompts_file is not None:
+        raise InputError("--compile", "--prompts-file runs the serving engine (its paged cache), "
+                         "which has no compiled step; give one prompt")
     prompt = None if args.prompts_file is not None else read_prompt(args)
     config = GenerationConfig(
         max_new_tokens=or_default(args.max_new_tokens, MAX_NEW_TOKENS),
@@ -134,9 +137,13 @@ def run(args: argparse.Namespace) -> int:
         overflow="slide" if args.slide else "stop",
         kv_dtype=args.kv_dtype,
         sink=sink_policy(args, retrieve=True),
+        compile=args.compile,
     )
     extend = args.rope_scaling not in (None, "none")  # a new window first, then the weights converted
-    quantize = or_default(args.quantize, "none")
+    if args.compile and args.quantize is not None:
+        raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
+                         "(a fused C++ step)")
+    quantize = None if args.compile else or_default(args.quantize, "none")
     if args.lora is not None and len(args.lora) > 1:
         raise InputError("--lora", "generate applies one adapter (serve serves several)")
     convert = extend or args.lora is not None  # plain weights first, converted at the end
@@ -151,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         merge_lora(model)
     if extend:
         model = extend_context(model, args.rope_scaling, or_default(args.rope_factor, ROPE_FACTOR))
-    if convert:
+    if convert and quantize is not None:
         quantize_model(model, quantize_format(quantize))
     model = model.to(or_default(args.device, "cpu"))
     with steered(model, _steers(args.steer or [])):  # every token of every prompt (the module path)

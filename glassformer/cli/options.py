@@ -224,6 +224,9 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
           help="a steering vector file (glassformer steer build): generate PATH[:ALPHA] adds "
                "ALPHA (default 1) x the vector at its site for every token; serve NAME=PATH "
                "registers it under NAME for requests to steer with"),
+    _flag("--compile", action="store_true",
+          help="decode with the one-token step compiled over fixed KV buffers (torch.compile; "
+               "CUDA graphs on a GPU): the plain weights, the first steps slow while it compiles"),
     *_engine_flags(),
 )})
 

@@ -16,6 +16,7 @@ from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.sink import SinkKVCache, SinkPolicy
 from ..model.transformer import Transformer
+from .compiled import check_compilable
 from .config import GenerationConfig
 from .core import Row, SamplingState, decode_rows, eos_ids, seeded_generators
 from .sampling import SamplingConfig
@@ -27,9 +28,10 @@ class ChatSession:
     def __init__(self, model: Transformer, tokenizer, sampling: SamplingConfig | None = None,
                  max_new_tokens: int = 512, system: str | None = None, max_context: int = 2048,
                  seed: int | None = None, kv_dtype: str | None = None,
-                 sink: SinkPolicy | None = None):
+                 sink: SinkPolicy | None = None, compile: bool = False):
         """`sink`: keep the first S and last W tokens (model/sink.py) and talk past the window;
-        a turn that rewrites what the cache has already evicted starts the cache again."""
+        a turn that rewrites what the cache has already evicted starts the cache again.
+        `compile`: the one-token step compiled over the cache's fixed buffers (compiled.py)."""
         if not getattr(tokenizer, "chat_template", None):
             raise InputError("chat", "this model's tokenizer has no chat template")
         if model.config.n_encoder_layers:
@@ -38,7 +40,9 @@ class ChatSession:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.config = GenerationConfig(max_new_tokens=max_new_tokens, sink=sink,
                                        sampling=sampling or SamplingConfig(temperature=0.0),
-                                       kv_dtype=kv_dtype)
+                                       kv_dtype=kv_dtype, compile=compile)
+        if compile:
+            check_compilable(model)
         self.system = system
         self.max_length = min(max_context, model.config.context_length)
         self.generator = seeded_generators(seed, 1, model.embed.tokens.weight.device)[0]

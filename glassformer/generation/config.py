@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import InputError
-from ..model.kv_formats import check_kv_dtype
+from ..model.kv_formats import check_kv_dtype, is_scaled
 from ..model.sink import SinkPolicy
 from .sampling import SamplingConfig
 
@@ -162,10 +162,11 @@ class GenerationConfig(RequestParams):
     overflow: Literal["stop", "slide"] = "stop"  # at the window's end: stop, or drop old tokens
     kv_dtype: str | None = None  # how the KV cache stores keys and values (model/kv_formats.py)
     sink: SinkPolicy | None = None  # attention sinks: keep S first and W last keys (model/sink.py)
+    compile: bool = False  # the one-token step compiled over fixed buffers (compiled.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("use_cache", "truncate"):
+        for name in ("use_cache", "truncate", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.kv_dtype is not None:
@@ -180,6 +181,8 @@ class GenerationConfig(RequestParams):
                                  "not with use_cache=False or beams > 1")
             if self.kv_dtype not in (None, "fp32"):
                 raise InputError("sink", f"the sink cache keeps float32 keys, not kv_dtype={self.kv_dtype!r}")
+        if self.compile:
+            refuse_compile(self)
         if self.logprobs is not None:
             raise InputError("logprobs", "only the serving engine reports log-probabilities")
         if self.adapter is not None:
@@ -191,6 +194,21 @@ class GenerationConfig(RequestParams):
             if getattr(self, name) not in ((), None):
                 raise InputError(name, "the serving engine's; generate steers with "
                                  "glassformer.interpret.steer.steered (the whole batch)")
+
+
+def refuse_compile(config: GenerationConfig) -> None:
+    """Raise where the compiled step (fixed buffers, one token per row) cannot compute the
+    request; the model's side is checked by compiled.check_compilable."""
+    if not config.use_cache:
+        raise InputError("compile", "the compiled step decodes against the KV cache; "
+                         "not with use_cache=False")
+    if config.beams > 1:
+        raise InputError("compile", "beam search reorders its rows every step; not with beams > 1")
+    if config.sink is not None:
+        raise InputError("compile", "the sink cache moves its keys as a ring; not with attention sinks")
+    if is_scaled(config.kv_dtype):
+        raise InputError("compile", f"the compiled step stores keys in a plain dtype (fp32, bf16); "
+                         f"not with kv_dtype={config.kv_dtype!r} and its scales")
 
 
 @dataclass

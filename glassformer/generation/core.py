@@ -9,6 +9,7 @@ and the training sample.
 Without the cache (`use_cache=False`), or after a row's context slid past the window, every
 live context is run through the model again instead: the baseline the cache must equal.
 Prompts of different lengths share a batch by left padding, with explicit positions.
+With `compile`, decode_one_token's compiled twin (compiled.py) takes the one-token steps.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..model.kv_cache import KVCache
 from ..model.sink import SinkKVCache
 from ..model.transformer import Transformer
 from .batching import left_pad, select_rows
+from .compiled import CompiledStep, compiled_room
 from .config import GenerationConfig, GenerationResult, Piece, StopReason
 from .sampling import SamplingConfig, greedy, process_logits, sample_rows, token_counts
 from .stopping import Decoder, TextStream
@@ -223,6 +225,7 @@ def decode_rows(
     live = list(range(len(rows)))  # batch row -> index in `rows`
     resume = cache is not None
     padded = False  # whether the rows in the cache are left-padded (then positions are explicit)
+    compiled = CompiledStep(model) if config.compile else None
 
     def forward_all() -> Tensor:
         """Run every live context through the model (the prefill, or a rebuild): logits (B, V)."""
@@ -237,6 +240,8 @@ def decode_rows(
             cache = SinkKVCache(mc, len(live), config.sink)
         elif config.use_cache:
             room = min(mc.context_length, ids.shape[1] + config.max_new_tokens)
+            if compiled is not None:
+                room = compiled_room(room, mc.context_length)
             cache = KVCache(mc, len(live), max_length=room, kv_dtype=config.kv_dtype)
         return prefill(model, ids, cache, positions, mask)
 
@@ -266,6 +271,8 @@ def decode_rows(
                 full = cache is not None and cache.length == cache.max_length
                 if not config.use_cache or full or any(rows[i].slid for i in live):
                     logits = forward_all()  # recompute every live context from scratch
+                elif compiled is not None:
+                    logits = compiled(tokens, cache)  # positions follow on the device
                 else:
                     positions = None
                     if padded:

@@ -2,6 +2,8 @@
 `stream` one token by token. Each builds its rows and sampling state and runs the decode core
 (core.py); `beams > 1` hands the prompt to beam search (beam.py) instead. An encoder-decoder
 (config.n_encoder_layers > 0) takes each prompt as its source (seq2seq.py), one at a time.
+`config.compile` asks for the compiled one-token step (compiled.py), checked against the model
+before anything runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Generator, Iterator, Sequence
 from ..errors import InputError
 from ..model.transformer import Transformer
 from .beam import beam_search
+from .compiled import check_compilable
 from .config import GenerationConfig, GenerationResult, Piece
 from .core import Row, SamplingState, decode_rows, eos_ids, seeded_generators
 from .seq2seq import stream_seq2seq
@@ -65,6 +68,8 @@ def stream(
     """Iterate over the Pieces of one prompt's continuation as each token is generated."""
     if config.beams > 1:
         raise InputError("beams", "beam search settles its output only at the end; it cannot stream")
+    if config.compile:
+        check_compilable(model)
     if model.config.n_encoder_layers:
         return Stream(stream_seq2seq(model, prompt_ids, config, tokenizer))
     return Stream(stream_batch(model, [prompt_ids], config, tokenizer))
@@ -78,6 +83,8 @@ def generate_batch(
 ) -> list[GenerationResult]:
     """Continue several prompts in one left-padded batch; each row as if generated alone (with
     a seed, a sampled row draws what its prompt alone would)."""
+    if config.compile:
+        check_compilable(model)
     if model.config.n_encoder_layers:
         return [generate(model, p, config, tokenizer) for p in prompts]
     if config.beams > 1:
@@ -92,6 +99,8 @@ def generate(
     tokenizer: Decoder | None = None,
 ) -> GenerationResult:
     """Continue one prompt: greedy, sampled, or beam search when config.beams > 1."""
+    if config.compile:
+        check_compilable(model)
     if model.config.n_encoder_layers:
         return _drain(stream_seq2seq(model, prompt_ids, config, tokenizer))[0]
     if config.beams > 1:

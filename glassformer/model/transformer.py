@@ -14,7 +14,7 @@ from torch import nn
 from ..errors import InputError
 from .config import ModelConfig
 from .hooks import Hooks
-from .kv_cache import KVCache
+from .kv_cache import AttentionCache, KVCache
 from .layers.block import Block
 from .layers.embedding import Embedding
 from .layers.heads import HEAD_TRANSFORMS, Pooler
@@ -74,6 +74,11 @@ class Transformer(nn.Module):
         """Give the model a fused decode step, made by `build(self)` on first use and made
         again after the model's tensors change (`to`, `load_state_dict`)."""
         self._step_builder, self._step = build, None
+
+    @property
+    def has_fused_step(self) -> bool:
+        """Whether a conversion installed a fused decode step (it may still decline to serve)."""
+        return self._step_builder is not None
 
     def fused_step(self) -> DecodeStep | None:
         """The installed decode step where it applies now (eval mode, no grad, no hooks, and
@@ -159,16 +164,26 @@ class Transformer(nn.Module):
         else:
             k_pos, k_valid = positions, pad_mask
         mask = self.attention_mask(positions, k_pos, k_valid, contiguous, documents)
+        x = self.run_blocks(ids, positions, mask, cache, token_types, contiguous)
+        if cache is not None:
+            cache.advance(T)
+        return x
+
+    def run_blocks(self, ids: torch.Tensor, positions: torch.Tensor, mask: AttentionMask,
+                   cache: AttentionCache | None = None, token_types: torch.Tensor | None = None,
+                   contiguous: bool = False) -> torch.Tensor:
+        """The pass itself: embedding -> blocks -> final norm, h (B, T, d) for ids (B, T) at
+        `positions` (B, T) under `mask`, with no checks and no cache bookkeeping (forward_hidden
+        does both; a compiled decode step, generation/compiled.py, keeps its own on the device).
+        `contiguous`: every row's positions alike (RoPE's angles computed once)."""
         rope = None
-        if config.position == "rope":
+        if self.config.position == "rope":
             rows = positions[:1] if contiguous else positions  # every row alike: compute once
             rope = rope_cos_sin(self.rope_inv_freq, rows, self.rope_attention_factor)
             rope = tuple(t.to(self.embed.tokens.weight.dtype) for t in rope)
         x = self.dropout(self.embed(ids, positions, token_types))  # (B, T, d)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
-        if cache is not None:
-            cache.advance(T)
         if self.final_norm is not None:
             x = self.hooks("final_norm", self.final_norm(x))
         return x
