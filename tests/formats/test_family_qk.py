@@ -195,3 +195,62 @@ def test_qwen2_window_exports_to_every_layer(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reference(ids).logits, model(ids), atol=1e-4, rtol=1e-4)
     assert config_from_hf(hf).sliding_window == 4
+
+
+GGUF_CONFIGS = {  # transformers reads qwen2 and qwen3 GGUF files (a qwen3 file's head_dim as 128)
+    "qwen2": lambda: transformers.Qwen2Config(**(COMMON | dict(hidden_size=64, num_attention_heads=4)),
+                                              tie_word_embeddings=True),  # rows of 32-value blocks
+    "qwen3": lambda: transformers.Qwen3Config(**(COMMON | dict(hidden_size=64, num_attention_heads=2,
+                                                               num_key_value_heads=1)), head_dim=128),
+    "olmo2": CONFIGS["olmo2"],
+}
+
+
+@pytest.mark.parametrize("kind", list(GGUF_CONFIGS))
+def test_gguf_round_trip_as_llama_cpp_names_it(kind, tmp_path, monkeypatch):
+    from gguf import GGUFReader
+
+    from glassformer.formats.gguf import load_gguf
+    from glassformer.formats.gguf_export import export_gguf
+
+    monkeypatch.setitem(CONFIGS, kind, GGUF_CONFIGS[kind])
+    reference = _save(kind, tmp_path / "hf")
+    model, tokenizer = load_hf(tmp_path / "hf")
+    path = export_gguf(model, tokenizer, tmp_path / "model.gguf")
+    reader = GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == kind
+    expected = {"qwen2": {"blk.1.attn_q.bias", "blk.1.attn_norm.weight"},
+                "qwen3": {"blk.1.attn_q_norm.weight", "blk.1.attn_k_norm.weight"},
+                "olmo2": {"blk.1.attn_q_norm.weight", "blk.1.post_attention_norm.weight",
+                          "blk.1.post_ffw_norm.weight"}}[kind]
+    assert expected <= names and ("blk.1.attn_norm.weight" in names) == (kind != "olmo2")
+    ours, _ = load_gguf(path)
+    assert ours.config == model.config.replace(norm_eps=ours.config.norm_eps)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        oracle = reference(ids).logits
+        torch.testing.assert_close(ours(ids), oracle, atol=1e-4, rtol=1e-4)
+    if kind != "olmo2":
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(ids).logits, oracle, atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_blocks_kept_with_qwen2_biases(tmp_path, monkeypatch):
+    from glassformer.accel import QuantizedLinear
+    from glassformer.formats.gguf import load_gguf
+    from glassformer.formats.gguf_export import export_gguf
+
+    monkeypatch.setitem(CONFIGS, "qwen2", GGUF_CONFIGS["qwen2"])
+    _save("qwen2", tmp_path)
+    model, tokenizer = load_hf(tmp_path)
+    path = export_gguf(model, tokenizer, tmp_path / "model.gguf", "q8_0")
+    kept, _ = load_gguf(path, keep_blocks=True)
+    floats, _ = load_gguf(path)
+    qkv = kept.blocks[1].attn.qkv
+    assert isinstance(qkv, QuantizedLinear)
+    torch.testing.assert_close(qkv.bias, model.blocks[1].attn.qkv.bias, rtol=0, atol=0)
+    torch.testing.assert_close(floats.blocks[1].attn.qkv.bias, qkv.bias, rtol=0, atol=0)
