@@ -254,3 +254,40 @@ def test_gguf_blocks_kept_with_qwen2_biases(tmp_path, monkeypatch):
     assert isinstance(qkv, QuantizedLinear)
     torch.testing.assert_close(qkv.bias, model.blocks[1].attn.qkv.bias, rtol=0, atol=0)
     torch.testing.assert_close(floats.blocks[1].attn.qkv.bias, qkv.bias, rtol=0, atol=0)
+
+
+def test_parameter_counts_and_info_show_the_pieces(pair, capsys):
+    from glassformer.cli import main
+    from glassformer.interpret.params import count_parameters
+
+    kind, _, model, _, folder = pair
+    counts = count_parameters(model)
+    c = model.config
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    q_norm, k_norm = (c.n_heads * c.head_dim, c.kv_heads * c.head_dim) if c.qk_norm == "all" else (
+        c.head_dim, c.head_dim)
+    biases = (c.n_heads + 2 * c.kv_heads) * c.head_dim + c.d_model if c.attn_bias else 0
+    assert counts["blocks.0.attention"] == (c.d_model * (c.n_heads + 2 * c.kv_heads) * c.head_dim
+                                            + c.n_heads * c.head_dim * c.d_model + biases
+                                            + q_norm + k_norm)
+    assert counts["blocks.0.norms"] == 2 * c.d_model
+    assert main(["info", "--model", str(folder), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["config"]
+    assert (shown["qk_norm"], shown["norm_placement"]) == EXPECTED[kind]
+
+
+def test_the_journey_shows_the_query_key_and_output_norms(pair):
+    from glassformer.interpret.journey import collect_journey
+
+    _, _, model, tokenizer, _ = pair
+    data = collect_journey(model, tokenizer, "the quick brown fox", top_k=3, ig_steps=2)
+    assert [s["name"] for s in data["sites"]] == site_names(model.config)
+    steps = [step["site"] for step in data["steps"]["layer"]]
+    assert [f"blocks.0.{site}" for site in steps] == [
+        name for name in site_names(model.config) if name.startswith("blocks.0.")
+        and name.removeprefix("blocks.0.") in steps]
+    out = model.config.norm_placement == "out"
+    assert {"attn.q_norm", "attn.k_norm"} <= set(steps)
+    assert ("attn_out_norm" in steps) == ("mlp_out_norm" in steps) == out != ("norm1" in steps)
+    q = next(step for step in data["steps"]["layer"] if step["site"] == "attn.q")
+    assert q["equation"].startswith("Q = RoPE(Norm_Q(")
