@@ -44,6 +44,7 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "rope_high_freq_factor": any_value("the angles come from Python"),
     "norm": any_value("rmsnorm and layernorm rows"),
     "norm_placement": only("pre", reason="the layers are written pre-norm"),
+    "qk_norm": only("none", reason="the C++ layers have no query/key norms"),
     "norm_eps": any_value(), "norm_bias": any_value("a bias where the norm has one"),
     "activation": any_value("relu, gelu, gelu_tanh and silu rows"), "gated": any_value(),
     "attn_bias": any_value("a bias where the product has one"), "attn_out_bias": any_value(),

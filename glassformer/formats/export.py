@@ -2,9 +2,10 @@
 
 The family is read off the config: GPT-2 (learned positions, LayerNorm, biases, tied head) or
 Llama (RoPE, RMSNorm, SwiGLU, no biases), Qwen2 (q/k/v biases only) and Mistral (a sliding
-window); an encoder-decoder as T5 (huggingface_t5.py), a bidirectional model as a
-BertForMaskedLM (huggingface_bert.py). A config that none of them can express is refused with the field
-that stops it. The folder is written whole beside its destination and renamed into place.
+window), Qwen3 and OLMo 2 (query/key norms; huggingface_qk.py); an encoder-decoder as T5
+(huggingface_t5.py), a bidirectional model as a BertForMaskedLM (huggingface_bert.py). A config
+that none of them can express is refused with the field that stops it. The folder is written
+whole beside its destination and renamed into place.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .huggingface import GPT2_ACTIVATIONS, key_map
 from .huggingface_bert import bert_hf_config
+from .huggingface_qk import qk_hf_config
 from .huggingface_t5 import t5_hf_config
 from .tokenizers import HFTokenizer
 from .validate import check_model_finite
@@ -46,8 +48,11 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         return t5_hf_config(config)
     if not config.causal:
         return bert_hf_config(config)
-    _require(config, "a Hugging Face model", norm_placement="pre", final_norm=True, causal=True,
+    _require(config, "a Hugging Face model", final_norm=True, causal=True,
              lm_head_bias=False, scale_scores=True, scale_head_input=False)
+    if config.qk_norm != "none" or config.norm_placement == "out":
+        return qk_hf_config(config, _llama_hf_config(config))
+    _require(config, "a Hugging Face model", norm_placement="pre")
     if config.position == "learned":
         _require(config, "GPT-2", norm="layernorm", gated=False, attn_bias=True, attn_out_bias=True,
                  mlp_bias=True, tie_embeddings=True, kv_heads=config.n_heads,
@@ -60,24 +65,13 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
                 "n_inner": config.ff_dim, "activation_function": _GPT2_NAMES[config.activation],
                 "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": True,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    _require(config, "Llama", position="rope", norm="rmsnorm", activation="silu", gated=True)
     if config.attn_out_bias and not config.attn_bias:
         raise InputError("attn_out_bias", "a bias on W_O alone cannot be exported")
     qwen = config.attn_bias and not config.attn_out_bias  # Qwen2: biases on q, k, v only
-    if config.rope_scaling not in ("none", "linear", "llama3"):
-        raise InputError("rope_scaling", f"{config.rope_scaling!r} cannot be exported (none, linear, llama3)")
     kind = "qwen2" if qwen else "mistral" if config.sliding_window else "llama"
     out = {"model_type": kind,
            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                              "qwen2": "Qwen2ForCausalLM"}[kind]],
-           "vocab_size": config.vocab_size, "max_position_embeddings": config.context_length,
-           "hidden_size": config.d_model, "intermediate_size": config.ff_dim,
-           "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-           "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
-           "rms_norm_eps": config.norm_eps, "hidden_act": "silu", "rope_theta": config.rope_theta,
-           "rope_scaling": _rope_scaling(config),
-           "tie_word_embeddings": config.tie_embeddings, "attention_bias": config.attn_out_bias,
-           "mlp_bias": config.mlp_bias, "attention_dropout": 0.0}
+                              "qwen2": "Qwen2ForCausalLM"}[kind]], **_llama_hf_config(config)}
     if kind == "mistral":
         _require(config, "Mistral", attn_bias=False)
         out["sliding_window"] = config.sliding_window
@@ -86,8 +80,23 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     if kind == "qwen2":
         _require(config, "Qwen2", mlp_bias=False)
         out |= {"use_sliding_window": config.sliding_window is not None,
-                "sliding_window": config.sliding_window, "max_window_layers": config.n_layers}
+                "sliding_window": config.sliding_window, "max_window_layers": 0}
     return out
+
+
+def _llama_hf_config(config: ModelConfig) -> dict[str, Any]:
+    """The config.json fields of a Llama-like model (refused by field where it is not one)."""
+    _require(config, "Llama", position="rope", norm="rmsnorm", activation="silu", gated=True)
+    if config.rope_scaling not in ("none", "linear", "llama3"):
+        raise InputError("rope_scaling", f"{config.rope_scaling!r} cannot be exported (none, linear, llama3)")
+    return {"vocab_size": config.vocab_size, "max_position_embeddings": config.context_length,
+            "hidden_size": config.d_model, "intermediate_size": config.ff_dim,
+            "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+            "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
+            "rms_norm_eps": config.norm_eps, "hidden_act": "silu", "rope_theta": config.rope_theta,
+            "rope_scaling": _rope_scaling(config),
+            "tie_word_embeddings": config.tie_embeddings, "attention_bias": config.attn_out_bias,
+            "mlp_bias": config.mlp_bias, "attention_dropout": 0.0}
 
 
 def _rope_scaling(config: ModelConfig) -> dict | None:

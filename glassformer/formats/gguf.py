@@ -5,10 +5,16 @@ straight into the model's parameters, so memory never holds a second copy of the
 tensor's pages of the file are dropped once it is read. With keep_blocks the blocks the
 kernels read are copied as they are (no float32 copy of any of them, the token table included).
 
-llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (like Hugging Face
-Llama) rotates halves (x_i, x_i+d/2). Its converter therefore permutes the rows of W_Q and W_K
-within each head: row (half, i) of the original is stored at (i, half). `unpermute_rows` puts
-them back, so the model computes exactly what the original checkpoint computes.
+Architectures (`general.architecture`, llama.cpp's names): llama, and three Llama blocks with a
+difference each (`ARCHITECTURES`): qwen2 (biases on q, k, v: attn_q.bias ...), qwen3 (RMSNorm
+per head on queries and keys: attn_q_norm, attn_k_norm) and olmo2 (those norms over all heads,
+and output norms in place of input norms: post_attention_norm, post_ffw_norm).
+
+For llama, llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (like
+Hugging Face Llama) rotates halves (x_i, x_i+d/2). Its converter therefore permutes the rows of
+W_Q and W_K within each head: row (half, i) of the original is stored at (i, half).
+`unpermute_rows` puts them back, so the model computes exactly what the original checkpoint
+computes. The other three rotate halves in llama.cpp too (its NEOX RoPE): their rows are as is.
 """
 
 from __future__ import annotations
@@ -30,7 +36,14 @@ from .empty_model import empty_model
 from .gguf_file import GGUFFile
 from .validate import check_model, check_tensor
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# What each architecture computes beyond llama's blocks, as ModelConfig fields.
+ARCHITECTURES = {
+    "llama": {},
+    "qwen2": {"attn_bias": True},
+    "qwen3": {"qk_norm": "head"},
+    "olmo2": {"qk_norm": "all", "norm_placement": "out"},
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
 
 
@@ -96,16 +109,29 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
         norm_eps=number("attention.layer_norm_rms_epsilon"),
         activation="silu",
         gated=True,
-        attn_bias=False,
         attn_out_bias=False,
         mlp_bias=False,
         tie_embeddings="output.weight" not in tensors,
+        **({"attn_bias": False} | ARCHITECTURES[arch]),
     )
+
+
+def architecture(config: ModelConfig) -> str:
+    """The llama.cpp architecture whose blocks `config` describes (the GGUF export checks that
+    the file's metadata reads back as `config`)."""
+    if config.norm_placement == "out" or config.qk_norm == "all":
+        return "olmo2"
+    if config.qk_norm == "head":
+        return "qwen3"
+    return "qwen2" if config.attn_bias and not config.attn_out_bias else "llama"
 
 
 def tensor_map(config: ModelConfig) -> dict[str, Target]:
     """GGUF tensor name -> Target, for every tensor a Llama-family file must hold."""
     H, KV, dh, ff = config.n_heads, config.kv_heads, config.head_dim, config.ff_dim
+    permuted = architecture(config) == "llama"  # see the module's docstring
+    qkv_rows = {"q": ((0, H * dh), H), "k": ((H * dh, (H + KV) * dh), KV),
+                "v": (((H + KV) * dh, (H + 2 * KV) * dh), None)}
     names = {
         "token_embd.weight": Target("embed.tokens.weight"),
         "output_norm.weight": Target("final_norm.weight"),
@@ -114,15 +140,20 @@ def tensor_map(config: ModelConfig) -> dict[str, Target]:
         names["output.weight"] = Target("lm_head.weight")
     for i in range(config.n_layers):
         b = f"blocks.{i}"
+        norms = {"post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm"} if (
+            config.norm_placement == "out") else {"attn_norm": "norm1", "ffn_norm": "norm2"}
+        names.update({f"blk.{i}.{theirs}.weight": Target(f"{b}.{ours}.weight")
+                      for theirs, ours in norms.items()})
+        for x, (rows, heads) in qkv_rows.items():
+            names[f"blk.{i}.attn_{x}.weight"] = Target(f"{b}.attn.qkv.weight", rows,
+                                                        heads if permuted else None)
+            if config.attn_bias:
+                names[f"blk.{i}.attn_{x}.bias"] = Target(f"{b}.attn.qkv.bias", rows)
+        if config.qk_norm != "none":
+            names |= {f"blk.{i}.attn_{x}_norm.weight": Target(f"{b}.attn.{x}_norm.weight")
+                      for x in "qk"}
         names.update({
-            f"blk.{i}.attn_norm.weight": Target(f"{b}.norm1.weight"),
-            f"blk.{i}.attn_q.weight": Target(f"{b}.attn.qkv.weight", (0, H * dh), H),
-            f"blk.{i}.attn_k.weight": Target(f"{b}.attn.qkv.weight",
-                                             (H * dh, (H + KV) * dh), KV),
-            f"blk.{i}.attn_v.weight": Target(f"{b}.attn.qkv.weight",
-                                             ((H + KV) * dh, (H + 2 * KV) * dh)),
             f"blk.{i}.attn_output.weight": Target(f"{b}.attn.out.weight"),
-            f"blk.{i}.ffn_norm.weight": Target(f"{b}.norm2.weight"),
             f"blk.{i}.ffn_gate.weight": Target(f"{b}.mlp.up.weight", (0, ff)),
             f"blk.{i}.ffn_up.weight": Target(f"{b}.mlp.up.weight", (ff, 2 * ff)),
             f"blk.{i}.ffn_down.weight": Target(f"{b}.mlp.down.weight"),
@@ -134,12 +165,16 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of the parameters `tensor_map` fills, from the config alone (nothing allocated)."""
     d, V, ff = config.d_model, config.vocab_size, config.ff_dim
     H, KV = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+    q_norm, k_norm = (H, KV) if config.qk_norm == "all" else (config.head_dim,) * 2
     shapes = {"embed.tokens.weight": (V, d), "final_norm.weight": (d,), "lm_head.weight": (V, d)}
     for i in range(config.n_layers):
         b = f"blocks.{i}."
-        shapes |= {b + "norm1.weight": (d,), b + "attn.qkv.weight": (H + 2 * KV, d),
-                   b + "attn.out.weight": (d, H), b + "norm2.weight": (d,),
-                   b + "mlp.up.weight": (2 * ff, d), b + "mlp.down.weight": (d, ff)}
+        shapes |= {b + "attn.qkv.weight": (H + 2 * KV, d), b + "attn.qkv.bias": (H + 2 * KV,),
+                   b + "attn.q_norm.weight": (q_norm,), b + "attn.k_norm.weight": (k_norm,),
+                   b + "attn.out.weight": (d, H), b + "mlp.up.weight": (2 * ff, d),
+                   b + "mlp.down.weight": (d, ff)}
+        shapes |= {b + norm + ".weight": (d,) for norm in ("norm1", "norm2", "attn_out_norm",
+                                                            "mlp_out_norm")}
     return shapes
 
 
@@ -224,14 +259,18 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
             rows.append(unpermute_rows(raw, heads) if heads else raw)
         raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
         shape = (sum(file.tensors[n].shape[0] for n in names), file.tensors[names[0]].shape[1])
-        table = QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape)
+        biases = sorted((n for n, t in targets.items() if t.param == layer + ".bias"),
+                        key=lambda n: targets[n].rows or (0, 0))
+        bias = torch.from_numpy(np.concatenate(  # qwen2's q, k, v biases, float32 in the file
+            [dequantize(file.raw(n), file.tensors[n].qtype).reshape(-1) for n in biases])) if biases else None
+        table = QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape, bias)
         if layer != "embed.tokens":
             model.set_submodule(layer, table)
         if "token_embd.weight" in names:
             model.embed.tokens = QuantizedEmbedding(table)
-        for n in names:
+        for n in [*names, *biases]:
             file.release(n)
-        done.update(names)
+        done.update(names, biases)
     return done
 
 
@@ -244,7 +283,7 @@ def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Targe
     unknown = sorted(set(file.tensors) - set(targets))
     if unknown:
         raise InputError(file.path, f"unexpected tensor {unknown[0]} for a "
-                         f"{config.n_layers}-layer Llama model")
+                         f"{config.n_layers}-layer {architecture(config)} model")
     shapes = param_shapes(config)
     for name, target in targets.items():
         info = file.tensors[name]

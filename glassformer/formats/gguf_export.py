@@ -1,10 +1,11 @@
 """Glassformer -> a GGUF file that llama.cpp-based tools read (the inverse of gguf.py).
 
-The file is written by the `gguf` library's GGUFWriter with llama.cpp's `llama.*` metadata,
-its tensor names (token_embd, blk.N.attn_q ..., output_norm, output) and the tokenizer as
+The file is written by the `gguf` library's GGUFWriter with llama.cpp's `<arch>.*` metadata
+(llama, or qwen2 / qwen3 / olmo2 where the config has their pieces: `gguf.architecture`), its
+tensor names (token_embd, blk.N.attn_q ..., output_norm, output) and the tokenizer as
 `tokenizer.ggml.*` (byte-level BPE: tokens, token types, merges, special ids) with the chat
-template. W_Q and W_K rows are permuted into llama.cpp's RoPE layout (adjacent pairs), the
-inverse of `gguf.unpermute_rows`; the fused qkv and gate-up matrices are cut back into
+template. For llama, W_Q and W_K rows are permuted into llama.cpp's RoPE layout (adjacent
+pairs), the inverse of `gguf.unpermute_rows`; the fused qkv and gate-up matrices are cut back into
 llama.cpp's separate tensors. Matrices take the asked type (F32, F16, or Q8_0 / Q4_0 blocks
 made by `gguf.quants.quantize`); norms stay F32, as llama.cpp keeps them.
 
@@ -30,7 +31,7 @@ from gguf.quants import GGMLQuantizationType, quantize
 from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
-from .gguf import config_from_metadata, tensor_map
+from .gguf import architecture, config_from_metadata, tensor_map
 from .validate import check_model_finite
 
 # --dtype -> (the matrices' GGML type, general.file_type)
@@ -52,24 +53,24 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_metadata(config: ModelConfig) -> dict:
-    """The `llama.*` values, checked to read back as `config`."""
-    meta = {
-        "general.architecture": "llama",
-        "llama.context_length": config.context_length,
-        "llama.embedding_length": config.d_model,
-        "llama.block_count": config.n_layers,
-        "llama.feed_forward_length": config.ff_dim,
-        "llama.attention.head_count": config.n_heads,
-        "llama.attention.head_count_kv": config.kv_heads,
-        "llama.attention.key_length": config.head_dim,
-        "llama.attention.value_length": config.head_dim,
-        "llama.rope.dimension_count": config.head_dim,
-        "llama.rope.freq_base": _f32(config.rope_theta),
-        "llama.attention.layer_norm_rms_epsilon": _f32(config.norm_eps),
-    }
+    """The `<arch>.*` values, checked to read back as `config`."""
+    arch = architecture(config)
+    meta = {"general.architecture": arch} | {f"{arch}.{key}": value for key, value in {
+        "context_length": config.context_length,
+        "embedding_length": config.d_model,
+        "block_count": config.n_layers,
+        "feed_forward_length": config.ff_dim,
+        "attention.head_count": config.n_heads,
+        "attention.head_count_kv": config.kv_heads,
+        "attention.key_length": config.head_dim,
+        "attention.value_length": config.head_dim,
+        "rope.dimension_count": config.head_dim,
+        "rope.freq_base": _f32(config.rope_theta),
+        "attention.layer_norm_rms_epsilon": _f32(config.norm_eps),
+    }.items()}
     if config.rope_scaling != "none":
-        meta |= {"llama.rope.scaling.type": config.rope_scaling,
-                 "llama.rope.scaling.factor": _f32(config.rope_factor)}
+        meta |= {f"{arch}.rope.scaling.type": config.rope_scaling,
+                 f"{arch}.rope.scaling.factor": _f32(config.rope_factor)}
     tensors = {"token_embd.weight": SimpleNamespace(shape=(config.vocab_size, config.d_model))}
     if not config.tie_embeddings:
         tensors["output.weight"] = tensors["token_embd.weight"]
@@ -84,7 +85,7 @@ def gguf_metadata(config: ModelConfig) -> dict:
             ours, theirs = _f32(ours), _f32(theirs)
         if field not in _FREE and theirs != ours:
             raise InputError(field, f"{getattr(config, field)!r} cannot be exported to GGUF "
-                             f"(a llama GGUF file says {getattr(read, field)!r})")
+                             f"(a {arch} GGUF file says {getattr(read, field)!r})")
     return meta
 
 
@@ -162,7 +163,7 @@ def export_gguf(model: Transformer, tokenizer, path: str | Path, dtype: str = "f
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
     os.close(fd)
     try:
-        writer = GGUFWriter(tmp, "llama")
+        writer = GGUFWriter(tmp, meta["general.architecture"])
         writer.add_file_type(int(file_type))
         for key, value in meta.items():
             _add(writer, key, value)
@@ -205,7 +206,7 @@ def _add(writer: GGUFWriter, key: str, value) -> None:
         writer.add_token_list(value)
     elif key == "tokenizer.ggml.token_type":
         writer.add_token_types(value)
-    elif key == "llama.rope.scaling.type":
+    elif key.endswith(".rope.scaling.type"):
         writer.add_rope_scaling_type(RopeScalingType(value))
     elif key == "general.architecture":
         return  # GGUFWriter writes it from its arch

@@ -5,6 +5,8 @@ Three families, each an explicit key map (`key_map`) between Hugging Face names 
   Conv1D layers store weights as (in, out), so they are transposed.
 - Llama (llama, mistral with its sliding window, qwen2 with q/k/v biases): RoPE (rotate-half),
   RMSNorm, SwiGLU. q/k/v_proj are stacked into our fused `qkv`, gate/up_proj into `mlp.up`.
+- Qwen3 and OLMo 2 (qwen3, olmo2): Llama with query/key norms, OLMo 2 with output norms in
+  place of input norms (huggingface_qk.py).
 - T5 (`model_type` t5, v1.0 and v1.1): an encoder-decoder; its config and key map live in
   huggingface_t5.py.
 - BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (huggingface_bert.py).
@@ -27,6 +29,7 @@ from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .files import read_json_object
 from .huggingface_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
+from .huggingface_qk import QK_TYPES, family_fields, qwen_window, with_defaults
 from .huggingface_t5 import t5_config, t5_keys
 from .tensor_map import Entry
 from .validate import check_model, check_tensor
@@ -50,6 +53,9 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
             return _gpt2_config(hf)
         if kind in LLAMA_TYPES:
             return _llama_config(hf)
+        if kind in QK_TYPES:
+            hf = with_defaults(hf)
+            return _llama_config(hf).replace(**family_fields(hf))
         if kind == "t5":
             return t5_config(hf)
         if kind == "bert":
@@ -62,7 +68,7 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
         raise InputError(None, f"config.json: a value this model_type ({kind!r}) cannot take "
                          f"({type(error).__name__}: {error})") from None
     raise InputError(None, f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
-                     "t5, bert)")
+                     f"{', '.join(QK_TYPES)}, t5, bert)")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
@@ -108,11 +114,8 @@ def _llama_config(hf: dict[str, Any]) -> ModelConfig:
         raise InputError(None, f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     qwen = hf["model_type"] == "qwen2"
-    window = hf.get("sliding_window")
-    if qwen:  # Qwen2 names a window but uses it only with use_sliding_window
-        if hf.get("use_sliding_window") and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]:
-            raise InputError("unsupported", "sliding window on some layers only (max_window_layers)")
-        window = window if hf.get("use_sliding_window") else None
+    # Qwen names a window but uses it only with use_sliding_window, on some layers
+    window = qwen_window(hf) if hf["model_type"] in ("qwen2", "qwen3") else hf.get("sliding_window")
     n_heads = hf["num_attention_heads"]
     d_head = hf.get("head_dim") or hf["hidden_size"] // n_heads
     return ModelConfig(
@@ -138,7 +141,7 @@ def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
         return [Entry(hf, ours, rows) for hf, ours, rows in t5_keys(config)]
     if model_type == "bert":
         return bert_keys(config)
-    return _llama_keys(config)
+    return _llama_keys(config)  # llama, mistral, qwen2, qwen3, olmo2: the config says which parts
 
 
 def _gpt2_keys(c: ModelConfig) -> list[Entry]:
@@ -164,8 +167,14 @@ def _llama_keys(c: ModelConfig) -> list[Entry]:
                Entry("model.norm.weight", "final_norm.weight")]
     for i in range(c.n_layers):
         h, b = f"model.layers.{i}.", f"blocks.{i}."
-        entries += [Entry(h + "input_layernorm.weight", b + "norm1.weight"),
-                    Entry(h + "post_attention_layernorm.weight", b + "norm2.weight")]
+        if c.norm_placement == "out":  # OLMo 2: each sublayer's output normed
+            entries += [Entry(h + "post_attention_layernorm.weight", b + "attn_out_norm.weight"),
+                        Entry(h + "post_feedforward_layernorm.weight", b + "mlp_out_norm.weight")]
+        else:
+            entries += [Entry(h + "input_layernorm.weight", b + "norm1.weight"),
+                        Entry(h + "post_attention_layernorm.weight", b + "norm2.weight")]
+        if c.qk_norm != "none":
+            entries += [Entry(f"{h}self_attn.{n}_norm.weight", f"{b}attn.{n}_norm.weight") for n in "qk"]
         kinds = [("weight", True), ("bias", c.attn_bias)]
         for name, rows in (("q_proj", (0, H)), ("k_proj", (H, H + KV)), ("v_proj", (H + KV, H + 2 * KV))):
             entries += [Entry(f"{h}self_attn.{name}.{k}", f"{b}attn.qkv.{k}", rows) for k, on in kinds if on]

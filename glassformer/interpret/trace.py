@@ -9,6 +9,8 @@ Every site, in the order the forward pass reaches it, with the tensor's dimensio
     embed.out                  (batch, pos, d_model)            I_emb = E_token[ids] + E_pos (+ E_type, Norm)
     blocks.{i}.resid_pre       (batch, pos, d_model)            residual stream entering block i
     blocks.{i}.norm1           (batch, pos, d_model)            Norm(x) (post-norm: Norm(x + Attn(x)))
+    blocks.{i}.attn.q_norm     (batch, head, pos, d_head)       Norm_Q(x W_Q), before RoPE (qk_norm)
+    blocks.{i}.attn.k_norm     (batch, kv_head, pos, d_head)    Norm_K(x W_K), before RoPE (qk_norm)
     blocks.{i}.attn.q          (batch, head, pos, d_head)       Q = x W_Q (after RoPE)
     blocks.{i}.attn.k          (batch, kv_head, pos, d_head)    K = x W_K (after RoPE; new rows only)
     blocks.{i}.attn.v          (batch, kv_head, pos, d_head)    V = x W_V (new rows only)
@@ -17,10 +19,12 @@ Every site, in the order the forward pass reaches it, with the tensor's dimensio
     blocks.{i}.attn.pattern    (batch, head, query, key)        α = softmax(A + M)
     blocks.{i}.attn.context    (batch, head, pos, d_head)       α V
     blocks.{i}.attn.out        (batch, pos, d_model)            concat(heads) W_O
+    blocks.{i}.attn_out_norm   (batch, pos, d_model)            Norm(Attn(x)) (norm_placement "out")
     blocks.{i}.resid_mid       (batch, pos, d_model)            x + Attn(...)
     blocks.{i}.norm2           (batch, pos, d_model)            Norm(x) (post-norm: Norm(x + FFN(x)))
     blocks.{i}.mlp.hidden      (batch, pos, d_ff)               σ(x W_up), or σ(x W_gate) ⊙ x W_up
     blocks.{i}.mlp.out         (batch, pos, d_model)            hidden W_down
+    blocks.{i}.mlp_out_norm    (batch, pos, d_model)            Norm(FFN(x)) (norm_placement "out")
     blocks.{i}.resid_post      (batch, pos, d_model)            residual stream leaving block i
     final_norm                 (batch, pos, d_model)            h = Norm(x) (when the model has one)
     head_transform             (batch, pos, d_model)            Norm(σ(h W_t)) (head = "mlm")
@@ -61,6 +65,8 @@ EMBED_SITES = {
 LAYER_SITES = {
     "resid_pre": ("batch", "pos", "d_model"),
     "norm1": ("batch", "pos", "d_model"),
+    "attn.q_norm": ("batch", "head", "pos", "d_head"),
+    "attn.k_norm": ("batch", "kv_head", "pos", "d_head"),
     "attn.q": ("batch", "head", "pos", "d_head"),
     "attn.k": ("batch", "kv_head", "pos", "d_head"),
     "attn.v": ("batch", "kv_head", "pos", "d_head"),
@@ -69,10 +75,12 @@ LAYER_SITES = {
     "attn.pattern": ("batch", "head", "query", "key"),
     "attn.context": ("batch", "head", "pos", "d_head"),
     "attn.out": ("batch", "pos", "d_model"),
+    "attn_out_norm": ("batch", "pos", "d_model"),
     "resid_mid": ("batch", "pos", "d_model"),
     "norm2": ("batch", "pos", "d_model"),
     "mlp.hidden": ("batch", "pos", "d_ff"),
     "mlp.out": ("batch", "pos", "d_model"),
+    "mlp_out_norm": ("batch", "pos", "d_model"),
     "resid_post": ("batch", "pos", "d_model"),
 }
 OUTPUT_SITES = {
@@ -104,7 +112,12 @@ def site_names(config: ModelConfig) -> list[str]:
     if config.n_token_types:
         names.append("embed.token_types")
     names.append("embed.out")
-    layer = list(LAYER_SITES)
+    absent = {"attn.q_norm", "attn.k_norm"} if config.qk_norm == "none" else set()
+    if config.norm_placement == "out":  # output norms instead of input norms
+        absent |= {"norm1", "norm2"}
+    else:
+        absent |= {"attn_out_norm", "mlp_out_norm"}
+    layer = [site for site in LAYER_SITES if site not in absent]
     if config.norm_placement == "post":  # each norm follows its residual add
         for norm, before in (("norm1", "resid_mid"), ("norm2", "resid_post")):
             layer.remove(norm)

@@ -12,7 +12,8 @@ from ..errors import InputError
 
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "relative", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
-NormPlacement = Literal["pre", "post"]
+NormPlacement = Literal["pre", "post", "out"]  # out (OLMo 2): x + Norm(Attn(x)), no input norm
+QkNorm = Literal["none", "head", "all"]  # RMSNorm of Q and K over each head, or over all heads
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 AttentionKernel = Literal["reference", "sdpa", "flash"]
 RopeScaling = Literal["none", "linear", "ntk", "yarn", "llama3"]
@@ -69,6 +70,7 @@ class ModelConfig(ConfigFields):
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original / this are kept
     norm: Norm = "layernorm"
     norm_placement: NormPlacement = "pre"
+    qk_norm: QkNorm = "none"  # RMSNorm on Q and K after the projection, before RoPE
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm's additive bias (RMSNorm has none)
     activation: Activation = "gelu"
@@ -108,6 +110,10 @@ class ModelConfig(ConfigFields):
         if not 0 <= self.decoder_start_id < self.vocab_size:
             raise InputError("decoder_start_id", f"{self.decoder_start_id} is not a token id below "
                              f"vocab_size={self.vocab_size}")
+        if self.n_encoder_layers and self.norm_placement == "out":
+            raise InputError("norm_placement", "an encoder-decoder's blocks are 'pre' or 'post'")
+        if self.n_encoder_layers and self.qk_norm != "none":
+            raise InputError("qk_norm", "an encoder-decoder's attention has no query/key norms")
         if self.n_encoder_layers and not self.causal:
             raise InputError("causal", "an encoder-decoder's decoder is causal (its encoder is not)")
         if self.position == "relative" and self.relative_buckets < 4:
@@ -119,6 +125,7 @@ class ModelConfig(ConfigFields):
             ("position", Position),
             ("norm", Norm),
             ("norm_placement", NormPlacement),
+            ("qk_norm", QkNorm),
             ("activation", Activation),
             ("attention_kernel", AttentionKernel),
             ("rope_scaling", RopeScaling),

@@ -75,7 +75,7 @@ _ANGLES = "angles from the model's own inverse frequencies and attention factor"
 CAPABILITIES = CapabilityTable("serving engine", {
     **{name: any_value(_MODULES) for name in (
         "vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head",
-        "d_ff", "norm", "norm_placement", "norm_eps", "norm_bias", "activation", "gated",
+        "d_ff", "norm", "norm_placement", "qk_norm", "norm_eps", "norm_bias", "activation", "gated",
         "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "final_norm", "tie_embeddings",
         "dropout", "attention_kernel", "init_std", "n_token_types", "embed_norm", "head",
         "scale_scores", "scale_head_input")},

@@ -20,7 +20,7 @@ TABLES = [fast_decode.CAPABILITIES, fast_training.CAPABILITIES, quantize.CAPABIL
           runner.CAPABILITIES]
 
 # For each field some table limits: a value ModelConfig accepts that lies outside the limit.
-OUTSIDE = {"position": "relative", "norm_placement": "post", "causal": False,
+OUTSIDE = {"position": "relative", "norm_placement": "post", "qk_norm": "head", "causal": False,
            "n_encoder_layers": 2}
 
 BASE = ModelConfig(vocab_size=61, context_length=32, d_model=32, n_layers=2, n_heads=4,
@@ -55,7 +55,8 @@ def test_a_field_no_rule_names_is_refused():
 
 
 @pytest.mark.usefixtures("kernels")
-@pytest.mark.parametrize("changes", [{"position": "relative"}, {"norm_placement": "post"}])
+@pytest.mark.parametrize("changes", [{"position": "relative"}, {"norm_placement": "post"},
+                                     {"norm_placement": "out"}, {"qk_norm": "all"}])
 def test_a_refused_config_keeps_the_module_path(changes):
     model = quantize_model(Transformer(BASE.replace(**changes)), "none")
     field = next(iter(changes))
@@ -118,7 +119,9 @@ def test_the_fused_step_computes_every_config_it_accepts(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_quantized_kernels_compute_every_config_they_accept(seed):
-    config = random_decoder(random.Random(100 + seed)).replace(norm_placement="post")
+    rng = random.Random(100 + seed)
+    config = random_decoder(rng).replace(norm_placement=rng.choice(["post", "out"]),
+                                         qk_norm=rng.choice(["none", "head", "all"]))
     assert quantize.CAPABILITIES.why_not(config) is None
     plain = randomized(config, seed).eval()
     converted = randomized(config, seed)
@@ -131,7 +134,9 @@ def test_the_quantized_kernels_compute_every_config_they_accept(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_fused_training_passes_compute_every_config_they_accept(seed):
-    config = random_decoder(random.Random(200 + seed)).replace(dropout=0.0)
+    rng = random.Random(200 + seed)
+    config = random_decoder(rng).replace(dropout=0.0, norm_placement=rng.choice(["pre", "out"]),
+                                         qk_norm=rng.choice(["none", "head", "all"]))
     assert fast_training.CAPABILITIES.why_not(config) is None
     plain, fast = randomized(config, seed), randomized(config, seed)
     fast_training.use_fast_training(fast)

@@ -61,10 +61,14 @@ def input_steps(config: ModelConfig) -> list[dict]:
 
 
 def layer_steps(config: ModelConfig) -> list[dict]:
-    pre = config.norm_placement == "pre"
+    pre, out = config.norm_placement == "pre", config.norm_placement == "out"
     x_in = "x̂" if pre else "x"
-    q, k = (f"RoPE({x_in} W_Q)", f"RoPE({x_in} W_K)") if config.position == "rope" else (
-        f"{x_in} W_Q", f"{x_in} W_K")
+    q, k = f"{x_in} W_Q", f"{x_in} W_K"
+    if config.qk_norm != "none":
+        q, k = f"Norm_Q({q})", f"Norm_K({k})"
+    if config.position == "rope":
+        q, k = f"RoPE({q})", f"RoPE({k})"
+    over = "each head's d_head" if config.qk_norm == "head" else "all heads together"
     mask = "M: 0 where query i may see key j, −∞ where it may not"
     if config.causal:
         mask += " (j > i: the future)"
@@ -86,6 +90,10 @@ def layer_steps(config: ModelConfig) -> list[dict]:
         {"site": "norm1", "title": "Norm before attention" if pre else "Add & norm (attention)",
          "equation": f"x̂ = {_norm(config)}" if pre else "x = Norm(x + MultiHead(x))",
          "note": "" if pre else "post-norm: the norm follows the residual add"},
+        {"site": "attn.q_norm", "title": "Query norm", "equation": f"Norm_Q({x_in} W_Q)",
+         "note": f"RMSNorm over {over}, before RoPE"},
+        {"site": "attn.k_norm", "title": "Key norm", "equation": f"Norm_K({x_in} W_K)",
+         "note": f"RMSNorm over {over}, before RoPE"},
         {"site": "attn.q", "title": "Queries", "equation": f"Q = {q}",
          "note": "split into H heads of d_head dimensions"},
         {"site": "attn.k", "title": "Keys", "equation": f"K = {k}",
@@ -101,8 +109,12 @@ def layer_steps(config: ModelConfig) -> list[dict]:
          "note": "each query's mix of the values it attends to"},
         {"site": "attn.out", "title": "Concatenate heads, project",
          "equation": "MultiHead = concat(head_1, …, head_H) W_O", "note": "back to d dimensions"},
+        {"site": "attn_out_norm", "title": "Norm of the attention output",
+         "equation": "Norm(MultiHead)", "note": f"{_norm(config)}, on the sublayer's output: "
+                                                "no norm before the sublayer, one after it"},
         {"site": "resid_mid", "title": "Residual add",
-         "equation": "x ← x + MultiHead(x̂)" if pre else "x (after the first add & norm)",
+         "equation": "x ← x + Norm(MultiHead(x))" if out else "x ← x + MultiHead(x̂)" if pre
+         else "x (after the first add & norm)",
          "note": "attention writes into the residual stream"},
         {"site": "norm2", "title": "Norm before the feed-forward" if pre else "Add & norm (feed-forward)",
          "equation": f"x̂ = {_norm(config)}" if pre else "x = Norm(x + FFN(x))", "note": ""},
@@ -110,8 +122,11 @@ def layer_steps(config: ModelConfig) -> list[dict]:
          "note": "position-wise: every token alone, d → d_ff"},
         {"site": "mlp.out", "title": "Feed-forward output", "equation": "FFN = hidden W_2",
          "note": "d_ff → d"},
+        {"site": "mlp_out_norm", "title": "Norm of the feed-forward output",
+         "equation": "Norm(FFN)", "note": f"{_norm(config)}, on the sublayer's output"},
         {"site": "resid_post", "title": "Residual stream out",
-         "equation": "x ← x + FFN(x̂)" if pre else "x", "note": "the input of the next layer"},
+         "equation": "x ← x + Norm(FFN(x))" if out else "x ← x + FFN(x̂)" if pre else "x",
+         "note": "the input of the next layer"},
     ]
     if config.n_encoder_layers:
         at = next(i for i, step in enumerate(steps) if step["site"] == ("norm2" if pre else "resid_mid"))

@@ -1,6 +1,8 @@
 """Masked multi-head attention with n_kv_heads key/value heads (MHA, GQA, MQA).
 
     Q, K, V = x W_Q, x W_K, x W_V          one fused product, split into heads
+    Q, K    = Norm_Q(Q), Norm_K(K)         qk_norm: RMSNorm over each head ("head") or over
+                                           all heads together ("all")
     Q, K    = rope(Q), rope(K)             when position = "rope" (a cache that positions its
                                            keys itself, the sink policy, rotates K: sink.py)
     K, V    = cache[...] + (K, V)          when decoding: the new rows join the cached ones
@@ -20,6 +22,7 @@ from ..hooks import Hooks
 from ..kv_cache import AttentionCache
 from .attention_backends import KERNELS, reference_attention
 from .masking import AttentionMask
+from .norm import QKNorm
 from .positions import Rotary
 
 # Sites that only the reference kernel can show.
@@ -35,6 +38,11 @@ class Attention(nn.Module):
         self.split = (q_width, kv_width, kv_width)
         self.qkv = nn.Linear(config.d_model, q_width + 2 * kv_width, bias=config.attn_bias)
         self.out = nn.Linear(q_width, config.d_model, bias=config.attn_out_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm != "none":
+            over_heads = config.qk_norm == "all"
+            self.q_norm = QKNorm(self.n_heads, self.d_head, config.norm_eps, over_heads)
+            self.k_norm = QKNorm(self.n_kv_heads, self.d_head, config.norm_eps, over_heads)
         self.rotary = Rotary() if config.position == "rope" else None
         self.kernel = KERNELS[config.attention_kernel]
         self.scale = None if config.scale_scores else 1.0  # None: the kernels' 1/√d_head
@@ -56,6 +64,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_head)
         k = k.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
         v = v.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
+        if self.q_norm is not None:
+            q, k = hook(site + ".q_norm", self.q_norm(q)), hook(site + ".k_norm", self.k_norm(k))
         if rope is not None:
             q = self.rotary(q, *rope)
             if cache is None or not cache.rotates_keys:  # else rotated at their cache positions

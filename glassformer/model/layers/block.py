@@ -2,6 +2,7 @@
 
     pre  (GPT-2, Llama, T5):  x = x + Attn(Norm1(x));   x = x + FFN(Norm2(x))
     post (GPT-1, Vaswani):    x = Norm1(x + Attn(x));   x = Norm2(x + FFN(x))
+    out  (OLMo 2):            x = x + AttnOutNorm(Attn(x));   x = x + MlpOutNorm(FFN(x))
 
 A decoder block of an encoder-decoder (`cross=True`) has a third sublayer between the two,
 cross-attention to the encoder's output m, placed the same way:
@@ -33,13 +34,16 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         site = f"{prefix}blocks.{layer}"
-        self.pre_norm = config.norm_placement == "pre"
-        self.norm1 = make_norm(config)
+        self.post_norm = config.norm_placement == "post"
+        inputs, outputs = config.norm_placement != "out", config.norm_placement == "out"
+        self.norm1 = make_norm(config) if inputs else None
         self.attn = Attention(config, hooks, site + ".attn", layer)
         self.norm_cross = make_norm(config) if cross else None
         self.cross = CrossAttention(config, hooks, site + ".cross") if cross else None
-        self.norm2 = make_norm(config)
+        self.norm2 = make_norm(config) if inputs else None
         self.mlp = FeedForward(config, hooks, site + ".mlp")
+        self.attn_out_norm = make_norm(config) if outputs else None
+        self.mlp_out_norm = make_norm(config) if outputs else None
         self.dropout = nn.Dropout(config.dropout)
         self.hooks, self.site = hooks, site
 
@@ -53,17 +57,24 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         hook, site = self.hooks, self.site
         x = hook(site + ".resid_pre", x)  # (B, T, d)
-        if self.pre_norm:
-            x = x + self.dropout(self.attn(hook(site + ".norm1", self.norm1(x)), mask, rope, cache))
-            if self.cross is not None:
-                x = hook(site + ".resid_self", x)
-                x = x + self.dropout(self.cross(hook(site + ".norm_cross", self.norm_cross(x)), *cross))
-            x = hook(site + ".resid_mid", x)
-            x = x + self.dropout(self.mlp(hook(site + ".norm2", self.norm2(x))))
-        else:
+        if self.post_norm:
             x = hook(site + ".norm1", self.norm1(x + self.dropout(self.attn(x, mask, rope, cache))))
             if self.cross is not None:
                 x = hook(site + ".norm_cross", self.norm_cross(x + self.dropout(self.cross(x, *cross))))
             x = hook(site + ".resid_mid", x)
             x = hook(site + ".norm2", self.norm2(x + self.dropout(self.mlp(x))))
+            return hook(site + ".resid_post", x)
+        # pre or out: each sublayer through the input norm and the output norm the block has
+        attended = self.attn(self._norm("norm1", x), mask, rope, cache)
+        x = x + self.dropout(self._norm("attn_out_norm", attended))
+        if self.cross is not None:
+            x = hook(site + ".resid_self", x)
+            x = x + self.dropout(self.cross(hook(site + ".norm_cross", self.norm_cross(x)), *cross))
+        x = hook(site + ".resid_mid", x)
+        x = x + self.dropout(self._norm("mlp_out_norm", self.mlp(self._norm("norm2", x))))
         return hook(site + ".resid_post", x)
+
+    def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The block's norm `name` of x, shown at its site; x itself where the block has none."""
+        norm = getattr(self, name)
+        return x if norm is None else self.hooks(f"{self.site}.{name}", norm(x))

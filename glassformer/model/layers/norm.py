@@ -36,6 +36,22 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class QKNorm(RMSNorm):
+    """RMSNorm of queries or keys (B, heads, T, d_head): over each head's d_head (Qwen3), or
+    over all heads side by side, heads · d_head wide (OLMo 2: `over_heads`)."""
+
+    def __init__(self, n_heads: int, d_head: int, eps: float, over_heads: bool) -> None:
+        super().__init__(n_heads * d_head if over_heads else d_head, eps)
+        self.over_heads = over_heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.over_heads:
+            return super().forward(x)
+        B, H, T, D = x.shape
+        whole = x.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H·d_head): heads side by side
+        return super().forward(whole).view(B, T, H, D).transpose(1, 2)  # (B, H, T, d_head)
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
     """The configured norm over d_model."""
     if config.norm == "rmsnorm":
