@@ -43,7 +43,8 @@ def count_parameters(model: Transformer | EncoderDecoder) -> dict[str, int]:
             if block.cross is not None:
                 counts[f"{prefix}blocks.{i}.cross_attention"] = unique(block.cross)
             counts[f"{prefix}blocks.{i}.feedforward"] = unique(block.mlp)
-            counts[f"{prefix}blocks.{i}.norms"] = unique(block.norm1, block.norm_cross, block.norm2)
+            counts[f"{prefix}blocks.{i}.norms"] = unique(block.norm1, block.norm_cross, block.norm2,
+                                                            block.attn_out_norm, block.mlp_out_norm)
         counts[prefix + "final_norm"] = unique(stack.final_norm)
     for name in ("head_transform", "pooler"):
         if getattr(model, name, None) is not None:

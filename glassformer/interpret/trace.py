@@ -17,10 +17,12 @@ Every site, in the order the forward pass reaches it, with the tensor's dimensio
     blocks.{i}.attn.pattern    (batch, head, query, key)        α = softmax(A + M)
     blocks.{i}.attn.context    (batch, head, pos, d_head)       α V
     blocks.{i}.attn.out        (batch, pos, d_model)            concat(heads) W_O
+    blocks.{i}.attn_out_norm   (batch, pos, d_model)            Norm(attn.out) (sandwich only)
     blocks.{i}.resid_mid       (batch, pos, d_model)            x + Attn(...)
     blocks.{i}.norm2           (batch, pos, d_model)            Norm(x) (post-norm: Norm(x + FFN(x)))
     blocks.{i}.mlp.hidden      (batch, pos, d_ff)               σ(x W_up), or σ(x W_gate) ⊙ x W_up
     blocks.{i}.mlp.out         (batch, pos, d_model)            hidden W_down
+    blocks.{i}.mlp_out_norm    (batch, pos, d_model)            Norm(mlp.out) (sandwich only)
     blocks.{i}.resid_post      (batch, pos, d_model)            residual stream leaving block i
     final_norm                 (batch, pos, d_model)            h = Norm(x) (when the model has one)
     head_transform             (batch, pos, d_model)            Norm(σ(h W_t)) (head = "mlm")
@@ -69,10 +71,12 @@ LAYER_SITES = {
     "attn.pattern": ("batch", "head", "query", "key"),
     "attn.context": ("batch", "head", "pos", "d_head"),
     "attn.out": ("batch", "pos", "d_model"),
+    "attn_out_norm": ("batch", "pos", "d_model"),
     "resid_mid": ("batch", "pos", "d_model"),
     "norm2": ("batch", "pos", "d_model"),
     "mlp.hidden": ("batch", "pos", "d_ff"),
     "mlp.out": ("batch", "pos", "d_model"),
+    "mlp_out_norm": ("batch", "pos", "d_model"),
     "resid_post": ("batch", "pos", "d_model"),
 }
 OUTPUT_SITES = {
@@ -105,6 +109,8 @@ def site_names(config: ModelConfig) -> list[str]:
         names.append("embed.token_types")
     names.append("embed.out")
     layer = list(LAYER_SITES)
+    if config.norm_placement != "sandwich":
+        layer = [site for site in layer if site not in ("attn_out_norm", "mlp_out_norm")]
     if config.norm_placement == "post":  # each norm follows its residual add
         for norm, before in (("norm1", "resid_mid"), ("norm2", "resid_post")):
             layer.remove(norm)

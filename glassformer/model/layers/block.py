@@ -2,6 +2,8 @@
 
     pre  (GPT-2, Llama, T5):  x = x + Attn(Norm1(x));   x = x + FFN(Norm2(x))
     post (GPT-1, Vaswani):    x = Norm1(x + Attn(x));   x = Norm2(x + FFN(x))
+    sandwich (Gemma 2):       x = x + AttnOutNorm(Attn(Norm1(x)));
+                              x = x + MlpOutNorm(FFN(Norm2(x)))
 
 A decoder block of an encoder-decoder (`cross=True`) has a third sublayer between the two,
 cross-attention to the encoder's output m, placed the same way:
@@ -33,13 +35,16 @@ class Block(nn.Module):
     ) -> None:
         super().__init__()
         site = f"{prefix}blocks.{layer}"
-        self.pre_norm = config.norm_placement == "pre"
+        self.pre_norm = config.norm_placement in ("pre", "sandwich")
+        sandwich = config.norm_placement == "sandwich"
         self.norm1 = make_norm(config)
         self.attn = Attention(config, hooks, site + ".attn", layer)
         self.norm_cross = make_norm(config) if cross else None
         self.cross = CrossAttention(config, hooks, site + ".cross") if cross else None
         self.norm2 = make_norm(config)
         self.mlp = FeedForward(config, hooks, site + ".mlp")
+        self.attn_out_norm = make_norm(config) if sandwich else None
+        self.mlp_out_norm = make_norm(config) if sandwich else None
         self.dropout = nn.Dropout(config.dropout)
         self.hooks, self.site = hooks, site
 
@@ -54,12 +59,18 @@ class Block(nn.Module):
         hook, site = self.hooks, self.site
         x = hook(site + ".resid_pre", x)  # (B, T, d)
         if self.pre_norm:
-            x = x + self.dropout(self.attn(hook(site + ".norm1", self.norm1(x)), mask, rope, cache))
+            attended = self.attn(hook(site + ".norm1", self.norm1(x)), mask, rope, cache)
+            if self.attn_out_norm is not None:
+                attended = hook(site + ".attn_out_norm", self.attn_out_norm(attended))
+            x = x + self.dropout(attended)
             if self.cross is not None:
                 x = hook(site + ".resid_self", x)
                 x = x + self.dropout(self.cross(hook(site + ".norm_cross", self.norm_cross(x)), *cross))
             x = hook(site + ".resid_mid", x)
-            x = x + self.dropout(self.mlp(hook(site + ".norm2", self.norm2(x))))
+            fed = self.mlp(hook(site + ".norm2", self.norm2(x)))
+            if self.mlp_out_norm is not None:
+                fed = hook(site + ".mlp_out_norm", self.mlp_out_norm(fed))
+            x = x + self.dropout(fed)
         else:
             x = hook(site + ".norm1", self.norm1(x + self.dropout(self.attn(x, mask, rope, cache))))
             if self.cross is not None:
