@@ -53,8 +53,8 @@ class Embedding(nn.Module):
                 token_types: torch.Tensor | None = None) -> torch.Tensor:
         """token_types (B, T): segment ids, all 0 when not given."""
         x = self.tokens(ids)  # (B, T, d)
-        if self.scale is not None:  # the factor rounded to x's dtype first, as Gemma's code does
-            x = x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
+        if self.scale is not None:  # the factor in float32, then in x's dtype, as Gemma's code has it
+            x = x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
         x = self.hooks("embed.tokens", x)
         if self.positions is not None:
             x = x + self.hooks("embed.positions", self.positions(positions).to(x.dtype))
