@@ -9,6 +9,7 @@ llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (li
 Llama) rotates halves (x_i, x_i+d/2). Its converter therefore permutes the rows of W_Q and W_K
 within each head: row (half, i) of the original is stored at (i, half). `unpermute_rows` puts
 them back, so the model computes exactly what the original checkpoint computes.
+Gemma and Gemma 2 files (gguf_gemma.py) keep W_Q and W_K as they are and their norms as 1 + w.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer, from_gguf_metadata
 from .empty_model import empty_model
 from .gguf_file import GGUFFile
+from .gguf_gemma import GEMMA_ARCHITECTURES, NORM_SHIFT, SANDWICH_NORMS, gemma_fields
 from .validate import check_model, check_tensor
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", *GEMMA_ARCHITECTURES)
 _CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
 
 
@@ -41,10 +43,11 @@ class Target:
     param: str
     rows: tuple[int, int] | None = None  # [start, stop) of the parameter's rows; None: all
     heads: int | None = None  # set for W_Q / W_K stored in llama.cpp's RoPE layout
+    shift: float = 0.0  # the file stores the parameter plus this (Gemma's norms: 1)
 
 
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
-    """The Llama-family architecture described by `{arch}.*` metadata."""
+    """The Llama-family (or Gemma) architecture described by `{arch}.*` metadata."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InputError(None, f"unsupported GGUF architecture {arch!r} "
@@ -79,11 +82,14 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
         raise InputError(None, f"unsupported GGUF RoPE scaling {scaling!r}")
     if "token_embd.weight" not in tensors:
         raise InputError(None, "GGUF lacks the tensor token_embd.weight")
+    n_layers = count("block_count")
+    gemma = gemma_fields(arch, meta, n_layers, d_model, n_heads, d_head) if arch != "llama" else {}
+    fields = {"activation": "silu", **gemma}
     return ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[0]),
         context_length=count("context_length"),
         d_model=d_model,
-        n_layers=count("block_count"),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=count("attention.head_count_kv", n_heads),
         d_head=d_head if d_head * n_heads != d_model else None,
@@ -94,39 +100,45 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
         rope_factor=number("rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
         norm="rmsnorm",
         norm_eps=number("attention.layer_norm_rms_epsilon"),
-        activation="silu",
         gated=True,
         attn_bias=False,
         attn_out_bias=False,
         mlp_bias=False,
         tie_embeddings="output.weight" not in tensors,
+        **fields,
     )
 
 
 def tensor_map(config: ModelConfig) -> dict[str, Target]:
-    """GGUF tensor name -> Target, for every tensor a Llama-family file must hold."""
+    """GGUF tensor name -> Target, for every tensor a Llama-family (or Gemma) file must hold."""
     H, KV, dh, ff = config.n_heads, config.kv_heads, config.head_dim, config.ff_dim
+    gemma = config.norm_weight_offset == NORM_SHIFT  # W_Q, W_K unpermuted; norms stored 1 + w
+    shift = NORM_SHIFT if gemma else 0.0
+    q_heads, k_heads = (None, None) if gemma else (H, KV)
     names = {
         "token_embd.weight": Target("embed.tokens.weight"),
-        "output_norm.weight": Target("final_norm.weight"),
+        "output_norm.weight": Target("final_norm.weight", shift=shift),
     }
     if not config.tie_embeddings:
         names["output.weight"] = Target("lm_head.weight")
     for i in range(config.n_layers):
         b = f"blocks.{i}"
         names.update({
-            f"blk.{i}.attn_norm.weight": Target(f"{b}.norm1.weight"),
-            f"blk.{i}.attn_q.weight": Target(f"{b}.attn.qkv.weight", (0, H * dh), H),
+            f"blk.{i}.attn_norm.weight": Target(f"{b}.norm1.weight", shift=shift),
+            f"blk.{i}.attn_q.weight": Target(f"{b}.attn.qkv.weight", (0, H * dh), q_heads),
             f"blk.{i}.attn_k.weight": Target(f"{b}.attn.qkv.weight",
-                                             (H * dh, (H + KV) * dh), KV),
+                                             (H * dh, (H + KV) * dh), k_heads),
             f"blk.{i}.attn_v.weight": Target(f"{b}.attn.qkv.weight",
                                              ((H + KV) * dh, (H + 2 * KV) * dh)),
             f"blk.{i}.attn_output.weight": Target(f"{b}.attn.out.weight"),
-            f"blk.{i}.ffn_norm.weight": Target(f"{b}.norm2.weight"),
+            f"blk.{i}.ffn_norm.weight": Target(f"{b}.norm2.weight", shift=shift),
             f"blk.{i}.ffn_gate.weight": Target(f"{b}.mlp.up.weight", (0, ff)),
             f"blk.{i}.ffn_up.weight": Target(f"{b}.mlp.up.weight", (ff, 2 * ff)),
             f"blk.{i}.ffn_down.weight": Target(f"{b}.mlp.down.weight"),
         })
+        if config.norm_placement == "sandwich":
+            names |= {f"blk.{i}.{theirs}.weight": Target(f"{b}.{ours}.weight", shift=shift)
+                      for theirs, ours in SANDWICH_NORMS.items()}
     return names
 
 
@@ -139,7 +151,8 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         b = f"blocks.{i}."
         shapes |= {b + "norm1.weight": (d,), b + "attn.qkv.weight": (H + 2 * KV, d),
                    b + "attn.out.weight": (d, H), b + "norm2.weight": (d,),
-                   b + "mlp.up.weight": (2 * ff, d), b + "mlp.down.weight": (d, ff)}
+                   b + "mlp.up.weight": (2 * ff, d), b + "mlp.down.weight": (d, ff),
+                   b + "attn_out_norm.weight": (d,), b + "mlp_out_norm.weight": (d,)}
     return shapes
 
 
@@ -186,6 +199,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
                 if target.rows is not None:
                     dest = dest[target.rows[0]:target.rows[1]]
                 _fill(file, name, dest, target.heads)
+                dest.sub_(target.shift)
                 check_tensor(dest, name, str(path))
                 file.release(name)
     check_model(model, str(path), parameters=False)  # block scales kept as they are

@@ -31,6 +31,8 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .gguf import config_from_metadata, tensor_map
+from .gguf_gemma import gemma_metadata
+from .huggingface_gemma import is_gemma
 from .validate import check_model_finite
 
 # --dtype -> (the matrices' GGML type, general.file_type)
@@ -51,25 +53,36 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def architecture(config: ModelConfig) -> str:
+    """llama.cpp's name for the architecture: gemma2 (sandwich norms) or gemma for Gemma's
+    norms and embeddings, llama otherwise."""
+    if not is_gemma(config):
+        return "llama"
+    return "gemma2" if config.norm_placement == "sandwich" else "gemma"
+
+
 def gguf_metadata(config: ModelConfig) -> dict:
-    """The `llama.*` values, checked to read back as `config`."""
+    """The `{arch}.*` values, checked to read back as `config`."""
+    arch = architecture(config)
     meta = {
-        "general.architecture": "llama",
-        "llama.context_length": config.context_length,
-        "llama.embedding_length": config.d_model,
-        "llama.block_count": config.n_layers,
-        "llama.feed_forward_length": config.ff_dim,
-        "llama.attention.head_count": config.n_heads,
-        "llama.attention.head_count_kv": config.kv_heads,
-        "llama.attention.key_length": config.head_dim,
-        "llama.attention.value_length": config.head_dim,
-        "llama.rope.dimension_count": config.head_dim,
-        "llama.rope.freq_base": _f32(config.rope_theta),
-        "llama.attention.layer_norm_rms_epsilon": _f32(config.norm_eps),
+        "general.architecture": arch,
+        f"{arch}.context_length": config.context_length,
+        f"{arch}.embedding_length": config.d_model,
+        f"{arch}.block_count": config.n_layers,
+        f"{arch}.feed_forward_length": config.ff_dim,
+        f"{arch}.attention.head_count": config.n_heads,
+        f"{arch}.attention.head_count_kv": config.kv_heads,
+        f"{arch}.attention.key_length": config.head_dim,
+        f"{arch}.attention.value_length": config.head_dim,
+        f"{arch}.rope.dimension_count": config.head_dim,
+        f"{arch}.rope.freq_base": _f32(config.rope_theta),
+        f"{arch}.attention.layer_norm_rms_epsilon": _f32(config.norm_eps),
     }
+    meta |= {key: _f32(v) if isinstance(v, float) else v
+             for key, v in gemma_metadata(arch, config).items()}
     if config.rope_scaling != "none":
-        meta |= {"llama.rope.scaling.type": config.rope_scaling,
-                 "llama.rope.scaling.factor": _f32(config.rope_factor)}
+        meta |= {f"{arch}.rope.scaling.type": config.rope_scaling,
+                 f"{arch}.rope.scaling.factor": _f32(config.rope_factor)}
     tensors = {"token_embd.weight": SimpleNamespace(shape=(config.vocab_size, config.d_model))}
     if not config.tie_embeddings:
         tensors["output.weight"] = tensors["token_embd.weight"]
@@ -84,7 +97,7 @@ def gguf_metadata(config: ModelConfig) -> dict:
             ours, theirs = _f32(ours), _f32(theirs)
         if field not in _FREE and theirs != ours:
             raise InputError(field, f"{getattr(config, field)!r} cannot be exported to GGUF "
-                             f"(a llama GGUF file says {getattr(read, field)!r})")
+                             f"(a {arch} GGUF file says {getattr(read, field)!r})")
     return meta
 
 
@@ -162,7 +175,7 @@ def export_gguf(model: Transformer, tokenizer, path: str | Path, dtype: str = "f
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
     os.close(fd)
     try:
-        writer = GGUFWriter(tmp, "llama")
+        writer = GGUFWriter(tmp, meta["general.architecture"])
         writer.add_file_type(int(file_type))
         for key, value in meta.items():
             _add(writer, key, value)
@@ -191,7 +204,7 @@ def _tensors(model: Transformer, config: ModelConfig) -> dict[str, np.ndarray]:
         w = params[target.param]
         if target.rows is not None:
             w = w[target.rows[0]:target.rows[1]]
-        w = np.ascontiguousarray(w.numpy())
+        w = np.ascontiguousarray((w + target.shift if target.shift else w).numpy())
         out[name] = permute_rows(w, target.heads) if target.heads else w
     return out
 
@@ -205,7 +218,7 @@ def _add(writer: GGUFWriter, key: str, value) -> None:
         writer.add_token_list(value)
     elif key == "tokenizer.ggml.token_type":
         writer.add_token_types(value)
-    elif key == "llama.rope.scaling.type":
+    elif key.endswith(".rope.scaling.type"):
         writer.add_rope_scaling_type(RopeScalingType(value))
     elif key == "general.architecture":
         return  # GGUFWriter writes it from its arch

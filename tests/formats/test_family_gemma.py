@@ -8,13 +8,16 @@ import pytest
 import torch
 
 from glassformer.formats.export import export_hf
+from glassformer.formats.gguf import load_gguf
+from glassformer.formats.gguf_export import export_gguf, gguf_metadata
 from glassformer.formats.huggingface import config_from_hf, load_hf_model
+from glassformer.formats.tokenizers import HFTokenizer
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.serving import Engine, EngineConfig, RequestParams
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 97
+VOCAB = 300
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
              num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
              initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -24,6 +27,10 @@ CONFIGS = {
     "gemma2": lambda: transformers.Gemma2Config(
         **SIZES, num_hidden_layers=3, sliding_window=5, query_pre_attn_scalar=20,
         attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    # what a GGUF file can say: llama.cpp's even sliding layers, scores times head_dim^-½
+    "gemma2-gguf": lambda: transformers.Gemma2Config(
+        **{**SIZES, "head_dim": 256}, num_hidden_layers=3, sliding_window=5,
+        query_pre_attn_scalar=256),
     "gemma2-layer-types": lambda: transformers.Gemma2Config(
         **SIZES, num_hidden_layers=3, sliding_window=4, attention_bias=True,
         layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
@@ -80,14 +87,15 @@ def test_greedy_tokens_of_generate_and_the_engine_equal_transformers(pair):
 def test_config_fields(pair):
     name, _, model, _ = pair
     c = model.config
-    assert (c.norm_weight_offset, c.embed_scale, c.activation, c.gated, c.d_head) == (
-        1.0, True, "gelu_tanh", True, 12)
+    assert (c.norm_weight_offset, c.embed_scale, c.activation, c.gated) == (
+        1.0, True, "gelu_tanh", True)
     if name == "gemma":
         assert (c.norm_placement, c.attn_softcap, c.layer_windows) == ("pre", None, None)
+    if name in ("gemma2", "gemma2-gguf"):
+        assert c.layer_windows == (5, None, 5)  # Gemma2Config: the even layers slide
     if name == "gemma2":
         assert (c.norm_placement, c.attn_scale, c.attn_softcap, c.final_softcap) == (
             "sandwich", 20.0, 2.0, 3.0)
-        assert c.layer_windows == (5, None, 5)  # Gemma2Config: the even layers slide
     if name == "gemma2-layer-types":
         assert c.layer_windows == (None, 4, 4) and c.attn_bias and c.attn_out_bias
 
@@ -114,3 +122,34 @@ def test_a_math_changing_field_not_computed_is_refused_by_name(kind, change, fie
     with pytest.raises(ValueError) as error:
         config_from_hf(hf)
     assert error.value.field == field
+
+
+def _tokenizer():
+    text = "the quick brown fox jumps over the lazy dog. pack my box with five dozen jugs. " * 30
+    return HFTokenizer.train_bpe([text] * 4, VOCAB)
+
+
+def test_gguf_round_trip_computes_what_transformers_computes(pair, tmp_path):
+    """Exported as llama.cpp names it (gemma, gemma2: norms stored as 1 + w) and read back:
+    the same logits as transformers; a Gemma 2 llama.cpp cannot say is refused by name."""
+    name, reference, model, _ = pair
+    path = tmp_path / "model.gguf"
+    if name in ("gemma2", "gemma2-layer-types"):
+        field = "attn_scale" if name == "gemma2" else "attn_bias"  # the first field refused
+        with pytest.raises(ValueError) as error:
+            export_gguf(model, _tokenizer(), path)
+        assert error.value.field == field and not path.exists()
+        if name == "gemma2-layer-types":  # a global first layer: llama.cpp slides on layer 0
+            with pytest.raises(ValueError) as error:
+                gguf_metadata(model.config.replace(attn_bias=False, attn_out_bias=False, attn_scale=12.0))
+            assert error.value.field == "layer_windows"
+        return
+    export_gguf(model, _tokenizer(), path)
+    again, _ = load_gguf(path)
+    assert again.config.replace(norm_eps=model.config.norm_eps) == model.config  # eps in float32
+    with torch.no_grad():
+        torch.testing.assert_close(again(IDS), reference(IDS).logits, atol=1e-5, rtol=1e-4)
+    if name == "gemma2-gguf":  # transformers reads gemma2 GGUF files too
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=1e-4)
