@@ -28,7 +28,7 @@ def gemma_config(hf: dict[str, Any], rope_fields: dict[str, Any]) -> ModelConfig
     """The ModelConfig of a Gemma / Gemma 2 config.json; `rope_fields`: its RoPE fields as
     huggingface.py reads them (rope_theta and any scaling)."""
     second = hf["model_type"] == "gemma2"
-    act = hf.get("hidden_activation" if second else "hidden_act") or hf.get("hidden_act", "gelu_pytorch_tanh")
+    act = hf.get("hidden_activation" if second else "hidden_act", "gelu_pytorch_tanh")
     activation = _ACTIVATIONS.get(act) or {"gelu": "gelu" if second else "gelu_tanh"}.get(act)
     if activation is None:
         raise InputError("hidden_activation", f"unsupported Gemma activation {act!r}")

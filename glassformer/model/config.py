@@ -179,6 +179,8 @@ class ModelConfig(ConfigFields):
                 raise InputError(name, f"must be a positive number or None, got {value!r}")
         if self.attn_scale is not None and not self.scale_scores:
             raise InputError("attn_scale", "sets the scores' scale, which scale_scores=False removes")
+        if self.norm_placement == "sandwich" and self.n_encoder_layers:
+            raise InputError("norm_placement", "sandwich norms are for decoder-only models")
         if self.norm_weight_offset and self.norm != "rmsnorm":
             raise InputError("norm_weight_offset", "applies to norm='rmsnorm' only")
         windows = self.layer_windows
