@@ -7,8 +7,9 @@ The model is SmolLM2-135M's shape (30 layers, d 576, 9 heads on 3 KV heads, voca
 random weights, made and saved by transformers as a Hugging Face folder, so both libraries read
 the same weights. The steps, each recorded even when another fails:
 1. `pytest -m cuda`: the tests that repeat the oracle tests on the device;
-2. one-stream greedy decode of 128 tokens: Glassformer (float32, bfloat16) against transformers
-   bfloat16 with a static cache (its best setting) and float32 with its dynamic cache; the
+2. one-stream greedy decode of 128 tokens: Glassformer (float32, bfloat16, and bfloat16 with the
+   compiled static step, CUDA graphs) against transformers bfloat16 with a static cache (its
+   best setting) and float32 with its dynamic cache; the
    greedy tokens of Glassformer float32 against transformers float32;
 3. the engine at `--requests` concurrent requests x 128 tokens against transformers' batched
    `generate` of the same prompts (one padded batch);
@@ -86,11 +87,13 @@ def one_stream(folder: Path, device: torch.device, repeats: int) -> dict:
     from glassformer import load
     from glassformer.generation.generate import GenerationConfig, generate
 
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_ids=())
     figures, tokens = {}, {}
-    for name, dtype in (("glassformer fp32", torch.float32), ("glassformer bf16", torch.bfloat16)):
+    for name, dtype, compiled in (("glassformer fp32", torch.float32, False),
+                                  ("glassformer bf16", torch.bfloat16, False),
+                                  ("glassformer bf16 compiled", torch.bfloat16, True)):
+        config = GenerationConfig(max_new_tokens=NEW_TOKENS, eos_ids=(), compile=compiled)
         model = load(folder, dtype=dtype, progress=False).model.to(device)
-        seconds = best_of(lambda m=model: generate(m, PROMPT, config), device, repeats)
+        seconds = best_of(lambda m=model, c=config: generate(m, PROMPT, c), device, repeats)
         figures[name] = NEW_TOKENS / seconds
         tokens[name] = generate(model, PROMPT, config).generated_ids
         del model

@@ -70,6 +70,19 @@ def configs(draw) -> tuple[ModelConfig, str]:
         scaling = draw(st.sampled_from(["none", "linear", "ntk", "yarn"]))
         rope = {"rope_scaling": scaling, "rope_factor": 1.0 if scaling == "none" else 2.0,
                 "rope_theta": draw(st.sampled_from([100.0, 10000.0]))}
+    norm = draw(st.sampled_from(["layernorm", "rmsnorm"]))
+    scale_scores = draw(st.booleans())
+    # Gemma's pieces: per-layer windows (then no model-wide one), soft-caps, the score scale
+    sliding_window = draw(st.sampled_from([None, 5, 12]))
+    layer_windows = draw(st.sampled_from([None, (4, None), (None, 7)])) if sliding_window is None else None
+    gemma = {
+        "norm_weight_offset": draw(st.sampled_from([0.0, 1.0])) if norm == "rmsnorm" else 0.0,
+        "embed_scale": draw(st.booleans()),
+        "attn_softcap": draw(st.sampled_from([None, 0.5, 20.0])),
+        "final_softcap": draw(st.sampled_from([None, 1.0, 30.0])),
+        "attn_scale": draw(st.sampled_from([None, 4.0, 64.0])) if scale_scores else None,
+        "layer_windows": layer_windows,
+    }
     config = ModelConfig(
         vocab_size=draw(st.sampled_from([50, 64, 97])),
         context_length=64,
@@ -81,8 +94,8 @@ def configs(draw) -> tuple[ModelConfig, str]:
         d_ff=draw(st.sampled_from([None, 40, 72, 100])),
         position=position,
         **rope,
-        norm=draw(st.sampled_from(["layernorm", "rmsnorm"])),
-        norm_placement=draw(st.sampled_from(["pre", "post", "out"])),
+        norm=norm,
+        norm_placement=draw(st.sampled_from(["pre", "post", "out", "sandwich"])),
         qk_norm=draw(st.sampled_from(["none", "head", "all"])),
         norm_bias=draw(st.booleans()),
         activation=draw(st.sampled_from(["relu", "gelu", "gelu_tanh", "silu"])),
@@ -93,11 +106,12 @@ def configs(draw) -> tuple[ModelConfig, str]:
         lm_head_bias=draw(st.booleans()),
         final_norm=draw(st.booleans()),
         tie_embeddings=draw(st.booleans()),
-        sliding_window=draw(st.sampled_from([None, 5, 12])),
+        sliding_window=sliding_window,
         attention_kernel=draw(st.sampled_from(["reference", "sdpa", "flash"])),
-        scale_scores=draw(st.booleans()),
+        scale_scores=scale_scores,
         scale_head_input=draw(st.booleans()),
         init_std=0.2,
+        **gemma,
     )
     return config, draw(st.sampled_from(FORMATS))
 

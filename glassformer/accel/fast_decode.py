@@ -62,6 +62,12 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "relative_max_distance": any_value("read with position='relative' only"),
     "scale_scores": any_value("scores times 1/sqrt(d_head), or 1"),
     "scale_head_input": any_value(_PYTHON),
+    "norm_weight_offset": only(0.0, reason="the norm rows multiply by the weight alone"),
+    "embed_scale": only(False, reason="the token row is taken as it is"),
+    "attn_softcap": only(None, reason="the attention rows take no soft-cap"),
+    "final_softcap": any_value(_PYTHON),
+    "attn_scale": only(None, reason="scores times 1/sqrt(d_head), or 1"),
+    "layer_windows": only(None, reason="one window for every layer"),
 })
 
 

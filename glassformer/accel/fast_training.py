@@ -69,6 +69,11 @@ CAPABILITIES = CapabilityTable("fused training passes", {
     "relative_max_distance": any_value(_MODULES),
     "scale_scores": any_value("the attention pass takes the scale"),
     "scale_head_input": any_value(_MODULES),
+    "norm_weight_offset": any_value("an RMSNorm with an offset keeps its module"),
+    "embed_scale": any_value(_MODULES), "final_softcap": any_value(_MODULES),
+    "attn_softcap": any_value("soft-capped attention runs the reference kernel, unconverted"),
+    "attn_scale": any_value("the attention pass takes the scale"),
+    "layer_windows": any_value(_PER_CALL),
 })
 
 
@@ -93,7 +98,7 @@ def use_fast_training(model: Transformer) -> Transformer:
 
 def _fast_twin(module: nn.Module, fused: bool, onednn: bool) -> nn.Module | None:
     """The replacement for one module, sharing its parameters; None to keep it."""
-    if fused and type(module) is RMSNorm:
+    if fused and type(module) is RMSNorm and not module.offset:
         twin = FusedRMSNorm(module.weight.shape[0], module.eps)
         twin.weight = module.weight
         return twin

@@ -40,7 +40,8 @@ CAPABILITIES = CapabilityTable("quantized linear kernels", {
         "norm_placement", "qk_norm", "norm_eps", "norm_bias",
         "activation", "final_norm", "causal", "sliding_window", "dropout", "attention_kernel",
         "init_std", "n_token_types", "embed_norm", "decoder_start_id", "relative_buckets",
-        "relative_max_distance", "scale_scores", "scale_head_input")},
+        "relative_max_distance", "scale_scores", "scale_head_input", "norm_weight_offset",
+        "embed_scale", "attn_softcap", "final_softcap", "attn_scale", "layer_windows")},
 })
 
 

@@ -25,6 +25,7 @@ from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .huggingface import GPT2_ACTIVATIONS, key_map
 from .huggingface_bert import bert_hf_config
+from .huggingface_gemma import gemma_hf_config, is_gemma
 from .huggingface_qk import qk_hf_config
 from .huggingface_t5 import t5_hf_config
 from .tokenizers import HFTokenizer
@@ -48,8 +49,12 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         return t5_hf_config(config)
     if not config.causal:
         return bert_hf_config(config)
+    if is_gemma(config):
+        return gemma_hf_config(config, _rope_scaling(config))
     _require(config, "a Hugging Face model", final_norm=True, causal=True,
-             lm_head_bias=False, scale_scores=True, scale_head_input=False)
+             lm_head_bias=False, scale_scores=True, scale_head_input=False, norm_weight_offset=0.0,
+             embed_scale=False, attn_softcap=None, final_softcap=None, attn_scale=None,
+             layer_windows=None)
     if config.qk_norm != "none" or config.norm_placement == "out":
         return qk_hf_config(config, _llama_hf_config(config))
     _require(config, "a Hugging Face model", norm_placement="pre")

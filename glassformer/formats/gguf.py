@@ -8,13 +8,14 @@ kernels read are copied as they are (no float32 copy of any of them, the token t
 Architectures (`general.architecture`, llama.cpp's names): llama, and three Llama blocks with a
 difference each (`ARCHITECTURES`): qwen2 (biases on q, k, v: attn_q.bias ...), qwen3 (RMSNorm
 per head on queries and keys: attn_q_norm, attn_k_norm) and olmo2 (those norms over all heads,
-and output norms in place of input norms: post_attention_norm, post_ffw_norm).
+and output norms in place of input norms: post_attention_norm, post_ffw_norm); Gemma and
+Gemma 2 (gguf_gemma.py), whose files keep their norms as 1 + w.
 
 For llama, llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (like
 Hugging Face Llama) rotates halves (x_i, x_i+d/2). Its converter therefore permutes the rows of
 W_Q and W_K within each head: row (half, i) of the original is stored at (i, half).
 `unpermute_rows` puts them back, so the model computes exactly what the original checkpoint
-computes. The other three rotate halves in llama.cpp too (its NEOX RoPE): their rows are as is.
+computes. The others rotate halves in llama.cpp too (its NEOX RoPE): their rows are as is.
 """
 
 from __future__ import annotations
@@ -34,16 +35,20 @@ from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer, from_gguf_metadata
 from .empty_model import empty_model
 from .gguf_file import GGUFFile
+from .gguf_gemma import GEMMA_ARCHITECTURES, NORM_SHIFT, gemma_fields
+from .huggingface_gemma import is_gemma
 from .validate import check_model, check_tensor
 
-# What each architecture computes beyond llama's blocks, as ModelConfig fields.
+# What each architecture computes beyond llama's blocks, as ModelConfig fields (Gemma's: gguf_gemma.py).
 ARCHITECTURES = {
     "llama": {},
     "qwen2": {"attn_bias": True},
     "qwen3": {"qk_norm": "head"},
     "olmo2": {"qk_norm": "all", "norm_placement": "out"},
 }
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = (*ARCHITECTURES, *GEMMA_ARCHITECTURES)
+# llama.cpp's names of the norms after attention and the feed-forward (OLMo 2, Gemma 2)
+OUTPUT_NORMS = {"post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm"}
 _CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
 
 
@@ -54,10 +59,11 @@ class Target:
     param: str
     rows: tuple[int, int] | None = None  # [start, stop) of the parameter's rows; None: all
     heads: int | None = None  # set for W_Q / W_K stored in llama.cpp's RoPE layout
+    shift: float = 0.0  # the file stores the parameter plus this (Gemma's norms: 1)
 
 
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
-    """The Llama-family architecture described by `{arch}.*` metadata."""
+    """The Llama-family (or Gemma) architecture described by `{arch}.*` metadata."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InputError(None, f"unsupported GGUF architecture {arch!r} "
@@ -92,11 +98,15 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
         raise InputError(None, f"unsupported GGUF RoPE scaling {scaling!r}")
     if "token_embd.weight" not in tensors:
         raise InputError(None, "GGUF lacks the tensor token_embd.weight")
+    n_layers = count("block_count")
+    fields = {"activation": "silu", "attn_bias": False, **ARCHITECTURES.get(arch, {})}
+    if arch in GEMMA_ARCHITECTURES:
+        fields |= gemma_fields(arch, meta, n_layers, d_model, n_heads, d_head)
     return ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[0]),
         context_length=count("context_length"),
         d_model=d_model,
-        n_layers=count("block_count"),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=count("attention.head_count_kv", n_heads),
         d_head=d_head if d_head * n_heads != d_model else None,
@@ -107,18 +117,19 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
         rope_factor=number("rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
         norm="rmsnorm",
         norm_eps=number("attention.layer_norm_rms_epsilon"),
-        activation="silu",
         gated=True,
         attn_out_bias=False,
         mlp_bias=False,
         tie_embeddings="output.weight" not in tensors,
-        **({"attn_bias": False} | ARCHITECTURES[arch]),
+        **fields,
     )
 
 
 def architecture(config: ModelConfig) -> str:
     """The llama.cpp architecture whose blocks `config` describes (the GGUF export checks that
     the file's metadata reads back as `config`)."""
+    if is_gemma(config):
+        return "gemma2" if config.norm_placement == "sandwich" else "gemma"
     if config.norm_placement == "out" or config.qk_norm == "all":
         return "olmo2"
     if config.qk_norm == "head":
@@ -127,22 +138,24 @@ def architecture(config: ModelConfig) -> str:
 
 
 def tensor_map(config: ModelConfig) -> dict[str, Target]:
-    """GGUF tensor name -> Target, for every tensor a Llama-family file must hold."""
+    """GGUF tensor name -> Target, for every tensor a Llama-family (or Gemma) file must hold."""
     H, KV, dh, ff = config.n_heads, config.kv_heads, config.head_dim, config.ff_dim
     permuted = architecture(config) == "llama"  # see the module's docstring
     qkv_rows = {"q": ((0, H * dh), H), "k": ((H * dh, (H + KV) * dh), KV),
                 "v": (((H + KV) * dh, (H + 2 * KV) * dh), None)}
+    shift = NORM_SHIFT if is_gemma(config) else 0.0  # a Gemma file's norms are 1 + w
     names = {
         "token_embd.weight": Target("embed.tokens.weight"),
-        "output_norm.weight": Target("final_norm.weight"),
+        "output_norm.weight": Target("final_norm.weight", shift=shift),
     }
     if not config.tie_embeddings:
         names["output.weight"] = Target("lm_head.weight")
     for i in range(config.n_layers):
         b = f"blocks.{i}"
-        norms = {"post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm"} if (
-            config.norm_placement == "out") else {"attn_norm": "norm1", "ffn_norm": "norm2"}
-        names.update({f"blk.{i}.{theirs}.weight": Target(f"{b}.{ours}.weight")
+        norms = {} if config.norm_placement == "out" else {"attn_norm": "norm1", "ffn_norm": "norm2"}
+        if config.norm_placement in ("out", "sandwich"):
+            norms |= OUTPUT_NORMS
+        names.update({f"blk.{i}.{theirs}.weight": Target(f"{b}.{ours}.weight", shift=shift)
                       for theirs, ours in norms.items()})
         for x, (rows, heads) in qkv_rows.items():
             names[f"blk.{i}.attn_{x}.weight"] = Target(f"{b}.attn.qkv.weight", rows,
@@ -221,6 +234,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
                 if target.rows is not None:
                     dest = dest[target.rows[0]:target.rows[1]]
                 _fill(file, name, dest, target.heads)
+                dest.sub_(target.shift)
                 check_tensor(dest, name, str(path))
                 file.release(name)
     check_model(model, str(path), parameters=False)  # block scales kept as they are

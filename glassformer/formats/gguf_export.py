@@ -32,6 +32,7 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .gguf import architecture, config_from_metadata, tensor_map
+from .gguf_gemma import gemma_metadata
 from .validate import check_model_finite
 
 # --dtype -> (the matrices' GGML type, general.file_type)
@@ -68,6 +69,8 @@ def gguf_metadata(config: ModelConfig) -> dict:
         "rope.freq_base": _f32(config.rope_theta),
         "attention.layer_norm_rms_epsilon": _f32(config.norm_eps),
     }.items()}
+    meta |= {key: _f32(v) if isinstance(v, float) else v
+             for key, v in gemma_metadata(arch, config).items()}
     if config.rope_scaling != "none":
         meta |= {f"{arch}.rope.scaling.type": config.rope_scaling,
                  f"{arch}.rope.scaling.factor": _f32(config.rope_factor)}
@@ -192,7 +195,7 @@ def _tensors(model: Transformer, config: ModelConfig) -> dict[str, np.ndarray]:
         w = params[target.param]
         if target.rows is not None:
             w = w[target.rows[0]:target.rows[1]]
-        w = np.ascontiguousarray(w.numpy())
+        w = np.ascontiguousarray((w + target.shift if target.shift else w).numpy())
         out[name] = permute_rows(w, target.heads) if target.heads else w
     return out
 

@@ -10,6 +10,8 @@ Three families, each an explicit key map (`key_map`) between Hugging Face names 
 - T5 (`model_type` t5, v1.0 and v1.1): an encoder-decoder; its config and key map live in
   huggingface_t5.py.
 - BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (huggingface_bert.py).
+- Gemma (gemma, gemma2): Llama's block with Gemma's norms, embedding scale, GeGLU, and
+  Gemma 2's sandwich norms, soft-caps and sliding layers (huggingface_gemma.py).
 Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
 """
 
@@ -29,6 +31,7 @@ from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .files import read_json_object
 from .huggingface_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
+from .huggingface_gemma import GEMMA_TYPES, gemma_config, gemma_keys
 from .huggingface_qk import QK_TYPES, family_fields, qwen_window, with_defaults
 from .huggingface_t5 import t5_config, t5_keys
 from .tensor_map import Entry
@@ -60,6 +63,8 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
             return t5_config(hf)
         if kind == "bert":
             return bert_config(hf, pooler)
+        if kind in GEMMA_TYPES:
+            return gemma_config(hf, rope_fields(hf))
     except KeyError as error:
         raise InputError(None, f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
     except InputError:
@@ -68,7 +73,7 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
         raise InputError(None, f"config.json: a value this model_type ({kind!r}) cannot take "
                          f"({type(error).__name__}: {error})") from None
     raise InputError(None, f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
-                     f"{', '.join(QK_TYPES)}, t5, bert)")
+                     f"{', '.join(QK_TYPES)}, t5, bert, {', '.join(GEMMA_TYPES)})")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
@@ -105,14 +110,19 @@ def _rope_scaling(rope_type: str, rope: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _llama_config(hf: dict[str, Any]) -> ModelConfig:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise InputError(None, f"unsupported hidden_act {hf['hidden_act']!r} (expected silu)")
+def rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig's RoPE fields (rope_theta and any scaling) of a config.json."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise InputError(None, f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return {"rope_theta": float(theta), **_rope_scaling(rope_type, rope)}
+
+
+def _llama_config(hf: dict[str, Any]) -> ModelConfig:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise InputError(None, f"unsupported hidden_act {hf['hidden_act']!r} (expected silu)")
     qwen = hf["model_type"] == "qwen2"
     # Qwen names a window but uses it only with use_sliding_window, on some layers
     window = qwen_window(hf) if hf["model_type"] in ("qwen2", "qwen3") else hf.get("sliding_window")
@@ -123,8 +133,7 @@ def _llama_config(hf: dict[str, Any]) -> ModelConfig:
         d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         d_head=d_head if d_head * n_heads != hf["hidden_size"] else None,
-        d_ff=hf["intermediate_size"], position="rope", rope_theta=float(theta),
-        **_rope_scaling(rope_type, rope),
+        d_ff=hf["intermediate_size"], position="rope", **rope_fields(hf),
         norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="silu", gated=True,
         attn_bias=qwen or bool(hf.get("attention_bias", False)),
         attn_out_bias=not qwen and bool(hf.get("attention_bias", False)),
@@ -141,6 +150,8 @@ def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
         return [Entry(hf, ours, rows) for hf, ours, rows in t5_keys(config)]
     if model_type == "bert":
         return bert_keys(config)
+    if model_type in GEMMA_TYPES:
+        return gemma_keys(config)
     return _llama_keys(config)  # llama, mistral, qwen2, qwen3, olmo2: the config says which parts
 
 

@@ -19,12 +19,12 @@ Every site, in the order the forward pass reaches it, with the tensor's dimensio
     blocks.{i}.attn.pattern    (batch, head, query, key)        α = softmax(A + M)
     blocks.{i}.attn.context    (batch, head, pos, d_head)       α V
     blocks.{i}.attn.out        (batch, pos, d_model)            concat(heads) W_O
-    blocks.{i}.attn_out_norm   (batch, pos, d_model)            Norm(Attn(x)) (norm_placement "out")
+    blocks.{i}.attn_out_norm   (batch, pos, d_model)            Norm(Attn(x)) (out, sandwich)
     blocks.{i}.resid_mid       (batch, pos, d_model)            x + Attn(...)
     blocks.{i}.norm2           (batch, pos, d_model)            Norm(x) (post-norm: Norm(x + FFN(x)))
     blocks.{i}.mlp.hidden      (batch, pos, d_ff)               σ(x W_up), or σ(x W_gate) ⊙ x W_up
     blocks.{i}.mlp.out         (batch, pos, d_model)            hidden W_down
-    blocks.{i}.mlp_out_norm    (batch, pos, d_model)            Norm(FFN(x)) (norm_placement "out")
+    blocks.{i}.mlp_out_norm    (batch, pos, d_model)            Norm(FFN(x)) (out, sandwich)
     blocks.{i}.resid_post      (batch, pos, d_model)            residual stream leaving block i
     final_norm                 (batch, pos, d_model)            h = Norm(x) (when the model has one)
     head_transform             (batch, pos, d_model)            Norm(σ(h W_t)) (head = "mlm")
@@ -115,7 +115,7 @@ def site_names(config: ModelConfig) -> list[str]:
     absent = {"attn.q_norm", "attn.k_norm"} if config.qk_norm == "none" else set()
     if config.norm_placement == "out":  # output norms instead of input norms
         absent |= {"norm1", "norm2"}
-    else:
+    elif config.norm_placement != "sandwich":  # input norms only
         absent |= {"attn_out_norm", "mlp_out_norm"}
     layer = [site for site in LAYER_SITES if site not in absent]
     if config.norm_placement == "post":  # each norm follows its residual add

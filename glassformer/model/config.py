@@ -12,7 +12,8 @@ from ..errors import InputError
 
 Position = Literal["learned", "sinusoidal", "rope", "alibi", "relative", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
-NormPlacement = Literal["pre", "post", "out"]  # out (OLMo 2): x + Norm(Attn(x)), no input norm
+# sandwich (Gemma 2/3): x + Norm'(Attn(Norm(x))); out (OLMo 2): x + Norm(Attn(x)), no input norm
+NormPlacement = Literal["pre", "post", "sandwich", "out"]
 QkNorm = Literal["none", "head", "all"]  # RMSNorm of Q and K over each head, or over all heads
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 AttentionKernel = Literal["reference", "sdpa", "flash"]
@@ -41,6 +42,9 @@ class ConfigFields:
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
             raise InputError(missing[0], f"a required {cls.__name__} field is missing")
+        # JSON holds a tuple field as a list
+        values = {name: tuple(v) if isinstance(v, list) and "tuple" in str(_field_types(cls)[name])
+                  else v for name, v in values.items()}
         return cls(**values)
 
     def replace(self: Config, **changes: Any) -> Config:
@@ -98,6 +102,14 @@ class ModelConfig(ConfigFields):
     relative_max_distance: int = 128  # distances beyond this share the last bucket
     scale_scores: bool = True  # False: Q Kᵀ is not divided by √d_head (T5 folds it into the init)
     scale_head_input: bool = False  # True: h · d_model^-½ before the head (T5 v1.0's tied head)
+    # Gemma: RMSNorm times (offset + w), embeddings times √d_model, soft-capped scores and
+    # logits (c · tanh(x / c)), scores times attn_scale^-½, windows that differ by layer.
+    norm_weight_offset: float = 0.0
+    embed_scale: bool = False  # token embeddings times √d_model, rounded in the model's dtype
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    attn_scale: float | None = None  # None: scores times d_head^-½
+    layer_windows: tuple[int | None, ...] | None = None  # per layer (None: global); None: sliding_window
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -164,8 +176,39 @@ class ModelConfig(ConfigFields):
                              f"got {self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
         if self.init_std <= 0:
             raise InputError("init_std", f"must be positive, got {self.init_std}")
+        self._check_gemma_fields()
         if isinstance(self.n_token_types, bool) or self.n_token_types < 0:
             raise InputError("n_token_types", f"must be >= 0, got {self.n_token_types!r}")
+
+    def _check_gemma_fields(self) -> None:
+        for name in ("attn_softcap", "final_softcap", "attn_scale"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise InputError(name, f"must be a positive number or None, got {value!r}")
+        if self.attn_scale is not None and not self.scale_scores:
+            raise InputError("attn_scale", "sets the scores' scale, which scale_scores=False removes")
+        if self.norm_placement == "sandwich" and self.n_encoder_layers:
+            raise InputError("norm_placement", "sandwich norms are for decoder-only models")
+        if self.norm_weight_offset and self.norm != "rmsnorm":
+            raise InputError("norm_weight_offset", "applies to norm='rmsnorm' only")
+        windows = self.layer_windows
+        if windows is None:
+            return
+        if not isinstance(windows, tuple) or len(windows) != self.n_layers:
+            raise InputError("layer_windows", f"needs a tuple of n_layers={self.n_layers} windows "
+                             f"(an int, or None for a global layer), got {windows!r}")
+        for window in windows:
+            if window is not None:
+                _positive("layer_windows", window)
+        if self.sliding_window is not None:
+            raise InputError("layer_windows", "give either sliding_window (every layer) or "
+                             "layer_windows (each layer's), not both")
+        if self.n_encoder_layers:
+            raise InputError("layer_windows", "per-layer windows are for decoder-only models")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of one layer (None: it attends to every earlier position)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
     @property
     def kv_heads(self) -> int:
@@ -191,6 +234,10 @@ class ModelConfig(ConfigFields):
             return self.rope_original_context
         return int(self.context_length / self.rope_factor)
 
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return {f.name: f.type for f in dataclasses.fields(cls)}
 
 
 _KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}

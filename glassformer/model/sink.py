@@ -79,6 +79,10 @@ class SinkPolicy:
         if config.sliding_window is not None and self.capacity > config.sliding_window:
             raise InputError("window", f"sink_tokens + window = {self.capacity} exceeds the model's "
                              f"sliding_window={config.sliding_window}")
+        for name in ("attn_softcap", "attn_scale", "layer_windows"):
+            if getattr(config, name) is not None:  # a chunk past the window scores in sink_chunk.py
+                raise InputError(name, f"the sink policy's chunks past the window score keys "
+                                 f"with d_head^-1/2 over one window; {name} is not computed there")
         if config.position not in MOVABLE_POSITIONS:
             raise InputError("position", f"the sink policy places keys at positions within the cache; "
                              f"{config.position!r} positions are fixed in the embedding "

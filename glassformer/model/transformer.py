@@ -236,12 +236,17 @@ def head_logits(config: ModelConfig, head_transform: nn.Module | None, lm_head: 
                 ) -> torch.Tensor:
     """The head's math, logits (…, vocab) from hidden states (…, d): h · d_model^-½ where the
     config says so (T5 v1.0's tied head), the head transform (head="mlm"), the product;
-    `hooks` sees the head_transform and logits sites. A fused decode step calls it unhooked."""
+    `hooks` sees the head_transform and logits sites; the logits soft-capped to
+    c · tanh(logits / c) where final_softcap is c (Gemma 2). A fused decode step calls it
+    unhooked."""
     if config.scale_head_input:
         h = h * config.d_model**-0.5
     if head_transform is not None:
         h = hooks("head_transform", head_transform(h))  # (…, d)
-    return hooks("logits", lm_head(h))
+    logits = lm_head(h)  # (…, vocab)
+    if config.final_softcap is not None:
+        logits = config.final_softcap * torch.tanh(logits / config.final_softcap)
+    return hooks("logits", logits)
 
 
 def init_weights(model: nn.Module, std: float, blocks: list[nn.Module]) -> None:

@@ -78,7 +78,8 @@ CAPABILITIES = CapabilityTable("serving engine", {
         "d_ff", "norm", "norm_placement", "qk_norm", "norm_eps", "norm_bias", "activation", "gated",
         "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "final_norm", "tie_embeddings",
         "dropout", "attention_kernel", "init_std", "n_token_types", "embed_norm", "head",
-        "scale_scores", "scale_head_input")},
+        "scale_scores", "scale_head_input", "norm_weight_offset", "embed_scale", "attn_softcap",
+        "final_softcap", "attn_scale")},
     **{name: any_value(_ANGLES) for name in (
         "rope_theta", "rope_scaling", "rope_factor", "rope_original_context", "rope_low_freq_factor",
         "rope_high_freq_factor")},
@@ -90,6 +91,8 @@ CAPABILITIES = CapabilityTable("serving engine", {
     "n_encoder_layers": only(0, reason="the serving engine runs decoder-only models; an "
                                        "encoder-decoder generates one source at a time: "
                                        "glassformer generate"),
+    "layer_windows": any_value("each layer narrows the model's masks to its own window "
+                               "(Attention.context, called by the paged view)"),
     "pooler": any_value("not part of generating"),
     "decoder_start_id": any_value("an encoder-decoder's field"),
 })

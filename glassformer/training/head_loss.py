@@ -111,12 +111,14 @@ def unwrapped(model: nn.Module) -> nn.Module:
 def fused_head_applies(model: nn.Module) -> bool:
     """Whether the model's head can be fused with its loss: a Transformer (wrapped by
     DistributedDataParallel or torch.compile or not), its head a float32 linear layer taking
-    the final hidden state as it is, no hooks to show the logits to, no autocast."""
+    the final hidden state as it is and giving the logits as they are (no soft-cap), no hooks
+    to show the logits to, no autocast."""
     model = unwrapped(model)
     return (
         isinstance(model, Transformer)
         and model.head_transform is None
         and not model.config.scale_head_input
+        and model.config.final_softcap is None
         and isinstance(model.lm_head, nn.Linear)
         and model.lm_head.weight.dtype == torch.float32
         and not model.hooks

@@ -30,6 +30,14 @@ def test_defaults_resolve_through_properties():
         (dict(position="rope", d_head=7), "d_head"),
         (dict(rope_scaling="yarn"), "rope_scaling"),
         (dict(n_heads=True), "n_heads"),
+        (dict(attn_softcap=0.0), "attn_softcap"),
+        (dict(final_softcap=-1.0), "final_softcap"),
+        (dict(attn_scale=16.0, scale_scores=False), "attn_scale"),
+        (dict(norm_weight_offset=1.0), "norm_weight_offset"),  # layernorm
+        (dict(layer_windows=(4,)), "layer_windows"),  # one per layer
+        (dict(layer_windows=(4, 0)), "layer_windows"),
+        (dict(layer_windows=(4, None), sliding_window=4), "layer_windows"),
+        (dict(norm_placement="sandwich", n_encoder_layers=2), "norm_placement"),
     ],
 )
 def test_invalid_values_name_the_field(changes, field):
@@ -70,3 +78,11 @@ def test_seed_architectures():
     assert 1 < llama.kv_heads < llama.n_heads
     assert not (llama.attn_bias or llama.attn_out_bias or llama.mlp_bias)
     assert get_preset("alibi").position == "alibi"
+
+
+def test_layer_windows_round_trip_through_json():
+    import json
+
+    config = ModelConfig(**BASE, layer_windows=(4, None))
+    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert (config.window_of(0), config.window_of(1)) == (4, None)

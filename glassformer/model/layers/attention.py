@@ -8,7 +8,12 @@
     K, V    = cache[...] + (K, V)          when decoding: the new rows join the cached ones
                                            (the cache calls back `context`, see kv_cache.py)
     A       = Q Kᵀ / √d_head + M           M: -inf where masked (+ ALiBi or T5 relative bias);
-                                           T5 leaves out the 1/√d_head (scale_scores=False)
+                                           T5 leaves out the 1/√d_head (scale_scores=False),
+                                           Gemma takes attn_scale^-½ instead; Gemma 2
+                                           soft-caps Q Kᵀ·scale to c·tanh(·/c) before M
+                                           (the reference kernel: no fused one has it);
+                                           a layer with its own window (layer_windows)
+                                           narrows M to it, whoever built M
     out     = softmax(A) V  ->  concat heads  ->  W_O
 """
 
@@ -46,6 +51,12 @@ class Attention(nn.Module):
         self.rotary = Rotary() if config.position == "rope" else None
         self.kernel = KERNELS[config.attention_kernel]
         self.scale = None if config.scale_scores else 1.0  # None: the kernels' 1/√d_head
+        if config.attn_scale is not None:
+            self.scale = config.attn_scale**-0.5
+        self.softcap = config.attn_softcap
+        # its own window where windows differ by layer; None: the mask's as the model built it
+        self.window = config.window_of(layer) if config.layer_windows is not None else None
+        self.narrows = config.layer_windows is not None and self.window is not None
         self.dropout = config.dropout
         self.hooks, self.site = hooks, site
 
@@ -85,9 +96,12 @@ class Attention(nn.Module):
         (B, KV, Tk, d_head). The one attention function of this layer, whoever holds the keys."""
         hook, site = self.hooks, self.site
         dropout = self.dropout if self.training else 0.0
-        if hook and any(hook.wants(f"{site}.{name}") for name in WEIGHT_SITES):
+        if self.narrows:
+            mask = mask.narrowed(self.window)
+        if self.softcap is not None or (
+                hook and any(hook.wants(f"{site}.{name}") for name in WEIGHT_SITES)):
             return reference_attention(
                 q, k, v, mask, dropout, hook=lambda name, t: hook(f"{site}.{name}", t),
-                scale=self.scale,
+                scale=self.scale, softcap=self.softcap,
             )[0]
         return self.kernel(q, k, v, mask, dropout, scale=self.scale)

@@ -41,12 +41,17 @@ def reference_attention(
     dropout: float = 0.0,
     hook: Hook = _no_hook,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns the context αV (B, H, Tq, d_head) and the weights α (B, H, Tq, Tk)."""
+    """Returns the context αV (B, H, Tq, d_head) and the weights α (B, H, Tq, Tk).
+    `softcap` c: the scaled scores become c · tanh(scores / c) (Gemma 2) before the mask."""
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, Tk, d_head)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = hook("scores", q @ k.transpose(-2, -1) * scale)  # (B, H, Tq, Tk)
+    scores = q @ k.transpose(-2, -1) * scale  # (B, H, Tq, Tk)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = hook("scores", scores)
     masked = hook("masked_scores", scores + mask.bias(scores.dtype))  # A + M
     pattern = hook("pattern", torch.softmax(masked.float(), dim=-1).to(q.dtype))  # α
     if mask.k_valid is not None:

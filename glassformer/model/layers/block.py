@@ -3,6 +3,8 @@
     pre  (GPT-2, Llama, T5):  x = x + Attn(Norm1(x));   x = x + FFN(Norm2(x))
     post (GPT-1, Vaswani):    x = Norm1(x + Attn(x));   x = Norm2(x + FFN(x))
     out  (OLMo 2):            x = x + AttnOutNorm(Attn(x));   x = x + MlpOutNorm(FFN(x))
+    sandwich (Gemma 2):       x = x + AttnOutNorm(Attn(Norm1(x)));
+                              x = x + MlpOutNorm(FFN(Norm2(x)))
 
 A decoder block of an encoder-decoder (`cross=True`) has a third sublayer between the two,
 cross-attention to the encoder's output m, placed the same way:
@@ -35,7 +37,7 @@ class Block(nn.Module):
         super().__init__()
         site = f"{prefix}blocks.{layer}"
         self.post_norm = config.norm_placement == "post"
-        inputs, outputs = config.norm_placement != "out", config.norm_placement == "out"
+        inputs, outputs = config.norm_placement != "out", config.norm_placement in ("out", "sandwich")
         self.norm1 = make_norm(config) if inputs else None
         self.attn = Attention(config, hooks, site + ".attn", layer)
         self.norm_cross = make_norm(config) if cross else None
@@ -64,7 +66,7 @@ class Block(nn.Module):
             x = hook(site + ".resid_mid", x)
             x = hook(site + ".norm2", self.norm2(x + self.dropout(self.mlp(x))))
             return hook(site + ".resid_post", x)
-        # pre or out: each sublayer through the input norm and the output norm the block has
+        # pre, out or sandwich: each sublayer through the input and output norms the block has
         attended = self.attn(self._norm("norm1", x), mask, rope, cache)
         x = x + self.dropout(self._norm("attn_out_norm", attended))
         if self.cross is not None:

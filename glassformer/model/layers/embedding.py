@@ -1,5 +1,6 @@
 """Token embedding and absolute positions: I_emb = E_token[ids] + E_pos[positions]
-(+ E_type[token_types] for segment embeddings, then a norm where configured: BERT)."""
+(+ E_type[token_types] for segment embeddings, then a norm where configured: BERT; the token
+rows times √d_model where embed_scale: Gemma)."""
 
 from __future__ import annotations
 
@@ -45,12 +46,16 @@ class Embedding(nn.Module):
         if config.n_token_types:
             self.token_types = nn.Embedding(config.n_token_types, config.d_model)  # E_type (s, d)
         self.norm = make_norm(config) if config.embed_norm else None
+        self.scale = config.d_model**0.5 if config.embed_scale else None  # Gemma: × √d_model
         self.hooks = hooks
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_types: torch.Tensor | None = None) -> torch.Tensor:
         """token_types (B, T): segment ids, all 0 when not given."""
-        x = self.hooks("embed.tokens", self.tokens(ids))  # (B, T, d)
+        x = self.tokens(ids)  # (B, T, d)
+        if self.scale is not None:  # the factor in float32, then in x's dtype, as Gemma's code has it
+            x = x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
+        x = self.hooks("embed.tokens", x)
         if self.positions is not None:
             x = x + self.hooks("embed.positions", self.positions(positions).to(x.dtype))
         if self.token_types is not None:

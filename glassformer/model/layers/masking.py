@@ -7,6 +7,7 @@ build just the tile it needs, and a decode step needs no mask at all.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,12 @@ class AttentionMask:
             and self.position_bias is None
             and self.documents is None
         )
+
+    def narrowed(self, window: int) -> AttentionMask:
+        """The same mask with keys at most `window - 1` behind each query (a layer's own
+        window, Gemma 2's sliding layers), within any window it had."""
+        own = window if self.window is None else min(self.window, window)
+        return dataclasses.replace(self, window=own)
 
     def allowed(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
         """True where query row may attend to key column: (B, 1, tq, tk)."""

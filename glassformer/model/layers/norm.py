@@ -23,17 +23,25 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x²) + eps) * weight: no centring, no bias (computed in float32)."""
+    """y = x / sqrt(mean(x²) + eps) * weight: no centring, no bias (computed in float32).
 
-    def __init__(self, d_model: int, eps: float) -> None:
+    With an `offset` (Gemma: 1) the scale is (offset + weight), applied in float32 before the
+    result returns to x's dtype, and a new norm's weight starts at 1 - offset (a scale of 1)."""
+
+    def __init__(self, d_model: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))  # (d,)
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.full((d_model,), 1.0 - offset))  # (d,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}, offset={self.offset}" if self.offset else f"eps={self.eps}"
 
 
 class QKNorm(RMSNorm):
@@ -55,5 +63,5 @@ class QKNorm(RMSNorm):
 def make_norm(config: ModelConfig) -> nn.Module:
     """The configured norm over d_model."""
     if config.norm == "rmsnorm":
-        return RMSNorm(config.d_model, config.norm_eps)
+        return RMSNorm(config.d_model, config.norm_eps, config.norm_weight_offset)
     return LayerNorm(config.d_model, config.norm_eps, config.norm_bias)

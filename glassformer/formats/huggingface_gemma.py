@@ -1,0 +1,140 @@
+"""Gemma and Gemma 2 (`model_type` gemma, gemma2): their config and key map, both ways.
+
+Both are Llama's block with Gemma's pieces: RMSNorm times (1 + w) (norm_weight_offset 1,
+the stored w as it is), token embeddings times √d_model (embed_scale), GeGLU with tanh GELU,
+an explicit head_dim and a tied head. Gemma 2 adds sandwich norms (input_layernorm ->
+norm1, post_attention_layernorm -> attn_out_norm, pre_feedforward_layernorm -> norm2,
+post_feedforward_layernorm -> mlp_out_norm), soft-capped scores and logits, scores times
+query_pre_attn_scalar^-½, and a sliding window on the layers `layer_types` names
+"sliding_attention" (by default the even ones: 0, 2, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InputError
+from ..model.config import ModelConfig
+from .tensor_map import Entry
+
+GEMMA_TYPES = ("gemma", "gemma2")
+# Hugging Face activation names -> ours; Gemma's "gelu" is read as transformers reads it
+# (GemmaConfig takes a legacy "gelu" for the tanh approximation, Gemma2Config does not)
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+_LAYER_KINDS = ("sliding_attention", "full_attention")
+
+
+def gemma_config(hf: dict[str, Any], rope_fields: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a Gemma / Gemma 2 config.json; `rope_fields`: its RoPE fields as
+    huggingface.py reads them (rope_theta and any scaling)."""
+    second = hf["model_type"] == "gemma2"
+    act = hf.get("hidden_activation" if second else "hidden_act", "gelu_pytorch_tanh")
+    activation = _ACTIVATIONS.get(act) or {"gelu": "gelu" if second else "gelu_tanh"}.get(act)
+    if activation is None:
+        raise InputError("hidden_activation", f"unsupported Gemma activation {act!r}")
+    if hf.get("use_bidirectional_attention"):
+        raise InputError("use_bidirectional_attention", "bidirectional Gemma is not computed")
+    n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    bias = bool(hf.get("attention_bias", False))
+    fields: dict[str, Any] = {}
+    if second:
+        fields = {"norm_placement": "sandwich", "attn_scale": float(hf.get("query_pre_attn_scalar", 256)),
+                  "attn_softcap": _cap(hf, "attn_logit_softcapping", 50.0),
+                  "final_softcap": _cap(hf, "final_logit_softcapping", 30.0),
+                  "layer_windows": _layer_windows(hf, n_layers)}
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
+        d_model=hf["hidden_size"], n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_head=hf.get("head_dim", 256),
+        d_ff=hf["intermediate_size"], position="rope", **rope_fields,
+        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), norm_weight_offset=1.0,
+        embed_scale=True, activation=activation, gated=True, attn_bias=bias, attn_out_bias=bias,
+        mlp_bias=False, tie_embeddings=bool(hf.get("tie_word_embeddings", True)), **fields,
+    )
+
+
+def _cap(hf: dict[str, Any], name: str, default: float) -> float | None:
+    value = hf.get(name, default)
+    return None if value is None else float(value)
+
+
+def _layer_windows(hf: dict[str, Any], n_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window from layer_types (Gemma2Config's default: even layers slide)."""
+    kinds = hf.get("layer_types") or [_LAYER_KINDS[i % 2] for i in range(n_layers)]
+    if len(kinds) != n_layers or any(kind not in _LAYER_KINDS for kind in kinds):
+        raise InputError("layer_types", f"needs {n_layers} of {', '.join(_LAYER_KINDS)}, got {kinds!r}")
+    window = hf.get("sliding_window")
+    if window is None and "sliding_attention" in kinds:
+        raise InputError("sliding_window", "layer_types names sliding layers but no sliding_window")
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
+def gemma_keys(c: ModelConfig) -> list[Entry]:
+    """Every Hugging Face tensor of a Gemma / Gemma 2 model with where it goes here."""
+    H, KV, ff = c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.ff_dim
+    entries = [Entry("model.embed_tokens.weight", "embed.tokens.weight"),
+               Entry("model.norm.weight", "final_norm.weight")]
+    norms = [("input_layernorm", "norm1"), ("post_attention_layernorm", "norm2")]
+    if c.norm_placement == "sandwich":
+        norms = [("input_layernorm", "norm1"), ("post_attention_layernorm", "attn_out_norm"),
+                 ("pre_feedforward_layernorm", "norm2"), ("post_feedforward_layernorm", "mlp_out_norm")]
+    kinds = ("weight", "bias") if c.attn_bias else ("weight",)
+    for i in range(c.n_layers):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        entries += [Entry(f"{h}{theirs}.weight", f"{b}{ours}.weight") for theirs, ours in norms]
+        for name, rows in (("q_proj", (0, H)), ("k_proj", (H, H + KV)), ("v_proj", (H + KV, H + 2 * KV))):
+            entries += [Entry(f"{h}self_attn.{name}.{k}", f"{b}attn.qkv.{k}", rows) for k in kinds]
+        entries += [Entry(f"{h}self_attn.o_proj.{k}", f"{b}attn.out.{k}") for k in kinds]
+        entries += [Entry(f"{h}mlp.gate_proj.weight", f"{b}mlp.up.weight", (0, ff)),
+                    Entry(f"{h}mlp.up_proj.weight", f"{b}mlp.up.weight", (ff, 2 * ff)),
+                    Entry(f"{h}mlp.down_proj.weight", f"{b}mlp.down.weight")]
+    if not c.tie_embeddings:
+        entries.append(Entry("lm_head.weight", "lm_head.weight"))
+    return entries
+
+
+def is_gemma(config: ModelConfig) -> bool:
+    """Whether a config is one of Gemma's (its norms and embeddings are Gemma's own)."""
+    return config.norm_weight_offset == 1.0 and config.embed_scale
+
+
+def gemma_hf_config(config: ModelConfig, rope_scaling: dict | None) -> dict[str, Any]:
+    """The config.json of a Gemma-family config (gemma_config reversed): gemma2 where it has
+    sandwich norms, gemma otherwise; a field neither can express is refused by name."""
+    second = config.norm_placement == "sandwich"
+    expected = {"position": "rope", "norm": "rmsnorm", "gated": True, "mlp_bias": False,
+                "final_norm": True, "causal": True, "lm_head_bias": False, "scale_scores": True,
+                "scale_head_input": False, "sliding_window": None, "attn_out_bias": config.attn_bias}
+    if not second:
+        expected |= {"norm_placement": "pre", "attn_softcap": None, "final_softcap": None,
+                     "attn_scale": None, "layer_windows": None}
+    for field, value in expected.items():
+        if getattr(config, field) != value:
+            raise InputError(field, f"{getattr(config, field)!r} cannot be exported as Gemma "
+                             f"(needs {value!r})")
+    if config.activation != "gelu_tanh":
+        raise InputError("activation", f"{config.activation!r} cannot be exported as Gemma (gelu_tanh)")
+    out = {"model_type": "gemma2" if second else "gemma",
+           "architectures": ["Gemma2ForCausalLM" if second else "GemmaForCausalLM"],
+           "vocab_size": config.vocab_size, "max_position_embeddings": config.context_length,
+           "hidden_size": config.d_model, "intermediate_size": config.ff_dim,
+           "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+           "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
+           "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+           "rope_scaling": rope_scaling, "tie_word_embeddings": config.tie_embeddings,
+           "attention_bias": config.attn_bias, "attention_dropout": 0.0,
+           "hidden_activation" if second else "hidden_act": "gelu_pytorch_tanh"}
+    if second:
+        windows = config.layer_windows or (None,) * config.n_layers
+        sizes = {w for w in windows if w is not None}
+        if len(sizes) > 1:
+            raise InputError("layer_windows", f"Gemma 2 has one sliding window, got {sorted(sizes)}")
+        scalar = config.attn_scale or config.head_dim
+        if not float(scalar).is_integer():
+            raise InputError("attn_scale", f"Gemma 2's query_pre_attn_scalar is an integer, got {scalar}")
+        out |= {"query_pre_attn_scalar": int(scalar),
+                "attn_logit_softcapping": config.attn_softcap,
+                "final_logit_softcapping": config.final_softcap,
+                "sliding_window": next(iter(sizes), None),
+                "layer_types": [_LAYER_KINDS[w is None] for w in windows]}
+    return out

@@ -1,0 +1,155 @@
+"""Gemma and Gemma 2: tiny random models built by transformers' own config classes (the
+oracle), loaded by Glassformer: equal logits, the same greedy tokens from generate and from
+the serving engine, and the exported folder read back by transformers."""
+
+import json
+
+import pytest
+import torch
+
+from glassformer.formats.export import export_hf
+from glassformer.formats.gguf import load_gguf
+from glassformer.formats.gguf_export import export_gguf, gguf_metadata
+from glassformer.formats.huggingface import config_from_hf, load_hf_model
+from glassformer.formats.tokenizers import HFTokenizer
+from glassformer.generation.generate import GenerationConfig, generate
+from glassformer.serving import Engine, EngineConfig, RequestParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=12, max_position_embeddings=64,
+             initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+CONFIGS = {
+    "gemma": lambda: transformers.GemmaConfig(**SIZES, num_hidden_layers=2),
+    # a window shorter than the prompt, soft-caps that bite, a score scale other than head_dim
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SIZES, num_hidden_layers=3, sliding_window=5, query_pre_attn_scalar=20,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    # what a GGUF file can say: llama.cpp's even sliding layers, scores times head_dim^-½
+    "gemma2-gguf": lambda: transformers.Gemma2Config(
+        **{**SIZES, "head_dim": 256}, num_hidden_layers=3, sliding_window=5,
+        query_pre_attn_scalar=256),
+    "gemma2-layer-types": lambda: transformers.Gemma2Config(
+        **SIZES, num_hidden_layers=3, sliding_window=4, attention_bias=True,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+}
+
+
+def _save(name, folder):
+    torch.manual_seed(3)
+    config = CONFIGS[name]()
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norm weights away from their zero init, so the +1 offset is tested
+        for key, tensor in model.state_dict().items():
+            if "norm" in key:
+                tensor.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, _save(request.param, folder), load_hf_model(folder), folder
+
+
+IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+def test_logits_equal(pair):
+    _, reference, model, _ = pair
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), reference(IDS).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_greedy_tokens_of_generate_and_the_engine_equal_transformers(pair):
+    _, reference, model, _ = pair
+    prompt = IDS[0, :12]
+    with torch.no_grad():
+        theirs = reference.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
+                                    do_sample=False, max_new_tokens=16,
+                                    min_new_tokens=16)[0, 12:].tolist()
+    greedy = GenerationConfig(max_new_tokens=16, eos_ids=())
+    assert generate(model, prompt.tolist(), greedy).generated_ids == theirs
+    assert generate(model, prompt.tolist(), GenerationConfig(
+        max_new_tokens=16, eos_ids=(), use_cache=False)).generated_ids == theirs
+    for attention in ("reference", "fast"):
+        engine = Engine(model, None, EngineConfig(attention=attention, block_size=4, n_blocks=64,
+                                                  token_budget=8, max_batch=4))
+        handle = engine.submit(prompt.tolist(), RequestParams(max_new_tokens=16, eos_ids=()))
+        engine.run_until_done()
+        assert handle.result.generated_ids == theirs, attention
+
+
+def test_config_fields(pair):
+    name, _, model, _ = pair
+    c = model.config
+    assert (c.norm_weight_offset, c.embed_scale, c.activation, c.gated) == (
+        1.0, True, "gelu_tanh", True)
+    if name == "gemma":
+        assert (c.norm_placement, c.attn_softcap, c.layer_windows) == ("pre", None, None)
+    if name in ("gemma2", "gemma2-gguf"):
+        assert c.layer_windows == (5, None, 5)  # Gemma2Config: the even layers slide
+    if name == "gemma2":
+        assert (c.norm_placement, c.attn_scale, c.attn_softcap, c.final_softcap) == (
+            "sandwich", 20.0, 2.0, 3.0)
+    if name == "gemma2-layer-types":
+        assert c.layer_windows == (None, 4, 4) and c.attn_bias and c.attn_out_bias
+
+
+def test_export_reads_back_in_transformers(pair, tmp_path):
+    name, reference, model, _ = pair
+    export_hf(model, None, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert again.config.model_type == name.split("-")[0]
+    with torch.no_grad():
+        torch.testing.assert_close(again(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("kind", "change", "field"), [
+    ("gemma2", {"layer_types": ["full_attention", "chunked_attention", "full_attention"]},
+     "layer_types"),
+    ("gemma2", {"hidden_activation": "relu"}, "hidden_activation"),
+    ("gemma", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma2", {"sliding_window": None}, "sliding_window"),
+])
+def test_a_math_changing_field_not_computed_is_refused_by_name(kind, change, field):
+    hf = CONFIGS[kind]().to_dict() if kind == "gemma" else CONFIGS["gemma2"]().to_dict()
+    hf = json.loads(json.dumps({**hf, **change}))
+    with pytest.raises(ValueError) as error:
+        config_from_hf(hf)
+    assert error.value.field == field
+
+
+def _tokenizer():
+    text = "the quick brown fox jumps over the lazy dog. pack my box with five dozen jugs. " * 30
+    return HFTokenizer.train_bpe([text] * 4, VOCAB)
+
+
+def test_gguf_round_trip_computes_what_transformers_computes(pair, tmp_path):
+    """Exported as llama.cpp names it (gemma, gemma2: norms stored as 1 + w) and read back:
+    the same logits as transformers; a Gemma 2 llama.cpp cannot say is refused by name."""
+    name, reference, model, _ = pair
+    path = tmp_path / "model.gguf"
+    if name in ("gemma2", "gemma2-layer-types"):
+        field = "attn_scale" if name == "gemma2" else "attn_bias"  # the first field refused
+        with pytest.raises(ValueError) as error:
+            export_gguf(model, _tokenizer(), path)
+        assert error.value.field == field and not path.exists()
+        if name == "gemma2-layer-types":  # a global first layer: llama.cpp slides on layer 0
+            with pytest.raises(ValueError) as error:
+                gguf_metadata(model.config.replace(attn_bias=False, attn_out_bias=False, attn_scale=12.0))
+            assert error.value.field == "layer_windows"
+        return
+    export_gguf(model, _tokenizer(), path)
+    again, _ = load_gguf(path)
+    assert again.config.replace(norm_eps=model.config.norm_eps) == model.config  # eps in float32
+    with torch.no_grad():
+        torch.testing.assert_close(again(IDS), reference(IDS).logits, atol=1e-5, rtol=1e-4)
+    if name == "gemma2-gguf":  # transformers reads gemma2 GGUF files too
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=1e-4)
