@@ -68,8 +68,11 @@ def configs(draw) -> tuple[ModelConfig, str]:
     rope = {}
     if position == "rope":
         scaling = draw(st.sampled_from(["none", "linear", "ntk", "yarn"]))
+        head = d_head or d_model // n_heads
         rope = {"rope_scaling": scaling, "rope_factor": 1.0 if scaling == "none" else 2.0,
-                "rope_theta": draw(st.sampled_from([100.0, 10000.0]))}
+                "rope_theta": draw(st.sampled_from([100.0, 10000.0])),
+                "rotary_dim": draw(st.sampled_from([None, max(2, head // 4 * 2)]))}
+    norm_placement = draw(st.sampled_from(["pre", "post"]))
     config = ModelConfig(
         vocab_size=draw(st.sampled_from([50, 64, 97])),
         context_length=64,
@@ -82,7 +85,8 @@ def configs(draw) -> tuple[ModelConfig, str]:
         position=position,
         **rope,
         norm=draw(st.sampled_from(["layernorm", "rmsnorm"])),
-        norm_placement=draw(st.sampled_from(["pre", "post"])),
+        norm_placement=norm_placement,
+        parallel_block=norm_placement == "pre" and draw(st.booleans()),
         norm_bias=draw(st.booleans()),
         activation=draw(st.sampled_from(["relu", "gelu", "gelu_tanh", "silu"])),
         gated=draw(st.booleans()),

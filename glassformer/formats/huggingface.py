@@ -8,6 +8,10 @@ Three families, each an explicit key map (`key_map`) between Hugging Face names 
 - T5 (`model_type` t5, v1.0 and v1.1): an encoder-decoder; its config and key map live in
   huggingface_t5.py.
 - BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (huggingface_bert.py).
+- GPT-NeoX / Pythia (gpt_neox): parallel blocks, partial rotary, a per-head fused
+  query_key_value (huggingface_neox.py).
+- Phi-3 (phi3): Llama's block with fused qkv_proj and gate_up_proj, partial rotary
+  (huggingface_phi3.py).
 Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
 """
 
@@ -27,6 +31,8 @@ from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .files import read_json_object
 from .huggingface_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
+from .huggingface_neox import NEOX_HEAD, neox_config, neox_keys
+from .huggingface_phi3 import phi3_config, phi3_keys
 from .huggingface_t5 import t5_config, t5_keys
 from .tensor_map import Entry
 from .validate import check_model, check_tensor
@@ -35,7 +41,8 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
                     "relu": "relu"}
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 # Buffers some transformers versions save, carrying no weights.
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq",
+                     ".attention.bias", ".attention.masked_bias")
 # Copies of T5's shared token table that some files also store under each stack's name.
 _T5_TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
@@ -54,6 +61,10 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
             return t5_config(hf)
         if kind == "bert":
             return bert_config(hf, pooler)
+        if kind == "gpt_neox":
+            return neox_config(hf)
+        if kind == "phi3":
+            return phi3_config(hf)
     except KeyError as error:
         raise InputError(None, f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
     except InputError:
@@ -62,7 +73,7 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
         raise InputError(None, f"config.json: a value this model_type ({kind!r}) cannot take "
                          f"({type(error).__name__}: {error})") from None
     raise InputError(None, f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
-                     "t5, bert)")
+                     "t5, bert, gpt_neox, phi3)")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
@@ -138,6 +149,10 @@ def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
         return [Entry(hf, ours, rows) for hf, ours, rows in t5_keys(config)]
     if model_type == "bert":
         return bert_keys(config)
+    if model_type == "gpt_neox":
+        return neox_keys(config)
+    if model_type == "phi3":
+        return phi3_keys(config)
     return _llama_keys(config)
 
 
@@ -242,6 +257,8 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
         tied |= set(_T5_TIED_COPIES)
     if model_type == "bert":  # copies of tied tensors a file may hold beside the originals
         tied = ({TIED_COPIES[0]} if config.tie_embeddings else set()) | {TIED_COPIES[1]}
+    if model_type == "gpt_neox" and config.tie_embeddings:  # a copy of the tied head
+        tied = {NEOX_HEAD}
     unknown = sorted(k for k in set(tensors) - wanted
                      if not k.endswith(_IGNORED_SUFFIXES) and k not in tied)
     if unknown:
@@ -259,7 +276,7 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
         if tuple(t.shape) != tuple(shape):
             raise InputError(None, f"tensor {e.hf} has shape {tuple(tensors[e.hf].shape)}, "
                              f"expected {tuple(shape)}{' transposed' if e.transpose else ''}")
-        parts.setdefault(e.ours, []).append((e, t))
+        parts.setdefault(e.ours, []).append((e, t if e.order is None else t[list(e.order)]))
     out = {}
     for name, pieces in parts.items():
         pieces.sort(key=lambda p: p[0].rows or (0, 0))

@@ -21,7 +21,7 @@ TABLES = [fast_decode.CAPABILITIES, fast_training.CAPABILITIES, quantize.CAPABIL
 
 # For each field some table limits: a value ModelConfig accepts that lies outside the limit.
 OUTSIDE = {"position": "relative", "norm_placement": "post", "causal": False,
-           "n_encoder_layers": 2}
+           "n_encoder_layers": 2, "rotary_dim": 4, "parallel_block": True}
 
 BASE = ModelConfig(vocab_size=61, context_length=32, d_model=32, n_layers=2, n_heads=4,
                    position="rope", norm="rmsnorm", activation="silu", gated=True)
@@ -55,7 +55,8 @@ def test_a_field_no_rule_names_is_refused():
 
 
 @pytest.mark.usefixtures("kernels")
-@pytest.mark.parametrize("changes", [{"position": "relative"}, {"norm_placement": "post"}])
+@pytest.mark.parametrize("changes", [{"position": "relative"}, {"norm_placement": "post"},
+                                     {"rotary_dim": 4}, {"parallel_block": True}])
 def test_a_refused_config_keeps_the_module_path(changes):
     model = quantize_model(Transformer(BASE.replace(**changes)), "none")
     field = next(iter(changes))
@@ -84,6 +85,15 @@ def random_decoder(rng: random.Random) -> ModelConfig:
         sliding_window=rng.choice([None, 3, 7]), scale_scores=rng.random() < 0.5,
         scale_head_input=rng.random() < 0.5, head=rng.choice(["lm", "mlm"]),
         n_token_types=rng.choice([0, 2]), embed_norm=rng.random() < 0.3, **rope)
+
+
+def with_family_pieces(config: ModelConfig, seed: int) -> ModelConfig:
+    """For odd seeds, `config` with RoPE turning half of each head and, where it is pre-norm,
+    a parallel block: the pieces the fused decode step refuses."""
+    if seed % 2 == 0:
+        return config
+    return config.replace(position="rope", rotary_dim=config.head_dim // 2,
+                          parallel_block=config.norm_placement == "pre")
 
 
 def randomized(config: ModelConfig, seed: int) -> Transformer:
@@ -118,7 +128,8 @@ def test_the_fused_step_computes_every_config_it_accepts(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_quantized_kernels_compute_every_config_they_accept(seed):
-    config = random_decoder(random.Random(100 + seed)).replace(norm_placement="post")
+    config = with_family_pieces(random_decoder(random.Random(100 + seed)).replace(
+        norm_placement="post"), seed)
     assert quantize.CAPABILITIES.why_not(config) is None
     plain = randomized(config, seed).eval()
     converted = randomized(config, seed)
@@ -131,7 +142,7 @@ def test_the_quantized_kernels_compute_every_config_they_accept(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_fused_training_passes_compute_every_config_they_accept(seed):
-    config = random_decoder(random.Random(200 + seed)).replace(dropout=0.0)
+    config = with_family_pieces(random_decoder(random.Random(200 + seed)), seed)
     assert fast_training.CAPABILITIES.why_not(config) is None
     plain, fast = randomized(config, seed), randomized(config, seed)
     fast_training.use_fast_training(fast)

@@ -3,6 +3,9 @@
     pre  (GPT-2, Llama, T5):  x = x + Attn(Norm1(x));   x = x + FFN(Norm2(x))
     post (GPT-1, Vaswani):    x = Norm1(x + Attn(x));   x = Norm2(x + FFN(x))
 
+A parallel block (`parallel_block`, GPT-NeoX's use_parallel_residual) reads both sublayers from
+the block's input, pre-norm:   x = x + Attn(Norm1(x)) + FFN(Norm2(x))
+
 A decoder block of an encoder-decoder (`cross=True`) has a third sublayer between the two,
 cross-attention to the encoder's output m, placed the same way:
     pre:  x = x + Cross(NormX(x), m)          post: x = NormX(x + Cross(x, m))
@@ -34,6 +37,7 @@ class Block(nn.Module):
         super().__init__()
         site = f"{prefix}blocks.{layer}"
         self.pre_norm = config.norm_placement == "pre"
+        self.parallel = config.parallel_block
         self.norm1 = make_norm(config)
         self.attn = Attention(config, hooks, site + ".attn", layer)
         self.norm_cross = make_norm(config) if cross else None
@@ -53,7 +57,12 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         hook, site = self.hooks, self.site
         x = hook(site + ".resid_pre", x)  # (B, T, d)
-        if self.pre_norm:
+        if self.parallel:
+            block_input = x  # both sublayers read it
+            x = x + self.dropout(self.attn(hook(site + ".norm1", self.norm1(x)), mask, rope, cache))
+            x = hook(site + ".resid_mid", x)
+            x = x + self.dropout(self.mlp(hook(site + ".norm2", self.norm2(block_input))))
+        elif self.pre_norm:
             x = x + self.dropout(self.attn(hook(site + ".norm1", self.norm1(x)), mask, rope, cache))
             if self.cross is not None:
                 x = hook(site + ".resid_self", x)
