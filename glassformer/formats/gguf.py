@@ -8,7 +8,9 @@ kernels read are copied as they are (no float32 copy of any of them, the token t
 llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (like Hugging Face
 Llama) rotates halves (x_i, x_i+d/2). Its converter therefore permutes the rows of W_Q and W_K
 within each head: row (half, i) of the original is stored at (i, half). `unpermute_rows` puts
-them back, so the model computes exactly what the original checkpoint computes.
+them back, so the model computes exactly what the original checkpoint computes. GPT-NeoX and
+Phi-3 files (`gptneox`, `phi3`) rotate halves already; their own fields and names are in
+gguf_neox.py.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer, from_gguf_metadata
 from .empty_model import empty_model
 from .gguf_file import GGUFFile
+from .gguf_neox import ARCHITECTURES, family_fields, family_names
 from .validate import check_model, check_tensor
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", *ARCHITECTURES)
 _CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
 
 
@@ -44,7 +47,8 @@ class Target:
 
 
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
-    """The Llama-family architecture described by `{arch}.*` metadata."""
+    """The architecture described by `{arch}.*` metadata (and, where the metadata is silent,
+    by which tensors the file holds)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InputError(None, f"unsupported GGUF architecture {arch!r} "
@@ -72,7 +76,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
     d_model = count("embedding_length")
     d_head = count("attention.key_length", d_model // n_heads)
     rotary = count("rope.dimension_count", d_head)
-    if rotary != d_head:
+    if rotary != d_head and arch == "llama":
         raise InputError(None, f"unsupported GGUF: RoPE on {rotary} of {d_head} head dimensions")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
@@ -86,25 +90,28 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
         n_layers=count("block_count"),
         n_heads=n_heads,
         n_kv_heads=count("attention.head_count_kv", n_heads),
+        **({"norm_eps": number("attention.layer_norm_rms_epsilon")} if arch == "llama" else {}),
         d_head=d_head if d_head * n_heads != d_model else None,
         d_ff=count("feed_forward_length"),
         position="rope",
         rope_theta=number("rope.freq_base", 10000.0),
         rope_scaling=scaling,
         rope_factor=number("rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
-        norm="rmsnorm",
-        norm_eps=number("attention.layer_norm_rms_epsilon"),
-        activation="silu",
-        gated=True,
-        attn_bias=False,
-        attn_out_bias=False,
-        mlp_bias=False,
+        rotary_dim=rotary if rotary != d_head else None,
         tie_embeddings="output.weight" not in tensors,
+        **(family_fields(arch, get, tensors) if arch != "llama" else _LLAMA),
     )
 
 
-def tensor_map(config: ModelConfig) -> dict[str, Target]:
-    """GGUF tensor name -> Target, for every tensor a Llama-family file must hold."""
+# The Llama block's fields that `llama.*` metadata does not state
+_LLAMA = {"norm": "rmsnorm", "activation": "silu", "gated": True, "attn_bias": False,
+          "attn_out_bias": False, "mlp_bias": False}
+
+
+def tensor_map(config: ModelConfig, arch: str = "llama") -> dict[str, Target]:
+    """GGUF tensor name -> Target, for every tensor an `arch` file of `config` must hold."""
+    if arch != "llama":
+        return {name: Target(param, rows) for name, (param, rows) in family_names(arch, config).items()}
     H, KV, dh, ff = config.n_heads, config.kv_heads, config.head_dim, config.ff_dim
     names = {
         "token_embd.weight": Target("embed.tokens.weight"),
@@ -131,16 +138,11 @@ def tensor_map(config: ModelConfig) -> dict[str, Target]:
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of the parameters `tensor_map` fills, from the config alone (nothing allocated)."""
-    d, V, ff = config.d_model, config.vocab_size, config.ff_dim
-    H, KV = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
-    shapes = {"embed.tokens.weight": (V, d), "final_norm.weight": (d,), "lm_head.weight": (V, d)}
-    for i in range(config.n_layers):
-        b = f"blocks.{i}."
-        shapes |= {b + "norm1.weight": (d,), b + "attn.qkv.weight": (H + 2 * KV, d),
-                   b + "attn.out.weight": (d, H), b + "norm2.weight": (d,),
-                   b + "mlp.up.weight": (2 * ff, d), b + "mlp.down.weight": (d, ff)}
-    return shapes
+    """Shapes of the parameters `tensor_map` fills, from the config alone (a model on the meta
+    device: nothing allocated)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -169,15 +171,17 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
             tokenizer = from_gguf_metadata(file.metadata)
         except ValueError as error:
             raise InputError(path, f"{error}") from None
+        arch = file.metadata["general.architecture"]
         file.metadata.clear()  # the vocabulary as Python strings (~12 MB for 49k tokens), now read
-        targets = tensor_map(config)
+        targets = tensor_map(config, arch)
         _check_tensors(file, config, targets)
         if tokenizer.vocab_size != config.vocab_size:
             raise InputError(path, f"{tokenizer.vocab_size} tokens in the vocabulary but "
                              f"{config.vocab_size} rows in token_embd.weight")
         model = empty_model(config, dtype)
         done = _keep_blocks(file, model, targets) if keep_blocks else set()
-        params = dict(model.named_parameters(remove_duplicate=False))
+        # a kept layer's bias is its buffer, filled like a parameter
+        params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
         with torch.no_grad():
             for name, target in targets.items():
                 if name in done:
@@ -224,7 +228,8 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
             rows.append(unpermute_rows(raw, heads) if heads else raw)
         raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
         shape = (sum(file.tensors[n].shape[0] for n in names), file.tensors[names[0]].shape[1])
-        table = QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape)
+        bias = getattr(linear.get(layer), "bias", None)  # filled later, with the plain tensors
+        table = QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape, bias)
         if layer != "embed.tokens":
             model.set_submodule(layer, table)
         if "token_embd.weight" in names:
@@ -243,8 +248,8 @@ def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Targe
                          f"({len(missing)} missing in all)")
     unknown = sorted(set(file.tensors) - set(targets))
     if unknown:
-        raise InputError(file.path, f"unexpected tensor {unknown[0]} for a "
-                         f"{config.n_layers}-layer Llama model")
+        raise InputError(file.path, f"unexpected tensor {unknown[0]} for this "
+                         f"{config.n_layers}-layer model")
     shapes = param_shapes(config)
     for name, target in targets.items():
         info = file.tensors[name]

@@ -1,7 +1,8 @@
 """Glassformer -> a GGUF file that llama.cpp-based tools read (the inverse of gguf.py).
 
 The file is written by the `gguf` library's GGUFWriter with llama.cpp's `llama.*` metadata,
-its tensor names (token_embd, blk.N.attn_q ..., output_norm, output) and the tokenizer as
+its tensor names (token_embd, blk.N.attn_q ..., output_norm, output) (a GPT-NeoX or Phi-3
+block as `gptneox` or `phi3`, gguf_neox.py) and the tokenizer as
 `tokenizer.ggml.*` (byte-level BPE: tokens, token types, merges, special ids) with the chat
 template. W_Q and W_K rows are permuted into llama.cpp's RoPE layout (adjacent pairs), the
 inverse of `gguf.unpermute_rows`; the fused qkv and gate-up matrices are cut back into
@@ -31,6 +32,7 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .gguf import config_from_metadata, tensor_map
+from .gguf_neox import family_metadata, family_of
 from .validate import check_model_finite
 
 # --dtype -> (the matrices' GGML type, general.file_type)
@@ -52,27 +54,33 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_metadata(config: ModelConfig) -> dict:
-    """The `llama.*` values, checked to read back as `config`."""
+    """The `<arch>.*` values (family_of(config) names the architecture), checked to read back
+    as `config`."""
+    arch = family_of(config)
     meta = {
-        "general.architecture": "llama",
-        "llama.context_length": config.context_length,
-        "llama.embedding_length": config.d_model,
-        "llama.block_count": config.n_layers,
-        "llama.feed_forward_length": config.ff_dim,
-        "llama.attention.head_count": config.n_heads,
-        "llama.attention.head_count_kv": config.kv_heads,
-        "llama.attention.key_length": config.head_dim,
-        "llama.attention.value_length": config.head_dim,
-        "llama.rope.dimension_count": config.head_dim,
-        "llama.rope.freq_base": _f32(config.rope_theta),
-        "llama.attention.layer_norm_rms_epsilon": _f32(config.norm_eps),
+        "general.architecture": arch,
+        f"{arch}.context_length": config.context_length,
+        f"{arch}.embedding_length": config.d_model,
+        f"{arch}.block_count": config.n_layers,
+        f"{arch}.feed_forward_length": config.ff_dim,
+        f"{arch}.attention.head_count": config.n_heads,
+        f"{arch}.attention.head_count_kv": config.kv_heads,
+        f"{arch}.attention.key_length": config.head_dim,
+        f"{arch}.attention.value_length": config.head_dim,
+        f"{arch}.rope.dimension_count": config.rotated_dim,
+        f"{arch}.rope.freq_base": _f32(config.rope_theta),
     }
+    if arch == "llama":
+        meta["llama.attention.layer_norm_rms_epsilon"] = _f32(config.norm_eps)
+    else:
+        meta |= {key: _f32(v) if isinstance(v, float) else v
+                 for key, v in family_metadata(arch, config).items()}
     if config.rope_scaling != "none":
-        meta |= {"llama.rope.scaling.type": config.rope_scaling,
-                 "llama.rope.scaling.factor": _f32(config.rope_factor)}
-    tensors = {"token_embd.weight": SimpleNamespace(shape=(config.vocab_size, config.d_model))}
-    if not config.tie_embeddings:
-        tensors["output.weight"] = tensors["token_embd.weight"]
+        meta |= {f"{arch}.rope.scaling.type": config.rope_scaling,
+                 f"{arch}.rope.scaling.factor": _f32(config.rope_factor)}
+    # the tensors the file will hold, as far as the reading looks (names, the table's shape)
+    tensors = {name: SimpleNamespace(shape=(config.vocab_size, config.d_model))
+               for name in tensor_map(config, arch)}
     try:
         read = config_from_metadata(meta, tensors)
     except ValueError as error:
@@ -84,7 +92,7 @@ def gguf_metadata(config: ModelConfig) -> dict:
             ours, theirs = _f32(ours), _f32(theirs)
         if field not in _FREE and theirs != ours:
             raise InputError(field, f"{getattr(config, field)!r} cannot be exported to GGUF "
-                             f"(a llama GGUF file says {getattr(read, field)!r})")
+                             f"(a {arch} GGUF file says {getattr(read, field)!r})")
     return meta
 
 
@@ -162,7 +170,7 @@ def export_gguf(model: Transformer, tokenizer, path: str | Path, dtype: str = "f
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
     os.close(fd)
     try:
-        writer = GGUFWriter(tmp, "llama")
+        writer = GGUFWriter(tmp, meta["general.architecture"])
         writer.add_file_type(int(file_type))
         for key, value in meta.items():
             _add(writer, key, value)
@@ -187,7 +195,7 @@ def _tensors(model: Transformer, config: ModelConfig) -> dict[str, np.ndarray]:
     """Every GGUF tensor as float32 numpy, in llama.cpp's names and layout."""
     params = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
     out = {}
-    for name, target in tensor_map(config).items():
+    for name, target in tensor_map(config, family_of(config)).items():
         w = params[target.param]
         if target.rows is not None:
             w = w[target.rows[0]:target.rows[1]]
@@ -205,7 +213,7 @@ def _add(writer: GGUFWriter, key: str, value) -> None:
         writer.add_token_list(value)
     elif key == "tokenizer.ggml.token_type":
         writer.add_token_types(value)
-    elif key == "llama.rope.scaling.type":
+    elif key.endswith(".rope.scaling.type"):
         writer.add_rope_scaling_type(RopeScalingType(value))
     elif key == "general.architecture":
         return  # GGUFWriter writes it from its arch

@@ -41,7 +41,8 @@ def neox_config(hf: dict[str, Any]) -> ModelConfig:
     return ModelConfig(
         vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
         d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"], position="rope",
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_attention_heads"],
+        d_ff=hf["intermediate_size"], position="rope",
         rope_theta=float(rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))),
         rotary_dim=None if rotary_dim == d_head else rotary_dim, norm="layernorm",
         norm_eps=hf.get("layer_norm_eps", 1e-5),

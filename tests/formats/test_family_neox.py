@@ -29,10 +29,10 @@ CONFIGS = {
     # parallel blocks, a quarter of each 16-wide head turning, biases everywhere
     "neox_parallel": lambda: transformers.GPTNeoXConfig(**NEOX, rotary_pct=0.25,
                                                         rotary_emb_base=5000),
-    # sequential blocks, half of each head, no attention biases, a tied head, tanh GELU
+    # sequential blocks, half of each head, no attention biases, a tied head
     "neox_sequential": lambda: transformers.GPTNeoXConfig(
         **NEOX, use_parallel_residual=False, rotary_pct=0.5, attention_bias=False,
-        tie_word_embeddings=True, hidden_act="gelu_new"),
+        tie_word_embeddings=True),
     # grouped keys and values, half of each head turning
     "phi3": lambda: transformers.Phi3Config(
         **PHI3, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -45,7 +45,7 @@ EXPECTED = {
                           attn_bias=True, attn_out_bias=True, activation="gelu",
                           tie_embeddings=False),
     "neox_sequential": dict(parallel_block=False, rotary_dim=8, attn_bias=False,
-                            attn_out_bias=False, activation="gelu_tanh", tie_embeddings=True),
+                            attn_out_bias=False, tie_embeddings=True),
     "phi3": dict(parallel_block=False, rotary_dim=8, n_kv_heads=2, norm="rmsnorm", gated=True,
                  sliding_window=None),
     "phi3_window": dict(rotary_dim=None, sliding_window=5),
@@ -148,3 +148,56 @@ def test_partial_rotary_is_read_from_old_and_new_config_files():
     config = config_from_hf(old)
     assert (config.rotary_dim, config.rope_theta, config.parallel_block) == (8, 100.0, True)
     assert config_from_hf(json.loads(json.dumps(_hf("neox_parallel")))).rotary_dim == 4
+
+
+def test_gguf_round_trip_equals_transformers(pair, tmp_path):
+    """Exported as llama.cpp's gptneox / phi3 (the window: phi3) and read back: transformers'
+    logits and greedy tokens (transformers' own GGUF reader reads neither partial rotary
+    nor a window, so it is no oracle for these files)."""
+    from gguf import GGUFReader
+
+    from glassformer.formats.gguf import load_gguf
+    from glassformer.formats.gguf_export import export_gguf
+
+    kind, _, reference, model, tokenizer = pair
+    path = export_gguf(model, tokenizer, tmp_path / "model.gguf")
+    arch = bytes(GGUFReader(path).fields["general.architecture"].parts[-1]).decode()
+    assert arch == {"gpt_neox": "gptneox", "phi3": "phi3"}[reference.config.model_type]
+    ours, _ = load_gguf(path)
+    assert ours.config == model.config.replace(norm_eps=ours.config.norm_eps)
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), reference(ids).logits, atol=1e-4, rtol=1e-4)
+    prompt = [5, 17, 42, 99, 7, 3, 250]
+    greedy = GenerationConfig(max_new_tokens=16, eos_ids=())
+    assert generate(ours, prompt, greedy).generated_ids == generate(model, prompt, greedy).generated_ids
+
+
+def test_gguf_refuses_what_a_gptneox_file_cannot_say(tmp_path):
+    """A gptneox file's GELU is read as the exact one: the tanh form is refused by name."""
+    from glassformer import ModelConfig, Transformer
+    from glassformer.formats.gguf_export import export_gguf
+
+    config = ModelConfig(vocab_size=VOCAB, context_length=16, d_model=32, n_layers=1, n_heads=2,
+                         position="rope", rotary_dim=8, parallel_block=True, activation="gelu_tanh")
+    with pytest.raises(InputError, match="activation: 'gelu_tanh' cannot be exported to GGUF"):
+        export_gguf(Transformer(config), _tokenizer(), tmp_path / "model.gguf")
+    assert not (tmp_path / "model.gguf").exists()
+
+
+def test_gguf_blocks_kept_with_their_biases(tmp_path_factory, tmp_path):
+    """A q8_0 NeoX file with its blocks kept as they are (biases beside them) computes what the
+    same file dequantized computes, within the int8 activations' rounding."""
+    from glassformer.formats.gguf import load_gguf
+    from glassformer.formats.gguf_export import export_gguf
+
+    folder = tmp_path_factory.mktemp("neox_q8")
+    _save("neox_parallel", folder)
+    model, tokenizer = load_hf(folder)
+    path = export_gguf(model, tokenizer, tmp_path / "model.gguf", "q8_0")
+    kept, dequantized = load_gguf(path, keep_blocks=True)[0], load_gguf(path)[0]
+    assert kept.blocks[0].attn.qkv.bias is not None
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = dequantized(ids)
+        assert (kept(ids) - expected).abs().max() <= 0.05 * expected.abs().max()
