@@ -68,9 +68,12 @@ def configs(draw) -> tuple[ModelConfig, str]:
     rope = {}
     if position == "rope":
         scaling = draw(st.sampled_from(["none", "linear", "ntk", "yarn"]))
+        head = d_head or d_model // n_heads
         rope = {"rope_scaling": scaling, "rope_factor": 1.0 if scaling == "none" else 2.0,
-                "rope_theta": draw(st.sampled_from([100.0, 10000.0]))}
+                "rope_theta": draw(st.sampled_from([100.0, 10000.0])),
+                "rotary_dim": draw(st.sampled_from([None, max(2, head // 4 * 2)]))}
     norm = draw(st.sampled_from(["layernorm", "rmsnorm"]))
+    norm_placement = draw(st.sampled_from(["pre", "post", "out", "sandwich"]))
     scale_scores = draw(st.booleans())
     # Gemma's pieces: per-layer windows (then no model-wide one), soft-caps, the score scale
     sliding_window = draw(st.sampled_from([None, 5, 12]))
@@ -95,8 +98,9 @@ def configs(draw) -> tuple[ModelConfig, str]:
         position=position,
         **rope,
         norm=norm,
-        norm_placement=draw(st.sampled_from(["pre", "post", "out", "sandwich"])),
+        norm_placement=norm_placement,
         qk_norm=draw(st.sampled_from(["none", "head", "all"])),
+        parallel_block=norm_placement == "pre" and draw(st.booleans()),
         norm_bias=draw(st.booleans()),
         activation=draw(st.sampled_from(["relu", "gelu", "gelu_tanh", "silu"])),
         gated=draw(st.booleans()),

@@ -51,8 +51,11 @@ CAPABILITIES = CapabilityTable("fused training passes", {
     "rope_original_context": any_value("the angles come from the model"),
     "rope_low_freq_factor": any_value("the angles come from the model"),
     "rope_high_freq_factor": any_value("the angles come from the model"),
+    "rotary_dim": any_value("the RoPE pass turns whole heads; a partial turn keeps the plain "
+                            "expression"),
     "norm": any_value("RMSNorm and LayerNorm passes"), "norm_placement": any_value(_MODULES),
     "qk_norm": any_value("query/key norms stay the model's own modules"),
+    "parallel_block": any_value(_MODULES),
     "norm_eps": any_value(), "norm_bias": any_value("LayerNorm with or without its bias"),
     "activation": any_value("silu (gated) and gelu passes; " + _PER_CALL),
     "gated": any_value(_PER_CALL), "attn_bias": any_value(_MODULES),

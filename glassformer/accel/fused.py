@@ -56,6 +56,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
         return None
     if cos.dtype != torch.float32 or cos.shape[0] not in (1, x.shape[0]) or cos.shape[1] != 1:
         return None
+    if cos.shape[-1] != x.shape[-1]:  # partial rotary: the plain expression
+        return None
     angles = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # (B or 1, T, D) each
     return kernels.rotary(x, *angles)
 

@@ -36,8 +36,8 @@ CAPABILITIES = CapabilityTable("quantized linear kernels", {
     "tie_embeddings": any_value("a tied head is quantized, the embedding stays float32"),
     **{name: any_value(_AROUND) for name in (
         "context_length", "position", "rope_theta", "rope_scaling", "rope_factor",
-        "rope_original_context", "rope_low_freq_factor", "rope_high_freq_factor", "norm",
-        "norm_placement", "qk_norm", "norm_eps", "norm_bias",
+        "rope_original_context", "rope_low_freq_factor", "rope_high_freq_factor", "rotary_dim",
+        "norm", "norm_placement", "qk_norm", "parallel_block", "norm_eps", "norm_bias",
         "activation", "final_norm", "causal", "sliding_window", "dropout", "attention_kernel",
         "init_std", "n_token_types", "embed_norm", "decoder_start_id", "relative_buckets",
         "relative_max_distance", "scale_scores", "scale_head_input", "norm_weight_offset",

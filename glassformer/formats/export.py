@@ -2,10 +2,12 @@
 
 The family is read off the config: GPT-2 (learned positions, LayerNorm, biases, tied head) or
 Llama (RoPE, RMSNorm, SwiGLU, no biases), Qwen2 (q/k/v biases only) and Mistral (a sliding
-window), Qwen3 and OLMo 2 (query/key norms; huggingface_qk.py); an encoder-decoder as T5
-(huggingface_t5.py), a bidirectional model as a BertForMaskedLM (huggingface_bert.py). A config
-that none of them can express is refused with the field that stops it. The folder is written
-whole beside its destination and renamed into place.
+window), Qwen3 and OLMo 2 (query/key norms; huggingface_qk.py), Gemma and Gemma 2
+(huggingface_gemma.py); RoPE with LayerNorm or a parallel block as GPT-NeoX (huggingface_neox.py),
+Llama's block turning part of each head as Phi-3 (huggingface_phi3.py); an encoder-decoder as T5
+(huggingface_t5.py), a bidirectional model as a BertForMaskedLM (huggingface_bert.py). A
+config that none of them can express is refused with the field that stops it. The folder is
+written whole beside its destination and renamed into place.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 
 from ..errors import InputError
@@ -26,6 +29,8 @@ from ..model.transformer import Transformer
 from .huggingface import GPT2_ACTIVATIONS, key_map
 from .huggingface_bert import bert_hf_config
 from .huggingface_gemma import gemma_hf_config, is_gemma
+from .huggingface_neox import neox_hf_config
+from .huggingface_phi3 import phi3_hf_config
 from .huggingface_qk import qk_hf_config
 from .huggingface_t5 import t5_hf_config
 from .tokenizers import HFTokenizer
@@ -59,9 +64,9 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         return qk_hf_config(config, _llama_hf_config(config))
     _require(config, "a Hugging Face model", norm_placement="pre")
     if config.position == "learned":
-        _require(config, "GPT-2", norm="layernorm", gated=False, attn_bias=True, attn_out_bias=True,
-                 mlp_bias=True, tie_embeddings=True, kv_heads=config.n_heads,
-                 head_dim=config.d_model // config.n_heads, sliding_window=None)
+        _require(config, "GPT-2", norm="layernorm", gated=False, parallel_block=False,
+                 attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True,
+                 kv_heads=config.n_heads, head_dim=config.d_model // config.n_heads, sliding_window=None)
         if config.activation not in _GPT2_NAMES:
             raise InputError("activation", f"{config.activation!r} cannot be exported as GPT-2")
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
@@ -70,6 +75,12 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
                 "n_inner": config.ff_dim, "activation_function": _GPT2_NAMES[config.activation],
                 "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": True,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    if config.position == "rope" and (config.norm == "layernorm" or config.parallel_block):
+        return neox_hf_config(config)
+    if config.position == "rope" and config.rotary_dim is not None:
+        return phi3_hf_config(config)
+    _require(config, "Llama", position="rope", norm="rmsnorm", activation="silu", gated=True,
+             parallel_block=False)
     if config.attn_out_bias and not config.attn_bias:
         raise InputError("attn_out_bias", "a bias on W_O alone cannot be exported")
     qwen = config.attn_bias and not config.attn_out_bias  # Qwen2: biases on q, k, v only
@@ -131,6 +142,8 @@ def export_hf(model: Transformer | EncoderDecoder, tokenizer: Any, folder: str |
     tensors = {}
     for e in key_map(config, hf["model_type"]):
         t = ours[e.ours] if e.rows is None else ours[e.ours][e.rows[0]:e.rows[1]]
+        if e.order is not None:  # theirs = ours[argsort(order)]
+            t = t[torch.tensor(e.order).argsort()]
         tensors[e.hf] = (t.T if e.transpose else t).detach().to("cpu").contiguous()
     if isinstance(tokenizer, HFTokenizer):
         hf |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}

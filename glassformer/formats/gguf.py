@@ -9,7 +9,8 @@ Architectures (`general.architecture`, llama.cpp's names): llama, and three Llam
 difference each (`ARCHITECTURES`): qwen2 (biases on q, k, v: attn_q.bias ...), qwen3 (RMSNorm
 per head on queries and keys: attn_q_norm, attn_k_norm) and olmo2 (those norms over all heads,
 and output norms in place of input norms: post_attention_norm, post_ffw_norm); Gemma and
-Gemma 2 (gguf_gemma.py), whose files keep their norms as 1 + w.
+Gemma 2 (gguf_gemma.py), whose files keep their norms as 1 + w; GPT-NeoX and Phi-3 (`gptneox`,
+`phi3`: their own fields and tensor names are in gguf_neox.py).
 
 For llama, llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (like
 Hugging Face Llama) rotates halves (x_i, x_i+d/2). Its converter therefore permutes the rows of
@@ -36,19 +37,24 @@ from .chat_tokenizer import ChatTokenizer, from_gguf_metadata
 from .empty_model import empty_model
 from .gguf_file import GGUFFile
 from .gguf_gemma import GEMMA_ARCHITECTURES, NORM_SHIFT, gemma_fields
+from .gguf_neox import NEOX_ARCHITECTURES, family_names, family_of, neox_fields
 from .huggingface_gemma import is_gemma
 from .validate import check_model, check_tensor
 
-# What each architecture computes beyond llama's blocks, as ModelConfig fields (Gemma's: gguf_gemma.py).
+# What each Llama-block architecture computes beyond llama's, as ModelConfig fields (Gemma's:
+# gguf_gemma.py)
 ARCHITECTURES = {
     "llama": {},
     "qwen2": {"attn_bias": True},
     "qwen3": {"qk_norm": "head"},
     "olmo2": {"qk_norm": "all", "norm_placement": "out"},
 }
-SUPPORTED_ARCHITECTURES = (*ARCHITECTURES, *GEMMA_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = (*ARCHITECTURES, *GEMMA_ARCHITECTURES, *NEOX_ARCHITECTURES)
 # llama.cpp's names of the norms after attention and the feed-forward (OLMo 2, Gemma 2)
 OUTPUT_NORMS = {"post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm"}
+# The Llama block's fields that `<arch>.*` metadata does not state
+_LLAMA = {"norm": "rmsnorm", "activation": "silu", "gated": True, "attn_bias": False,
+          "attn_out_bias": False, "mlp_bias": False}
 _CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
 
 
@@ -63,7 +69,8 @@ class Target:
 
 
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
-    """The Llama-family (or Gemma) architecture described by `{arch}.*` metadata."""
+    """The architecture described by `{arch}.*` metadata (and, where the metadata is silent,
+    by which tensors the file holds)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InputError(None, f"unsupported GGUF architecture {arch!r} "
@@ -91,7 +98,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
     d_model = count("embedding_length")
     d_head = count("attention.key_length", d_model // n_heads)
     rotary = count("rope.dimension_count", d_head)
-    if rotary != d_head:
+    if rotary != d_head and arch not in NEOX_ARCHITECTURES:
         raise InputError(None, f"unsupported GGUF: RoPE on {rotary} of {d_head} head dimensions")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
@@ -99,7 +106,11 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
     if "token_embd.weight" not in tensors:
         raise InputError(None, "GGUF lacks the tensor token_embd.weight")
     n_layers = count("block_count")
-    fields = {"activation": "silu", "attn_bias": False, **ARCHITECTURES.get(arch, {})}
+    if arch in NEOX_ARCHITECTURES:
+        fields = neox_fields(arch, get, tensors)
+    else:
+        fields = {**_LLAMA, "norm_eps": number("attention.layer_norm_rms_epsilon"),
+                  **ARCHITECTURES.get(arch, {})}
     if arch in GEMMA_ARCHITECTURES:
         fields |= gemma_fields(arch, meta, n_layers, d_model, n_heads, d_head)
     return ModelConfig(
@@ -115,11 +126,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
         rope_theta=number("rope.freq_base", 10000.0),
         rope_scaling=scaling,
         rope_factor=number("rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
-        norm="rmsnorm",
-        norm_eps=number("attention.layer_norm_rms_epsilon"),
-        gated=True,
-        attn_out_bias=False,
-        mlp_bias=False,
+        rotary_dim=rotary if rotary != d_head else None,
         tie_embeddings="output.weight" not in tensors,
         **fields,
     )
@@ -134,13 +141,19 @@ def architecture(config: ModelConfig) -> str:
         return "olmo2"
     if config.qk_norm == "head":
         return "qwen3"
+    if family_of(config) != "llama":
+        return family_of(config)
     return "qwen2" if config.attn_bias and not config.attn_out_bias else "llama"
 
 
-def tensor_map(config: ModelConfig) -> dict[str, Target]:
-    """GGUF tensor name -> Target, for every tensor a Llama-family (or Gemma) file must hold."""
+def tensor_map(config: ModelConfig, arch: str | None = None) -> dict[str, Target]:
+    """GGUF tensor name -> Target, for every tensor an `arch` file (by default the one
+    `architecture(config)` names) of `config` must hold."""
+    arch = arch or architecture(config)
+    if arch in NEOX_ARCHITECTURES:
+        return {name: Target(param, rows) for name, (param, rows) in family_names(arch, config).items()}
     H, KV, dh, ff = config.n_heads, config.kv_heads, config.head_dim, config.ff_dim
-    permuted = architecture(config) == "llama"  # see the module's docstring
+    permuted = arch == "llama"  # see the module's docstring
     qkv_rows = {"q": ((0, H * dh), H), "k": ((H * dh, (H + KV) * dh), KV),
                 "v": (((H + KV) * dh, (H + 2 * KV) * dh), None)}
     shift = NORM_SHIFT if is_gemma(config) else 0.0  # a Gemma file's norms are 1 + w
@@ -175,20 +188,11 @@ def tensor_map(config: ModelConfig) -> dict[str, Target]:
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of the parameters `tensor_map` fills, from the config alone (nothing allocated)."""
-    d, V, ff = config.d_model, config.vocab_size, config.ff_dim
-    H, KV = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
-    q_norm, k_norm = (H, KV) if config.qk_norm == "all" else (config.head_dim,) * 2
-    shapes = {"embed.tokens.weight": (V, d), "final_norm.weight": (d,), "lm_head.weight": (V, d)}
-    for i in range(config.n_layers):
-        b = f"blocks.{i}."
-        shapes |= {b + "attn.qkv.weight": (H + 2 * KV, d), b + "attn.qkv.bias": (H + 2 * KV,),
-                   b + "attn.q_norm.weight": (q_norm,), b + "attn.k_norm.weight": (k_norm,),
-                   b + "attn.out.weight": (d, H), b + "mlp.up.weight": (2 * ff, d),
-                   b + "mlp.down.weight": (d, ff)}
-        shapes |= {b + norm + ".weight": (d,) for norm in ("norm1", "norm2", "attn_out_norm",
-                                                            "mlp_out_norm")}
-    return shapes
+    """Shapes of the parameters `tensor_map` fills, from the config alone (a model on the meta
+    device: nothing allocated)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    return {name: tuple(p.shape) for name, p in model.state_dict().items()}
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -217,8 +221,9 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
             tokenizer = from_gguf_metadata(file.metadata)
         except ValueError as error:
             raise InputError(path, f"{error}") from None
+        arch = file.metadata["general.architecture"]
         file.metadata.clear()  # the vocabulary as Python strings (~12 MB for 49k tokens), now read
-        targets = tensor_map(config)
+        targets = tensor_map(config, arch)
         _check_tensors(file, config, targets)
         if tokenizer.vocab_size != config.vocab_size:
             raise InputError(path, f"{tokenizer.vocab_size} tokens in the vocabulary but "
@@ -275,7 +280,7 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
         shape = (sum(file.tensors[n].shape[0] for n in names), file.tensors[names[0]].shape[1])
         biases = sorted((n for n, t in targets.items() if t.param == layer + ".bias"),
                         key=lambda n: targets[n].rows or (0, 0))
-        bias = torch.from_numpy(np.concatenate(  # qwen2's q, k, v biases, float32 in the file
+        bias = torch.from_numpy(np.concatenate(  # q, k, v biases (qwen2, gptneox), as the file has them
             [dequantize(file.raw(n), file.tensors[n].qtype).reshape(-1) for n in biases])) if biases else None
         table = QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape, bias)
         if layer != "embed.tokens":

@@ -1,8 +1,9 @@
 """Glassformer -> a GGUF file that llama.cpp-based tools read (the inverse of gguf.py).
 
 The file is written by the `gguf` library's GGUFWriter with llama.cpp's `<arch>.*` metadata
-(llama, or qwen2 / qwen3 / olmo2 where the config has their pieces: `gguf.architecture`), its
-tensor names (token_embd, blk.N.attn_q ..., output_norm, output) and the tokenizer as
+(llama, or qwen2 / qwen3 / olmo2 / gemma / gemma2 / gptneox / phi3 where the config has their
+pieces: `gguf.architecture`; gguf_gemma.py, gguf_neox.py), its tensor names (token_embd,
+blk.N.attn_q ..., output_norm, output) and the tokenizer as
 `tokenizer.ggml.*` (byte-level BPE: tokens, token types, merges, special ids) with the chat
 template. For llama, W_Q and W_K rows are permuted into llama.cpp's RoPE layout (adjacent
 pairs), the inverse of `gguf.unpermute_rows`; the fused qkv and gate-up matrices are cut back into
@@ -33,6 +34,7 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .gguf import architecture, config_from_metadata, tensor_map
 from .gguf_gemma import gemma_metadata
+from .gguf_neox import NEOX_ARCHITECTURES, family_metadata
 from .validate import check_model_finite
 
 # --dtype -> (the matrices' GGML type, general.file_type)
@@ -54,7 +56,8 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_metadata(config: ModelConfig) -> dict:
-    """The `<arch>.*` values, checked to read back as `config`."""
+    """The `<arch>.*` values (`gguf.architecture` names the architecture), checked to read back
+    as `config`."""
     arch = architecture(config)
     meta = {"general.architecture": arch} | {f"{arch}.{key}": value for key, value in {
         "context_length": config.context_length,
@@ -65,18 +68,22 @@ def gguf_metadata(config: ModelConfig) -> dict:
         "attention.head_count_kv": config.kv_heads,
         "attention.key_length": config.head_dim,
         "attention.value_length": config.head_dim,
-        "rope.dimension_count": config.head_dim,
+        "rope.dimension_count": config.rotated_dim,
         "rope.freq_base": _f32(config.rope_theta),
-        "attention.layer_norm_rms_epsilon": _f32(config.norm_eps),
     }.items()}
-    meta |= {key: _f32(v) if isinstance(v, float) else v
-             for key, v in gemma_metadata(arch, config).items()}
+    if arch in NEOX_ARCHITECTURES:
+        meta |= {key: _f32(v) if isinstance(v, float) else v
+                 for key, v in family_metadata(arch, config).items()}
+    else:
+        meta[f"{arch}.attention.layer_norm_rms_epsilon"] = _f32(config.norm_eps)
+        meta |= {key: _f32(v) if isinstance(v, float) else v
+                 for key, v in gemma_metadata(arch, config).items()}
     if config.rope_scaling != "none":
         meta |= {f"{arch}.rope.scaling.type": config.rope_scaling,
                  f"{arch}.rope.scaling.factor": _f32(config.rope_factor)}
-    tensors = {"token_embd.weight": SimpleNamespace(shape=(config.vocab_size, config.d_model))}
-    if not config.tie_embeddings:
-        tensors["output.weight"] = tensors["token_embd.weight"]
+    # the tensors the file will hold, as far as the reading looks (names, the table's shape)
+    tensors = {name: SimpleNamespace(shape=(config.vocab_size, config.d_model))
+               for name in tensor_map(config, arch)}
     try:
         read = config_from_metadata(meta, tensors)
     except ValueError as error:

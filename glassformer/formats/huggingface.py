@@ -12,6 +12,10 @@ Three families, each an explicit key map (`key_map`) between Hugging Face names 
 - BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (huggingface_bert.py).
 - Gemma (gemma, gemma2): Llama's block with Gemma's norms, embedding scale, GeGLU, and
   Gemma 2's sandwich norms, soft-caps and sliding layers (huggingface_gemma.py).
+- GPT-NeoX / Pythia (gpt_neox): parallel blocks, partial rotary, a per-head fused
+  query_key_value (huggingface_neox.py).
+- Phi-3 (phi3): Llama's block with fused qkv_proj and gate_up_proj, partial rotary
+  (huggingface_phi3.py).
 Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
 """
 
@@ -32,6 +36,8 @@ from .empty_model import empty_model
 from .files import read_json_object
 from .huggingface_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
 from .huggingface_gemma import GEMMA_TYPES, gemma_config, gemma_keys
+from .huggingface_neox import NEOX_HEAD, neox_config, neox_keys
+from .huggingface_phi3 import phi3_config, phi3_keys
 from .huggingface_qk import QK_TYPES, family_fields, qwen_window, with_defaults
 from .huggingface_t5 import t5_config, t5_keys
 from .tensor_map import Entry
@@ -41,7 +47,8 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
                     "relu": "relu"}
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 # Buffers some transformers versions save, carrying no weights.
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq",
+                     ".attention.bias", ".attention.masked_bias")
 # Copies of T5's shared token table that some files also store under each stack's name.
 _T5_TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
@@ -65,6 +72,10 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
             return bert_config(hf, pooler)
         if kind in GEMMA_TYPES:
             return gemma_config(hf, rope_fields(hf))
+        if kind == "gpt_neox":
+            return neox_config(hf)
+        if kind == "phi3":
+            return phi3_config(hf)
     except KeyError as error:
         raise InputError(None, f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
     except InputError:
@@ -73,7 +84,7 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
         raise InputError(None, f"config.json: a value this model_type ({kind!r}) cannot take "
                          f"({type(error).__name__}: {error})") from None
     raise InputError(None, f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
-                     f"{', '.join(QK_TYPES)}, t5, bert, {', '.join(GEMMA_TYPES)})")
+                     f"{', '.join(QK_TYPES)}, t5, bert, {', '.join(GEMMA_TYPES)}, gpt_neox, phi3)")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
@@ -152,6 +163,10 @@ def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
         return bert_keys(config)
     if model_type in GEMMA_TYPES:
         return gemma_keys(config)
+    if model_type == "gpt_neox":
+        return neox_keys(config)
+    if model_type == "phi3":
+        return phi3_keys(config)
     return _llama_keys(config)  # llama, mistral, qwen2, qwen3, olmo2: the config says which parts
 
 
@@ -262,6 +277,8 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
         tied |= set(_T5_TIED_COPIES)
     if model_type == "bert":  # copies of tied tensors a file may hold beside the originals
         tied = ({TIED_COPIES[0]} if config.tie_embeddings else set()) | {TIED_COPIES[1]}
+    if model_type == "gpt_neox" and config.tie_embeddings:  # a copy of the tied head
+        tied = {NEOX_HEAD}
     unknown = sorted(k for k in set(tensors) - wanted
                      if not k.endswith(_IGNORED_SUFFIXES) and k not in tied)
     if unknown:
@@ -279,7 +296,7 @@ def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Te
         if tuple(t.shape) != tuple(shape):
             raise InputError(None, f"tensor {e.hf} has shape {tuple(tensors[e.hf].shape)}, "
                              f"expected {tuple(shape)}{' transposed' if e.transpose else ''}")
-        parts.setdefault(e.ours, []).append((e, t))
+        parts.setdefault(e.ours, []).append((e, t if e.order is None else t[list(e.order)]))
     out = {}
     for name, pieces in parts.items():
         pieces.sort(key=lambda p: p[0].rows or (0, 0))

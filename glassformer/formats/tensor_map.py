@@ -7,9 +7,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Entry:
-    """One Hugging Face tensor: our parameter, the block of its rows, and whether to transpose."""
+    """One Hugging Face tensor: our parameter, the block of its rows, whether to transpose, and
+    `order`: where ours differs in the order of rows, the foreign row of each of our rows
+    (ours = theirs[order], theirs = ours[argsort(order)])."""
 
     hf: str
     ours: str
     rows: tuple[int, int] | None = None
     transpose: bool = False
+    order: tuple[int, ...] | None = None

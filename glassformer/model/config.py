@@ -72,11 +72,13 @@ class ModelConfig(ConfigFields):
     rope_original_context: int | None = None  # None: context_length / rope_factor
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths past original / this are interpolated
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original / this are kept
+    rotary_dim: int | None = None  # partial rotary: only each head's first rotary_dim turn; None: all
     norm: Norm = "layernorm"
     norm_placement: NormPlacement = "pre"
     qk_norm: QkNorm = "none"  # RMSNorm on Q and K after the projection, before RoPE
     norm_eps: float = 1e-5
     norm_bias: bool = True  # LayerNorm's additive bias (RMSNorm has none)
+    parallel_block: bool = False  # x + Attn(Norm1(x)) + FFN(Norm2(x)) (GPT-NeoX, layers/block.py)
     activation: Activation = "gelu"
     gated: bool = False  # SwiGLU = silu + gated, GeGLU = gelu + gated
     attn_bias: bool = True  # biases on the Q, K, V projections
@@ -130,7 +132,8 @@ class ModelConfig(ConfigFields):
             raise InputError("causal", "an encoder-decoder's decoder is causal (its encoder is not)")
         if self.position == "relative" and self.relative_buckets < 4:
             raise InputError("relative_buckets", f"needs at least 4, got {self.relative_buckets}")
-        for name in ("n_kv_heads", "d_head", "d_ff", "sliding_window", "rope_original_context"):
+        for name in ("n_kv_heads", "d_head", "d_ff", "sliding_window", "rope_original_context",
+                     "rotary_dim"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         for name, kind in (
@@ -158,6 +161,12 @@ class ModelConfig(ConfigFields):
             )
         if self.position == "rope" and self.head_dim % 2:
             raise InputError("d_head", f"RoPE needs an even head size, got {self.head_dim}")
+        if self.rotary_dim is not None and (self.position != "rope" or self.rotary_dim % 2
+                                            or self.rotary_dim > self.head_dim):
+            raise InputError("rotary_dim", f"needs position='rope' and an even size up to d_head="
+                             f"{self.head_dim}, got {self.rotary_dim}")
+        if self.parallel_block and (self.norm_placement != "pre" or self.n_encoder_layers):
+            raise InputError("parallel_block", "a parallel block is pre-norm and decoder-only")
         if self.position == "sinusoidal" and self.d_model % 2:
             raise InputError("d_model", f"sinusoidal positions need an even d_model, got {self.d_model}")
         if not 0.0 <= self.dropout < 1.0:
@@ -226,6 +235,11 @@ class ModelConfig(ConfigFields):
     def n_rep(self) -> int:
         """How many query heads share one key/value head."""
         return self.n_heads // self.kv_heads
+
+    @property
+    def rotated_dim(self) -> int:
+        """How many of each head's dimensions RoPE turns (the first ones)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def original_context(self) -> int:

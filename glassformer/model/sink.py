@@ -131,7 +131,7 @@ def key_rotation(config: ModelConfig, positions: torch.Tensor,
         return None
     inv_freq, factor = rope_inverse_frequencies(config)
     cos, sin = rope_cos_sin(inv_freq, positions[None], factor)
-    return cos[0, 0].to(dtype), sin[0, 0].to(dtype)  # (P, d_head) each
+    return cos[0, 0].to(dtype), sin[0, 0].to(dtype)  # (P, rotated) each
 
 
 def rotate_keys(keys: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -49,7 +49,7 @@ class Transformer(nn.Module):
         self.rope_attention_factor = 1.0
         if config.position == "rope":
             inv_freq, self.rope_attention_factor = rope_inverse_frequencies(config)
-            self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # (d_head/2,)
+            self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # (rotated/2,)
         if config.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)
         self.relative_bias = None

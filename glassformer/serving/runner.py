@@ -75,14 +75,15 @@ _ANGLES = "angles from the model's own inverse frequencies and attention factor"
 CAPABILITIES = CapabilityTable("serving engine", {
     **{name: any_value(_MODULES) for name in (
         "vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head",
-        "d_ff", "norm", "norm_placement", "qk_norm", "norm_eps", "norm_bias", "activation", "gated",
+        "d_ff", "norm", "norm_placement", "qk_norm", "parallel_block", "norm_eps", "norm_bias",
+        "activation", "gated",
         "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "final_norm", "tie_embeddings",
         "dropout", "attention_kernel", "init_std", "n_token_types", "embed_norm", "head",
         "scale_scores", "scale_head_input", "norm_weight_offset", "embed_scale", "attn_softcap",
         "final_softcap", "attn_scale")},
     **{name: any_value(_ANGLES) for name in (
         "rope_theta", "rope_scaling", "rope_factor", "rope_original_context", "rope_low_freq_factor",
-        "rope_high_freq_factor")},
+        "rope_high_freq_factor", "rotary_dim")},
     "position": any_value("RoPE from the table; ALiBi and T5's bias through the model's masks"),
     **{name: any_value("through the model's masks") for name in (
         "sliding_window", "relative_buckets", "relative_max_distance")},
@@ -204,7 +205,7 @@ class ModelRunner:
         pos_t = torch.tensor(positions, device=self.device)[None]  # (1, N)
         view = PagedView(self.pool, parts, self.fast, self.model, self.sink, self.rope, self.group)
         rope = None
-        if self.rope is not None:  # (1, 1, N, d_head) each
+        if self.rope is not None:  # (1, 1, N, rotated) each
             rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
         lens, hooks = LensRows(self.model.config, capturing), self.layers.hooks
         # the edits first: a site's capture and lens keep what the next module reads
@@ -259,7 +260,7 @@ class ModelRunner:
         x = self.model.embed(ids[None], positions[None])[0]  # (B, d)
         cos = sin = None
         if self.rope is not None:
-            cos, sin = self.rope[0][positions], self.rope[1][positions]  # (B, d_head) each
+            cos, sin = self.rope[0][positions], self.rope[1][positions]  # (B, rotated) each
         names = list(dict.fromkeys(seq.params.adapter for seq in seqs if seq.params.adapter is not None))
         adapter_of = torch.tensor([-1 if seq.params.adapter is None else names.index(seq.params.adapter)
                                    for seq in seqs]).repeat_interleave(counts)  # (B,)

@@ -22,7 +22,8 @@ TABLES = [fast_decode.CAPABILITIES, fast_training.CAPABILITIES, quantize.CAPABIL
 # For each field some table limits: a value ModelConfig accepts that lies outside the limit.
 OUTSIDE = {"position": "relative", "norm_placement": "post", "qk_norm": "head", "causal": False,
            "n_encoder_layers": 2, "norm_weight_offset": 1.0, "embed_scale": True,
-           "attn_softcap": 50.0, "attn_scale": 16.0, "layer_windows": (4, None)}
+           "attn_softcap": 50.0, "attn_scale": 16.0, "layer_windows": (4, None), "rotary_dim": 4,
+           "parallel_block": True}
 
 BASE = ModelConfig(vocab_size=61, context_length=32, d_model=32, n_layers=2, n_heads=4,
                    position="rope", norm="rmsnorm", activation="silu", gated=True)
@@ -59,7 +60,8 @@ def test_a_field_no_rule_names_is_refused():
 @pytest.mark.parametrize("changes", [{"position": "relative"}, {"norm_placement": "post"},
                                      {"norm_placement": "out"}, {"qk_norm": "all"},
                                      {"norm_placement": "sandwich"}, {"attn_softcap": 50.0},
-                                     {"layer_windows": (4, None)}])
+                                     {"layer_windows": (4, None)}, {"rotary_dim": 4},
+                                     {"parallel_block": True}])
 def test_a_refused_config_keeps_the_module_path(changes):
     model = quantize_model(Transformer(BASE.replace(**changes)), "none")
     field = next(iter(changes))
@@ -88,6 +90,15 @@ def random_decoder(rng: random.Random) -> ModelConfig:
         sliding_window=rng.choice([None, 3, 7]), scale_scores=rng.random() < 0.5,
         scale_head_input=rng.random() < 0.5, head=rng.choice(["lm", "mlm"]),
         n_token_types=rng.choice([0, 2]), embed_norm=rng.random() < 0.3, **rope)
+
+
+def with_family_pieces(config: ModelConfig, seed: int) -> ModelConfig:
+    """For odd seeds, `config` with RoPE turning half of each head and, where it is pre-norm,
+    a parallel block: the pieces the fused decode step refuses."""
+    if seed % 2 == 0:
+        return config
+    return config.replace(position="rope", rotary_dim=config.head_dim // 2,
+                          parallel_block=config.norm_placement == "pre")
 
 
 def randomized(config: ModelConfig, seed: int) -> Transformer:
@@ -123,8 +134,8 @@ def test_the_fused_step_computes_every_config_it_accepts(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_the_quantized_kernels_compute_every_config_they_accept(seed):
     rng = random.Random(100 + seed)
-    config = random_decoder(rng).replace(norm_placement=rng.choice(["post", "out"]),
-                                         qk_norm=rng.choice(["none", "head", "all"]))
+    config = with_family_pieces(random_decoder(rng).replace(
+        norm_placement=rng.choice(["post", "out"]), qk_norm=rng.choice(["none", "head", "all"])), seed)
     assert quantize.CAPABILITIES.why_not(config) is None
     plain = randomized(config, seed).eval()
     converted = randomized(config, seed)
@@ -138,8 +149,9 @@ def test_the_quantized_kernels_compute_every_config_they_accept(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_the_fused_training_passes_compute_every_config_they_accept(seed):
     rng = random.Random(200 + seed)
-    config = random_decoder(rng).replace(dropout=0.0, norm_placement=rng.choice(["pre", "out"]),
-                                         qk_norm=rng.choice(["none", "head", "all"]))
+    config = with_family_pieces(random_decoder(rng).replace(
+        dropout=0.0, norm_placement=rng.choice(["pre", "out"]), qk_norm=rng.choice(["none", "head", "all"])),
+        seed)
     assert fast_training.CAPABILITIES.why_not(config) is None
     plain, fast = randomized(config, seed), randomized(config, seed)
     fast_training.use_fast_training(fast)

@@ -6,6 +6,9 @@
     sandwich (Gemma 2):       x = x + AttnOutNorm(Attn(Norm1(x)));
                               x = x + MlpOutNorm(FFN(Norm2(x)))
 
+A parallel block (`parallel_block`, GPT-NeoX's use_parallel_residual) reads both sublayers from
+the block's input, pre-norm:   x = x + Attn(Norm1(x)) + FFN(Norm2(x))
+
 A decoder block of an encoder-decoder (`cross=True`) has a third sublayer between the two,
 cross-attention to the encoder's output m, placed the same way:
     pre:  x = x + Cross(NormX(x), m)          post: x = NormX(x + Cross(x, m))
@@ -37,6 +40,7 @@ class Block(nn.Module):
         super().__init__()
         site = f"{prefix}blocks.{layer}"
         self.post_norm = config.norm_placement == "post"
+        self.parallel = config.parallel_block
         inputs, outputs = config.norm_placement != "out", config.norm_placement in ("out", "sandwich")
         self.norm1 = make_norm(config) if inputs else None
         self.attn = Attention(config, hooks, site + ".attn", layer)
@@ -67,13 +71,15 @@ class Block(nn.Module):
             x = hook(site + ".norm2", self.norm2(x + self.dropout(self.mlp(x))))
             return hook(site + ".resid_post", x)
         # pre, out or sandwich: each sublayer through the input and output norms the block has
+        block_input = x  # a parallel block's feed-forward reads it too
         attended = self.attn(self._norm("norm1", x), mask, rope, cache)
         x = x + self.dropout(self._norm("attn_out_norm", attended))
         if self.cross is not None:
             x = hook(site + ".resid_self", x)
             x = x + self.dropout(self.cross(hook(site + ".norm_cross", self.norm_cross(x)), *cross))
         x = hook(site + ".resid_mid", x)
-        x = x + self.dropout(self._norm("mlp_out_norm", self.mlp(self._norm("norm2", x))))
+        fed = self._norm("norm2", block_input if self.parallel else x)
+        x = x + self.dropout(self._norm("mlp_out_norm", self.mlp(fed)))
         return hook(site + ".resid_post", x)
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:

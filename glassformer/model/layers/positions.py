@@ -2,9 +2,11 @@
 bucketed bias.
 
 RoPE (Su et al., 2021) rotates each (x_i, x_{i+d/2}) pair of a query or key at position m by the
-angle m·θ_i with θ_i = base^(-2i/d), so that q_m·k_n depends only on m - n. ALiBi (Press et al.,
-2022) adds -slope_h·(m - n) to the attention score of head h instead. T5 (Raffel et al., 2020)
-adds a learned scalar per head and bucket of n - m, one table per stack shared by its layers.
+angle m·θ_i with θ_i = base^(-2i/d), so that q_m·k_n depends only on m - n; partial rotary
+(GPT-NeoX, Phi) turns only each head's first d = rotary_dim dimensions and passes the rest.
+ALiBi (Press et al., 2022) adds -slope_h·(m - n) to the attention score of head h instead.
+T5 (Raffel et al., 2020) adds a learned scalar per head and bucket of n - m, one table per
+stack shared by its layers.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from ..config import ModelConfig
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """θ_i for i < d_head/2, and the attention factor that scales cos and sin (1 except YaRN).
+    """θ_i for i < d/2 (d: the rotated dimensions, d_head unless partial), and the attention
+    factor that scales cos and sin (1 except YaRN).
 
     - linear (position interpolation, Chen et al. 2023): θ_i / s, i.e. positions m/s.
     - ntk (NTK-aware scaling, bloc97 2023): base' = base · s^(d/(d-2)), low frequencies stretch
@@ -32,7 +35,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
       with t = (C/λ_i - low) / (high - low).
     with s = rope_factor.
     """
-    d, base, s = config.head_dim, config.rope_theta, config.rope_factor
+    d, base, s = config.rotated_dim, config.rope_theta, config.rope_factor
     exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (d/2,)
     if config.rope_scaling == "ntk":
         base = base * s ** (d / (d - 2))
@@ -70,9 +73,9 @@ def _yarn_band(fast: float, slow: float, d: int, base: float, context: int) -> t
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, attention_factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of m·θ_i for positions m (B, T), each (B, 1, T, d_head) ready to broadcast."""
+    """cos and sin of m·θ_i for positions m (B, T), each (B, 1, T, d) ready to broadcast."""
     angles = positions.float()[..., None] * inv_freq.to(positions.device)  # (B, T, d/2)
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, d_head)
+    angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, d)
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
@@ -83,7 +86,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate queries or keys x (B, heads, T, d_head) by their positions' angles."""
+    """Rotate queries or keys x (B, heads, T, d_head) by their positions' angles; with angles
+    for d < d_head dimensions (partial rotary) the first d turn and the rest pass as they are."""
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        turned, passed = x[..., :d], x[..., d:]  # (B, heads, T, d), (B, heads, T, d_head - d)
+        return torch.cat((apply_rope(turned, cos, sin), passed), dim=-1)
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
