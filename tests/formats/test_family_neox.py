@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from glassformer.accel import fast_decode, kernels
 from glassformer.accel.quantize import quantize_model
 from glassformer.errors import InputError
 from glassformer.formats.export import export_hf
@@ -92,8 +93,8 @@ def test_logits_equal(pair):
 
 
 def test_16_greedy_tokens_equal_on_every_path(pair):
-    """The module path, the quantized model (whose fused step refuses partial rotary and the
-    parallel block, so its module path runs) and the serving engine give transformers' tokens."""
+    """The module path, the quantized model's fused C++ step (partial rotary and the parallel
+    block computed there) and the serving engine over either give transformers' tokens."""
     _, folder, reference, model, _ = pair
     prompt = [5, 17, 42, 99, 7, 3, 250]
     ids = torch.tensor([prompt])
@@ -103,11 +104,13 @@ def test_16_greedy_tokens_equal_on_every_path(pair):
     greedy = GenerationConfig(max_new_tokens=16, eos_ids=())
     assert generate(model, prompt, greedy).generated_ids == theirs
     quantized = quantize_model(load_hf(folder)[0], "none")
+    assert fast_decode.can_build(quantized) == kernels.available()
     assert generate(quantized, prompt, greedy).generated_ids == theirs
-    engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=32))
-    handle = engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=()))
-    engine.run_until_done()
-    assert handle.result.generated_ids == theirs
+    for runs in (model, quantized):
+        engine = Engine(runs, None, EngineConfig(block_size=4, n_blocks=32))
+        handle = engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=()))
+        engine.run_until_done()
+        assert handle.result.generated_ids == theirs
 
 
 def test_export_reads_back_in_transformers(pair, tmp_path):
