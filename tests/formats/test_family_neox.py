@@ -204,3 +204,19 @@ def test_gguf_blocks_kept_with_their_biases(tmp_path_factory, tmp_path):
     with torch.no_grad():
         expected = dequantized(ids)
         assert (kept(ids) - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"rotary_dim": 5}, "rotary_dim"), ({"rotary_dim": 18}, "rotary_dim"),
+    ({"rotary_dim": 4, "position": "learned"}, "rotary_dim"),
+    ({"parallel_block": True, "norm_placement": "post"}, "parallel_block"),
+])
+def test_the_family_fields_refuse_what_they_cannot_mean(changes, field):
+    from glassformer import ModelConfig
+
+    base = dict(vocab_size=VOCAB, context_length=16, d_model=32, n_layers=1, n_heads=2,
+                position="rope")
+    assert ModelConfig(**base, rotary_dim=16, parallel_block=True).rotated_dim == 16
+    with pytest.raises(InputError) as error:
+        ModelConfig(**(base | changes))
+    assert error.value.field == field
