@@ -42,13 +42,12 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "rope_original_context": any_value("the angles come from Python"),
     "rope_low_freq_factor": any_value("the angles come from Python"),
     "rope_high_freq_factor": any_value("the angles come from Python"),
-    "rotary_dim": only(None, reason="the C++ RoPE turns every dimension of a head"),
+    "rotary_dim": any_value("the C++ RoPE turns each head's first rotary_dim dimensions"),
     "norm": any_value("rmsnorm and layernorm rows"),
     "norm_placement": only("pre", reason="the layers are written pre-norm"),
     "qk_norm": only("none", reason="the C++ layers have no query/key norms"),
     "norm_eps": any_value(), "norm_bias": any_value("a bias where the norm has one"),
-    "parallel_block": only(False, reason="the layers add attention before the feed-forward "
-                                         "reads the stream"),
+    "parallel_block": any_value("the feed-forward reads the layer's input"),
     "activation": any_value("relu, gelu, gelu_tanh and silu rows"), "gated": any_value(),
     "attn_bias": any_value("a bias where the product has one"), "attn_out_bias": any_value(),
     "mlp_bias": any_value(), "lm_head_bias": any_value(_PYTHON), "final_norm": any_value(_PYTHON),
@@ -170,7 +169,7 @@ class FastDecoder:
         cos = sin = self.empty
         if self.rope is not None:
             cos, sin = rope_cos_sin(self.rope[0], positions, self.rope[1])
-            cos, sin = cos.reshape(-1), sin.reshape(-1)  # (d_head,)
+            cos, sin = cos.reshape(-1), sin.reshape(-1)  # (rotated,)
         x = self.step_fn.step(x, pos, cos, sin, cache.keys, cache.values)  # (1, d)
         cache.advance(1)
         return self.head(x)

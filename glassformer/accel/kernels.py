@@ -126,6 +126,7 @@ def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: T
     spec.norm = ext.Norm.__members__[config.norm]
     spec.activation = ext.Activation.__members__[config.activation]
     spec.gated, spec.rope, spec.norm_eps = config.gated, config.position == "rope", config.norm_eps
+    spec.rotary_dim, spec.parallel = config.rotated_dim, config.parallel_block
     spec.score_scale = config.head_dim**-0.5 if config.scale_scores else 1.0
 
     def linear(weights: LinearWeights):

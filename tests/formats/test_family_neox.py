@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from glassformer.accel import fast_decode, kernels
 from glassformer.accel.quantize import quantize_model
 from glassformer.errors import InputError
 from glassformer.formats.export import export_hf
@@ -92,8 +93,8 @@ def test_logits_equal(pair):
 
 
 def test_16_greedy_tokens_equal_on_every_path(pair):
-    """The module path, the quantized model (whose fused step refuses partial rotary and the
-    parallel block, so its module path runs) and the serving engine give transformers' tokens."""
+    """The module path, the quantized model's fused C++ step (partial rotary and the parallel
+    block computed there) and the serving engine over either give transformers' tokens."""
     _, folder, reference, model, _ = pair
     prompt = [5, 17, 42, 99, 7, 3, 250]
     ids = torch.tensor([prompt])
@@ -103,11 +104,13 @@ def test_16_greedy_tokens_equal_on_every_path(pair):
     greedy = GenerationConfig(max_new_tokens=16, eos_ids=())
     assert generate(model, prompt, greedy).generated_ids == theirs
     quantized = quantize_model(load_hf(folder)[0], "none")
+    assert fast_decode.can_build(quantized) == kernels.available()
     assert generate(quantized, prompt, greedy).generated_ids == theirs
-    engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=32))
-    handle = engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=()))
-    engine.run_until_done()
-    assert handle.result.generated_ids == theirs
+    for runs in (model, quantized):
+        engine = Engine(runs, None, EngineConfig(block_size=4, n_blocks=32))
+        handle = engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=()))
+        engine.run_until_done()
+        assert handle.result.generated_ids == theirs
 
 
 def test_export_reads_back_in_transformers(pair, tmp_path):
@@ -201,3 +204,19 @@ def test_gguf_blocks_kept_with_their_biases(tmp_path_factory, tmp_path):
     with torch.no_grad():
         expected = dequantized(ids)
         assert (kept(ids) - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"rotary_dim": 5}, "rotary_dim"), ({"rotary_dim": 18}, "rotary_dim"),
+    ({"rotary_dim": 4, "position": "learned"}, "rotary_dim"),
+    ({"parallel_block": True, "norm_placement": "post"}, "parallel_block"),
+])
+def test_the_family_fields_refuse_what_they_cannot_mean(changes, field):
+    from glassformer import ModelConfig
+
+    base = dict(vocab_size=VOCAB, context_length=16, d_model=32, n_layers=1, n_heads=2,
+                position="rope")
+    assert ModelConfig(**base, rotary_dim=16, parallel_block=True).rotated_dim == 16
+    with pytest.raises(InputError) as error:
+        ModelConfig(**(base | changes))
+    assert error.value.field == field

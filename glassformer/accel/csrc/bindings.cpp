@@ -38,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def_readwrite("activation", &gf::DecodeConfig::activation)
       .def_readwrite("gated", &gf::DecodeConfig::gated)
       .def_readwrite("rope", &gf::DecodeConfig::rope)
+      .def_readwrite("rotary_dim", &gf::DecodeConfig::rotary_dim)
+      .def_readwrite("parallel", &gf::DecodeConfig::parallel)
       .def_readwrite("norm_eps", &gf::DecodeConfig::norm_eps)
       .def_readwrite("score_scale", &gf::DecodeConfig::score_scale);
   pybind11::class_<gf::NormWeights>(module, "NormWeights", pybind11::module_local())

@@ -1,9 +1,10 @@
 // One decode step of a pre-norm decoder, every layer in C++: no Python between the products.
 //
 // For one sequence and one new token at position `pos`, each layer computes
-//   h = norm1(x);  q, k, v = split(W_qkv h);  q, k = rope(q, k)
+//   h = norm1(x);  q, k, v = split(W_qkv h);  q, k = rope(q, k)  (each head's first rotary_dim)
 //   cache[pos] = k, v;  a_i = softmax_t(scale q_i · k_t [- slope_i (pos - t)]) · v_t
 //   x += W_o a;  h = norm2(x);  x += W_down act(W_up h)   (gated: act(gate) * up)
+// or, parallel, h = norm2(x) read before W_o a is added: x += W_o a, then x += W_down act(W_up h)
 // as glassformer/model/layers/*.py do for one row, with the row kernels training uses too
 // (glassformer.h); Python (accel/fast_decode.py) embeds the token before and applies the
 // final norm and head after, and refuses the configurations this does not compute. step_paged does the
@@ -254,8 +255,9 @@ torch::Tensor DecodeStep::step_paged(torch::Tensor x, const torch::Tensor& posit
     }
   }
   if (config_.rope) {
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D &&
-                    sin.numel() == B * D, "decode step: cos, sin must be (B, d_head)");
+    const int64_t R = config_.rotary_dim;
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * R &&
+                    sin.numel() == B * R, "decode step: cos, sin must be (B, rotary_dim)");
   }
   const int64_t* adapter = nullptr;  // null: no row has an adapter
   if (adapter_of.numel() > 0) {
@@ -344,6 +346,7 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
                                  const float* sin, ViewOf view_of, const int64_t* adapter_of,
                                  const Adapters& adapters, const ResidualRows& emit) {
   const int64_t H = config_.n_heads, KV = config_.n_kv_heads, D = config_.d_head;
+  const int64_t R = config_.rotary_dim;  // the dimensions of a head RoPE turns
   const int64_t B = x.size(0), width = (H + 2 * KV) * D, G = H / KV;
   // the attention's work items: each row's key groups, its G query heads sharing each key and
   // value read; or, where there are fewer groups than threads, single heads
@@ -365,7 +368,7 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
       float* v = k + KV * D;
       if (config_.rope) {
         for (int64_t head = 0; head < H + KV; ++head)  // the query heads, then the key heads
-          rope_row(q + head * D, cos + b * D, sin + b * D, D, 1.f, q + head * D);
+          rope_row(q + head * D, cos + b * R, sin + b * R, R, 1.f, q + head * D);
       }
       views[b] = view_of(l, b);
       store(views[b], k, v, pos[b]);
@@ -380,7 +383,7 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
     auto attended = layer.out(context);  // (B, d)
     add_updates(adapter_of, adapters, l, &LoRALayer::out, context, attended);
     emit.keep(attended, emit.writes, 2 * static_cast<int64_t>(l), 2 * (sites - 1));
-    x.add_(attended);
+    if (!config_.parallel) x.add_(attended);
     normalize(x, layer.norm2, h);
     auto up = layer.up(h);  // (B, d_ff or 2 d_ff)
     add_updates(adapter_of, adapters, l, &LoRALayer::up, h, up);
@@ -388,6 +391,7 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
     auto down = layer.down(hidden);  // (B, d)
     add_updates(adapter_of, adapters, l, &LoRALayer::down, hidden, down);
     emit.keep(down, emit.writes, 2 * static_cast<int64_t>(l) + 1, 2 * (sites - 1));
+    if (config_.parallel) x.add_(attended);  // the module path's order: (x + attn) + ffn
     x.add_(down);
     emit.keep(x, emit.out, static_cast<int64_t>(l) + 1, sites);
   }

@@ -480,6 +480,8 @@ struct DecodeConfig {
   Activation activation = Activation::gelu;
   bool gated = false;  // act(gate) * up for up's output [gate | up]
   bool rope = false;   // rotate q and k by the angles the caller passes
+  int64_t rotary_dim = 0;  // with rope: the first dimensions of each head it turns (the rest pass)
+  bool parallel = false;   // the feed-forward reads the layer's input: x += attn + ffn
   double norm_eps = 1e-5;
   double score_scale = 1.0;  // scores are q · k times this
 };
