@@ -159,3 +159,15 @@ def test_a_wrapped_model_still_takes_the_fused_head(wrapper, tmp_path, monkeypat
     torch.testing.assert_close(loss, expected)
     for (name, got), want in zip(_grads(model).items(), _grads(plain).values(), strict=True):
         torch.testing.assert_close(got, want, msg=name)
+
+
+def test_a_soft_capped_head_takes_the_logits():
+    """Gemma 2's final soft-cap sits after the product: the loss is the capped logits'."""
+    torch.manual_seed(0)
+    model = Transformer(_model().config.replace(final_softcap=0.5))
+    ids = torch.randint(0, 37, (2, 9))
+    targets = torch.randint(0, 37, (2, 9))
+    assert not fused_head_applies(model)
+    expected = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+    assert float(model(ids).detach().abs().max()) <= 0.5
+    torch.testing.assert_close(language_model_loss(model, ids, targets), expected)
