@@ -291,3 +291,12 @@ def test_the_journey_shows_the_query_key_and_output_norms(pair):
     assert ("attn_out_norm" in steps) == ("mlp_out_norm" in steps) == out != ("norm1" in steps)
     q = next(step for step in data["steps"]["layer"] if step["site"] == "attn.q")
     assert q["equation"].startswith("Q = RoPE(Norm_Q(")
+
+
+def test_compare_agrees_with_transformers_layer_by_layer(pair):
+    from glassformer.interpret.compare import compare
+
+    _, reference, model, _, _ = pair
+    result = compare(model, reference, torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
+    assert "blocks.1.attn.out" in [s.site for s in result.sites]
+    assert result.first_failure is None, result.first_failure
