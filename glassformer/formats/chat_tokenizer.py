@@ -14,7 +14,7 @@ from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from ..errors import InputError
 from .files import read_json_object
@@ -36,6 +36,15 @@ def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
     )
 
 
+def _qwen2() -> pre_tokenizers.PreTokenizer:
+    """Qwen2's split (single digits, letters with one leading mark, newline runs), then bytes."""
+    split = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+             r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 # GGUF tokenizer.ggml.pre -> the pre-tokenizer of the original tokenizer.json
 PRE_TOKENIZERS = {
     "default": _gpt2,
@@ -43,7 +52,10 @@ PRE_TOKENIZERS = {
     "smollm": _digits_then_gpt2,
     "starcoder": _digits_then_gpt2,
     "refact": _digits_then_gpt2,
+    "qwen2": _qwen2,
 }
+# ... and the normalizer before it, where the original has one
+NORMALIZERS = {"qwen2": normalizers.NFC}
 
 
 class ChatTokenizer(HFTokenizer):
@@ -136,6 +148,8 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
             raise InputError(None, f"GGUF tokenizer.ggml.{key}_token_id = {i!r} is outside the "
                              f"vocabulary of {len(tokens)} tokens")
     tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
+    if pre in NORMALIZERS:
+        tokenizer.normalizer = NORMALIZERS[pre]()
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_tokens([AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)

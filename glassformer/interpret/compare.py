@@ -35,6 +35,8 @@ LAYOUTS = {
     "llama": ("model", "layers", "self_attn", "norm"),
     "mistral": ("model", "layers", "self_attn", "norm"),
     "qwen2": ("model", "layers", "self_attn", "norm"),
+    "qwen3": ("model", "layers", "self_attn", "norm"),
+    "olmo2": ("model", "layers", "self_attn", "norm"),  # self_attn's output before its norm
     "bert": ("bert", "encoder.layer", "attention.output.dense", None),
 }
 HEAD_TRANSFORMS = {"bert": "cls.predictions.transform"}

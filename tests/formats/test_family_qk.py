@@ -39,7 +39,8 @@ EXPECTED = {"qwen3": ("head", "pre"), "qwen3_window": ("head", "pre"), "olmo2": 
 
 
 def _tokenizer() -> HFTokenizer:
-    text = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen jugs"]
+    text = ["the quick brown fox jumps over the lazy dog", "pack my box with five dozen jugs",
+            "call 1234 or 5678"]  # digits merged: GPT-2's split keeps "1234" whole, Qwen's not
     return HFTokenizer.train_bpe(text * 20, VOCAB)
 
 
@@ -291,3 +292,31 @@ def test_the_journey_shows_the_query_key_and_output_norms(pair):
     assert ("attn_out_norm" in steps) == ("mlp_out_norm" in steps) == out != ("norm1" in steps)
     q = next(step for step in data["steps"]["layer"] if step["site"] == "attn.q")
     assert q["equation"].startswith("Q = RoPE(Norm_Q(")
+
+
+def test_compare_agrees_with_transformers_layer_by_layer(pair):
+    from glassformer.interpret.compare import compare
+
+    _, reference, model, _, _ = pair
+    result = compare(model, reference, torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
+    assert "blocks.1.attn.out" in [s.site for s in result.sites]
+    assert result.first_failure is None, result.first_failure
+
+
+def test_a_qwen2_pre_tokenizer_splits_as_transformers_reads_it(tmp_path, monkeypatch):
+    """A GGUF whose tokenizer.ggml.pre is qwen2 (Qwen2.5, Qwen3 files): our tokenizer and
+    transformers' GGUF tokenizer give the same ids (digits one by one, newline runs, marks)."""
+    from glassformer.formats import gguf_export
+    from glassformer.formats.gguf import load_gguf
+
+    monkeypatch.setitem(CONFIGS, "qwen2", GGUF_CONFIGS["qwen2"])
+    _save("qwen2", tmp_path / "hf")
+    model, tokenizer = load_hf(tmp_path / "hf")
+    monkeypatch.setattr(gguf_export, "_pre_tokenizer", lambda pre: "qwen2")
+    path = gguf_export.export_gguf(model, tokenizer, tmp_path / "model.gguf")
+    _, ours = load_gguf(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    text = "the fox's 1234 dogs!!\n\n  jumps   over\tthe lazy dog's box?"
+    assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    assert ours.encode(text) != tokenizer.encode(text)  # GPT-2's split: "1234" in fewer tokens
+    assert ours.decode(ours.encode(text)) == text
