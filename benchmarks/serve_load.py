@@ -22,7 +22,7 @@ reported once per server). Ratios:
            engine's --threads; c requests in flight at a time, as c clients keep them)
   llama    at each of the anchor's client counts, the server against `llama-server -np c` on
            the model's GGUF file, in the same round (its own binary: --llama-cpp DIR or
-           $LLAMA_CPP_DIR, see benchmarks/llama_cpp.py; without it these rows are left out)
+           $LLAMA_CPP_DIR, see benchmarks/llama_binaries.py; without it these rows are left out)
   inspect  the anchor workload at --compare-clients on three servers of the same mode: off (a
            server started with --max-capture-mb 0: no trace or lens), none (capture on, no
            request asks), half (every other request asks for the trace of blocks.0.attn.out
@@ -66,7 +66,7 @@ from pathlib import Path
 
 import harness
 import httpx
-import llama_cpp
+import llama_binaries
 from finetune import served_adapter
 
 from glassformer import load
@@ -234,7 +234,7 @@ class Served:
     """`glassformer serve` in its own process on a free loopback port, its output in `log`."""
 
     def __init__(self, args: argparse.Namespace, mode: str, flags: list[str], log: Path) -> None:
-        self.url, self.log = f"http://127.0.0.1:{llama_cpp.free_port()}", log
+        self.url, self.log = f"http://127.0.0.1:{llama_binaries.free_port()}", log
         command = [sys.executable, "-c", "from glassformer.cli import main; raise SystemExit(main())",
                    "serve", "--model", args.model, "--quantize", mode, "--name", NAME,
                    "--port", self.url.split(":")[-1], "--max-queue", "256", "--threads", str(args.threads),
@@ -325,12 +325,12 @@ class Beside:
         self.anchor, self.new = anchor, min(64, args.new_tokens or 64)
         self.alone = EngineAlone(args, mode, anchor)
         processes.append(self.alone.process)
-        self.llama: dict[int, llama_cpp.LlamaServer] = {}
-        server = llama_cpp.find(args.llama_cpp, "llama-server")
-        model = None if server is None else llama_cpp.gguf_file(args.model)
+        self.llama: dict[int, llama_binaries.LlamaServer] = {}
+        server = llama_binaries.find(args.llama_cpp, "llama-server")
+        model = None if server is None else llama_binaries.gguf_file(args.model)
         if model is not None:
             for c in args.clients:
-                self.llama[c] = llama_cpp.LlamaServer(server, model, args.threads, c, 1024,
+                self.llama[c] = llama_binaries.LlamaServer(server, model, args.threads, c, 1024,
                                                       folder / f"llama-server-{c}.log")
                 processes.append(self.llama[c].process)
 
@@ -494,7 +494,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=0,
                         help="cap every request's new tokens (0: the workloads' own; short trials)")
     parser.add_argument("--corpus", type=Path, default=CORPUS, help="tinyshakespeare.txt (mixed, shared)")
-    llama_cpp.add_argument(parser)
+    llama_binaries.add_argument(parser)
     parser.add_argument("--json", action="store_true")
     harness.add_arguments(parser, repeats=3)
     args = parser.parse_args()
