@@ -165,6 +165,9 @@ class ModelConfig(ConfigFields):
                                             or self.rotary_dim > self.head_dim):
             raise InputError("rotary_dim", f"needs position='rope' and an even size up to d_head="
                              f"{self.head_dim}, got {self.rotary_dim}")
+        if self.rope_scaling == "ntk" and self.position == "rope" and self.rotated_dim < 4:
+            raise InputError("rope_scaling", "NTK scaling stretches the base by s^(d/(d-2)): it needs "
+                             f"at least 4 rotated dimensions, got {self.rotated_dim}")
         if self.parallel_block and (self.norm_placement != "pre" or self.n_encoder_layers):
             raise InputError("parallel_block", "a parallel block is pre-norm and decoder-only")
         if self.position == "sinusoidal" and self.d_model % 2:

@@ -210,6 +210,7 @@ def test_gguf_blocks_kept_with_their_biases(tmp_path_factory, tmp_path):
     ({"rotary_dim": 5}, "rotary_dim"), ({"rotary_dim": 18}, "rotary_dim"),
     ({"rotary_dim": 4, "position": "learned"}, "rotary_dim"),
     ({"parallel_block": True, "norm_placement": "post"}, "parallel_block"),
+    ({"rotary_dim": 2, "rope_scaling": "ntk", "rope_factor": 2.0}, "rope_scaling"),  # s^(d/(d-2))
 ])
 def test_the_family_fields_refuse_what_they_cannot_mean(changes, field):
     from glassformer import ModelConfig
