@@ -81,14 +81,20 @@ class LlamaServer:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.5)
-        raise RuntimeError(f"llama-server did not start:\n{self.log.read_text()[-2000:]}")
+        wait_healthy(self.url, self.process, self.log, timeout, "llama-server")
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout: float, name: str) -> None:
+    """Until `url`/health answers 200; raises with the end of `log` if `process` exits first or
+    `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise RuntimeError(f"{name} did not start:\n{log.read_text()[-2000:]}")

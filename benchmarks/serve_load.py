@@ -243,16 +243,7 @@ class Served:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                if self.process.poll() is not None:
-                    break
-                time.sleep(0.5)
-        raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-2000:]}")
+        llama_binaries.wait_healthy(self.url, self.process, self.log, timeout, "the server")
 
     def memory_mb(self) -> dict:
         """The peak resident memory since the last reset (or the start), and now."""
