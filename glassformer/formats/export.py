@@ -26,9 +26,10 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
-from .huggingface import GPT2_ACTIVATIONS, key_map
+from .huggingface import key_map
 from .huggingface_bert import bert_hf_config
 from .huggingface_gemma import gemma_hf_config, is_gemma
+from .huggingface_gpt2 import GPT2_ACTIVATIONS
 from .huggingface_neox import neox_hf_config
 from .huggingface_phi3 import phi3_hf_config
 from .huggingface_qk import qk_hf_config

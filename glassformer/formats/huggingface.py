@@ -1,22 +1,11 @@
 """Hugging Face model folders (config.json, *.safetensors [+ index], tokenizer.json) -> Glassformer.
 
-Three families, each an explicit key map (`key_map`) between Hugging Face names and ours:
-- GPT-2 (`model_type` gpt2): learned positions, LayerNorm, GELU (tanh), fused c_attn. Its
-  Conv1D layers store weights as (in, out), so they are transposed.
-- Llama (llama, mistral with its sliding window, qwen2 with q/k/v biases): RoPE (rotate-half),
-  RMSNorm, SwiGLU. q/k/v_proj are stacked into our fused `qkv`, gate/up_proj into `mlp.up`.
-- Qwen3 and OLMo 2 (qwen3, olmo2): Llama with query/key norms, OLMo 2 with output norms in
-  place of input norms (huggingface_qk.py).
-- T5 (`model_type` t5, v1.0 and v1.1): an encoder-decoder; its config and key map live in
-  huggingface_t5.py.
-- BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (huggingface_bert.py).
-- Gemma (gemma, gemma2): Llama's block with Gemma's norms, embedding scale, GeGLU, and
-  Gemma 2's sandwich norms, soft-caps and sliding layers (huggingface_gemma.py).
-- GPT-NeoX / Pythia (gpt_neox): parallel blocks, partial rotary, a per-head fused
-  query_key_value (huggingface_neox.py).
-- Phi-3 (phi3): Llama's block with fused qkv_proj and gate_up_proj, partial rotary
-  (huggingface_phi3.py).
-Every key and shape is checked, then the weights load with `load_state_dict(strict=True)`.
+A folder's `model_type` names its family (families.py: GPT-2, Llama, Mistral, Qwen2, Qwen3,
+OLMo 2, Gemma, Gemma 2, GPT-NeoX / Pythia, Phi-3, T5, BERT), whose reader turns config.json into
+a ModelConfig and whose key map (`key_map`) pairs each Hugging Face tensor with ours: stacked
+into our fused `qkv` and `mlp.up`, transposed (GPT-2's Conv1D), reordered (NeoX's per-head
+query_key_value). Every key and shape is checked, then the weights load with
+`load_state_dict(strict=True)`.
 """
 
 from __future__ import annotations
@@ -33,49 +22,23 @@ from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
+from .families import family_of
 from .files import read_json_object
-from .huggingface_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
-from .huggingface_gemma import GEMMA_TYPES, gemma_config, gemma_keys
-from .huggingface_neox import NEOX_HEAD, neox_config, neox_keys
-from .huggingface_phi3 import phi3_config, phi3_keys
-from .huggingface_qk import QK_TYPES, family_fields, qwen_window, with_defaults
-from .huggingface_t5 import t5_config, t5_keys
 from .tensor_map import Entry
 from .validate import check_model, check_tensor
 
-GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-                    "relu": "relu"}
-LLAMA_TYPES = ("llama", "mistral", "qwen2")
 # Buffers some transformers versions save, carrying no weights.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq",
                      ".attention.bias", ".attention.masked_bias")
-# Copies of T5's shared token table that some files also store under each stack's name.
-_T5_TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
-
 
 
 def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
     """A ModelConfig equal to a Hugging Face config.json (as a dict); `pooler`: the weights
     hold BERT's pooler."""
     kind = hf.get("model_type")
+    family = family_of(kind)
     try:
-        if kind == "gpt2":
-            return _gpt2_config(hf)
-        if kind in LLAMA_TYPES:
-            return _llama_config(hf)
-        if kind in QK_TYPES:
-            hf = with_defaults(hf)
-            return _llama_config(hf).replace(**family_fields(hf))
-        if kind == "t5":
-            return t5_config(hf)
-        if kind == "bert":
-            return bert_config(hf, pooler)
-        if kind in GEMMA_TYPES:
-            return gemma_config(hf, rope_fields(hf))
-        if kind == "gpt_neox":
-            return neox_config(hf)
-        if kind == "phi3":
-            return phi3_config(hf)
+        config = family.read(hf)
     except KeyError as error:
         raise InputError(None, f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
     except InputError:
@@ -83,136 +46,12 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
     except (TypeError, ValueError, ZeroDivisionError, AttributeError) as error:  # a value of another type
         raise InputError(None, f"config.json: a value this model_type ({kind!r}) cannot take "
                          f"({type(error).__name__}: {error})") from None
-    raise InputError(None, f"unsupported model_type {kind!r} (supported: gpt2, {', '.join(LLAMA_TYPES)}, "
-                     f"{', '.join(QK_TYPES)}, t5, bert, {', '.join(GEMMA_TYPES)}, gpt_neox, phi3)")
-
-
-def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in GPT2_ACTIVATIONS:
-        raise InputError(None, f"unsupported GPT-2 activation_function {act!r}")
-    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
-        if hf.get(flag):
-            raise InputError(None, f"unsupported GPT-2 option {flag}=true")
-    if hf.get("scale_attn_weights") is False:
-        raise InputError(None, "unsupported GPT-2 option scale_attn_weights=false")
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], context_length=hf["n_positions"], d_model=hf["n_embd"],
-        n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner"),
-        position="learned", norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        activation=GPT2_ACTIVATIONS[act], tie_embeddings=hf.get("tie_word_embeddings", True),
-    )
-
-
-# A Hugging Face rope_type -> the ModelConfig's rope_scaling
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
-
-
-def _rope_scaling(rope_type: str, rope: dict[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields of a Hugging Face rope_parameters (rope_scaling) entry; every key
-    that changes the angles is read (llama3: factor, both band factors, the original context)."""
-    if rope_type == "default":
-        return {}
-    fields = {"rope_scaling": ROPE_TYPES[rope_type], "rope_factor": float(rope["factor"])}
-    if rope_type == "llama3":
-        fields |= {"rope_low_freq_factor": float(rope["low_freq_factor"]),
-                   "rope_high_freq_factor": float(rope["high_freq_factor"]),
-                   "rope_original_context": int(rope["original_max_position_embeddings"])}
-    return fields
-
-
-def rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """The ModelConfig's RoPE fields (rope_theta and any scaling) of a config.json."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise InputError(None, f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return {"rope_theta": float(theta), **_rope_scaling(rope_type, rope)}
-
-
-def _llama_config(hf: dict[str, Any]) -> ModelConfig:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise InputError(None, f"unsupported hidden_act {hf['hidden_act']!r} (expected silu)")
-    qwen = hf["model_type"] == "qwen2"
-    # Qwen names a window but uses it only with use_sliding_window, on some layers
-    window = qwen_window(hf) if hf["model_type"] in ("qwen2", "qwen3") else hf.get("sliding_window")
-    n_heads = hf["num_attention_heads"]
-    d_head = hf.get("head_dim") or hf["hidden_size"] // n_heads
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
-        d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        d_head=d_head if d_head * n_heads != hf["hidden_size"] else None,
-        d_ff=hf["intermediate_size"], position="rope", **rope_fields(hf),
-        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="silu", gated=True,
-        attn_bias=qwen or bool(hf.get("attention_bias", False)),
-        attn_out_bias=not qwen and bool(hf.get("attention_bias", False)),
-        mlp_bias=bool(hf.get("mlp_bias", False)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
-    )
+    return config.replace(pooler=True) if pooler else config
 
 
 def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
     """Every Hugging Face tensor of the family with where it goes in Glassformer."""
-    if model_type == "gpt2":
-        return _gpt2_keys(config)
-    if model_type == "t5":
-        return [Entry(hf, ours, rows) for hf, ours, rows in t5_keys(config)]
-    if model_type == "bert":
-        return bert_keys(config)
-    if model_type in GEMMA_TYPES:
-        return gemma_keys(config)
-    if model_type == "gpt_neox":
-        return neox_keys(config)
-    if model_type == "phi3":
-        return phi3_keys(config)
-    return _llama_keys(config)  # llama, mistral, qwen2, qwen3, olmo2: the config says which parts
-
-
-def _gpt2_keys(c: ModelConfig) -> list[Entry]:
-    p = "transformer."
-    entries = [Entry(p + "wte.weight", "embed.tokens.weight"),
-               Entry(p + "wpe.weight", "embed.positions.weight")]
-    for i in range(c.n_layers):
-        h, b = f"{p}h.{i}.", f"blocks.{i}."
-        for ours, theirs, conv in (("norm1", "ln_1", False), ("attn.qkv", "attn.c_attn", True),
-                                   ("attn.out", "attn.c_proj", True), ("norm2", "ln_2", False),
-                                   ("mlp.up", "mlp.c_fc", True), ("mlp.down", "mlp.c_proj", True)):
-            entries.append(Entry(f"{h}{theirs}.weight", f"{b}{ours}.weight", transpose=conv))
-            entries.append(Entry(f"{h}{theirs}.bias", f"{b}{ours}.bias"))
-    entries += [Entry(p + "ln_f.weight", "final_norm.weight"), Entry(p + "ln_f.bias", "final_norm.bias")]
-    if not c.tie_embeddings:
-        entries.append(Entry("lm_head.weight", "lm_head.weight"))
-    return entries
-
-
-def _llama_keys(c: ModelConfig) -> list[Entry]:
-    H, KV, ff = c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.ff_dim
-    entries = [Entry("model.embed_tokens.weight", "embed.tokens.weight"),
-               Entry("model.norm.weight", "final_norm.weight")]
-    for i in range(c.n_layers):
-        h, b = f"model.layers.{i}.", f"blocks.{i}."
-        if c.norm_placement == "out":  # OLMo 2: each sublayer's output normed
-            entries += [Entry(h + "post_attention_layernorm.weight", b + "attn_out_norm.weight"),
-                        Entry(h + "post_feedforward_layernorm.weight", b + "mlp_out_norm.weight")]
-        else:
-            entries += [Entry(h + "input_layernorm.weight", b + "norm1.weight"),
-                        Entry(h + "post_attention_layernorm.weight", b + "norm2.weight")]
-        if c.qk_norm != "none":
-            entries += [Entry(f"{h}self_attn.{n}_norm.weight", f"{b}attn.{n}_norm.weight") for n in "qk"]
-        kinds = [("weight", True), ("bias", c.attn_bias)]
-        for name, rows in (("q_proj", (0, H)), ("k_proj", (H, H + KV)), ("v_proj", (H + KV, H + 2 * KV))):
-            entries += [Entry(f"{h}self_attn.{name}.{k}", f"{b}attn.qkv.{k}", rows) for k, on in kinds if on]
-        entries += [Entry(f"{h}self_attn.o_proj.{k}", f"{b}attn.out.{k}")
-                    for k, on in (("weight", True), ("bias", c.attn_out_bias)) if on]
-        for name, ours, rows in (("gate_proj", "up", (0, ff)), ("up_proj", "up", (ff, 2 * ff)),
-                                 ("down_proj", "down", None)):
-            entries += [Entry(f"{h}mlp.{name}.{k}", f"{b}mlp.{ours}.{k}", rows)
-                        for k, on in (("weight", True), ("bias", c.mlp_bias)) if on]
-    if not c.tie_embeddings:
-        entries.append(Entry("lm_head.weight", "lm_head.weight"))
-    return entries
+    return family_of(model_type).keys(config)
 
 
 def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,
@@ -240,7 +79,7 @@ def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     folder = Path(folder)
     hf, config = configs or read_config(folder)
     tensors = read_safetensors(folder)
-    if POOLER_KEY in tensors:  # BERT's pooler, where the file holds one
+    if family_of(hf["model_type"]).pooler_key in tensors:  # BERT's pooler, where the file holds one
         config = config_from_hf(hf, pooler=True)
     model = empty_model(config, dtype)
     try:
@@ -264,21 +103,16 @@ def check_vocabulary(tokenizer, config: ModelConfig, where: Path) -> None:
 def state_dict(config: ModelConfig, model_type: str, tensors: dict[str, torch.Tensor],
                model: Transformer | EncoderDecoder) -> dict[str, torch.Tensor]:
     """Our state dict from the Hugging Face tensors, after strict name and shape checks."""
-    entries = key_map(config, model_type)
-    prefix = "transformer." if model_type == "gpt2" else ""
+    family = family_of(model_type)
+    entries = family.keys(config)
+    prefix = family.prefix
     if prefix and not any(k.startswith(prefix) for k in tensors):  # original GPT-2 files omit it
         tensors = {prefix + k if k != "lm_head.weight" else k: v for k, v in tensors.items()}
     wanted = {e.hf for e in entries}
     missing = sorted(wanted - set(tensors))
     if missing:
         raise InputError(None, f"missing tensor {missing[0]} ({len(missing)} missing in all)")
-    tied = {"lm_head.weight"} if config.tie_embeddings else set()
-    if model_type == "t5":
-        tied |= set(_T5_TIED_COPIES)
-    if model_type == "bert":  # copies of tied tensors a file may hold beside the originals
-        tied = ({TIED_COPIES[0]} if config.tie_embeddings else set()) | {TIED_COPIES[1]}
-    if model_type == "gpt_neox" and config.tie_embeddings:  # a copy of the tied head
-        tied = {NEOX_HEAD}
+    tied = family.copies(config)  # copies of tied tensors a file may hold beside the originals
     unknown = sorted(k for k in set(tensors) - wanted
                      if not k.endswith(_IGNORED_SUFFIXES) and k not in tied)
     if unknown:

@@ -22,8 +22,9 @@ POOLER_KEY = "bert.pooler.dense.weight"
 TIED_COPIES = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 
 
-def bert_config(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
-    """A ModelConfig equal to a BERT config.json (as a dict)."""
+def bert_config(hf: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig equal to a BERT config.json (as a dict), without its pooler (the loader
+    adds it where the file holds one: POOLER_KEY)."""
     act = hf.get("hidden_act", "gelu")
     if act not in BERT_ACTIVATIONS:
         raise InputError(None, f"unsupported BERT hidden_act {act!r}")
@@ -40,7 +41,6 @@ def bert_config(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
         activation=BERT_ACTIVATIONS[act], final_norm=False,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)), lm_head_bias=True,
         causal=False, n_token_types=hf.get("type_vocab_size", 2), embed_norm=True, head="mlm",
-        pooler=pooler,
     )
 
 

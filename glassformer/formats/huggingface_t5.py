@@ -17,6 +17,8 @@ from ..model.config import ModelConfig
 # feed_forward_proj -> (activation, gated); transformers maps "gated-gelu" to the tanh GELU.
 FEED_FORWARD = {"relu": ("relu", False), "gelu": ("gelu", False), "gated-gelu": ("gelu_tanh", True),
                 "gated-relu": ("relu", True), "gated-silu": ("silu", True)}
+# Copies of T5's shared token table that some files also store under each stack's name.
+T5_TIED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 # A T5 key with its row block in our fused parameter (None: the whole parameter).
 T5Key = tuple[str, str, tuple[int, int] | None]
 

@@ -1,0 +1,70 @@
+"""Llama, Mistral and Qwen2 (`model_type` llama, mistral, qwen2) -> Glassformer: the config
+and the key map.
+
+RoPE (rotate-half), RMSNorm, SwiGLU; Mistral adds a sliding window, Qwen2 biases on q, k, v.
+q/k/v_proj are stacked into our fused `qkv`, gate/up_proj into `mlp.up`. Qwen3 and OLMo 2
+(huggingface_qk.py) read the same fields and tensors, and add their norms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InputError
+from ..model.config import ModelConfig
+from .huggingface_qk import qwen_window
+from .huggingface_rope import rope_fields
+from .tensor_map import Entry
+
+
+def llama_config(hf: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig equal to a Llama, Mistral or Qwen2 config.json (as a dict)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise InputError(None, f"unsupported hidden_act {hf['hidden_act']!r} (expected silu)")
+    qwen = hf["model_type"] == "qwen2"
+    # Qwen names a window but uses it only with use_sliding_window, on some layers
+    window = qwen_window(hf) if hf["model_type"] in ("qwen2", "qwen3") else hf.get("sliding_window")
+    n_heads = hf["num_attention_heads"]
+    d_head = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
+        d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        d_head=d_head if d_head * n_heads != hf["hidden_size"] else None,
+        d_ff=hf["intermediate_size"], position="rope", **rope_fields(hf),
+        norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="silu", gated=True,
+        attn_bias=qwen or bool(hf.get("attention_bias", False)),
+        attn_out_bias=not qwen and bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window,
+    )
+
+
+def llama_keys(c: ModelConfig) -> list[Entry]:
+    """Every tensor of a Llama-block model (llama, mistral, qwen2, qwen3, olmo2: the config says
+    which norms and biases it has) with where it goes in Glassformer."""
+    H, KV, ff = c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.ff_dim
+    entries = [Entry("model.embed_tokens.weight", "embed.tokens.weight"),
+               Entry("model.norm.weight", "final_norm.weight")]
+    for i in range(c.n_layers):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        if c.norm_placement == "out":  # OLMo 2: each sublayer's output normed
+            entries += [Entry(h + "post_attention_layernorm.weight", b + "attn_out_norm.weight"),
+                        Entry(h + "post_feedforward_layernorm.weight", b + "mlp_out_norm.weight")]
+        else:
+            entries += [Entry(h + "input_layernorm.weight", b + "norm1.weight"),
+                        Entry(h + "post_attention_layernorm.weight", b + "norm2.weight")]
+        if c.qk_norm != "none":
+            entries += [Entry(f"{h}self_attn.{n}_norm.weight", f"{b}attn.{n}_norm.weight") for n in "qk"]
+        kinds = [("weight", True), ("bias", c.attn_bias)]
+        for name, rows in (("q_proj", (0, H)), ("k_proj", (H, H + KV)), ("v_proj", (H + KV, H + 2 * KV))):
+            entries += [Entry(f"{h}self_attn.{name}.{k}", f"{b}attn.qkv.{k}", rows) for k, on in kinds if on]
+        entries += [Entry(f"{h}self_attn.o_proj.{k}", f"{b}attn.out.{k}")
+                    for k, on in (("weight", True), ("bias", c.attn_out_bias)) if on]
+        for name, ours, rows in (("gate_proj", "up", (0, ff)), ("up_proj", "up", (ff, 2 * ff)),
+                                 ("down_proj", "down", None)):
+            entries += [Entry(f"{h}mlp.{name}.{k}", f"{b}mlp.{ours}.{k}", rows)
+                        for k, on in (("weight", True), ("bias", c.mlp_bias)) if on]
+    if not c.tie_embeddings:
+        entries.append(Entry("lm_head.weight", "lm_head.weight"))
+    return entries
