@@ -1,6 +1,8 @@
 """Named hook sites: read, ablate or patch any intermediate tensor of the forward pass.
 
-Every site, in the order the forward pass reaches it, with the tensor's dimensions
+Every site, in the order the forward pass reaches it, with the tensor's dimensions (the names
+and dimensions are the table in glassformer/model/sites.py, which the modules name their sites
+from; what each holds is written here)
 (T: tokens in this call; S: keys seen, = cache length + T when decoding with a KVCache):
 
     embed.tokens               (batch, pos, d_model)            E_token[ids]
@@ -54,52 +56,8 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
 from ..model.kv_cache import KVCache
+from ..model.sites import CROSS_SITES, EMBED_SITES, HEAD_DIMS, LAYER_SITES, OUTPUT_SITES, STACK_SITES
 from ..model.transformer import Transformer
-
-EMBED_SITES = {
-    "embed.tokens": ("batch", "pos", "d_model"),
-    "embed.positions": ("batch", "pos", "d_model"),
-    "embed.token_types": ("batch", "pos", "d_model"),
-    "embed.out": ("batch", "pos", "d_model"),
-}
-LAYER_SITES = {
-    "resid_pre": ("batch", "pos", "d_model"),
-    "norm1": ("batch", "pos", "d_model"),
-    "attn.q_norm": ("batch", "head", "pos", "d_head"),
-    "attn.k_norm": ("batch", "kv_head", "pos", "d_head"),
-    "attn.q": ("batch", "head", "pos", "d_head"),
-    "attn.k": ("batch", "kv_head", "pos", "d_head"),
-    "attn.v": ("batch", "kv_head", "pos", "d_head"),
-    "attn.scores": ("batch", "head", "query", "key"),
-    "attn.masked_scores": ("batch", "head", "query", "key"),
-    "attn.pattern": ("batch", "head", "query", "key"),
-    "attn.context": ("batch", "head", "pos", "d_head"),
-    "attn.out": ("batch", "pos", "d_model"),
-    "attn_out_norm": ("batch", "pos", "d_model"),
-    "resid_mid": ("batch", "pos", "d_model"),
-    "norm2": ("batch", "pos", "d_model"),
-    "mlp.hidden": ("batch", "pos", "d_ff"),
-    "mlp.out": ("batch", "pos", "d_model"),
-    "mlp_out_norm": ("batch", "pos", "d_model"),
-    "resid_post": ("batch", "pos", "d_model"),
-}
-OUTPUT_SITES = {
-    "final_norm": ("batch", "pos", "d_model"),
-    "head_transform": ("batch", "pos", "d_model"),
-    "logits": ("batch", "pos", "vocab"),
-}
-CROSS_SITES = {
-    "resid_self": ("batch", "pos", "d_model"),
-    "norm_cross": ("batch", "pos", "d_model"),
-    "cross.q": ("batch", "head", "pos", "d_head"),
-    "cross.scores": ("batch", "head", "query", "key"),
-    "cross.masked_scores": ("batch", "head", "query", "key"),
-    "cross.pattern": ("batch", "head", "query", "key"),
-    "cross.context": ("batch", "head", "pos", "d_head"),
-    "cross.out": ("batch", "pos", "d_model"),
-}
-STACK_SITES = {"relative_bias": ("batch", "head", "query", "key"), **OUTPUT_SITES}
-HEAD_DIMS = ("head", "kv_head")
 
 Names = Iterable[str] | Callable[[str], bool] | None
 

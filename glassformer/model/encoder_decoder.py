@@ -25,6 +25,7 @@ from .layers.embedding import Embedding
 from .layers.masking import AttentionMask
 from .layers.norm import make_norm
 from .layers.positions import RelativeBias
+from .sites import OUTPUT, STACK_SITES, names
 from .transformer import Transformer, init_weights
 
 
@@ -42,7 +43,7 @@ class Stack(nn.Module):
         if config.position == "relative":
             self.relative_bias = RelativeBias(config, bidirectional=not decoder)
         self.final_norm = make_norm(config) if config.final_norm else None
-        self.hooks, self.name = hooks, name
+        self.hooks, self.at = hooks, names(name, STACK_SITES)  # its site names
 
     def forward(
         self,
@@ -64,7 +65,7 @@ class Stack(nn.Module):
         bias = None
         if self.relative_bias is not None:
             rows = slice(0, 1) if contiguous else slice(None)  # every row alike: compute once
-            bias = self.hooks(self.name + ".relative_bias", self.relative_bias(positions[rows], k_pos[rows]))
+            bias = self.hooks(self.at["relative_bias"], self.relative_bias(positions[rows], k_pos[rows]))
         mask = AttentionMask(q_pos=positions, k_pos=k_pos, causal=self.causal, k_valid=k_valid,
                              contiguous=contiguous, position_bias=bias)
         for i, block in enumerate(self.blocks):
@@ -72,7 +73,7 @@ class Stack(nn.Module):
         if cache is not None:
             cache.advance(T)
         if self.final_norm is not None:
-            x = self.hooks(self.name + ".final_norm", self.final_norm(x))
+            x = self.hooks(self.at["final_norm"], self.final_norm(x))
         return x
 
 
@@ -166,7 +167,7 @@ class EncoderDecoder(nn.Module):
         """Logits (…, vocab) from decoder hidden states (…, d)."""
         if self.config.scale_head_input:
             h = h * self.config.d_model**-0.5
-        return self.hooks("logits", self.lm_head(h))
+        return self.hooks(OUTPUT["logits"], self.lm_head(h))
 
     def decoder_view(self, memory: torch.Tensor) -> DecoderView:
         """The decoder bound to one encoder output (1 or B, S, d), for the decode core."""

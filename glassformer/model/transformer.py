@@ -21,6 +21,7 @@ from .layers.heads import HEAD_TRANSFORMS, Pooler
 from .layers.masking import AttentionMask
 from .layers.norm import make_norm
 from .layers.positions import RelativeBias, alibi_slopes, rope_cos_sin, rope_inverse_frequencies
+from .sites import OUTPUT
 
 # A decode step for one sequence: token (1,) fed against the cache -> next-token logits (1, V).
 DecodeStep = Callable[[torch.Tensor, KVCache], torch.Tensor]
@@ -185,7 +186,7 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, mask, rope, cache)
         if self.final_norm is not None:
-            x = self.hooks("final_norm", self.final_norm(x))
+            x = self.hooks(OUTPUT["final_norm"], self.final_norm(x))
         return x
 
     def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -242,11 +243,11 @@ def head_logits(config: ModelConfig, head_transform: nn.Module | None, lm_head: 
     if config.scale_head_input:
         h = h * config.d_model**-0.5
     if head_transform is not None:
-        h = hooks("head_transform", head_transform(h))  # (…, d)
+        h = hooks(OUTPUT["head_transform"], head_transform(h))  # (…, d)
     logits = lm_head(h)  # (…, vocab)
     if config.final_softcap is not None:
         logits = config.final_softcap * torch.tanh(logits / config.final_softcap)
-    return hooks("logits", logits)
+    return hooks(OUTPUT["logits"], logits)
 
 
 def init_weights(model: nn.Module, std: float, blocks: list[nn.Module]) -> None:

@@ -29,9 +29,10 @@ import torch
 
 from ..errors import InputError
 from ..interpret.lens import lens_sites, read_out, top_of
-from ..interpret.trace import EMBED_SITES, LAYER_SITES, site_dims, site_names
+from ..interpret.trace import site_dims, site_names
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
+from ..model.sites import EMBED_SITES, LAYER_SITES, layer_site
 from ..model.transformer import Transformer
 from .sequence import Sequence
 
@@ -39,7 +40,8 @@ from .sequence import Sequence
 def token_axis(site: str) -> int | None:
     """Where a site's tensor keeps its tokens (batch first), or None for a site the engine
     does not capture."""
-    dims = EMBED_SITES.get(site) or LAYER_SITES.get(site.split(".", 2)[-1])
+    layer = layer_site(site)
+    dims = EMBED_SITES.get(site) if layer is None else LAYER_SITES[layer[1]]
     return dims.index("pos") if dims is not None and "pos" in dims else None
 
 
@@ -50,10 +52,10 @@ def fused_source(site: str) -> tuple[str, int] | None:
     and 2 i + 1 its mlp.out. None for a site it does not emit."""
     if site == "embed.out":
         return "residuals", 0
-    parts = site.split(".", 2)
-    if len(parts) < 3 or parts[0] != "blocks":
+    found = layer_site(site)
+    if found is None:
         return None
-    layer, name = int(parts[1]), parts[2]
+    layer, name = found
     if name in ("resid_pre", "resid_post"):
         return "residuals", layer + (name == "resid_post")
     if name in ("attn.out", "mlp.out"):

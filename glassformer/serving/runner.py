@@ -47,6 +47,7 @@ from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import FastDecoder, can_build
 from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
+from ..model.sites import OUTPUT
 from ..model.transformer import Transformer
 from .adapters import Adapters, itself
 from .capture import LensRows, capture_hooks, fused_source
@@ -149,7 +150,7 @@ class ModelRunner:
             h = torch.stack([hidden[key] for key in todo])  # (R', d)
             layers = self.layers
             if layers.final_norm is not None:
-                h = layers.hooks("final_norm", layers.final_norm(h))
+                h = layers.hooks(OUTPUT["final_norm"], layers.final_norm(h))
             if len(todo) == len(ends):
                 return layers.head(h)  # (R, V)
             outputs |= dict(zip(todo, layers.head(h), strict=True))

@@ -88,7 +88,7 @@ def test_attention_module_equals_attention_written_per_head(kernel):
     equal each head computed on its own from its slice of the weights."""
     config = ModelConfig(vocab_size=8, context_length=8, d_model=24, n_layers=1, n_heads=6, n_kv_heads=2,
                          attn_bias=True, attention_kernel=kernel)
-    attn = Attention(config, Hooks(), "blocks.0.attn", 0)
+    attn = Attention(config, Hooks(), "blocks.0", 0)
     B, T, H, KV, d_head = 2, 5, 6, 2, 4
     x = torch.randn(B, T, 24)
     positions = torch.arange(T).expand(B, T)

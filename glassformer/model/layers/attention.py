@@ -25,17 +25,16 @@ from torch import nn
 from ..config import ModelConfig
 from ..hooks import Hooks
 from ..kv_cache import AttentionCache
+from ..sites import LAYER_SITES, WEIGHT_SITES, names
 from .attention_backends import KERNELS, reference_attention
 from .masking import AttentionMask
 from .norm import QKNorm
 from .positions import Rotary
 
-# Sites that only the reference kernel can show.
-WEIGHT_SITES = ("scores", "masked_scores", "pattern")
-
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, hooks: Hooks, site: str, layer: int) -> None:
+    def __init__(self, config: ModelConfig, hooks: Hooks, block: str, layer: int) -> None:
+        """`block`: the site of the block it belongs to (blocks.3); `layer`: its index."""
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = config.n_heads, config.kv_heads, config.head_dim
         self.layer = layer
@@ -58,7 +57,7 @@ class Attention(nn.Module):
         self.window = config.window_of(layer) if config.layer_windows is not None else None
         self.narrows = config.layer_windows is not None and self.window is not None
         self.dropout = config.dropout
-        self.hooks, self.site = hooks, site
+        self.hooks, self.at = hooks, names(block, LAYER_SITES, "attn")  # its site names: at["q"]
 
     def forward(
         self,
@@ -70,38 +69,38 @@ class Attention(nn.Module):
         """x (B, T, d) -> (B, T, d). `mask` may be None only for a cache that builds its own
         masks (the serving engine's paged view)."""
         B, T, _ = x.shape
-        hook, site = self.hooks, self.site
+        hook, at = self.hooks, self.at
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = q.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_head)
         k = k.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
         v = v.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # (B, KV, T, d_head)
         if self.q_norm is not None:
-            q, k = hook(site + ".q_norm", self.q_norm(q)), hook(site + ".k_norm", self.k_norm(k))
+            q, k = hook(at["q_norm"], self.q_norm(q)), hook(at["k_norm"], self.k_norm(k))
         if rope is not None:
             q = self.rotary(q, *rope)
             if cache is None or not cache.rotates_keys:  # else rotated at their cache positions
                 k = self.rotary(k, *rope)
-        q, k, v = hook(site + ".q", q), hook(site + ".k", k), hook(site + ".v", v)
+        q, k, v = hook(at["q"], q), hook(at["k"], k), hook(at["v"], v)
         if cache is None:
             context = self.context(q, k, v, mask)  # (B, H, T, d_head)
         else:
             context = cache.attend(self.layer, q, k, v, mask, self.context)
-        context = hook(site + ".context", context)
+        context = hook(at["context"], context)
         merged = context.transpose(1, 2).reshape(B, T, -1)  # (B, T, H·d_head): heads side by side
-        return hook(site + ".out", self.out(merged))  # (B, T, d)
+        return hook(at["out"], self.out(merged))  # (B, T, d)
 
     def context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: AttentionMask) -> torch.Tensor:
         """softmax(Q Kᵀ · scale + M) V: (B, H, Tq, d_head) for q (B, H, Tq, d_head) and k, v
         (B, KV, Tk, d_head). The one attention function of this layer, whoever holds the keys."""
-        hook, site = self.hooks, self.site
+        hook, at = self.hooks, self.at
         dropout = self.dropout if self.training else 0.0
         if self.narrows:
             mask = mask.narrowed(self.window)
         if self.softcap is not None or (
-                hook and any(hook.wants(f"{site}.{name}") for name in WEIGHT_SITES)):
+                hook and any(hook.wants(at[name]) for name in WEIGHT_SITES)):
             return reference_attention(
-                q, k, v, mask, dropout, hook=lambda name, t: hook(f"{site}.{name}", t),
+                q, k, v, mask, dropout, hook=lambda name, t: hook(at[name], t),
                 scale=self.scale, softcap=self.softcap,
             )[0]
         return self.kernel(q, k, v, mask, dropout, scale=self.scale)

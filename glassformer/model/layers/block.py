@@ -22,6 +22,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..hooks import Hooks
 from ..kv_cache import AttentionCache
+from ..sites import CROSS_SITES, LAYER_SITES, names
 from .attention import Attention
 from .cross_attention import CrossAttention
 from .feedforward import FeedForward
@@ -43,15 +44,15 @@ class Block(nn.Module):
         self.parallel = config.parallel_block
         inputs, outputs = config.norm_placement != "out", config.norm_placement in ("out", "sandwich")
         self.norm1 = make_norm(config) if inputs else None
-        self.attn = Attention(config, hooks, site + ".attn", layer)
+        self.attn = Attention(config, hooks, site, layer)
         self.norm_cross = make_norm(config) if cross else None
-        self.cross = CrossAttention(config, hooks, site + ".cross") if cross else None
+        self.cross = CrossAttention(config, hooks, site) if cross else None
         self.norm2 = make_norm(config) if inputs else None
-        self.mlp = FeedForward(config, hooks, site + ".mlp")
+        self.mlp = FeedForward(config, hooks, site)
         self.attn_out_norm = make_norm(config) if outputs else None
         self.mlp_out_norm = make_norm(config) if outputs else None
         self.dropout = nn.Dropout(config.dropout)
-        self.hooks, self.site = hooks, site
+        self.hooks, self.at = hooks, names(site, LAYER_SITES | CROSS_SITES)  # its own sites
 
     def forward(
         self,
@@ -61,28 +62,28 @@ class Block(nn.Module):
         cache: AttentionCache | None = None,
         cross: CrossInputs | None = None,
     ) -> torch.Tensor:
-        hook, site = self.hooks, self.site
-        x = hook(site + ".resid_pre", x)  # (B, T, d)
+        hook, at = self.hooks, self.at
+        x = hook(at["resid_pre"], x)  # (B, T, d)
         if self.post_norm:
-            x = hook(site + ".norm1", self.norm1(x + self.dropout(self.attn(x, mask, rope, cache))))
+            x = hook(at["norm1"], self.norm1(x + self.dropout(self.attn(x, mask, rope, cache))))
             if self.cross is not None:
-                x = hook(site + ".norm_cross", self.norm_cross(x + self.dropout(self.cross(x, *cross))))
-            x = hook(site + ".resid_mid", x)
-            x = hook(site + ".norm2", self.norm2(x + self.dropout(self.mlp(x))))
-            return hook(site + ".resid_post", x)
+                x = hook(at["norm_cross"], self.norm_cross(x + self.dropout(self.cross(x, *cross))))
+            x = hook(at["resid_mid"], x)
+            x = hook(at["norm2"], self.norm2(x + self.dropout(self.mlp(x))))
+            return hook(at["resid_post"], x)
         # pre, out or sandwich: each sublayer through the input and output norms the block has
         block_input = x  # a parallel block's feed-forward reads it too
         attended = self.attn(self._norm("norm1", x), mask, rope, cache)
         x = x + self.dropout(self._norm("attn_out_norm", attended))
         if self.cross is not None:
-            x = hook(site + ".resid_self", x)
-            x = x + self.dropout(self.cross(hook(site + ".norm_cross", self.norm_cross(x)), *cross))
-        x = hook(site + ".resid_mid", x)
+            x = hook(at["resid_self"], x)
+            x = x + self.dropout(self.cross(hook(at["norm_cross"], self.norm_cross(x)), *cross))
+        x = hook(at["resid_mid"], x)
         fed = self._norm("norm2", block_input if self.parallel else x)
         x = x + self.dropout(self._norm("mlp_out_norm", self.mlp(fed)))
-        return hook(site + ".resid_post", x)
+        return hook(at["resid_post"], x)
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The block's norm `name` of x, shown at its site; x itself where the block has none."""
         norm = getattr(self, name)
-        return x if norm is None else self.hooks(f"{self.site}.{name}", norm(x))
+        return x if norm is None else self.hooks(self.at[name], norm(x))

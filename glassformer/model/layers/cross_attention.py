@@ -14,13 +14,14 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..hooks import Hooks
-from .attention import WEIGHT_SITES
+from ..sites import CROSS_SITES, WEIGHT_SITES, names
 from .attention_backends import KERNELS, reference_attention
 from .masking import AttentionMask
 
 
 class CrossAttention(nn.Module):
-    def __init__(self, config: ModelConfig, hooks: Hooks, site: str) -> None:
+    def __init__(self, config: ModelConfig, hooks: Hooks, block: str) -> None:
+        """`block`: the site of the decoder block it belongs to (decoder.blocks.3)."""
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = config.n_heads, config.kv_heads, config.head_dim
         q_width, kv_width = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
@@ -30,7 +31,7 @@ class CrossAttention(nn.Module):
         self.kernel = KERNELS[config.attention_kernel]
         self.scale = None if config.scale_scores else 1.0
         self.dropout = config.dropout
-        self.hooks, self.site = hooks, site
+        self.hooks, self.at = hooks, names(block, CROSS_SITES, "cross")  # its site names
 
     def project(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder output m (B, S, d) as keys and values, each (B, KV, S, d_head)."""
@@ -43,16 +44,16 @@ class CrossAttention(nn.Module):
         self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        hook, site = self.hooks, self.site
+        hook, at = self.hooks, self.at
         q = self.q(x).view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_head)
-        q = hook(site + ".q", q)
+        q = hook(at["q"], q)
         dropout = self.dropout if self.training else 0.0
-        if hook and any(hook.wants(f"{site}.{name}") for name in WEIGHT_SITES):
+        if hook and any(hook.wants(at[name]) for name in WEIGHT_SITES):
             context, _ = reference_attention(
-                q, k, v, mask, dropout, hook=lambda name, t: hook(f"{site}.{name}", t),
+                q, k, v, mask, dropout, hook=lambda name, t: hook(at[name], t),
                 scale=self.scale,
             )  # pattern (B, H, T, S): decoder tokens × encoder tokens
         else:
             context = self.kernel(q, k, v, mask, dropout, scale=self.scale)  # (B, H, T, d_head)
-        merged = hook(site + ".context", context).transpose(1, 2).reshape(B, T, -1)  # (B, T, H·d_head)
-        return hook(site + ".out", self.out(merged))  # (B, T, d)
+        merged = hook(at["context"], context).transpose(1, 2).reshape(B, T, -1)  # (B, T, H·d_head)
+        return hook(at["out"], self.out(merged))  # (B, T, d)

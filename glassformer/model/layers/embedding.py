@@ -12,6 +12,7 @@ from torch import nn
 from ...errors import InputError
 from ..config import ModelConfig
 from ..hooks import Hooks
+from ..sites import EMBED_SITES, names
 from .norm import make_norm
 
 
@@ -47,7 +48,7 @@ class Embedding(nn.Module):
             self.token_types = nn.Embedding(config.n_token_types, config.d_model)  # E_type (s, d)
         self.norm = make_norm(config) if config.embed_norm else None
         self.scale = config.d_model**0.5 if config.embed_scale else None  # Gemma: × √d_model
-        self.hooks = hooks
+        self.hooks, self.at = hooks, names("", EMBED_SITES, "embed")  # its site names
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_types: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,15 +56,15 @@ class Embedding(nn.Module):
         x = self.tokens(ids)  # (B, T, d)
         if self.scale is not None:  # the factor in float32, then in x's dtype, as Gemma's code has it
             x = x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
-        x = self.hooks("embed.tokens", x)
+        x = self.hooks(self.at["tokens"], x)
         if self.positions is not None:
-            x = x + self.hooks("embed.positions", self.positions(positions).to(x.dtype))
+            x = x + self.hooks(self.at["positions"], self.positions(positions).to(x.dtype))
         if self.token_types is not None:
             if token_types is None:
                 token_types = torch.zeros_like(ids)  # (B, T)
-            x = x + self.hooks("embed.token_types", self.token_types(token_types))
+            x = x + self.hooks(self.at["token_types"], self.token_types(token_types))
         elif token_types is not None:
             raise InputError("token_types", "this model has no token-type embeddings (n_token_types=0)")
         if self.norm is not None:
             x = self.norm(x)
-        return self.hooks("embed.out", x)  # (B, T, d)
+        return self.hooks(self.at["out"], x)  # (B, T, d)

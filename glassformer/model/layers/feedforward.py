@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..hooks import Hooks
+from ..sites import LAYER_SITES, names
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -41,15 +42,16 @@ class FeedForward(nn.Module):
     When gated, `up` holds W_gate and W_up stacked, one product instead of two.
     """
 
-    def __init__(self, config: ModelConfig, hooks: Hooks, site: str) -> None:
+    def __init__(self, config: ModelConfig, hooks: Hooks, block: str) -> None:
+        """`block`: the site of the block it belongs to (blocks.3)."""
         super().__init__()
         width = config.ff_dim * (2 if config.gated else 1)
         self.up = nn.Linear(config.d_model, width, bias=config.mlp_bias)
         self.activation = Activation(config.activation, config.gated)
         self.down = nn.Linear(config.ff_dim, config.d_model, bias=config.mlp_bias)
-        self.hooks, self.site = hooks, site
+        self.hooks, self.at = hooks, names(block, LAYER_SITES, "mlp")  # its site names
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up(x)  # (B, T, d_ff) or (B, T, 2 d_ff)
-        hidden = self.hooks(self.site + ".hidden", self.activation(up))  # (B, T, d_ff)
-        return self.hooks(self.site + ".out", self.down(hidden))  # (B, T, d)
+        hidden = self.hooks(self.at["hidden"], self.activation(up))  # (B, T, d_ff)
+        return self.hooks(self.at["out"], self.down(hidden))  # (B, T, d)
