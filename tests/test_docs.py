@@ -4,11 +4,17 @@ short and its links point at files that exist."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from glassformer.accel import fast_decode
+from glassformer.accel.capabilities import any_value
+from glassformer.formats.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,3 +41,37 @@ def test_readme_is_short_and_its_links_exist():
     assert targets
     missing = [t for t in targets if "://" not in t and not (ROOT / t).exists()]
     assert not missing, missing
+
+
+def _supported_models():
+    spec = importlib.util.spec_from_file_location("supported_models", ROOT / "docs" / "supported_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_supported_models_page_is_the_generated_one():
+    generator = _supported_models()
+    assert generator.PAGE.read_text() == generator.supported_models_markdown(), \
+        "docs/guides/supported-models.md differs from the registry: python docs/supported_models.py"
+
+
+def _row(page: str, family: str) -> list[str]:
+    """A family's cells after its name."""
+    line = next(line for line in page.splitlines() if line.startswith(f"| {family} |"))
+    return [cell.strip() for cell in line.split("|")[2:-1]]
+
+
+def test_the_table_follows_the_capability_tables_and_the_registry(monkeypatch):
+    generator = _supported_models()
+    before = generator.supported_models_markdown()
+    fused = 3 + list(generator.PATHS).index("fused decode step")  # after model_type, GGUF, pieces
+    assert _row(before, "Qwen3")[fused] == "no: `qk_norm`"
+    rules = fast_decode.CAPABILITIES.rules | {"qk_norm": any_value()}
+    table = dataclasses.replace(fast_decode.CAPABILITIES, rules=rules)
+    monkeypatch.setattr(fast_decode, "CAPABILITIES", table)
+    monkeypatch.setattr(generator, "FAMILIES", (*FAMILIES, dataclasses.replace(FAMILIES[1], name="Llama 3")))
+    after = generator.supported_models_markdown()
+    assert _row(after, "Qwen3")[fused] == "yes"
+    assert "Qwen3: fused decode step" in before and "Qwen3: fused decode step" not in after
+    assert _row(after, "Llama 3") == _row(after, "Llama")

@@ -52,16 +52,24 @@ class CapabilityTable:
     name: str  # the fast path, as a message names it: "fused decode step"
     rules: Mapping[str, Rule]
 
+    def refused_field(self, config: ModelConfig) -> str | None:
+        """The first field whose value this path does not compute (or that it does not
+        classify), or None when it computes `config`."""
+        for field in dataclasses.fields(config):
+            rule = self.rules.get(field.name)
+            if rule is None or not rule.accepts(getattr(config, field.name)):
+                return field.name
+        return None
+
     def why_not(self, config: ModelConfig) -> str | None:
         """One line naming the first field whose value this path does not compute, or None."""
-        for field in dataclasses.fields(config):
-            value = getattr(config, field.name)
-            rule = self.rules.get(field.name)
-            if rule is None:
-                return f"{self.name}: {field.name} is not classified, so not computed"
-            if not rule.accepts(value):
-                return f"{self.name}: {field.name}={value!r} is not computed ({rule.reason})"
-        return None
+        field = self.refused_field(config)
+        if field is None:
+            return None
+        rule, value = self.rules.get(field), getattr(config, field)
+        if rule is None:
+            return f"{self.name}: {field} is not classified, so not computed"
+        return f"{self.name}: {field}={value!r} is not computed ({rule.reason})"
 
     def unclassified(self) -> list[str]:
         """The `ModelConfig` fields this table has no rule for."""

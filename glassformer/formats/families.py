@@ -3,8 +3,8 @@
 A family is a Hugging Face `model_type` (and, where llama.cpp has one, its GGUF architecture)
 read into `ModelConfig` values by its config reader, its tensors placed by its key map. The
 Hugging Face loader (huggingface.py), `glassformer info` and the documentation's table of
-supported models (`python -m glassformer.cli.supported_models`) all read `FAMILIES`; adding a
-family is one entry here (its reader and key map beside the others in formats/).
+supported models (docs/supported_models.py) all read `FAMILIES`; adding a family is one entry
+here (its reader and key map beside the others in formats/).
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("Llama", "llama", "llama", "q/k/v_proj and gate/up_proj stacked; W_Q, W_K rows "
            "permuted back from llama.cpp's pairs in GGUF", llama_config, llama_keys,
            {"model_type": "llama", **_LLAMA}),
-    Family("Mistral", "mistral", None, "Llama's tensors", llama_config, llama_keys,
+    Family("Mistral", "mistral", None, "Llama's tensors; llama.cpp writes it as a llama GGUF "
+           "without its window, which loads as Llama", llama_config, llama_keys,
            {"model_type": "mistral", **_LLAMA, "sliding_window": 16}),
     Family("Qwen2", "qwen2", "qwen2", "Llama's tensors with q/k/v biases", llama_config,
            llama_keys, {"model_type": "qwen2", **_LLAMA}),
@@ -104,7 +105,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("GPT-NeoX / Pythia", "gpt_neox", "gptneox", "query_key_value fused per head, "
            "reordered", neox_config, neox_keys, {"model_type": "gpt_neox", **_SIZES},
            copies=_neox_copies),
-    Family("Phi-3", "phi3", "phi3", "qkv_proj and gate_up_proj fused as ours", phi3_config,
+    Family("Phi-3", "phi3", "phi3", "qkv_proj and gate_up_proj fused as ours (partial rotary and "
+           "a window where its config.json sets them)", phi3_config,
            phi3_keys, {"model_type": "phi3", **_LLAMA}),
     Family("T5", "t5", None, "an encoder-decoder; its relative bias table per stack", t5_config,
            _t5_keys, {"model_type": "t5", "vocab_size": 64, "d_model": 32, "d_kv": 8,
