@@ -1,5 +1,6 @@
-"""`glassformer info`: a model, a preset or a configuration: its settings, where its
-parameters are and, for a model, its tokenizer and its file's format and metadata."""
+"""`glassformer info`: a model, a preset or a configuration: its family and pieces, its
+settings, where its parameters are and, for a model, its tokenizer and its file's format and
+metadata."""
 
 from __future__ import annotations
 
@@ -11,20 +12,28 @@ import torch
 
 from ..errors import InputError
 from ..formats import hub
+from ..formats.export import hf_config
+from ..formats.families import BY_GGUF, BY_MODEL_TYPE
 from ..formats.files import read_json_object
 from ..interpret.params import count_parameters
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import build_model
+from ..model.pieces import pieces
 from ..model.presets import get_preset
 from .options import add
 
 LONGEST_LIST, LONGEST_TEXT = 8, 80  # metadata values longer than these are summarised
+# Where a model's family was read, as the text output says it
+FAMILY_SOURCES = {"model_type": "as its config.json's model_type says",
+                  "general.architecture": "as its GGUF architecture says",
+                  "export": "the family `export --format hf` writes it as"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "info", help="describe a model, a preset, a configuration, or this CPU",
-        description="Print a configuration and its parameter counts; for --model also its "
+        description="Print a model's family and pieces, its configuration and its parameter "
+                    "counts; for --model also its "
                     "tokenizer and its file's format and metadata (a GGUF file's key/values, a "
                     "Hugging Face config.json, a checkpoint's training settings); for --cpu "
                     "this CPU and the fast paths measured on it.")
@@ -63,9 +72,11 @@ def run(args: argparse.Namespace) -> int:
         described = {}
     counts = count_parameters(model)
     stacks = stack_summary(config)
+    family = describe_family(config, described.get("file"))
+    parts = [{"name": name, "values": values} for name, values in pieces(config)]
     if args.json:
-        print(json.dumps({"config": config.to_dict(), "parameters": counts, "stacks": stacks,
-                          **described}))
+        print(json.dumps({"family": family, "pieces": parts, "config": config.to_dict(),
+                          "parameters": counts, "stacks": stacks, **described}))
         return 0
     for section in ("file", "tokenizer"):
         if section in described:
@@ -73,6 +84,13 @@ def run(args: argparse.Namespace) -> int:
             for key, value in described[section].get("metadata", {}).items():
                 print(f"{key:>40}  {value}")
             print()
+    print(f"{'family':>24}  " + ("none of the supported families" if family is None else
+          f"{family['name']} (model_type {family['model_type']}, GGUF {family['gguf'] or '-'}), "
+          f"{FAMILY_SOURCES[family['from']]}"))
+    for i, piece in enumerate(parts):
+        values = f": {piece['values']}" if piece["values"] else ""
+        print(f"{'pieces' if i == 0 else '':>24}  {piece['name']}{values}")
+    print()
     if config.n_encoder_layers or not config.causal:  # the stacks first
         for stack in stacks:
             print(f"{stack['name']:>24}  {stack['layers']} blocks: {', '.join(stack['sublayers'])}")
@@ -114,6 +132,24 @@ def describe_file(source: str) -> dict:
     meta = {k: v for k, v in checkpoint.meta.items() if k != "model"}  # the model: printed as config
     return {"format": "glassformer checkpoint", "path": str(checkpoint.folder),
             "files": sorted(p.name for p in checkpoint.folder.iterdir()), "metadata": _summarised(meta)}
+
+
+def describe_family(config: ModelConfig, file: dict | None) -> dict | None:
+    """The model's family (formats/families.py): the one its file names (a config.json's
+    model_type, a GGUF file's architecture), else the one `export --format hf` writes it as;
+    None for a configuration no family expresses."""
+    meta = (file or {}).get("metadata", {})
+    found, source = None, "export"
+    if file is not None and file["format"] == "gguf":
+        found, source = BY_GGUF.get(str(meta.get("general.architecture"))), "general.architecture"
+    elif file is not None and file["format"] == "huggingface":
+        found, source = BY_MODEL_TYPE.get(str(meta.get("model_type"))), "model_type"
+    if found is None:
+        try:
+            found, source = BY_MODEL_TYPE.get(hf_config(config)["model_type"]), "export"
+        except InputError:  # no family's config.json can say it
+            return None
+    return {"name": found.name, "model_type": found.model_type, "gguf": found.gguf, "from": source}
 
 
 def describe_tokenizer(tokenizer) -> dict:
