@@ -117,7 +117,7 @@ def _llama_hf_config(config: ModelConfig) -> dict[str, Any]:
 
 
 def _rope_scaling(config: ModelConfig) -> dict | None:
-    """The Hugging Face rope_scaling entry of a config (huggingface.py `_rope_scaling` reversed)."""
+    """The Hugging Face rope_scaling entry of a config (huggingface_rope.py `_rope_scaling` reversed)."""
     if config.rope_scaling == "none":
         return None
     entry = {"rope_type": config.rope_scaling, "factor": config.rope_factor}

@@ -17,7 +17,6 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from .tensor_map import Entry
 
-GEMMA_TYPES = ("gemma", "gemma2")
 # Hugging Face activation names -> ours; Gemma's "gelu" is read as transformers reads it
 # (GemmaConfig takes a legacy "gelu" for the tanh approximation, Gemma2Config does not)
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
@@ -26,7 +25,7 @@ _LAYER_KINDS = ("sliding_attention", "full_attention")
 
 def gemma_config(hf: dict[str, Any], rope_fields: dict[str, Any]) -> ModelConfig:
     """The ModelConfig of a Gemma / Gemma 2 config.json; `rope_fields`: its RoPE fields as
-    huggingface.py reads them (rope_theta and any scaling)."""
+    huggingface_rope.py reads them (rope_theta and any scaling)."""
     second = hf["model_type"] == "gemma2"
     act = hf.get("hidden_activation" if second else "hidden_act", "gelu_pytorch_tanh")
     activation = _ACTIVATIONS.get(act) or {"gelu": "gelu" if second else "gelu_tanh"}.get(act)

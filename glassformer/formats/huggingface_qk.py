@@ -7,7 +7,8 @@ an RMSNorm on the queries and keys after the projection, before RoPE (`qk_norm`)
 - OLMo 2: over the whole projection, heads side by side (`qk_norm="all"`), and no input norms:
   each sublayer's output is normed before the residual add (`norm_placement="out"`, the
   tensors post_attention_layernorm and post_feedforward_layernorm).
-huggingface.py reads the Llama fields and the key map; this module adds the rest.
+huggingface_llama.py reads the Llama fields and the key map; this module adds the rest
+(families.py puts the two together).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 from ..errors import InputError
 from ..model.config import ModelConfig
 
-QK_TYPES = ("qwen3", "olmo2")
 # Values the config classes take when config.json leaves a field out.
 DEFAULTS = {"qwen3": {"head_dim": 128, "rms_norm_eps": 1e-6}, "olmo2": {"rms_norm_eps": 1e-5}}
 # What each family's blocks compute, as ModelConfig fields.
