@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
             for key, value in described[section].get("metadata", {}).items():
                 print(f"{key:>40}  {value}")
             print()
+    if config.n_encoder_layers or not config.causal:  # the stacks first, then the family
+        for stack in stacks:
+            print(f"{stack['name']:>24}  {stack['layers']} blocks: {', '.join(stack['sublayers'])}")
+        print()
     print(f"{'family':>24}  " + ("none of the supported families" if family is None else
           f"{family['name']} (model_type {family['model_type']}, GGUF {family['gguf'] or '-'}), "
           f"{FAMILY_SOURCES[family['from']]}"))
@@ -91,10 +95,6 @@ def run(args: argparse.Namespace) -> int:
         values = f": {piece['values']}" if piece["values"] else ""
         print(f"{'pieces' if i == 0 else '':>24}  {piece['name']}{values}")
     print()
-    if config.n_encoder_layers or not config.causal:  # the stacks first
-        for stack in stacks:
-            print(f"{stack['name']:>24}  {stack['layers']} blocks: {', '.join(stack['sublayers'])}")
-        print()
     _print_fields(config.to_dict())
     print()
     width = max(24, *map(len, counts))
