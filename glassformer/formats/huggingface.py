@@ -1,6 +1,6 @@
 """Hugging Face model folders (config.json, *.safetensors [+ index], tokenizer.json) -> Glassformer.
 
-Three families, each an explicit key map (`key_map`) between Hugging Face names and ours:
+The families, each an explicit key map (`key_map`) between Hugging Face names and ours:
 - GPT-2 (`model_type` gpt2): learned positions, LayerNorm, GELU (tanh), fused c_attn. Its
   Conv1D layers store weights as (in, out), so they are transposed.
 - Llama (llama, mistral with its sliding window, qwen2 with q/k/v biases): RoPE (rotate-half),
@@ -10,8 +10,9 @@ Three families, each an explicit key map (`key_map`) between Hugging Face names 
 - T5 (`model_type` t5, v1.0 and v1.1): an encoder-decoder; its config and key map live in
   huggingface_t5.py.
 - BERT (bert, a BertForMaskedLM): the encoder with its masked-LM head (huggingface_bert.py).
-- Gemma (gemma, gemma2): Llama's block with Gemma's norms, embedding scale, GeGLU, and
-  Gemma 2's sandwich norms, soft-caps and sliding layers (huggingface_gemma.py).
+- Gemma (gemma, gemma2, gemma3_text): Llama's block with Gemma's norms, embedding scale,
+  GeGLU, Gemma 2's sandwich norms, soft-caps and sliding layers, and Gemma 3's query/key norms
+  and RoPE base of the sliding layers' own (huggingface_gemma.py).
 - GPT-NeoX / Pythia (gpt_neox): parallel blocks, partial rotary, a per-head fused
   query_key_value (huggingface_neox.py).
 - Phi-3 (phi3): Llama's block with fused qkv_proj and gate_up_proj, partial rotary
@@ -35,7 +36,7 @@ from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .files import read_json_object
 from .huggingface_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
-from .huggingface_gemma import GEMMA_TYPES, gemma_config, gemma_keys
+from .huggingface_gemma import GEMMA_TYPES, gemma3_rope, gemma_config, gemma_keys
 from .huggingface_neox import NEOX_HEAD, neox_config, neox_keys
 from .huggingface_phi3 import phi3_config, phi3_keys
 from .huggingface_qk import QK_TYPES, family_fields, qwen_window, with_defaults
@@ -70,6 +71,10 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
             return t5_config(hf)
         if kind == "bert":
             return bert_config(hf, pooler)
+        if kind == "gemma3_text":  # a RoPE base per kind of layer
+            full, local_theta = gemma3_rope(hf)
+            return gemma_config(hf, {**rope_fields({"rope_parameters": full}),
+                                     "rope_local_theta": local_theta})
         if kind in GEMMA_TYPES:
             return gemma_config(hf, rope_fields(hf))
         if kind == "gpt_neox":
