@@ -9,8 +9,9 @@ post_feedforward_layernorm -> mlp_out_norm), soft-capped scores and logits, scor
 query_pre_attn_scalar^-½, and a sliding window on the layers `layer_types` names
 "sliding_attention" (by default the even ones: 0, 2, ...).
 
-Gemma 3 is Gemma 2 with query/key norms per head (q_norm, k_norm: (1 + w) too), no soft-caps
-unless its config sets them, every sixth layer global by default (`sliding_window_pattern`),
+Gemma 3 is Gemma 2 with query/key norms per head (q_norm, k_norm: (1 + w) too), the final
+soft-cap only where its config sets one (an attention soft-cap, which transformers' Gemma 3
+leaves out, is refused), every sixth layer global by default (`sliding_window_pattern`),
 and a RoPE base per kind of layer: the global layers turn by rope_theta with the config's
 scaling, the sliding ones by their own base (rope_local_theta) unscaled. transformers 5 states
 both in `rope_parameters` keyed by layer type; 4.x in rope_theta, rope_local_base_freq and a
@@ -47,6 +48,8 @@ def gemma_config(hf: dict[str, Any], rope_fields: dict[str, Any]) -> ModelConfig
         raise InputError("hidden_activation", f"unsupported Gemma activation {act!r}")
     if hf.get("use_bidirectional_attention"):
         raise InputError("use_bidirectional_attention", "bidirectional Gemma is not computed")
+    if third and hf.get("attn_logit_softcapping") is not None:  # neither transformers nor llama.cpp has it
+        raise InputError("attn_logit_softcapping", "Gemma 3's attention takes no soft-cap")
     n_layers, n_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
     bias = bool(hf.get("attention_bias", False))
     fields: dict[str, Any] = {}
@@ -78,7 +81,7 @@ def _layer_windows(hf: dict[str, Any], n_layers: int, pattern: int) -> tuple[int
     """Each layer's window from layer_types, else from sliding_window_pattern (`pattern` by
     default): layer i is global where i + 1 is a multiple of it (Gemma 2: the even layers
     slide; Gemma 3: every sixth is global)."""
-    pattern = hf.get("sliding_window_pattern") or pattern
+    pattern = pattern if hf.get("sliding_window_pattern") is None else hf["sliding_window_pattern"]
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise InputError("sliding_window_pattern", f"must be a positive integer, got {pattern!r}")
     kinds = hf.get("layer_types") or [_LAYER_KINDS[(i + 1) % pattern == 0] for i in range(n_layers)]
