@@ -72,7 +72,7 @@ def gemma_config(hf: dict[str, Any], rope_fields: dict[str, Any]) -> ModelConfig
     )
 
 
-def _cap(hf: dict[str, Any], name: str, default: float) -> float | None:
+def _cap(hf: dict[str, Any], name: str, default: float | None) -> float | None:
     value = hf.get(name, default)
     return None if value is None else float(value)
 
