@@ -71,7 +71,8 @@ def configs(draw) -> tuple[ModelConfig, str]:
         head = d_head or d_model // n_heads
         rope = {"rope_scaling": scaling, "rope_factor": 1.0 if scaling == "none" else 2.0,
                 "rope_theta": draw(st.sampled_from([100.0, 10000.0])),
-                "rotary_dim": draw(st.sampled_from([None, min(head, max(4, head // 4 * 2))]))}
+                "rotary_dim": draw(st.sampled_from([None, min(head, max(4, head // 4 * 2))])),
+                "rope_local_theta": draw(st.sampled_from([None, 50.0]))}  # the sliding layers
     norm = draw(st.sampled_from(["layernorm", "rmsnorm"]))
     norm_placement = draw(st.sampled_from(["pre", "post", "out", "sandwich"]))
     scale_scores = draw(st.booleans())

@@ -70,6 +70,7 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "final_softcap": any_value(_PYTHON),
     "attn_scale": only(None, reason="scores times 1/sqrt(d_head), or 1"),
     "layer_windows": only(None, reason="one window for every layer"),
+    "rope_local_theta": only(None, reason="one set of RoPE angles for every layer"),
 })
 
 

@@ -51,6 +51,7 @@ CAPABILITIES = CapabilityTable("fused training passes", {
     "rope_original_context": any_value("the angles come from the model"),
     "rope_low_freq_factor": any_value("the angles come from the model"),
     "rope_high_freq_factor": any_value("the angles come from the model"),
+    "rope_local_theta": any_value("the angles come from the model, each layer its kind's"),
     "rotary_dim": any_value("the RoPE pass turns whole heads; a partial turn keeps the plain "
                             "expression"),
     "norm": any_value("RMSNorm and LayerNorm passes"), "norm_placement": any_value(_MODULES),

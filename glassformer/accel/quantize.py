@@ -41,7 +41,8 @@ CAPABILITIES = CapabilityTable("quantized linear kernels", {
         "activation", "final_norm", "causal", "sliding_window", "dropout", "attention_kernel",
         "init_std", "n_token_types", "embed_norm", "decoder_start_id", "relative_buckets",
         "relative_max_distance", "scale_scores", "scale_head_input", "norm_weight_offset",
-        "embed_scale", "attn_softcap", "final_softcap", "attn_scale", "layer_windows")},
+        "embed_scale", "attn_softcap", "final_softcap", "attn_scale", "layer_windows",
+        "rope_local_theta")},
 })
 
 

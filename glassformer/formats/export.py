@@ -2,7 +2,7 @@
 
 The family is read off the config: GPT-2 (learned positions, LayerNorm, biases, tied head) or
 Llama (RoPE, RMSNorm, SwiGLU, no biases), Qwen2 (q/k/v biases only) and Mistral (a sliding
-window), Qwen3 and OLMo 2 (query/key norms; huggingface_qk.py), Gemma and Gemma 2
+window), Qwen3 and OLMo 2 (query/key norms; huggingface_qk.py), Gemma, Gemma 2 and Gemma 3
 (huggingface_gemma.py); RoPE with LayerNorm or a parallel block as GPT-NeoX (huggingface_neox.py),
 Llama's block turning part of each head as Phi-3 (huggingface_phi3.py); an encoder-decoder as T5
 (huggingface_t5.py), a bidirectional model as a BertForMaskedLM (huggingface_bert.py). A
@@ -60,7 +60,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     _require(config, "a Hugging Face model", final_norm=True, causal=True,
              lm_head_bias=False, scale_scores=True, scale_head_input=False, norm_weight_offset=0.0,
              embed_scale=False, attn_softcap=None, final_softcap=None, attn_scale=None,
-             layer_windows=None)
+             layer_windows=None, rope_local_theta=None)
     if config.qk_norm != "none" or config.norm_placement == "out":
         return qk_hf_config(config, _llama_hf_config(config))
     _require(config, "a Hugging Face model", norm_placement="pre")

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import InputError
 from ..model.config import ModelConfig
 from .huggingface_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_keys
-from .huggingface_gemma import gemma_config, gemma_keys
+from .huggingface_gemma import gemma3_rope, gemma_config, gemma_keys
 from .huggingface_gpt2 import gpt2_config, gpt2_keys
 from .huggingface_llama import llama_config, llama_keys
 from .huggingface_neox import NEOX_HEAD, neox_config, neox_keys
@@ -58,6 +58,12 @@ def _qk_config(hf: dict[str, Any]) -> ModelConfig:
 
 def _gemma_config(hf: dict[str, Any]) -> ModelConfig:
     return gemma_config(hf, rope_fields(hf))
+
+
+def _gemma3_config(hf: dict[str, Any]) -> ModelConfig:
+    """Gemma 3: the full layers' RoPE as rope_fields reads it, the sliding layers' own base."""
+    full, local_theta = gemma3_rope(hf)
+    return gemma_config(hf, {**rope_fields({"rope_parameters": full}), "rope_local_theta": local_theta})
 
 
 def _t5_keys(config: ModelConfig) -> list[Entry]:
@@ -102,6 +108,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("Gemma 2", "gemma2", "gemma2", "Gemma's tensors with four norms per block",
            _gemma_config, gemma_keys,
            {"model_type": "gemma2", **_LLAMA, "head_dim": 8, "sliding_window": 16}),
+    Family("Gemma 3", "gemma3_text", "gemma3", "Gemma 2's tensors with q_norm / k_norm; GGUF "
+           "stores every norm as 1 + w", _gemma3_config, gemma_keys,
+           {"model_type": "gemma3_text", **_LLAMA, "head_dim": 8, "sliding_window": 16}),
     Family("GPT-NeoX / Pythia", "gpt_neox", "gptneox", "query_key_value fused per head, "
            "reordered", neox_config, neox_keys, {"model_type": "gpt_neox", **_SIZES},
            copies=_neox_copies),

@@ -8,8 +8,8 @@ kernels read are copied as they are (no float32 copy of any of them, the token t
 Architectures (`general.architecture`, llama.cpp's names): llama, and three Llama blocks with a
 difference each (`ARCHITECTURES`): qwen2 (biases on q, k, v: attn_q.bias ...), qwen3 (RMSNorm
 per head on queries and keys: attn_q_norm, attn_k_norm) and olmo2 (those norms over all heads,
-and output norms in place of input norms: post_attention_norm, post_ffw_norm); Gemma and
-Gemma 2 (gguf_gemma.py), whose files keep their norms as 1 + w; GPT-NeoX and Phi-3 (`gptneox`,
+and output norms in place of input norms: post_attention_norm, post_ffw_norm); Gemma,
+Gemma 2 and Gemma 3 (gguf_gemma.py), whose files keep their norms as 1 + w; GPT-NeoX and Phi-3 (`gptneox`,
 `phi3`: their own fields and tensor names are in gguf_neox.py).
 
 For llama, llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (like
@@ -136,6 +136,8 @@ def architecture(config: ModelConfig) -> str:
     """The llama.cpp architecture whose blocks `config` describes (the GGUF export checks that
     the file's metadata reads back as `config`)."""
     if is_gemma(config):
+        if config.qk_norm != "none":
+            return "gemma3"
         return "gemma2" if config.norm_placement == "sandwich" else "gemma"
     if config.norm_placement == "out" or config.qk_norm == "all":
         return "olmo2"
@@ -176,7 +178,7 @@ def tensor_map(config: ModelConfig, arch: str | None = None) -> dict[str, Target
             if config.attn_bias:
                 names[f"blk.{i}.attn_{x}.bias"] = Target(f"{b}.attn.qkv.bias", rows)
         if config.qk_norm != "none":
-            names |= {f"blk.{i}.attn_{x}_norm.weight": Target(f"{b}.attn.{x}_norm.weight")
+            names |= {f"blk.{i}.attn_{x}_norm.weight": Target(f"{b}.attn.{x}_norm.weight", shift=shift)
                       for x in "qk"}
         names.update({
             f"blk.{i}.attn_output.weight": Target(f"{b}.attn.out.weight"),

@@ -1,7 +1,7 @@
 """Glassformer -> a GGUF file that llama.cpp-based tools read (the inverse of gguf.py).
 
 The file is written by the `gguf` library's GGUFWriter with llama.cpp's `<arch>.*` metadata
-(llama, or qwen2 / qwen3 / olmo2 / gemma / gemma2 / gptneox / phi3 where the config has their
+(llama, or qwen2 / qwen3 / olmo2 / gemma / gemma2 / gemma3 / gptneox / phi3 where the config has their
 pieces: `gguf.architecture`; gguf_gemma.py, gguf_neox.py), its tensor names (token_embd,
 blk.N.attn_q ..., output_norm, output) and the tokenizer as
 `tokenizer.ggml.*` (byte-level BPE: tokens, token types, merges, special ids) with the chat

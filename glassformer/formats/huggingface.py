@@ -1,7 +1,7 @@
 """Hugging Face model folders (config.json, *.safetensors [+ index], tokenizer.json) -> Glassformer.
 
 A folder's `model_type` names its family (families.py: GPT-2, Llama, Mistral, Qwen2, Qwen3,
-OLMo 2, Gemma, Gemma 2, GPT-NeoX / Pythia, Phi-3, T5, BERT), whose reader turns config.json into
+OLMo 2, Gemma, Gemma 2, Gemma 3, GPT-NeoX / Pythia, Phi-3, T5, BERT), whose reader turns config.json into
 a ModelConfig and whose key map (`key_map`) pairs each Hugging Face tensor with ours: stacked
 into our fused `qkv` and `mlp.up`, transposed (GPT-2's Conv1D), reordered (NeoX's per-head
 query_key_value). Every key and shape is checked, then the weights load with

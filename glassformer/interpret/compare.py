@@ -37,6 +37,8 @@ LAYOUTS = {
     "qwen2": ("model", "layers", "self_attn", "norm"),
     "qwen3": ("model", "layers", "self_attn", "norm"),
     "olmo2": ("model", "layers", "self_attn", "norm"),  # self_attn's output before its norm
+    **{kind: ("model", "layers", "self_attn", "norm")  # before Gemma 2 / 3's output norm too
+       for kind in ("gemma", "gemma2", "gemma3_text")},
     "bert": ("bert", "encoder.layer", "attention.output.dense", None),
 }
 HEAD_TRANSFORMS = {"bert": "cls.predictions.transform"}

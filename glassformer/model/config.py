@@ -105,13 +105,17 @@ class ModelConfig(ConfigFields):
     scale_scores: bool = True  # False: Q Kᵀ is not divided by √d_head (T5 folds it into the init)
     scale_head_input: bool = False  # True: h · d_model^-½ before the head (T5 v1.0's tied head)
     # Gemma: RMSNorm times (offset + w), embeddings times √d_model, soft-capped scores and
-    # logits (c · tanh(x / c)), scores times attn_scale^-½, windows that differ by layer.
-    norm_weight_offset: float = 0.0
+    # logits (c · tanh(x / c)), scores times attn_scale^-½, windows that differ by layer, and
+    # (Gemma 3) a RoPE base of the sliding layers' own.
+    norm_weight_offset: float = 0.0  # every RMSNorm's, the query/key norms' included
     embed_scale: bool = False  # token embeddings times √d_model, rounded in the model's dtype
     attn_softcap: float | None = None
     final_softcap: float | None = None
     attn_scale: float | None = None  # None: scores times d_head^-½
     layer_windows: tuple[int | None, ...] | None = None  # per layer (None: global); None: sliding_window
+    # the RoPE base of the sliding-window layers, which then take no rope scaling; None: every
+    # layer turns by rope_theta and the scaling
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -203,6 +207,10 @@ class ModelConfig(ConfigFields):
             raise InputError("norm_placement", "sandwich norms are for decoder-only models")
         if self.norm_weight_offset and self.norm != "rmsnorm":
             raise InputError("norm_weight_offset", "applies to norm='rmsnorm' only")
+        if self.rope_local_theta is not None and not (
+                self.position == "rope" and self.rope_local_theta > 0):
+            raise InputError("rope_local_theta", f"needs position='rope' and a positive base, got "
+                             f"{self.rope_local_theta!r} with position={self.position!r}")
         windows = self.layer_windows
         if windows is None:
             return
@@ -221,6 +229,10 @@ class ModelConfig(ConfigFields):
     def window_of(self, layer: int) -> int | None:
         """The sliding window of one layer (None: it attends to every earlier position)."""
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether a layer turns by rope_local_theta (a sliding layer, where it is set)."""
+        return self.rope_local_theta is not None and self.window_of(layer) is not None
 
     @property
     def kv_heads(self) -> int:

@@ -83,6 +83,9 @@ class SinkPolicy:
             if getattr(config, name) is not None:  # a chunk past the window scores in sink_chunk.py
                 raise InputError(name, f"the sink policy's chunks past the window score keys "
                                  f"with d_head^-1/2 over one window; {name} is not computed there")
+        if config.rope_local_theta is not None:  # key_rotation turns every layer's keys alike
+            raise InputError("rope_local_theta", "the sink policy rotates every layer's kept keys "
+                             "by one RoPE base; a base of the sliding layers' own is not computed")
         if config.position not in MOVABLE_POSITIONS:
             raise InputError("position", f"the sink policy places keys at positions within the cache; "
                              f"{config.position!r} positions are fixed in the embedding "

@@ -20,7 +20,13 @@ from .layers.embedding import Embedding
 from .layers.heads import HEAD_TRANSFORMS, Pooler
 from .layers.masking import AttentionMask
 from .layers.norm import make_norm
-from .layers.positions import RelativeBias, alibi_slopes, rope_cos_sin, rope_inverse_frequencies
+from .layers.positions import (
+    RelativeBias,
+    RopeAngles,
+    alibi_slopes,
+    rope_cos_sin,
+    rope_inverse_frequencies,
+)
 from .sites import OUTPUT
 
 # A decode step for one sequence: token (1,) fed against the cache -> next-token logits (1, V).
@@ -51,6 +57,9 @@ class Transformer(nn.Module):
         if config.position == "rope":
             inv_freq, self.rope_attention_factor = rope_inverse_frequencies(config)
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # (rotated/2,)
+        if config.rope_local_theta is not None:  # the sliding layers' own (Gemma 3)
+            local, _ = rope_inverse_frequencies(config, local=True)
+            self.register_buffer("rope_local_inv_freq", local, persistent=False)  # (rotated/2,)
         if config.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)
         self.relative_bias = None
@@ -179,15 +188,24 @@ class Transformer(nn.Module):
         `contiguous`: every row's positions alike (RoPE's angles computed once)."""
         rope = None
         if self.config.position == "rope":
-            rows = positions[:1] if contiguous else positions  # every row alike: compute once
-            rope = rope_cos_sin(self.rope_inv_freq, rows, self.rope_attention_factor)
-            rope = tuple(t.to(self.embed.tokens.weight.dtype) for t in rope)
+            rope = self.rope_angles(positions[:1] if contiguous else positions)  # rows alike: once
         x = self.dropout(self.embed(ids, positions, token_types))  # (B, T, d)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
         if self.final_norm is not None:
             x = self.hooks(OUTPUT["final_norm"], self.final_norm(x))
         return x
+
+    def rope_angles(self, positions: torch.Tensor) -> RopeAngles:
+        """RoPE's cos and sin at positions (B, T) for each kind of layer, (B, 1, T, rotated)
+        each in the model's dtype: every layer's, then the sliding layers' own where
+        rope_local_theta is set (each attention layer takes its kind's)."""
+        dtype = self.embed.tokens.weight.dtype
+        kinds = [(self.rope_inv_freq, self.rope_attention_factor)]
+        if self.config.rope_local_theta is not None:
+            kinds.append((self.rope_local_inv_freq, 1.0))
+        return tuple(tuple(t.to(dtype) for t in rope_cos_sin(inv_freq, positions, factor))
+                     for inv_freq, factor in kinds)
 
     def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
                        k_valid: torch.Tensor | None = None, contiguous: bool = False,

@@ -45,7 +45,6 @@ import torch
 
 from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import FastDecoder, can_build
-from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
 from ..model.sites import OUTPUT
 from ..model.transformer import Transformer
@@ -84,7 +83,7 @@ CAPABILITIES = CapabilityTable("serving engine", {
         "final_softcap", "attn_scale")},
     **{name: any_value(_ANGLES) for name in (
         "rope_theta", "rope_scaling", "rope_factor", "rope_original_context", "rope_low_freq_factor",
-        "rope_high_freq_factor", "rotary_dim")},
+        "rope_high_freq_factor", "rotary_dim", "rope_local_theta")},
     "position": any_value("RoPE from the table; ALiBi and T5's bias through the model's masks"),
     **{name: any_value("through the model's masks") for name in (
         "sliding_window", "relative_buckets", "relative_max_distance")},
@@ -120,11 +119,9 @@ class ModelRunner:
             adapters.install(self.layers, wrap, self._pool_takes_fused() and can_build(model))
         self.device = model.embed.tokens.weight.device
         self.rope = None
-        if config.position == "rope":  # computed once: (context, d_head) each
+        if config.position == "rope":  # computed once per kind of layer: (context, rotated) each
             positions = torch.arange(config.context_length, device=self.device)[None]
-            cos, sin = rope_cos_sin(model.rope_inv_freq, positions, model.rope_attention_factor)
-            dtype = model.embed.tokens.weight.dtype
-            self.rope = (cos[0, 0].to(dtype), sin[0, 0].to(dtype))
+            self.rope = tuple((cos[0, 0], sin[0, 0]) for cos, sin in model.rope_angles(positions))
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
@@ -204,10 +201,11 @@ class ModelRunner:
                 ends[id(seq)] = len(ids) - 1
         ids_t = torch.tensor(ids, device=self.device)[None]  # (1, N)
         pos_t = torch.tensor(positions, device=self.device)[None]  # (1, N)
-        view = PagedView(self.pool, parts, self.fast, self.model, self.sink, self.rope, self.group)
+        rotation = None if self.rope is None else self.rope[0]  # the sink policy's (one kind)
+        view = PagedView(self.pool, parts, self.fast, self.model, self.sink, rotation, self.group)
         rope = None
-        if self.rope is not None:  # (1, 1, N, rotated) each
-            rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
+        if self.rope is not None:  # per kind of layer, (1, 1, N, rotated) each
+            rope = tuple((cos[pos_t][:, None], sin[pos_t][:, None]) for cos, sin in self.rope)
         lens, hooks = LensRows(self.model.config, capturing), self.layers.hooks
         # the edits first: a site's capture and lens keep what the next module reads
         with hooks.installed(edit_hooks(self.model.config, capturing)), \
@@ -260,8 +258,8 @@ class ModelRunner:
                             for t in seq.tokens[seq.num_computed : seq.num_computed + n]])  # (B,)
         x = self.model.embed(ids[None], positions[None])[0]  # (B, d)
         cos = sin = None
-        if self.rope is not None:
-            cos, sin = self.rope[0][positions], self.rope[1][positions]  # (B, rotated) each
+        if self.rope is not None:  # one kind: the fused step refuses rope_local_theta
+            cos, sin = self.rope[0][0][positions], self.rope[0][1][positions]  # (B, rotated) each
         names = list(dict.fromkeys(seq.params.adapter for seq in seqs if seq.params.adapter is not None))
         adapter_of = torch.tensor([-1 if seq.params.adapter is None else names.index(seq.params.adapter)
                                    for seq in seqs]).repeat_interleave(counts)  # (B,)

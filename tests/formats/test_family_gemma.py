@@ -1,6 +1,6 @@
-"""Gemma and Gemma 2: tiny random models built by transformers' own config classes (the
-oracle), loaded by Glassformer: equal logits, the same greedy tokens from generate and from
-the serving engine, and the exported folder read back by transformers."""
+"""Gemma, Gemma 2 and Gemma 3: tiny random models built by transformers' own config classes
+(the oracle), loaded by Glassformer: equal logits, layer by layer too, the same greedy tokens
+from generate and from the serving engine, and the exported folder and GGUF file read back."""
 
 import copy
 import json
@@ -14,6 +14,7 @@ from glassformer.formats.gguf_export import export_gguf, gguf_metadata
 from glassformer.formats.huggingface import config_from_hf, load_hf_model
 from glassformer.formats.tokenizers import HFTokenizer
 from glassformer.generation.generate import GenerationConfig, generate
+from glassformer.model.transformer import Transformer
 from glassformer.serving import Engine, EngineConfig, RequestParams
 
 transformers = pytest.importorskip("transformers")
@@ -35,6 +36,18 @@ CONFIGS = {
     "gemma2-layer-types": lambda: transformers.Gemma2Config(
         **SIZES, num_hidden_layers=3, sliding_window=4, attention_bias=True,
         layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+    # seven layers: the sixth global (Gemma3TextConfig's pattern), the seventh sliding; RoPE
+    # bases per kind, the global layers' scaled (linear, 8) in transformers 4's words; a final
+    # soft-cap (Gemma 3 has none by default)
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **SIZES, num_hidden_layers=7, sliding_window=5, query_pre_attn_scalar=20,
+        rope_theta=1000.0, rope_local_base_freq=50.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, final_logit_softcapping=3.0),
+    # what a GGUF file can say: llama.cpp's pattern, base 10000 for the sliding layers, scores
+    # times head_dim^-½
+    "gemma3-gguf": lambda: transformers.Gemma3TextConfig(
+        **{**SIZES, "head_dim": 256}, num_hidden_layers=7, sliding_window=5,
+        query_pre_attn_scalar=256),
 }
 
 
@@ -68,12 +81,12 @@ def test_logits_equal(pair):
 
 def test_bfloat16_logits_equal(pair):
     """In bfloat16 the embedding scale, the (1 + w) norms in float32 and the soft-caps round
-    as transformers rounds them: bit for bit where both run attention written plainly (Gemma 2's
-    soft-cap: the reference kernel here, eager there); Gemma's sdpa rounds otherwise."""
-    name, reference, _, folder = pair
-    if name == "gemma":
-        pytest.skip("sdpa against eager attention: bfloat16 rounds by kernel")
-    model = load_hf_model(folder, torch.bfloat16)
+    as transformers rounds them: bit for bit where both run attention written plainly (the
+    reference kernel here, eager there; sdpa rounds otherwise)."""
+    _, reference, _, folder = pair
+    loaded = load_hf_model(folder, torch.bfloat16)
+    model = Transformer(loaded.config.replace(attention_kernel="reference")).to(torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
     with torch.no_grad():
         theirs = copy.deepcopy(reference).to(torch.bfloat16)(IDS).logits
         torch.testing.assert_close(model(IDS), theirs, atol=0.0, rtol=0.0)
@@ -112,13 +125,34 @@ def test_config_fields(pair):
             "sandwich", 20.0, 2.0, 3.0)
     if name == "gemma2-layer-types":
         assert c.layer_windows == (None, 4, 4) and c.attn_bias and c.attn_out_bias
+    if name.startswith("gemma3"):
+        assert (c.norm_placement, c.qk_norm) == ("sandwich", "head")
+        assert c.layer_windows == (5, 5, 5, 5, 5, None, 5)
+    if name == "gemma3":
+        assert (c.rope_theta, c.rope_local_theta, c.rope_scaling, c.rope_factor) == (
+            1000.0, 50.0, "linear", 8.0)
+        assert (c.attn_scale, c.attn_softcap, c.final_softcap) == (20.0, None, 3.0)
+    if name == "gemma3-gguf":
+        assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (1e6, 1e4, "none")
+        assert (c.attn_softcap, c.final_softcap) == (None, None)
+
+
+def test_gemma3_reads_either_rope_layout():
+    """transformers 5 writes rope_parameters keyed by layer type, 4.x rope_theta,
+    rope_local_base_freq and rope_scaling (the global layers'): the same config either way."""
+    new = CONFIGS["gemma3"]().to_dict()
+    assert set(new["rope_parameters"]) == {"full_attention", "sliding_attention"}
+    old = {key: value for key, value in new.items() if key not in ("rope_parameters", "layer_types")}
+    old |= {"rope_theta": 1000.0, "rope_local_base_freq": 50.0, "sliding_window_pattern": 6,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert config_from_hf(json.loads(json.dumps(old))) == config_from_hf(json.loads(json.dumps(new)))
 
 
 def test_export_reads_back_in_transformers(pair, tmp_path):
     name, reference, model, _ = pair
     export_hf(model, None, tmp_path / "out")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert again.config.model_type == name.split("-")[0]
+    assert again.config.model_type == reference.config.model_type
     with torch.no_grad():
         torch.testing.assert_close(again(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=1e-4)
 
@@ -129,9 +163,16 @@ def test_export_reads_back_in_transformers(pair, tmp_path):
     ("gemma2", {"hidden_activation": "relu"}, "hidden_activation"),
     ("gemma", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("gemma2", {"sliding_window": None}, "sliding_window"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma3", {"attn_logit_softcapping": 2.0}, "attn_logit_softcapping"),
+    ("gemma3", {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope_parameters"),
+    ("gemma3", {"layer_types": None, "sliding_window_pattern": 0}, "sliding_window_pattern"),
 ])
 def test_a_math_changing_field_not_computed_is_refused_by_name(kind, change, field):
-    hf = CONFIGS[kind]().to_dict() if kind == "gemma" else CONFIGS["gemma2"]().to_dict()
+    hf = CONFIGS[kind]().to_dict()
     hf = json.loads(json.dumps({**hf, **change}))
     with pytest.raises(ValueError) as error:
         config_from_hf(hf)
@@ -148,6 +189,17 @@ def test_gguf_round_trip_computes_what_transformers_computes(pair, tmp_path):
     the same logits as transformers; a Gemma 2 llama.cpp cannot say is refused by name."""
     name, reference, model, _ = pair
     path = tmp_path / "model.gguf"
+    if name == "gemma3":  # refused field by field until it is what llama.cpp computes
+        config = model.config
+        for field, value in (("attn_scale", 12.0), ("rope_local_theta", 10000.0)):
+            with pytest.raises(ValueError) as error:
+                gguf_metadata(config)
+            assert error.value.field == field
+            config = config.replace(**{field: value})
+        meta = gguf_metadata(config)  # the global layers' scaling and the final soft-cap said
+        assert (meta["gemma3.rope.scaling.type"], meta["gemma3.rope.scaling.factor"]) == ("linear", 8.0)
+        assert meta["gemma3.final_logit_softcapping"] == 3.0
+        return
     if name in ("gemma2", "gemma2-layer-types"):
         field = "attn_scale" if name == "gemma2" else "attn_bias"  # the first field refused
         with pytest.raises(ValueError) as error:
@@ -163,7 +215,16 @@ def test_gguf_round_trip_computes_what_transformers_computes(pair, tmp_path):
     assert again.config.replace(norm_eps=model.config.norm_eps) == model.config  # eps in float32
     with torch.no_grad():
         torch.testing.assert_close(again(IDS), reference(IDS).logits, atol=1e-5, rtol=1e-4)
-    if name == "gemma2-gguf":  # transformers reads gemma2 GGUF files too
+    if name in ("gemma2-gguf", "gemma3-gguf"):  # transformers reads these GGUF files too
         theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).eval()
         with torch.no_grad():
             torch.testing.assert_close(theirs(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=1e-4)
+
+
+def test_compare_agrees_with_transformers_layer_by_layer(pair):
+    from glassformer.interpret.compare import compare
+
+    _, reference, model, _ = pair
+    result = compare(model, reference, torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
+    assert f"blocks.{model.config.n_layers - 1}.attn.out" in [s.site for s in result.sites]
+    assert result.first_failure is None, result.first_failure

@@ -38,6 +38,8 @@ def test_defaults_resolve_through_properties():
         (dict(layer_windows=(4, 0)), "layer_windows"),
         (dict(layer_windows=(4, None), sliding_window=4), "layer_windows"),
         (dict(norm_placement="sandwich", n_encoder_layers=2), "norm_placement"),
+        (dict(position="rope", rope_local_theta=0.0), "rope_local_theta"),
+        (dict(position="learned", rope_local_theta=10000.0), "rope_local_theta"),
     ],
 )
 def test_invalid_values_name_the_field(changes, field):

@@ -133,6 +133,34 @@ def test_rope_score_depends_only_on_relative_position():
     torch.testing.assert_close(apply_rope(q, cos, sin).norm(), q.norm())
 
 
+def test_sliding_layers_turn_by_their_own_rope_base():
+    """rope_local_theta: a sliding layer's angles are m·base^(-2i/d) of its own base, unscaled;
+    a global layer keeps rope_theta and the scaling. Where the bases agree and nothing scales,
+    the model computes what it computes without the field."""
+    config = ModelConfig(vocab_size=50, context_length=32, d_model=32, n_layers=2, n_heads=2,
+                         position="rope", rope_theta=500.0, rope_scaling="linear", rope_factor=2.0,
+                         layer_windows=(4, None), rope_local_theta=50.0)
+    model = Transformer(config)
+    assert [block.attn.rope_kind for block in model.blocks] == [1, 0]
+    positions = torch.arange(6)[None]  # (1, T)
+    d = config.head_dim
+    for (cos, sin), base, scale in zip(model.rope_angles(positions), (500.0, 50.0), (2.0, 1.0),
+                                       strict=True):
+        angles = positions[0, :, None] * base ** (-torch.arange(0, d, 2).float() / d) / scale
+        angles = torch.cat((angles, angles), dim=-1)  # (T, d)
+        torch.testing.assert_close(cos[0, 0], angles.cos())
+        torch.testing.assert_close(sin[0, 0], angles.sin())
+    alike = config.replace(rope_local_theta=500.0, rope_scaling="none", rope_factor=1.0)
+    same, plain = Transformer(alike), Transformer(alike.replace(rope_local_theta=None))
+    plain.load_state_dict(same.state_dict())
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(same(ids), plain(ids))
+        one_base = Transformer(config.replace(rope_local_theta=None))
+        one_base.load_state_dict(model.state_dict())
+        assert not torch.allclose(one_base(ids), model(ids), atol=1e-4)  # the base is used
+
+
 def test_alibi_slopes_follow_the_geometric_schedule():
     torch.testing.assert_close(alibi_slopes(8), torch.tensor([2.0 ** (-k) for k in range(1, 9)]))
     assert alibi_slopes(4).tolist() == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]

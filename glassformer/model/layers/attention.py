@@ -4,7 +4,9 @@
     Q, K    = Norm_Q(Q), Norm_K(K)         qk_norm: RMSNorm over each head ("head") or over
                                            all heads together ("all")
     Q, K    = rope(Q), rope(K)             when position = "rope" (a cache that positions its
-                                           keys itself, the sink policy, rotates K: sink.py)
+                                           keys itself, the sink policy, rotates K: sink.py);
+                                           a sliding layer turns by its own base where
+                                           rope_local_theta is set (Gemma 3)
     K, V    = cache[...] + (K, V)          when decoding: the new rows join the cached ones
                                            (the cache calls back `context`, see kv_cache.py)
     A       = Q Kᵀ / √d_head + M           M: -inf where masked (+ ALiBi or T5 relative bias);
@@ -29,7 +31,7 @@ from ..sites import LAYER_SITES, WEIGHT_SITES, names
 from .attention_backends import KERNELS, reference_attention
 from .masking import AttentionMask
 from .norm import QKNorm
-from .positions import Rotary
+from .positions import RopeAngles, Rotary
 
 
 class Attention(nn.Module):
@@ -45,9 +47,11 @@ class Attention(nn.Module):
         self.q_norm = self.k_norm = None
         if config.qk_norm != "none":
             over_heads = config.qk_norm == "all"
-            self.q_norm = QKNorm(self.n_heads, self.d_head, config.norm_eps, over_heads)
-            self.k_norm = QKNorm(self.n_kv_heads, self.d_head, config.norm_eps, over_heads)
+            offset = config.norm_weight_offset  # Gemma 3: times (1 + w), as its other norms
+            self.q_norm = QKNorm(self.n_heads, self.d_head, config.norm_eps, over_heads, offset)
+            self.k_norm = QKNorm(self.n_kv_heads, self.d_head, config.norm_eps, over_heads, offset)
         self.rotary = Rotary() if config.position == "rope" else None
+        self.rope_kind = int(config.local_rope(layer))  # which of the RopeAngles it turns by
         self.kernel = KERNELS[config.attention_kernel]
         self.scale = None if config.scale_scores else 1.0  # None: the kernels' 1/√d_head
         if config.attn_scale is not None:
@@ -63,11 +67,11 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         mask: AttentionMask | None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: RopeAngles | None = None,
         cache: AttentionCache | None = None,
     ) -> torch.Tensor:
         """x (B, T, d) -> (B, T, d). `mask` may be None only for a cache that builds its own
-        masks (the serving engine's paged view)."""
+        masks (the serving engine's paged view); `rope`: the angles of each kind of layer."""
         B, T, _ = x.shape
         hook, at = self.hooks, self.at
         q, k, v = self.qkv(x).split(self.split, dim=-1)
@@ -77,9 +81,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = hook(at["q_norm"], self.q_norm(q)), hook(at["k_norm"], self.k_norm(k))
         if rope is not None:
-            q = self.rotary(q, *rope)
+            cos, sin = rope[self.rope_kind]
+            q = self.rotary(q, cos, sin)
             if cache is None or not cache.rotates_keys:  # else rotated at their cache positions
-                k = self.rotary(k, *rope)
+                k = self.rotary(k, cos, sin)
         q, k, v = hook(at["q"], q), hook(at["k"], k), hook(at["v"], v)
         if cache is None:
             context = self.context(q, k, v, mask)  # (B, H, T, d_head)

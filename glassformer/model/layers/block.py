@@ -3,7 +3,7 @@
     pre  (GPT-2, Llama, T5):  x = x + Attn(Norm1(x));   x = x + FFN(Norm2(x))
     post (GPT-1, Vaswani):    x = Norm1(x + Attn(x));   x = Norm2(x + FFN(x))
     out  (OLMo 2):            x = x + AttnOutNorm(Attn(x));   x = x + MlpOutNorm(FFN(x))
-    sandwich (Gemma 2):       x = x + AttnOutNorm(Attn(Norm1(x)));
+    sandwich (Gemma 2/3):       x = x + AttnOutNorm(Attn(Norm1(x)));
                               x = x + MlpOutNorm(FFN(Norm2(x)))
 
 A parallel block (`parallel_block`, GPT-NeoX's use_parallel_residual) reads both sublayers from
@@ -28,6 +28,7 @@ from .cross_attention import CrossAttention
 from .feedforward import FeedForward
 from .masking import AttentionMask
 from .norm import make_norm
+from .positions import RopeAngles
 
 # What a cross-attention sublayer reads: the encoder's keys and values (B, KV, S, d_head) for
 # this block, and the mask over the encoder's positions.
@@ -58,7 +59,7 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         mask: AttentionMask | None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope: RopeAngles | None = None,
         cache: AttentionCache | None = None,
         cross: CrossInputs | None = None,
     ) -> torch.Tensor:

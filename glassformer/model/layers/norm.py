@@ -46,10 +46,12 @@ class RMSNorm(nn.Module):
 
 class QKNorm(RMSNorm):
     """RMSNorm of queries or keys (B, heads, T, d_head): over each head's d_head (Qwen3), or
-    over all heads side by side, heads · d_head wide (OLMo 2: `over_heads`)."""
+    over all heads side by side, heads · d_head wide (OLMo 2: `over_heads`); `offset` as
+    RMSNorm's (Gemma 3: 1)."""
 
-    def __init__(self, n_heads: int, d_head: int, eps: float, over_heads: bool) -> None:
-        super().__init__(n_heads * d_head if over_heads else d_head, eps)
+    def __init__(self, n_heads: int, d_head: int, eps: float, over_heads: bool,
+                 offset: float = 0.0) -> None:
+        super().__init__(n_heads * d_head if over_heads else d_head, eps, offset)
         self.over_heads = over_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

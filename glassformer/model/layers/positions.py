@@ -19,9 +19,10 @@ from torch import nn
 from ..config import ModelConfig
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> tuple[torch.Tensor, float]:
     """θ_i for i < d/2 (d: the rotated dimensions, d_head unless partial), and the attention
-    factor that scales cos and sin (1 except YaRN).
+    factor that scales cos and sin (1 except YaRN). `local`: the sliding layers' own angles
+    where rope_local_theta sets their base (Gemma 3), which no scaling stretches.
 
     - linear (position interpolation, Chen et al. 2023): θ_i / s, i.e. positions m/s.
     - ntk (NTK-aware scaling, bloc97 2023): base' = base · s^(d/(d-2)), low frequencies stretch
@@ -37,6 +38,8 @@ def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """
     d, base, s = config.rotated_dim, config.rope_theta, config.rope_factor
     exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (d/2,)
+    if local:
+        return 1.0 / (config.rope_local_theta**exponents), 1.0  # (d/2,)
     if config.rope_scaling == "ntk":
         base = base * s ** (d / (d - 2))
     inv_freq = 1.0 / (base**exponents)  # (d/2,)
@@ -77,6 +80,11 @@ def rope_cos_sin(
     angles = positions.float()[..., None] * inv_freq.to(positions.device)  # (B, T, d/2)
     angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, d)
     return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+# RoPE's cos and sin per kind of layer, each (B, 1, T, d): [0] every layer's, [1] the sliding
+# layers' where rope_local_theta gives them their own base (an Attention picks its kind).
+RopeAngles = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
