@@ -49,7 +49,7 @@ class Asks:
     attention: str = "fast"  # the engine's attention ("reference": the module path's)
     params: RequestParams | None = None  # the request's settings (capture, steering, adapter)
     adapter_fused: bool = True  # its adapter, if it names one, is built for the fused step
-    long_prompt: bool = False  # prompt rows of a prompt over FUSED_PROMPT_TOKENS
+    prompt: int = 0  # the length of the prompt whose rows these are (0: generated tokens)
 
 
 def choose_path(model: Transformer, asks: Asks) -> Path:
@@ -92,7 +92,7 @@ def module_reason(asks: Asks) -> str | None:
         return f"it captures {unseen[0]}, a site the fused step does not emit"
     if params.adapter is not None and not asks.adapter_fused:
         return f"its adapter {params.adapter!r} is not built for the fused step"
-    if asks.long_prompt:
+    if asks.prompt > FUSED_PROMPT_TOKENS:
         return f"a prompt over {FUSED_PROMPT_TOKENS} tokens (one attention product per chunk)"
     return None
 

@@ -25,7 +25,7 @@ import torch
 
 from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import can_build
-from ..generation.paths import FUSED, FUSED_PROMPT_TOKENS, MODULES, Asks, Path, choose_path, module_reason
+from ..generation.paths import FUSED, MODULES, Asks, Path, choose_path, module_reason
 from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
@@ -109,15 +109,16 @@ class ModelRunner:
         return Asks(kv_dtype=self.pool.kv_dtype, moves_keys=self.sink is not None, paged=True,
                     attention=self.attention, params=params,
                     adapter_fused=params.adapter is None or self.adapters[params.adapter].fused is not None,
-                    # a longer prompt's last token, cut off by the budget, is a query group's
-                    long_prompt=seq.prompt_len > FUSED_PROMPT_TOKENS and seq.num_computed < seq.prompt_len)
+                    # a prompt's last token, cut off by the budget, is its query group's as alone
+                    prompt=seq.prompt_len if seq.num_computed < seq.prompt_len else 0)
 
     def route(self, seq: Sequence) -> Path:
         """The path seq's rows take in this step, and why."""
         return choose_path(self.model, self._asks(seq))
 
+    @torch.inference_mode()
     def batch(self, plan: StepPlan) -> StepBatch:
-        """The plan as one batch, each request's path chosen."""
+        """The plan as one batch, each request's path chosen (for a step without grad)."""
         return step_batch(plan, self.route, self.pool.block_size, self.sink, self.device)
 
     @torch.inference_mode()
