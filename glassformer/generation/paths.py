@@ -82,6 +82,8 @@ def module_reason(asks: Asks) -> str | None:
         return "several sequences or padded rows over a dense cache (the fused step takes one)"
     if asks.attention != "fast":
         return f"{asks.attention} attention asked"
+    if asks.prompt > FUSED_PROMPT_TOKENS:
+        return f"a prompt over {FUSED_PROMPT_TOKENS} tokens (one attention product per chunk)"
     params = asks.params
     if params is None:
         return None
@@ -92,8 +94,6 @@ def module_reason(asks: Asks) -> str | None:
         return f"it captures {unseen[0]}, a site the fused step does not emit"
     if params.adapter is not None and not asks.adapter_fused:
         return f"its adapter {params.adapter!r} is not built for the fused step"
-    if asks.prompt > FUSED_PROMPT_TOKENS:
-        return f"a prompt over {FUSED_PROMPT_TOKENS} tokens (one attention product per chunk)"
     return None
 
 
