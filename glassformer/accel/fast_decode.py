@@ -20,7 +20,7 @@ import torch
 from ..errors import InputError
 from ..model.kv_cache import KVCache
 from ..model.layers.positions import rope_cos_sin
-from ..model.transformer import Transformer, head_logits
+from ..model.transformer import Transformer, read_out
 from . import kernels
 from .capabilities import CapabilityTable, any_value, only
 from .quantized_linear import QuantizedLinear
@@ -178,9 +178,7 @@ class FastDecoder:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (R, V) from the residual streams h (R, d) after the last layer: the final
         norm and the model's head math, without its hook sites (no hooks here)."""
-        if self.final_norm is not None:
-            h = self.final_norm(h)
-        return head_logits(self.config, self.head_transform, self.lm_head, h)  # (R, V)
+        return read_out(self.config, self.final_norm, self.head_transform, self.lm_head, h)  # (R, V)
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              cos: torch.Tensor | None, sin: torch.Tensor | None,

@@ -133,6 +133,20 @@ class RequestParams:
             if getattr(self, name) not in ((), None) and self.beams > 1:
                 raise InputError(name, "not with beams (each beam computes other rows)")
 
+    @property
+    def changes_model(self) -> bool:
+        """Whether the engine computes something else for this request: a steer with α ≠ 0 (one
+        with α = 0 is left out entirely) or an ablated head."""
+        return bool(self.ablate) or any(s.alpha != 0 for s in self.steer)
+
+    @property
+    def inspects(self) -> frozenset[str]:
+        """What the request looks at or changes inside the engine's step ("capture", "lens",
+        "steer", "ablate"): its rows then need the step's hook sites."""
+        asked = {"capture": bool(self.capture), "lens": self.lens is not None,
+                 "steer": any(s.alpha != 0 for s in self.steer), "ablate": bool(self.ablate)}
+        return frozenset(kind for kind, wanted in asked.items() if wanted)
+
     @classmethod
     def from_fields(cls, **fields: Any) -> RequestParams:
         """From flat settings (a JSON line, keyword arguments): this type's fields and

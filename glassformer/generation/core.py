@@ -28,6 +28,7 @@ from ..model.transformer import Transformer
 from .batching import left_pad, select_rows
 from .compiled import CompiledStep, compiled_room
 from .config import GenerationConfig, GenerationResult, Piece, StopReason
+from .paths import FUSED, Asks, choose_path
 from .sampling import SamplingConfig, greedy, process_logits, sample_rows, token_counts
 from .stopping import Decoder, TextStream
 
@@ -60,13 +61,12 @@ def decode_one_token(
     """Feed one token per row (B,) at `positions` (B,) against the cache: logits (B, V).
 
     One sequence on a model converted by `glassformer.quantize` takes the fused C++ step
-    (`glassformer.fast_decode`), which computes the same thing without Python per layer; it
-    reads float32 keys and values, so a cache in another format keeps the module path."""
-    if (token.shape[0] == 1 and positions is None and not cache.padded and not cache.rotates_keys
-            and cache.kv_dtype in (None, "fp32")):
-        fused = model.fused_step()
-        if fused is not None:
-            return fused(token, cache)
+    (`glassformer.fast_decode`), which computes the same thing without Python per layer, where
+    paths.py's `choose_path` sends it (float32 keys and values at their text positions)."""
+    asks = Asks(kv_dtype=cache.kv_dtype, moves_keys=cache.rotates_keys, sequences=token.shape[0],
+                own_positions=positions is not None or cache.padded)
+    if choose_path(model, asks).name == FUSED:
+        return model.fused_step()(token, cache)
     h = model.forward_hidden(token[:, None], cache, None if positions is None else positions[:, None])
     return model.head(h[:, -1])  # (B, V)
 

@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..formats.files import read_json_object, write_atomic
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import EncoderDecoder
-from ..model.transformer import Transformer
+from ..model.transformer import Transformer, final_hidden
 from .trace import run_with_cache
 
 WEIGHTS, ABOUT = "tuned_lens.safetensors", "tuned_lens.json"
@@ -66,8 +66,7 @@ def lens_sites(config: ModelConfig, layers: tuple[int, ...] | None = None) -> li
 def read_out(model: Transformer | EncoderDecoder, resid: torch.Tensor) -> torch.Tensor:
     """Logits (…, vocab) of a residual stream (…, d) through the model's final norm and head."""
     stack = model.decoder if isinstance(model, EncoderDecoder) else model
-    h = stack.final_norm(resid) if stack.final_norm is not None else resid
-    return model.head(h)
+    return model.head(final_hidden(stack.final_norm, resid))
 
 
 class TunedLens(nn.Module):

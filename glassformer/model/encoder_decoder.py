@@ -203,8 +203,10 @@ class DecoderView(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.head(h)
 
+    has_fused_step = False  # no fused decode step for encoder-decoders: the module path decodes
+
     def fused_step(self) -> None:
-        return None  # no fused decode step for encoder-decoders: the module path decodes
+        return None
 
 
 def build_model(config: ModelConfig) -> Transformer | EncoderDecoder:

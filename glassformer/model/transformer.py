@@ -192,9 +192,7 @@ class Transformer(nn.Module):
         x = self.dropout(self.embed(ids, positions, token_types))  # (B, T, d)
         for block in self.blocks:
             x = block(x, mask, rope, cache)
-        if self.final_norm is not None:
-            x = self.hooks(OUTPUT["final_norm"], self.final_norm(x))
-        return x
+        return final_hidden(self.final_norm, x, self.hooks)
 
     def rope_angles(self, positions: torch.Tensor) -> RopeAngles:
         """RoPE's cos and sin at positions (B, T) for each kind of layer, (B, 1, T, rotated)
@@ -236,8 +234,13 @@ class Transformer(nn.Module):
         return self.relative_bias(q_pos[rows], k_pos[rows])
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits (…, vocab) from hidden states (…, d)."""
+        """Logits (…, vocab) from final hidden states (…, d), after the final norm."""
         return head_logits(self.config, self.head_transform, self.lm_head, h, self.hooks)
+
+    def read_out(self, resid: torch.Tensor) -> torch.Tensor:
+        """Logits (…, vocab) of residual streams (…, d) after the last block (or any block:
+        the logit lens): the final norm, then the head, hooked."""
+        return read_out(self.config, self.final_norm, self.head_transform, self.lm_head, resid, self.hooks)
 
     def pool(self, h: torch.Tensor) -> torch.Tensor:
         """The pooled vector (B, d) of each sequence's final hidden states h (B, T, d)."""
@@ -248,6 +251,22 @@ class Transformer(nn.Module):
 
 def _unhooked(site: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def final_hidden(final_norm: nn.Module | None, resid: torch.Tensor,
+                 hooks: Callable[[str, torch.Tensor], torch.Tensor] = _unhooked) -> torch.Tensor:
+    """The final hidden states (…, d) of residual streams (…, d): the final norm where the
+    model has one (its site `final_norm`), else the streams themselves."""
+    return resid if final_norm is None else hooks(OUTPUT["final_norm"], final_norm(resid))
+
+
+def read_out(config: ModelConfig, final_norm: nn.Module | None, head_transform: nn.Module | None,
+             lm_head: nn.Module, resid: torch.Tensor,
+             hooks: Callable[[str, torch.Tensor], torch.Tensor] = _unhooked) -> torch.Tensor:
+    """The one read-out, logits (…, vocab) of residual streams (…, d): the final norm, then
+    the head's math. The model's own (`Transformer.read_out`), the fused decode step's and the
+    serving engine's logits and lens all come from it."""
+    return head_logits(config, head_transform, lm_head, final_hidden(final_norm, resid, hooks), hooks)
 
 
 def head_logits(config: ModelConfig, head_transform: nn.Module | None, lm_head: nn.Module,

@@ -1,7 +1,7 @@
 """Hook sites kept for chosen requests, inside the engine's batched step.
 
 A request names sites (`RequestParams.capture`). The step runs the model's own blocks over
-every request's new rows as one sequence (runner.py), so each site's tensor holds all of them
+every request's new rows as one sequence (step.py), so each site's tensor holds all of them
 along its token axis; the hooks installed for the step keep, for each capturing request, its
 own rows, by position. Requests that asked for nothing are computed exactly as without the
 hooks (a hook that returns None changes nothing), and a step where no request asks installs
@@ -10,17 +10,17 @@ dimensions); the attention weights, the final norm and the logits are not.
 
 The lens (`RequestParams.lens`, top-k, over `lens_layers` or every residual: interpret/lens.py's
 lens_sites) keeps the lens requests' residual rows for the length of one step, one copy per site,
-and reads them out after the blocks in one call of the final norm and head over every request's
-rows of every site it asked (the head's weights read once per tile of rows, not once per request
-and site): each layer's top-k tokens and probabilities per position, computed from the
-residuals the step produced for that request. The last residual's read-out is the model's
-output, so a request reading it at its last row hands the runner its next-token logits.
+and reads them out after the blocks together with every other row the step reads (read_out.py:
+the head's weights read once per tile of rows, not once per request and site): each layer's
+top-k tokens and probabilities per position, computed from the residuals the step produced for
+that request. The last residual's read-out is the model's output: a request reading it at its
+last row takes its next-token logits from that same row.
 
 A request that asks only for residual sites (embed.out, blocks.{i}.resid_pre,
 blocks.{i}.resid_post), what each block writes into the stream (blocks.{i}.attn.out,
 blocks.{i}.mlp.out) and the lens, whose inputs are residuals, runs on the fused decode step,
-which copies those out (`fused_source`); the runner hands each asked site's rows of those copies
-to the same hooks (capture_hooks, LensRows.hooks) as the module path's blocks would.
+which copies those out (generation/paths.py `fused_source`); that executor hands each asked
+site's rows of those copies to the same hooks (`Inspection`) as the module path's blocks call.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ..interpret.lens import lens_sites, read_out, top_of
+from ..interpret.lens import lens_sites, top_of
 from ..interpret.trace import site_dims, site_names
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
 from ..model.sites import EMBED_SITES, LAYER_SITES, layer_site
-from ..model.transformer import Transformer
 from .sequence import Sequence
 
 
@@ -43,24 +42,6 @@ def token_axis(site: str) -> int | None:
     layer = layer_site(site)
     dims = EMBED_SITES.get(site) if layer is None else LAYER_SITES[layer[1]]
     return dims.index("pos") if dims is not None and "pos" in dims else None
-
-
-def fused_source(site: str) -> tuple[str, int] | None:
-    """Where the fused decode step's emitted rows hold a site (FastDecoder.rows): in its
-    residuals, 0 the embedding's output (= blocks.0.resid_pre) and i + 1 the stream after block
-    i (blocks.{i}.resid_post = blocks.{i+1}.resid_pre); in its writes, 2 i block i's attn.out
-    and 2 i + 1 its mlp.out. None for a site it does not emit."""
-    if site == "embed.out":
-        return "residuals", 0
-    found = layer_site(site)
-    if found is None:
-        return None
-    layer, name = found
-    if name in ("resid_pre", "resid_post"):
-        return "residuals", layer + (name == "resid_post")
-    if name in ("attn.out", "mlp.out"):
-        return "writes", 2 * layer + (name == "mlp.out")
-    return None
 
 
 def check_capture(config: ModelConfig, sites: tuple[str, ...]) -> None:
@@ -118,23 +99,20 @@ def new_rows(seq: Sequence) -> dict[str, torch.Tensor] | None:
 def _stacked(site: str, rows: dict[int, torch.Tensor], positions) -> torch.Tensor:
     """The rows at `positions` on the site's token axis, with a batch of 1."""
     return torch.stack([rows[p] for p in positions], dim=token_axis(site) - 1)[None]
-# Lens rows read out per call: one pass over the head's weights (the kernels' panel of rows),
-# and a few MB of logits at a time whatever the number of rows (a long prompt's prefill).
-LENS_ROWS = 64
-
-
 class LensRows:
     """The residual rows of the step's requests that read the lens, kept while the blocks run
-    (`hooks`: one copy per site of every lens request's rows), then read out together through
-    the final norm and head in one call over every request and site (`read`)."""
+    (`hooks`: one copy per site of every lens request's rows), then read out with every other
+    row of the step (read_out.py: `rows`, `take`, `store`)."""
 
     def __init__(self, config: ModelConfig, parts: list[tuple[Sequence, int, int, int]]) -> None:
         self.parts = [part for part in parts if part[0].params.lens is not None]
         self.sites = [lens_sites(config, seq.params.lens_layers) for seq, *_ in self.parts]
         self.last = lens_sites(config)[-1]  # the residual the final norm and head read
+        self.vocab_size = config.vocab_size
         rows = [torch.arange(start, start + n) for _, start, n, _ in self.parts]
         self.index = torch.cat(rows) if rows else None  # (M,) the lens requests' rows in the step
         self.kept: dict[str, torch.Tensor] = {}  # site -> (M, d)
+        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request: ids, probabilities
 
     def hooks(self) -> dict[str, HookFn]:
         if not self.parts:
@@ -145,45 +123,50 @@ class LensRows:
 
         return dict.fromkeys(set().union(*self.sites), keep)
 
-    def read(self, model: Transformer) -> dict[int, torch.Tensor]:
-        """Each lens request's top-k per site of its layers for this step's positions, kept on
-        the request. `model` computes each row on its own (the runner's row-invariant view), so
-        a request reads the same numbers whoever else reads the lens in its step, and however
-        its rows fall into the calls of LENS_ROWS. Returns, by id(request), the next-token
-        logits (V,) of each request that reaches its end in this step and reads the last
-        residual: that row's read-out is the model's output, which the runner then takes as is."""
+    def rows(self) -> torch.Tensor | None:
+        """Every lens request's kept rows, request by request, site by site: (R, d), R = Σ
+        sites × rows; None when no request reads the lens."""
         if not self.parts:
-            return {}
-        chunks, offset, tops = [], 0, []
-        finals: dict[int, int] = {}  # row of `rows` -> id(request) whose output it is
+            return None
+        chunks, offset = [], 0
         for (seq, _, n, _), sites in zip(self.parts, self.sites, strict=True):
-            if self.last in sites and seq.num_computed + n == seq.num_tokens:
-                first = sum(chunk.shape[0] for chunk in chunks)  # the request's first row
-                finals[first + sites.index(self.last) * n + n - 1] = id(seq)
             chunks += [self.kept[site][offset : offset + n] for site in sites]  # (n, d) each
             offset += n
-            k = min(seq.params.lens, model.config.vocab_size)
-            tops.append((torch.empty(len(sites) * n, k, dtype=torch.long),
-                         torch.empty(len(sites) * n, k)))  # (sites × n, k): ids, probabilities
-        rows = torch.cat(chunks)  # (R, d): R = Σ sites × rows
-        outputs = {}  # id(request) -> its next-token logits (V,)
-        for c0 in range(0, rows.shape[0], LENS_ROWS):
-            logits = read_out(model, rows[c0 : c0 + LENS_ROWS])  # (≤ LENS_ROWS, V)
-            outputs |= {key: logits[row - c0].clone() for row, key in finals.items()
-                        if c0 <= row < c0 + logits.shape[0]}
-            first = 0
-            for ids, probs in tops:  # each request's rows in this call
-                lo, hi = max(first, c0), min(first + ids.shape[0], c0 + logits.shape[0])
-                if lo < hi:
-                    ids[lo - first : hi - first], probs[lo - first : hi - first] = top_of(
-                        logits[lo - c0 : hi - c0], ids.shape[1])
-                first += ids.shape[0]
-        for (seq, _, n, position), sites, (ids, probs) in zip(self.parts, self.sites, tops, strict=True):
-            ids, probs = ids.view(len(sites), n, -1), probs.view(len(sites), n, -1)  # (sites, n, k)
-            for i in range(n):  # by position: a request recomputed after preemption overwrites
-                seq.lens[position + i] = (ids[:, i], probs[:, i])  # (sites, k) each
+            k = min(seq.params.lens, self.vocab_size)
+            self.tops.append((torch.empty(len(sites) * n, k, dtype=torch.long),
+                              torch.empty(len(sites) * n, k)))  # (sites × n, k): ids, probabilities
         self.kept.clear()
-        return outputs
+        return torch.cat(chunks)
+
+    def output_row(self, seq: Sequence) -> int | None:
+        """The row of `rows` that holds seq's output: its last residual at its last position,
+        where it reads that one and reaches its end in this step; else None."""
+        first = 0
+        for (other, _, n, _), sites in zip(self.parts, self.sites, strict=True):
+            if other is seq:
+                ends = seq.num_computed + n == seq.num_tokens
+                return first + sites.index(self.last) * n + n - 1 if ends and self.last in sites else None
+            first += len(sites) * n
+        return None
+
+    def take(self, logits: torch.Tensor, start: int) -> None:
+        """The top-k of the read-out of rows start .. start + len(logits) - 1 of `rows`."""
+        first = 0
+        for ids, probs in self.tops:  # each request's rows in this call
+            lo, hi = max(first, start), min(first + ids.shape[0], start + logits.shape[0])
+            if lo < hi:
+                ids[lo - first : hi - first], probs[lo - first : hi - first] = top_of(
+                    logits[lo - start : hi - start], ids.shape[1])
+            first += ids.shape[0]
+
+    def store(self) -> None:
+        """Each request's top-k per site of its layers, kept on it by position (a request
+        recomputed after preemption overwrites its own)."""
+        for (seq, _, n, position), sites, (ids, probs) in zip(self.parts, self.sites, self.tops, strict=True):
+            ids, probs = ids.view(len(sites), n, -1), probs.view(len(sites), n, -1)  # (sites, n, k)
+            for i in range(n):
+                seq.lens[position + i] = (ids[:, i], probs[:, i])  # (sites, k) each
+        self.tops.clear()
 
 
 def lens_of(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:

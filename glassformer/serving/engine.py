@@ -1,7 +1,8 @@
 """The engine: requests submitted at any time, run together step after step.
 
     step:  plan = scheduler.schedule()       who runs, how many tokens each (scheduler.py)
-           logits = runner.run(plan)          one forward over the flat batch (runner.py)
+           batch = runner.batch(plan)         the step as a value: rows, slots, paths (step.py)
+           logits = runner.run(batch)         each path's executor, one read-out (runner.py)
            for each request that caught up:   pick its next token with its own generator,
                stream it, stop it or go on
 
@@ -304,7 +305,8 @@ class Engine:
             self._wakeups.send()
             return None
         start = time.perf_counter()
-        logits = self.runner.run(plan)  # (R, V)
+        batch = self.runner.batch(plan)
+        logits = self.runner.run(batch)  # (R, V)
         ready = self.scheduler.advance(plan)
         broken = _non_finite_rows(logits)
         plain = [i for i, seq in enumerate(ready) if seq.group is None]
@@ -343,7 +345,8 @@ class Engine:
                 self._fail(group, error)
         self._wakeups.send()  # one wake-up per event loop for the step's events
         trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
-                          [(seq.id, n) for seq, n in plan.scheduled], [s.id for s in plan.preempted])
+                          [(r.seq.id, r.n) for r in batch.requests], [s.id for s in plan.preempted],
+                          [(r.path.name, r.path.reason) for r in batch.requests])
         self.trace.append(trace)
         self.stats.record(plan, len(ready), self.scheduler, self.blocks)
         return trace

@@ -2,12 +2,12 @@
 
 A request adds α × a vector at sites (`RequestParams.steer`) or zeroes heads
 (`RequestParams.ablate`, interpret/steer.py names them). The step runs every request's new
-rows as one sequence (runner.py); the hooks installed for the step copy a site's tensor and
+rows as one sequence (step.py); the hooks installed for the step copy a site's tensor and
 change, in the copy, that request's own rows only, so every other row keeps its exact bits.
-A request that changes something runs on the module path (never the fused decode step, whose
-single C++ call has no sites) and stays out of the prefix cache both ways: its keys and values
-are its own. A steer with α = 0 is left out entirely (no hook, no change of path), so it is
-bit-identical to no steer at all.
+A request that changes something (`RequestParams.changes_model`) runs on the module path
+(never the fused decode step, whose single C++ call has no sites: generation/paths.py) and stays
+out of the prefix cache both ways: its keys and values are its own. A steer with α = 0 is left
+out entirely (no hook, no change of path), so it is bit-identical to no steer at all.
 """
 
 from __future__ import annotations
@@ -23,17 +23,6 @@ from .capture import token_axis
 from .sequence import Sequence
 
 Part = tuple[Sequence, int, int, int]  # (request, first row, rows, first position)
-
-
-def changes(params: RequestParams) -> bool:
-    """Whether the request changes what the model computes for it."""
-    return bool(params.ablate) or any(s.alpha != 0 for s in params.steer)
-
-
-def uses_hooks(params: RequestParams) -> bool:
-    """Whether the request needs the step's hook sites: it captures, reads the lens, steers or
-    ablates (the module path, but for the sites the fused step emits: capture.fused_source)."""
-    return bool(params.capture) or params.lens is not None or changes(params)
 
 
 def check_edits(config: ModelConfig, params: RequestParams) -> None:

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from ..errors import InputError
 from ..model.sink import SinkPolicy
 from .block_manager import BlockManager
-from .interventions import changes, uses_hooks
 from .sequence import Sequence, Status
 
 
@@ -154,7 +153,7 @@ class Scheduler:
         engine (plan.refused)."""
         unit = _unit(self.waiting[0])
         for seq in unit:
-            if not seq.block_table and not uses_hooks(seq.params):  # a hook sees every row
+            if not seq.block_table and not seq.params.inspects:  # a hook sees every row
                 self.blocks.match_prefix(seq)
         chunks = []
         for seq in unit:
@@ -205,7 +204,7 @@ class Scheduler:
         ready = []
         for seq, n in plan.scheduled:
             seq.num_computed += n
-            if not changes(seq.params):  # steered or ablated keys are that request's own
+            if not seq.params.changes_model:  # steered or ablated keys are that request's own
                 self.blocks.register(seq)
             if seq.num_computed == seq.num_tokens:
                 ready.append(seq)

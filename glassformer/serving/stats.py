@@ -1,5 +1,6 @@
 """What the engine is doing, for people and for the server's live page: counters and a trace
-with one entry per step (which requests ran, how many tokens each)."""
+with one entry per step (which requests ran, how many tokens each, and the path their rows
+took with the reason: generation/paths.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class StepTrace:
     seconds: float  # the forward and the token picks
     requests: list[tuple[str, int]]  # (request id, tokens computed in this step)
     preempted: list[str] = field(default_factory=list)
+    paths: list[tuple[str, str]] = field(default_factory=list)  # per request: (path, reason)
 
     @property
     def n_tokens(self) -> int:

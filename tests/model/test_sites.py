@@ -26,7 +26,7 @@ from glassformer.model.sites import (
     layer_site,
     names,
 )
-from glassformer.serving.capture import fused_source
+from glassformer.generation.paths import fused_source
 
 # Every family's tiny config and the presets whose pieces no family has (post-norm, ALiBi, ...)
 CONFIGS = {**{f.name: f.read(f.example) for f in FAMILIES},

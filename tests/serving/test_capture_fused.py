@@ -97,16 +97,17 @@ def test_emitting_rows_changes_no_row(tiny, kernels, mode):
 @pytest.mark.parametrize("mode", [None, "int4"])
 def test_a_lens_that_reads_the_last_residual_gives_the_step_s_own_logits(tiny, prompts, request, mode,
                                                                          monkeypatch):
-    """The last residual's read-out is the model's output: the runner takes it from the lens
-    (module path and fused step), and every token and log-probability stays bitwise as without
+    """The last residual's read-out is the model's output: the step's one read-out takes it from
+    the lens's row (module path and fused step), and every token and log-probability stays bitwise as without
     the lens."""
     if mode is not None:
         request.getfixturevalue("kernels")
     model = tiny() if mode is None else quantize_model(tiny(), mode)
     last = model.config.n_layers
     taken = []
-    read = LensRows.read
-    monkeypatch.setattr(LensRows, "read", lambda self, m: taken.append(len(out := read(self, m))) or out)
+    output_row = LensRows.output_row
+    monkeypatch.setattr(LensRows, "output_row",
+                        lambda self, seq: taken.append((row := output_row(self, seq)) is not None) or row)
 
     def events(lens):
         engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8, max_batch=4))

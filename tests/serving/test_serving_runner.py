@@ -6,8 +6,10 @@ import torch
 
 from glassformer.accel.fast_decode import FastDecoder
 from glassformer.accel.quantize import quantize_model
-from glassformer.serving import Engine, EngineConfig, RequestParams, runner
-from glassformer.serving.runner import ModelRunner
+from glassformer.generation import paths
+from glassformer.generation.paths import MODULES, Path
+from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving.executors import ModulePath
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -15,8 +17,8 @@ pytestmark = pytest.mark.usefixtures("kernels")
 def _events(model, todo, config, fused):
     """Every request's (token, logprob, top logprobs) per step, arrivals staggered."""
     engine = Engine(model, None, config)
-    if not fused:
-        engine.runner._fused = lambda: None
+    if not fused:  # every row on the module path
+        engine.runner.route = lambda seq: Path(MODULES, "the oracle")
     handles, step = [], 0
     while len(handles) < len(todo) or engine.has_work():
         if step < len(todo):
@@ -96,7 +98,7 @@ def test_prompt_chunks_take_the_fused_step_and_each_token_is_the_same_however_cu
     original = FastDecoder.rows
     monkeypatch.setattr(FastDecoder, "rows", lambda self, x, positions, *a: calls.append(positions.tolist())
                         or original(self, x, positions, *a))
-    monkeypatch.setattr(ModelRunner, "_run_blocks", lambda *a: pytest.fail("a row took the module path"))
+    monkeypatch.setattr(ModulePath, "execute", lambda *a: pytest.fail("a row took the module path"))
     params = RequestParams(max_new_tokens=8, eos_ids=(), logprobs=3)
     watched, *others = prompts([30, 9, 17, 5])
 
@@ -122,12 +124,12 @@ def test_a_longer_prompt_keeps_the_module_path_and_its_new_tokens_the_fused_step
     """Past FUSED_PROMPT_TOKENS a prompt's rows take the module path (its attention a product
     over the chunk), its generated tokens the fused step; a shorter prompt's rows the fused
     step. Each request's numbers are still the same alone and cut into chunks beside others."""
-    monkeypatch.setattr(runner, "FUSED_PROMPT_TOKENS", 16)
+    monkeypatch.setattr(paths, "FUSED_PROMPT_TOKENS", 16)
     model = quantize_model(tiny(), "int4")
     blocks, fused = [], []
-    run_blocks, rows = ModelRunner._run_blocks, FastDecoder.rows
-    monkeypatch.setattr(ModelRunner, "_run_blocks", lambda self, scheduled, outputs: blocks.append(
-        [(len(seq.tokens), n) for seq, n in scheduled]) or run_blocks(self, scheduled, outputs))
+    execute, rows = ModulePath.execute, FastDecoder.rows
+    monkeypatch.setattr(ModulePath, "execute", lambda self, batch: blocks.append(
+        [(len(r.seq.tokens), r.n) for r in batch.requests]) or execute(self, batch))
     monkeypatch.setattr(FastDecoder, "rows", lambda self, x, positions, *a: fused.append(positions.tolist())
                         or rows(self, x, positions, *a))
     params = RequestParams(max_new_tokens=6, eos_ids=(), logprobs=0)

@@ -43,8 +43,9 @@ def state(engine: Engine, n_steps: int = 120) -> dict:
                          "generated": generated,
                          "tokens_per_second": generated / decoding if decoding else 0.0})
     steps = [{"step": t.step, "seconds": t.seconds, "ago": now - t.start, "preempted": t.preempted,
-              "rows": [{"id": rid, "tokens": n, "kind": "prefill" if n > 1 else "decode"}
-                       for rid, n in t.requests]}
+              "rows": [{"id": rid, "tokens": n, "kind": "prefill" if n > 1 else "decode",
+                        "path": path, "reason": reason}
+                       for (rid, n), (path, reason) in zip(t.requests, t.paths, strict=True)]}
              for t in list(engine.trace)[-n_steps:]]
     stats = engine.stats
     return {"steps": steps, "blocks": blocks, "requests": requests, "block_size": engine.blocks.block_size,

@@ -1,0 +1,149 @@
+"""The executors of a step: each runs its path's share of a StepBatch (step.py) and returns
+the residual streams after the last block, one row per token, `execute(batch) -> Executed`.
+What a request inspects (capture, lens, steering, ablation) is handed to the same hooks on
+every path (`Inspection`); the read-out (read_out.py) is not an executor's.
+
+ModulePath: the model's own embedding and blocks over the batch's rows as one sequence;
+attention alone looks across rows, per request, over its slots, through the paged view of the
+pool handed to each block as its cache (paged_attention.py). Each weight is read once per
+panel of rows for all requests together; with batch invariance every product computes each
+row on its own (row_tiles.py), so a row's numbers do not depend on what shares its step
+(attention, the model's PyTorch kernel, within float32 rounding: paged_attention.py). The
+hooks the blocks call steer, ablate, capture and keep the lens rows.
+
+FusedPath: a converted model's fused C++ step (accel/fast_decode.py `FastDecoder.rows`): one
+call runs every layer for every row, each at its own position, attending over its own
+request's slots in the pool (a chunk's keys are all written before any of its rows attends,
+each row to its own position). A row's numbers are those of the fused step for that token
+alone, bit for bit, whatever shares the step or however its prompt was cut. A request that
+captures residual sites, attn.out or mlp.out only and/or reads the lens stays here: the step
+copies out its rows' residual stream after the embedding and each layer (and what each
+layer's attention and feed-forward add to it), and those copies are handed to the hooks the
+blocks would call. A LoRA adapter built for the step (ServedAdapter.fused) is added per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ..generation.paths import fused_source
+from ..model.config import ModelConfig
+from ..model.hooks import HookFn
+from ..model.sink import SinkPolicy
+from ..model.transformer import Transformer
+from .adapters import Adapters
+from .capture import LensRows, capture_hooks
+from .interventions import edit_hooks
+from .kv_pool import KVPool
+from .paged_attention import PagedView, Part
+from .step import StepBatch
+
+Rope = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per kind of layer: cos, sin (context, rotated) each
+
+
+@dataclass(frozen=True)
+class Executed:
+    hidden: torch.Tensor  # (N, d) each row's residual stream after the last block
+    lens: LensRows  # the lens requests' kept residual rows, read out with the rest
+
+
+class Inspection:
+    """The hooks of a share's inspecting requests, (request, first row, rows, first position)
+    each: edits first, so a site's capture and lens keep what the next module reads."""
+
+    def __init__(self, config: ModelConfig, parts: list[tuple]) -> None:
+        self.lens = LensRows(config, parts)
+        self.hooks: list[dict[str, HookFn]] = [edit_hooks(config, parts), capture_hooks(parts),
+                                               self.lens.hooks()]
+
+    @classmethod
+    def of(cls, config: ModelConfig, batch: StepBatch, rows_of_inspecting: bool = False) -> Inspection:
+        """For the batch's requests that inspect; their first rows counted over the batch, or
+        over the inspecting requests' rows alone (the fused step's emitted copies)."""
+        parts, first = [], 0
+        for r in batch.requests:
+            if r.inspects:
+                parts.append((r.seq, first if rows_of_inspecting else r.first, r.n, r.seq.num_computed))
+                first += r.n
+        return cls(config, parts)
+
+    def feed(self, emitted: dict[str, torch.Tensor | None]) -> None:
+        """Hand each asked site's rows of the fused step's copies (fused_source's name ->
+        (M, sites, d)) to the hooks, as the blocks would call them."""
+        for hooks in self.hooks[1:]:  # the fused step's requests change nothing
+            for site, keep in hooks.items():
+                source, index = fused_source(site)
+                keep(emitted[source][:, index][None], site)  # (1, M, d): the site's tensor
+
+
+class ModulePath:
+    def __init__(self, layers: Transformer, model: Transformer, pool: KVPool, fast: bool,
+                 sink: SinkPolicy | None, rope: Rope | None, group: int, adapters: Adapters | None) -> None:
+        """`layers`: the model's modules as the engine runs them (a view with row-invariant or
+        adapter-wrapped products); `model`: the model (its masks, for the paged view)."""
+        self.layers, self.model, self.pool, self.fast, self.sink = layers, model, pool, fast, sink
+        self.rope, self.group, self.adapters = rope, group, adapters
+
+    def execute(self, batch: StepBatch) -> Executed:
+        parts = [Part(r.first, r.n, r.slots, r.past_window) for r in batch.requests]
+        rotation = None if self.rope is None else self.rope[0]  # the sink policy's (one kind)
+        view = PagedView(self.pool, parts, self.fast, self.model, self.sink, rotation, self.group)
+        ids, positions = batch.ids[None], batch.positions[None]  # (1, N) each
+        rope = None
+        if self.rope is not None:  # per kind of layer, (1, 1, N, rotated) each
+            rope = tuple((cos[positions][:, None], sin[positions][:, None]) for cos, sin in self.rope)
+        adapted: dict[str, list[int]] = {}  # adapter name -> its rows
+        for r in batch.requests:
+            if r.adapter is not None:
+                adapted.setdefault(r.adapter, []).extend(range(r.first, r.first + r.n))
+        inspection = Inspection.of(self.model.config, batch)
+        with contextlib.ExitStack() as stack:
+            for hooks in inspection.hooks:
+                stack.enter_context(self.layers.hooks.installed(hooks))
+            if adapted:
+                stack.enter_context(self.adapters.rows(adapted, ids.device))
+            x = self.layers.embed(ids, positions)  # (1, N, d)
+            for block in self.layers.blocks:
+                x = block(x, None, rope, view)
+        return Executed(x[0], inspection.lens)
+
+
+class FusedPath:
+    def __init__(self, model: Transformer, pool: KVPool, rope: Rope | None,
+                 adapters: Adapters | None) -> None:
+        self.model, self.pool, self.rope, self.adapters = model, pool, rope, adapters
+
+    def execute(self, batch: StepBatch) -> Executed:
+        fused, requests = self.model.fused_step(), batch.requests
+        counts = torch.tensor([r.n for r in requests])  # (R,)
+        width = max(len(r.slots) for r in requests)
+        slots = torch.zeros(len(requests), width, dtype=torch.long)  # (R, S): slots past a row's own unread
+        for i, r in enumerate(requests):
+            slots[i, : len(r.slots)] = r.slots
+        slots = slots.repeat_interleave(counts, dim=0)  # (B, S): a row's request's
+        x = self.model.embed(batch.ids[None], batch.positions[None])[0]  # (B, d)
+        cos = sin = None
+        if self.rope is not None:  # one kind: the fused step refuses rope_local_theta
+            cos, sin = (table[batch.positions] for table in self.rope[0])  # (B, rotated) each
+        names = list(dict.fromkeys(r.adapter for r in requests if r.adapter is not None))
+        adapter_of = torch.tensor([-1 if r.adapter is None else names.index(r.adapter)
+                                   for r in requests]).repeat_interleave(counts)  # (B,)
+        inspecting = [r for r in requests if r.inspects]  # capture, lens
+        emit = residuals = writes = None
+        if inspecting:
+            emit = torch.cat([torch.arange(r.first, r.first + r.n) for r in inspecting])  # (M,)
+            m, n_layers, d = len(emit), len(self.model.blocks), x.shape[1]
+            residuals = torch.empty(m, n_layers + 1, d)  # (M, L + 1, d)
+            if any(fused_source(site)[0] == "writes" for r in inspecting for site in r.seq.params.capture):
+                writes = torch.empty(m, n_layers, 2, d)  # (M, L, 2, d): attn.out, mlp.out
+        h = fused.rows(x, batch.positions, slots, cos, sin, self.pool.keys, self.pool.values,
+                       adapter_of if names else None, [self.adapters[name].fused for name in names],
+                       emit, residuals, writes)  # (B, d)
+        inspection = Inspection.of(self.model.config, batch, rows_of_inspecting=True)
+        if inspecting:
+            both = None if writes is None else writes.flatten(1, 2)  # (M, 2 L, d)
+            inspection.feed({"residuals": residuals, "writes": both})
+        return Executed(h, inspection.lens)

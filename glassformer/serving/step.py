@@ -1,0 +1,114 @@
+"""One step of the engine as a value: the scheduler's plan as the rows the executors run.
+
+    plan       (scheduler.py)   which requests, how many tokens each, copies, preemptions
+    StepBatch  (here)           flat token ids and positions (N,); per request its rows, the
+                                pool slots its queries see, its adapter, what it inspects, and
+                                the path its rows take with the reason (generation/paths.py)
+    execute    (executors.py)   each path's share of the batch -> its rows' residual streams
+    read-out   (read_out.py)    final norm, head and lens over every path's rows at once
+
+The N new tokens of a step (decode rows and prompt chunks alike) are one flat sequence; a
+request's rows are first .. first + n - 1 of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..generation.paths import Path
+from ..model.sink import SinkPolicy
+from .paged_attention import slots_of
+from .scheduler import StepPlan
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RequestRows:
+    """One request's share of a step."""
+
+    seq: Sequence
+    first: int  # its first row in the batch
+    n: int  # its rows: a prompt's chunk, or one new token
+    slots: torch.Tensor  # (L,) the pool slots its queries see, in position order, its new ones last
+    past_window: bool  # a chunk past the sink policy's window (model/sink_chunk.py)
+    path: Path  # the path its rows take, with the reason
+
+    @property
+    def adapter(self) -> str | None:
+        return self.seq.params.adapter
+
+    @property
+    def inspects(self) -> frozenset[str]:
+        """What it captures, reads or changes at the step's hook sites (RequestParams.inspects)."""
+        return self.seq.params.inspects
+
+    @property
+    def ends(self) -> bool:
+        """Whether its rows reach the end of its tokens: its next token is picked from this step."""
+        return self.seq.num_computed + self.n == self.seq.num_tokens
+
+    @property
+    def last(self) -> int:
+        """Its last row in the batch."""
+        return self.first + self.n - 1
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    ids: torch.Tensor  # (N,) the step's new tokens
+    positions: torch.Tensor  # (N,) their positions: in the text, or in the cache under the sink policy
+    requests: tuple[RequestRows, ...]
+    copies: tuple[tuple[int, int], ...] = ()  # copy-on-write (source block, copy), before the step
+    index: torch.Tensor | None = None  # (N',) rows of the whole step, for a path's share (None: the whole)
+
+    def on(self, path: str) -> StepBatch | None:
+        """The share of the requests whose rows take `path`, rows counted from 0; None if none."""
+        mine = [r for r in self.requests if r.path.name == path]
+        if len(mine) == len(self.requests):
+            return self
+        if not mine:
+            return None
+        index = torch.cat([torch.arange(r.first, r.first + r.n) for r in mine])  # (N',)
+        firsts = [0]
+        for r in mine:
+            firsts.append(firsts[-1] + r.n)
+        requests = tuple(dataclasses.replace(r, first=first) for r, first in zip(mine, firsts, strict=False))
+        rows = index.to(self.ids.device)
+        return StepBatch(self.ids[rows], self.positions[rows], requests, (), index)
+
+
+def step_batch(plan: StepPlan, route: Callable[[Sequence], Path], block_size: int,
+               sink: SinkPolicy | None, device: torch.device) -> StepBatch:
+    """The plan's scheduled tokens as one batch; `route(request)` chooses its rows' path."""
+    ids, positions, requests = [], [], []
+    for seq, n in plan.scheduled:
+        context = seq.num_computed + n
+        # a chunk past the sink policy's window (model/sink_chunk.py): its queries sit at the
+        # cache's last n positions and see the W - 1 latest keys before its own
+        past_window = sink is not None and n > 1 and sink.full(seq.num_computed)
+        slots = _slots(seq, context, past_window, block_size, sink)  # (L,)
+        requests.append(RequestRows(seq, len(ids), n, slots, past_window, route(seq)))
+        ids += seq.tokens[seq.num_computed : context]
+        first = len(slots) - n if sink is None else sink.position(seq.num_computed, n)
+        positions += range(first, first + n)  # text positions, or the cache's
+    return StepBatch(torch.tensor(ids, device=device), torch.tensor(positions, device=device),  # (N,) each
+                     tuple(requests), tuple(plan.copies))
+
+
+def _slots(seq: Sequence, context: int, past_window: bool, block_size: int,
+           sink: SinkPolicy | None) -> torch.Tensor:
+    """The pool slots of what seq's tokens up to `context` attend to, in position order: its
+    first `context` tokens, or under the sink policy the kept ones, or for a chunk past its
+    window the sinks, the W - 1 latest before it and its own (L,)."""
+    if sink is None:
+        return slots_of(seq.block_table, context, block_size)
+    table = torch.tensor(seq.block_table, dtype=torch.long)
+    first = seq.num_computed
+    kept = (sink.chunk_slots(first) + [sink.slot(t) for t in range(first, context)]
+            if past_window else sink.kept_slots(context))
+    kept = torch.tensor(kept, dtype=torch.long)  # (L,)
+    return table[kept // block_size] * block_size + kept % block_size
