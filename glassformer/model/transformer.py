@@ -20,7 +20,13 @@ from .layers.embedding import Embedding
 from .layers.heads import HEAD_TRANSFORMS, Pooler
 from .layers.masking import AttentionMask
 from .layers.norm import make_norm
-from .layers.positions import RelativeBias, alibi_slopes, rope_cos_sin, rope_inverse_frequencies
+from .layers.positions import (
+    RelativeBias,
+    alibi_slopes,
+    rope_cos_sin,
+    rope_frequencies,
+    rope_inverse_frequencies,
+)
 
 # A decode step for one sequence: token (1,) fed against the cache -> next-token logits (1, V).
 DecodeStep = Callable[[torch.Tensor, KVCache], torch.Tensor]
@@ -50,6 +56,10 @@ class Transformer(nn.Module):
         if config.position == "rope":
             inv_freq, self.rope_attention_factor = rope_inverse_frequencies(config)
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # (rotated/2,)
+        # LongRoPE's set for a text past the original context (rotated/2,), None for the others
+        long_inv_freq = (rope_inverse_frequencies(config, long=True)[0]
+                         if config.rope_scaling == "longrope" else None)
+        self.register_buffer("rope_long_inv_freq", long_inv_freq, persistent=False)
         if config.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)
         self.relative_bias = None
@@ -179,7 +189,8 @@ class Transformer(nn.Module):
         rope = None
         if self.config.position == "rope":
             rows = positions[:1] if contiguous else positions  # every row alike: compute once
-            rope = rope_cos_sin(self.rope_inv_freq, rows, self.rope_attention_factor)
+            inv_freq = rope_frequencies(self.config, rows, self.rope_inv_freq, self.rope_long_inv_freq)
+            rope = rope_cos_sin(inv_freq, rows, self.rope_attention_factor)
             rope = tuple(t.to(self.embed.tokens.weight.dtype) for t in rope)
         x = self.dropout(self.embed(ids, positions, token_types))  # (B, T, d)
         for block in self.blocks:

@@ -31,6 +31,7 @@ from ..errors import InputError
 from ..generation.config import GenerationResult, RequestParams
 from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
+from ..model.layers.positions import uses_long_factors
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters
@@ -181,6 +182,10 @@ class Engine:
                     raise InputError("adapter", f"no LoRA adapter named {params.adapter!r} is loaded "
                                      f"(loaded: {', '.join(self.adapters.names()) or 'none'})")
                 seq.prefix_root = self.adapters[params.adapter].key
+            if mc.rope_scaling == "longrope" and uses_long_factors(mc, seq.prompt_len - 1):
+                # a long prompt's keys turn by LongRoPE's long set from the first (runner.py):
+                # its blocks match only other long prompts'
+                seq.prefix_root = (seq.prefix_root, "longrope long factors")
             self._handles[seq.id] = (unit, handle)
             self._inbox.append(seq)
             self._wake.notify_all()

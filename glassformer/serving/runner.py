@@ -45,7 +45,7 @@ import torch
 
 from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import FastDecoder, can_build
-from ..model.layers.positions import rope_cos_sin
+from ..model.layers.positions import rope_cos_sin, uses_long_factors
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters, itself
@@ -83,7 +83,8 @@ CAPABILITIES = CapabilityTable("serving engine", {
         "final_softcap", "attn_scale")},
     **{name: any_value(_ANGLES) for name in (
         "rope_theta", "rope_scaling", "rope_factor", "rope_original_context", "rope_low_freq_factor",
-        "rope_high_freq_factor", "rotary_dim")},
+        "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
+        "rope_attention_factor", "rope_short_factors", "rope_long_factors", "rotary_dim")},
     "position": any_value("RoPE from the table; ALiBi and T5's bias through the model's masks"),
     **{name: any_value("through the model's masks") for name in (
         "sliding_window", "relative_buckets", "relative_max_distance")},
@@ -118,12 +119,30 @@ class ModelRunner:
                 self.layers = model.with_products(wrap)
             adapters.install(self.layers, wrap, self._pool_takes_fused() and can_build(model))
         self.device = model.embed.tokens.weight.device
-        self.rope = None
-        if config.position == "rope":  # computed once: (context, d_head) each
-            positions = torch.arange(config.context_length, device=self.device)[None]
-            cos, sin = rope_cos_sin(model.rope_inv_freq, positions, model.rope_attention_factor)
-            dtype = model.embed.tokens.weight.dtype
-            self.rope = (cos[0, 0].to(dtype), sin[0, 0].to(dtype))
+        self.rope = self.long_rope = None  # computed once: (context, rotated) each
+        if config.position == "rope":
+            self.rope = self._table(model.rope_inv_freq)
+        if model.rope_long_inv_freq is not None:  # LongRoPE's set past the original context
+            self.long_rope = self._table(model.rope_long_inv_freq)
+
+    def _table(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at every position of the context, (context, rotated) each."""
+        positions = torch.arange(self.model.config.context_length, device=self.device)[None]
+        cos, sin = rope_cos_sin(inv_freq, positions, self.model.rope_attention_factor)
+        dtype = self.model.embed.tokens.weight.dtype
+        return cos[0, 0].to(dtype), sin[0, 0].to(dtype)
+
+    def _angles(self, positions: torch.Tensor, reach: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of rows at `positions` (N,), (N, rotated) each. Under LongRoPE a row
+        turns by the long set where its request reaches past the original context: `reach`
+        (N,) is the row's position or, for a prompt's rows, its last, as `generate` (and
+        transformers) prefill a prompt in one pass, so no chunking or batch changes a key."""
+        cos, sin = self.rope[0][positions], self.rope[1][positions]
+        if self.long_rope is None:
+            return cos, sin
+        long = uses_long_factors(self.model.config, reach)[:, None]  # (N, 1)
+        return (torch.where(long, self.long_rope[0][positions], cos),
+                torch.where(long, self.long_rope[1][positions], sin))
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor:
@@ -183,7 +202,7 @@ class ModelRunner:
         """The scheduled tokens through the model's blocks; the last row of each request
         that reaches its end: id(request) -> (d,). `outputs` gets the logits its lens read
         (LensRows.read)."""
-        ids, positions, parts, ends, capturing = [], [], [], {}, []
+        ids, positions, reach, parts, ends, capturing = [], [], [], [], {}, []
         adapted: dict[str, list[int]] = {}  # adapter name -> its rows
         for seq, n in scheduled:
             context = seq.num_computed + n
@@ -199,6 +218,7 @@ class ModelRunner:
             ids += seq.tokens[seq.num_computed : context]
             first = len(slots) - n if self.sink is None else self.sink.position(seq.num_computed, n)
             positions += range(first, first + n)  # text positions, or the cache's
+            reach += [max(p, seq.prompt_len - 1) for p in range(first, first + n)]
             if context == seq.num_tokens:
                 ends[id(seq)] = len(ids) - 1
         ids_t = torch.tensor(ids, device=self.device)[None]  # (1, N)
@@ -206,7 +226,8 @@ class ModelRunner:
         view = PagedView(self.pool, parts, self.fast, self.model, self.sink, self.rope, self.group)
         rope = None
         if self.rope is not None:  # (1, 1, N, rotated) each
-            rope = (self.rope[0][pos_t][:, None], self.rope[1][pos_t][:, None])
+            cos, sin = self._angles(pos_t[0], torch.tensor(reach, device=self.device))
+            rope = (cos[None, None], sin[None, None])
         lens, hooks = LensRows(self.model.config, capturing), self.layers.hooks
         # the edits first: a site's capture and lens keep what the next module reads
         with hooks.installed(edit_hooks(self.model.config, capturing)), \
@@ -258,9 +279,11 @@ class ModelRunner:
         ids = torch.tensor([t for seq, n in scheduled
                             for t in seq.tokens[seq.num_computed : seq.num_computed + n]])  # (B,)
         x = self.model.embed(ids[None], positions[None])[0]  # (B, d)
+        reach = torch.tensor([max(t, seq.prompt_len - 1) for seq, n in scheduled
+                              for t in range(seq.num_computed, seq.num_computed + n)])  # (B,)
         cos = sin = None
         if self.rope is not None:
-            cos, sin = self.rope[0][positions], self.rope[1][positions]  # (B, rotated) each
+            cos, sin = self._angles(positions, reach)  # (B, rotated) each
         names = list(dict.fromkeys(seq.params.adapter for seq in seqs if seq.params.adapter is not None))
         adapter_of = torch.tensor([-1 if seq.params.adapter is None else names.index(seq.params.adapter)
                                    for seq in seqs]).repeat_interleave(counts)  # (B,)
