@@ -45,7 +45,7 @@ import torch
 
 from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import FastDecoder, can_build
-from ..model.layers.positions import rope_cos_sin, uses_long_factors
+from ..model.layers.positions import rope_cos_sin
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters, itself
@@ -132,15 +132,15 @@ class ModelRunner:
         dtype = self.model.embed.tokens.weight.dtype
         return cos[0, 0].to(dtype), sin[0, 0].to(dtype)
 
-    def _angles(self, positions: torch.Tensor, reach: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _angles(self, positions: torch.Tensor, long: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of rows at `positions` (N,), (N, rotated) each. Under LongRoPE a row
-        turns by the long set where its request reaches past the original context: `reach`
-        (N,) is the row's position or, for a prompt's rows, its last, as `generate` (and
-        transformers) prefill a prompt in one pass, so no chunking or batch changes a key."""
+        whose request's text is past the original context (`long`, per row: Sequence.rope_long,
+        set by the engine) turns by the long set: a whole text by one set, as `generate` and
+        transformers turn it, however its prompt is cut into chunks."""
         cos, sin = self.rope[0][positions], self.rope[1][positions]
         if self.long_rope is None:
             return cos, sin
-        long = uses_long_factors(self.model.config, reach)[:, None]  # (N, 1)
+        long = torch.tensor(long, device=self.device)[:, None]  # (N, 1)
         return (torch.where(long, self.long_rope[0][positions], cos),
                 torch.where(long, self.long_rope[1][positions], sin))
 
@@ -202,7 +202,7 @@ class ModelRunner:
         """The scheduled tokens through the model's blocks; the last row of each request
         that reaches its end: id(request) -> (d,). `outputs` gets the logits its lens read
         (LensRows.read)."""
-        ids, positions, reach, parts, ends, capturing = [], [], [], [], {}, []
+        ids, positions, long, parts, ends, capturing = [], [], [], [], {}, []
         adapted: dict[str, list[int]] = {}  # adapter name -> its rows
         for seq, n in scheduled:
             context = seq.num_computed + n
@@ -218,7 +218,7 @@ class ModelRunner:
             ids += seq.tokens[seq.num_computed : context]
             first = len(slots) - n if self.sink is None else self.sink.position(seq.num_computed, n)
             positions += range(first, first + n)  # text positions, or the cache's
-            reach += [max(p, seq.prompt_len - 1) for p in range(first, first + n)]
+            long += [seq.rope_long] * n
             if context == seq.num_tokens:
                 ends[id(seq)] = len(ids) - 1
         ids_t = torch.tensor(ids, device=self.device)[None]  # (1, N)
@@ -226,7 +226,7 @@ class ModelRunner:
         view = PagedView(self.pool, parts, self.fast, self.model, self.sink, self.rope, self.group)
         rope = None
         if self.rope is not None:  # (1, 1, N, rotated) each
-            cos, sin = self._angles(pos_t[0], torch.tensor(reach, device=self.device))
+            cos, sin = self._angles(pos_t[0], long)
             rope = (cos[None, None], sin[None, None])
         lens, hooks = LensRows(self.model.config, capturing), self.layers.hooks
         # the edits first: a site's capture and lens keep what the next module reads
@@ -279,11 +279,9 @@ class ModelRunner:
         ids = torch.tensor([t for seq, n in scheduled
                             for t in seq.tokens[seq.num_computed : seq.num_computed + n]])  # (B,)
         x = self.model.embed(ids[None], positions[None])[0]  # (B, d)
-        reach = torch.tensor([max(t, seq.prompt_len - 1) for seq, n in scheduled
-                              for t in range(seq.num_computed, seq.num_computed + n)])  # (B,)
         cos = sin = None
         if self.rope is not None:
-            cos, sin = self._angles(positions, reach)  # (B, rotated) each
+            cos, sin = self._angles(positions, [seq.rope_long for seq, n in scheduled for _ in range(n)])
         names = list(dict.fromkeys(seq.params.adapter for seq in seqs if seq.params.adapter is not None))
         adapter_of = torch.tensor([-1 if seq.params.adapter is None else names.index(seq.params.adapter)
                                    for seq in seqs]).repeat_interleave(counts)  # (B,)

@@ -97,6 +97,15 @@ def uses_long_factors(config: ModelConfig, highest: torch.Tensor | int) -> torch
     return highest + 1 > config.original_context
 
 
+def switches_to_long(config: ModelConfig, cached: int, length: int) -> bool:
+    """Whether a text of `length` tokens, the first `cached` of them with keys in a cache, is
+    computed again from its first token: under LongRoPE a text's keys are turned by the short
+    set while it fits the original context and all by the long set once it grows past, as
+    transformers' Phi-3 generation does (it drops its cache there)."""
+    return (config.rope_scaling == "longrope" and not uses_long_factors(config, cached - 1)
+            and bool(uses_long_factors(config, length - 1)))
+
+
 def rope_frequencies(config: ModelConfig, positions: torch.Tensor, inv_freq: torch.Tensor,
                      long_inv_freq: torch.Tensor | None) -> torch.Tensor:
     """The θ_i each row of `positions` (B, T) turns by: inv_freq (d/2,) for every row, except
