@@ -235,3 +235,53 @@ def test_the_family_fields_refuse_what_they_cannot_mean(changes, field):
     with pytest.raises(InputError) as error:
         ModelConfig(**(base | changes))
     assert error.value.field == field
+
+
+def test_longrope_switches_its_factors_as_transformers_does(tmp_path):
+    """Phi-3's LongRoPE over an original context of 16: a pass up to 16 tokens turns by the
+    short factors, a longer one by the long ones, forward by forward as transformers decides
+    (the same cache, fed in chunks, holds keys of both sets); generation recomputes a text as
+    it grows past 16, so cached greedy tokens equal uncached ones and transformers' on every
+    path, the engine's chunked prefill included."""
+    from transformers import DynamicCache
+
+    from glassformer.model.kv_cache import KVCache
+
+    reference = _save("phi3_longrope", tmp_path)
+    model = load_hf(tmp_path)[0]
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        short, long = model(ids[:, :10]), model(ids)
+        torch.testing.assert_close(short, reference(ids[:, :10]).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(long, reference(ids).logits, atol=1e-4, rtol=1e-4)
+        assert (short - long[:, :10]).abs().max() > 1e-2  # the switch changes the first tokens
+        cache, theirs = KVCache(model.config, batch_size=1), DynamicCache(config=reference.config)
+        for start, end in ((0, 7), (7, 16), (16, 17), (17, 30), (30, 31)):
+            torch.testing.assert_close(model(ids[:, start:end], cache=cache),
+                                       reference(ids[:, start:end], cache=theirs).logits,
+                                       atol=1e-4, rtol=1e-4)
+    greedy = GenerationConfig(max_new_tokens=16, eos_ids=())
+    for prompt in (ids[0, :5].tolist(), ids[0, :20].tolist()):  # crossing 16 while decoding, or not
+        prompt_ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = reference.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                                          do_sample=False, max_new_tokens=16,
+                                          min_new_tokens=16)[0, len(prompt):].tolist()
+        uncached = generate(model, prompt, GenerationConfig(max_new_tokens=16, eos_ids=(),
+                                                            use_cache=False)).generated_ids
+        assert generate(model, prompt, greedy).generated_ids == uncached == expected
+        engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8,
+                                                  max_batch=4))
+        handles = [engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=())),
+                   engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=()))]
+        engine.run_until_done()
+        assert [h.result.generated_ids for h in handles] == [expected, expected]
+
+
+def test_longrope_refuses_the_sink_policy():
+    from glassformer.model.sink import SinkPolicy
+
+    config = config_from_hf(_hf("phi3_longrope"))
+    with pytest.raises(InputError) as error:
+        SinkPolicy(sink_tokens=2, window=8).check(config)
+    assert error.value.field == "rope_scaling"
