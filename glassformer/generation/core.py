@@ -226,7 +226,7 @@ def decode_rows(
         raise InputError("cache", "a kept cache continues exactly one row, with use_cache=True")
     device = model.embed.tokens.weight.device
     live = list(range(len(rows)))  # batch row -> index in `rows`
-    resume = cache is not None
+    resume = kept = cache is not None
     padded = False  # whether the rows in the cache are left-padded (then positions are explicit)
     compiled = CompiledStep(model) if config.compile else None
 
@@ -236,6 +236,9 @@ def decode_rows(
         if resume:  # only what the kept cache has not seen
             resume = False
             seen = cache.seen if isinstance(cache, SinkKVCache) else cache.length
+            if switches_to_long(mc, seen, len(rows[0].context)):  # LongRoPE: all again, long
+                cache.crop(0)
+                seen = 0
             return prefill(model, torch.tensor([rows[0].context[seen:]], device=device), cache)
         ids, positions, mask = left_pad([rows[i].context for i in live], device)  # (B, L)
         padded = mask is not None
@@ -274,6 +277,9 @@ def decode_rows(
                 full = cache is not None and cache.length == cache.max_length
                 crossed = any(switches_to_long(mc, len(rows[i].context) - 1, len(rows[i].context))
                               for i in live)  # LongRoPE: every key by the long set from here
+                if crossed and kept:  # the caller's cache holds the text again, every key long
+                    cache.crop(0)
+                    resume = True
                 if not config.use_cache or full or crossed or any(rows[i].slid for i in live):
                     logits = forward_all()  # recompute every live context from scratch
                 elif compiled is not None:

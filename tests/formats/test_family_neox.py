@@ -276,6 +276,12 @@ def test_longrope_switches_its_factors_as_transformers_does(tmp_path):
                    engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=()))]
         engine.run_until_done()
         assert [h.result.generated_ids for h in handles] == [expected, expected]
+    # a left-padded batch: each row's set by its own text, as if generated alone
+    from glassformer.generation.generate import generate_batch
+
+    prompts = [ids[0, :5].tolist(), ids[0, 5:25].tolist()]
+    assert ([r.generated_ids for r in generate_batch(model, prompts, greedy)]
+            == [generate(model, p, greedy).generated_ids for p in prompts])
 
 
 def test_longrope_refuses_the_sink_policy():
