@@ -67,12 +67,20 @@ def configs(draw) -> tuple[ModelConfig, str]:
         d_head = 16
     rope = {}
     if position == "rope":
-        scaling = draw(st.sampled_from(["none", "linear", "ntk", "yarn"]))
+        scaling = draw(st.sampled_from(["none", "linear", "ntk", "yarn", "longrope"]))
         head = d_head or d_model // n_heads
         rope = {"rope_scaling": scaling, "rope_factor": 1.0 if scaling == "none" else 2.0,
                 "rope_theta": draw(st.sampled_from([100.0, 10000.0])),
                 "rotary_dim": draw(st.sampled_from([None, min(head, max(4, head // 4 * 2))])),
                 "rope_local_theta": draw(st.sampled_from([None, 50.0]))}  # the sliding layers
+        if scaling == "yarn":
+            rope |= {"rope_beta_fast": draw(st.sampled_from([32.0, 8.0])),
+                     "rope_truncate": draw(st.booleans()),
+                     "rope_attention_factor": draw(st.sampled_from([None, 1.25]))}
+        if scaling == "longrope":  # an original context of 16: texts cross it while decoding
+            pairs = (rope["rotary_dim"] or head) // 2
+            rope |= {"rope_original_context": 16, "rope_short_factors": (1.5,) * pairs,
+                     "rope_long_factors": tuple(1.0 + 3.0 * i for i in range(pairs))}
     norm = draw(st.sampled_from(["layernorm", "rmsnorm"]))
     norm_placement = draw(st.sampled_from(["pre", "post", "out", "sandwich"]))
     scale_scores = draw(st.booleans())
@@ -136,7 +144,12 @@ class Case:
 
 @torch.inference_mode()
 def _logits(oracle: Transformer, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The oracle's next-token logits (len(tokens), V) at each step of prompt + tokens."""
+    """The oracle's next-token logits (len(tokens), V) at each step of prompt + tokens: one
+    pass over the whole text, or under LongRoPE, whose set follows the text's length, a pass
+    over the text as it was at each step."""
+    if oracle.config.rope_scaling == "longrope":
+        return torch.cat([oracle(torch.tensor([prompt + tokens[:i]]))[0, -1:].float()
+                          for i in range(len(tokens))])
     ids = torch.tensor([prompt + tokens[:-1]])  # (1, T)
     return oracle(ids)[0, len(prompt) - 1 :].float()
 

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InputError
 from ..model.kv_cache import KVCache
-from ..model.layers.positions import rope_cos_sin
+from ..model.layers.positions import rope_cos_sin, rope_frequencies
 from ..model.transformer import Transformer, read_out
 from . import kernels
 from .capabilities import CapabilityTable, any_value, only
@@ -42,6 +42,9 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "rope_original_context": any_value("the angles come from Python"),
     "rope_low_freq_factor": any_value("the angles come from Python"),
     "rope_high_freq_factor": any_value("the angles come from Python"),
+    **{name: any_value("the angles come from Python, each step's set by its position") for name in (
+        "rope_beta_fast", "rope_beta_slow", "rope_truncate", "rope_attention_factor",
+        "rope_short_factors", "rope_long_factors")},
     "rotary_dim": any_value("the C++ RoPE turns each head's first rotary_dim dimensions"),
     "norm": any_value("rmsnorm and layernorm rows"),
     "norm_placement": only("pre", reason="the layers are written pre-norm"),
@@ -141,7 +144,7 @@ class FastDecoder:
         self.head_transform, self.lm_head = model.head_transform, model.lm_head
         self.rope = None
         if config.position == "rope":
-            self.rope = (model.rope_inv_freq, model.rope_attention_factor)
+            self.rope = (model.rope_inv_freq, model.rope_long_inv_freq, model.rope_attention_factor)
         layers = [kernels.LayerWeights(_norm(block.norm1), block.attn.qkv.kernel_weights(),
                                        block.attn.out.kernel_weights(), _norm(block.norm2),
                                        block.mlp.up.kernel_weights(),
@@ -169,7 +172,9 @@ class FastDecoder:
         x = self.embed(token[:, None], positions)[:, 0]  # (1, d)
         cos = sin = self.empty
         if self.rope is not None:
-            cos, sin = rope_cos_sin(self.rope[0], positions, self.rope[1])
+            inv_freq, long_inv_freq, factor = self.rope
+            cos, sin = rope_cos_sin(rope_frequencies(self.config, positions, inv_freq, long_inv_freq),
+                                    positions, factor)
             cos, sin = cos.reshape(-1), sin.reshape(-1)  # (rotated,)
         x = self.step_fn.step(x, pos, cos, sin, cache.keys, cache.values)  # (1, d)
         cache.advance(1)

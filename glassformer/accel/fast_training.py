@@ -52,6 +52,9 @@ CAPABILITIES = CapabilityTable("fused training passes", {
     "rope_low_freq_factor": any_value("the angles come from the model"),
     "rope_high_freq_factor": any_value("the angles come from the model"),
     "rope_local_theta": any_value("the angles come from the model, each layer its kind's"),
+    **{name: any_value("the angles come from the model") for name in (
+        "rope_beta_fast", "rope_beta_slow", "rope_truncate", "rope_attention_factor",
+        "rope_short_factors", "rope_long_factors")},
     "rotary_dim": any_value("the RoPE pass turns whole heads; a partial turn keeps the plain "
                             "expression"),
     "norm": any_value("RMSNorm and LayerNorm passes"), "norm_placement": any_value(_MODULES),

@@ -36,7 +36,9 @@ CAPABILITIES = CapabilityTable("quantized linear kernels", {
     "tie_embeddings": any_value("a tied head is quantized, the embedding stays float32"),
     **{name: any_value(_AROUND) for name in (
         "context_length", "position", "rope_theta", "rope_scaling", "rope_factor",
-        "rope_original_context", "rope_low_freq_factor", "rope_high_freq_factor", "rotary_dim",
+        "rope_original_context", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
+        "rope_beta_slow", "rope_truncate", "rope_attention_factor", "rope_short_factors",
+        "rope_long_factors", "rotary_dim",
         "norm", "norm_placement", "qk_norm", "parallel_block", "norm_eps", "norm_bias",
         "activation", "final_norm", "causal", "sliding_window", "dropout", "attention_kernel",
         "init_std", "n_token_types", "embed_norm", "decoder_start_id", "relative_buckets",

@@ -78,8 +78,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     if config.position == "rope" and (config.norm == "layernorm" or config.parallel_block):
         return neox_hf_config(config)
-    if config.position == "rope" and config.rotary_dim is not None:
-        return phi3_hf_config(config)
+    if config.position == "rope" and (config.rotary_dim is not None or config.rope_scaling == "longrope"):
+        return phi3_hf_config(config, _rope_scaling(config))
     _require(config, "Llama", position="rope", norm="rmsnorm", activation="silu", gated=True,
              parallel_block=False)
     if config.attn_out_bias and not config.attn_bias:
@@ -104,8 +104,9 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 def _llama_hf_config(config: ModelConfig) -> dict[str, Any]:
     """The config.json fields of a Llama-like model (refused by field where it is not one)."""
     _require(config, "Llama", position="rope", norm="rmsnorm", activation="silu", gated=True)
-    if config.rope_scaling not in ("none", "linear", "llama3"):
-        raise InputError("rope_scaling", f"{config.rope_scaling!r} cannot be exported (none, linear, llama3)")
+    if config.rope_scaling not in ("none", "linear", "llama3", "yarn"):
+        raise InputError("rope_scaling", f"{config.rope_scaling!r} cannot be exported as Llama "
+                         "(none, linear, llama3, yarn)")
     return {"vocab_size": config.vocab_size, "max_position_embeddings": config.context_length,
             "hidden_size": config.d_model, "intermediate_size": config.ff_dim,
             "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
@@ -121,10 +122,19 @@ def _rope_scaling(config: ModelConfig) -> dict | None:
     if config.rope_scaling == "none":
         return None
     entry = {"rope_type": config.rope_scaling, "factor": config.rope_factor}
+    if config.rope_scaling in ("llama3", "yarn", "longrope"):
+        entry["original_max_position_embeddings"] = config.original_context
     if config.rope_scaling == "llama3":
         entry |= {"low_freq_factor": config.rope_low_freq_factor,
-                  "high_freq_factor": config.rope_high_freq_factor,
-                  "original_max_position_embeddings": config.original_context}
+                  "high_freq_factor": config.rope_high_freq_factor}
+    if config.rope_scaling == "yarn":
+        entry |= {"beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow,
+                  "truncate": config.rope_truncate}
+    if config.rope_scaling == "longrope":
+        entry |= {"short_factor": list(config.rope_short_factors),
+                  "long_factor": list(config.rope_long_factors)}
+    if config.rope_attention_factor is not None:
+        entry["attention_factor"] = config.rope_attention_factor
     return entry
 
 

@@ -63,7 +63,7 @@ def _gemma_config(hf: dict[str, Any]) -> ModelConfig:
 def _gemma3_config(hf: dict[str, Any]) -> ModelConfig:
     """Gemma 3: the full layers' RoPE as rope_fields reads it, the sliding layers' own base."""
     full, local_theta = gemma3_rope(hf)
-    return gemma_config(hf, {**rope_fields({"rope_parameters": full}), "rope_local_theta": local_theta})
+    return gemma_config(hf, {**rope_fields(hf | {"rope_parameters": full}), "rope_local_theta": local_theta})
 
 
 def _t5_keys(config: ModelConfig) -> list[Entry]:

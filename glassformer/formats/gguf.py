@@ -38,6 +38,7 @@ from .empty_model import empty_model
 from .gguf_file import GGUFFile
 from .gguf_gemma import GEMMA_ARCHITECTURES, NORM_SHIFT, gemma_fields
 from .gguf_neox import NEOX_ARCHITECTURES, family_names, family_of, neox_fields
+from .gguf_rope import FACTOR_TENSORS, read_factors, rope_scaling_fields
 from .huggingface_gemma import is_gemma
 from .validate import check_model, check_tensor
 
@@ -68,9 +69,11 @@ class Target:
     shift: float = 0.0  # the file stores the parameter plus this (Gemma's norms: 1)
 
 
-def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
+def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any],
+                         factors: dict[str, tuple[float, ...]] | None = None) -> ModelConfig:
     """The architecture described by `{arch}.*` metadata (and, where the metadata is silent,
-    by which tensors the file holds)."""
+    by which tensors the file holds); `factors`: the values of its LongRoPE factor tensors
+    (gguf_rope.read_factors)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InputError(None, f"unsupported GGUF architecture {arch!r} "
@@ -100,9 +103,6 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
     rotary = count("rope.dimension_count", d_head)
     if rotary != d_head and arch not in NEOX_ARCHITECTURES:
         raise InputError(None, f"unsupported GGUF: RoPE on {rotary} of {d_head} head dimensions")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
-        raise InputError(None, f"unsupported GGUF RoPE scaling {scaling!r}")
     if "token_embd.weight" not in tensors:
         raise InputError(None, "GGUF lacks the tensor token_embd.weight")
     n_layers = count("block_count")
@@ -124,8 +124,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any]) -> Model
         d_ff=count("feed_forward_length"),
         position="rope",
         rope_theta=number("rope.freq_base", 10000.0),
-        rope_scaling=scaling,
-        rope_factor=number("rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
+        **rope_scaling_fields(arch, meta, count("context_length"), factors or {}),
         rotary_dim=rotary if rotary != d_head else None,
         tie_embeddings="output.weight" not in tensors,
         **fields,
@@ -219,7 +218,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
         raise FileNotFoundError(f"no GGUF file at {path}")
     with GGUFFile(path) as file:
         try:
-            config = config_from_metadata(file.metadata, file.tensors)
+            config = config_from_metadata(file.metadata, file.tensors, read_factors(file))
             tokenizer = from_gguf_metadata(file.metadata)
         except ValueError as error:
             raise InputError(path, f"{error}") from None
@@ -301,7 +300,7 @@ def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Targe
     if missing:
         raise InputError(file.path, f"missing tensor {missing[0]} "
                          f"({len(missing)} missing in all)")
-    unknown = sorted(set(file.tensors) - set(targets))
+    unknown = sorted(set(file.tensors) - set(targets) - set(FACTOR_TENSORS))  # factors: in the config
     if unknown:
         raise InputError(file.path, f"unexpected tensor {unknown[0]} for a "
                          f"{config.n_layers}-layer {architecture(config)} model")

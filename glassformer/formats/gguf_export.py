@@ -35,6 +35,7 @@ from ..model.transformer import Transformer
 from .gguf import architecture, config_from_metadata, tensor_map
 from .gguf_gemma import gemma_metadata
 from .gguf_neox import NEOX_ARCHITECTURES, family_metadata
+from .gguf_rope import attention_factor, factor_tensors, rope_scaling_metadata
 from .validate import check_model_finite
 
 # --dtype -> (the matrices' GGML type, general.file_type)
@@ -78,21 +79,25 @@ def gguf_metadata(config: ModelConfig) -> dict:
         meta[f"{arch}.attention.layer_norm_rms_epsilon"] = _f32(config.norm_eps)
         meta |= {key: _f32(v) if isinstance(v, float) else v
                  for key, v in gemma_metadata(arch, config).items()}
-    if config.rope_scaling != "none":
-        meta |= {f"{arch}.rope.scaling.type": config.rope_scaling,
-                 f"{arch}.rope.scaling.factor": _f32(config.rope_factor)}
+    meta |= {key: _f32(v) if isinstance(v, float) else v
+             for key, v in rope_scaling_metadata(arch, config).items()}
     # the tensors the file will hold, as far as the reading looks (names, the table's shape)
     tensors = {name: SimpleNamespace(shape=(config.vocab_size, config.d_model))
                for name in tensor_map(config, arch)}
+    factors = {name: tuple(map(float, w)) for name, w in factor_tensors(config).items()}
     try:
-        read = config_from_metadata(meta, tensors)
+        read = config_from_metadata(meta, tensors, factors)
     except ValueError as error:
         raise InputError(None, f"GGUF export: {error}") from None
     for field in config.to_dict():
         derived = _DERIVED.get(field, field)  # None there means "the usual", stated here
         ours, theirs = getattr(config, derived), getattr(read, derived)
+        if field == "rope_attention_factor":  # a file states LongRoPE's even where derived
+            ours, theirs = attention_factor(config), attention_factor(read)
         if isinstance(ours, float):  # GGUF stores float32
             ours, theirs = _f32(ours), _f32(theirs)
+        if field in ("rope_short_factors", "rope_long_factors") and ours is not None:  # float32 tensors
+            ours, theirs = tuple(map(_f32, ours)), tuple(map(_f32, theirs))
         if field not in _FREE and theirs != ours:
             raise InputError(field, f"{getattr(config, field)!r} cannot be exported to GGUF "
                              f"(a {arch} GGUF file says {getattr(read, field)!r})")
@@ -204,7 +209,7 @@ def _tensors(model: Transformer, config: ModelConfig) -> dict[str, np.ndarray]:
             w = w[target.rows[0]:target.rows[1]]
         w = np.ascontiguousarray((w + target.shift if target.shift else w).numpy())
         out[name] = permute_rows(w, target.heads) if target.heads else w
-    return out
+    return out | factor_tensors(config)
 
 
 def _add(writer: GGUFWriter, key: str, value) -> None:

@@ -6,7 +6,7 @@ NEOX RoPE, Glassformer's), so no row is permuted, unlike `llama`. llama.cpp's co
 NeoX's query_key_value already cut into q, k, v (our `attn.qkv` order), with LayerNorm weights
 and biases; use_parallel_residual says how the block adds. A Phi-3 file keeps the fused
 attn_qkv and ffn_up (gate rows, then up rows) as Hugging Face has them; attention.sliding_window
-0 means none; rope_factors_long / rope_factors_short (LongRoPE) are refused, as for folders.
+0 means none; its LongRoPE factor tensors are read by gguf_rope.py.
 The feed-forward of a gptneox file is GELU: read as the exact one transformers computes for
 Pythia (llama.cpp's is its tanh approximation).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import InputError
 from ..model.config import ModelConfig
 
 NEOX_ARCHITECTURES = ("gptneox", "phi3")
@@ -33,9 +32,6 @@ def neox_fields(arch: str, get: Callable[..., Any], tensors: dict[str, Any]) -> 
                 "activation": "gelu", "gated": False, "mlp_bias": True,
                 "attn_bias": "blk.0.attn_qkv.bias" in tensors,
                 "attn_out_bias": "blk.0.attn_output.bias" in tensors}
-    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
-        raise InputError("rope_scaling", "unsupported Phi-3 GGUF with LongRoPE factors (their "
-                         "angles change with the text's length)")
     window = get("attention.sliding_window", 0)
     return {"norm": "rmsnorm", "norm_eps": float(get("attention.layer_norm_rms_epsilon")),
             "activation": "silu", "gated": True, "attn_bias": False, "attn_out_bias": False,
@@ -63,13 +59,13 @@ def family_names(arch: str, c: ModelConfig) -> Names:
 
 def family_of(c: ModelConfig) -> str:
     """The GGUF architecture export writes for `c`: for RoPE, gptneox with LayerNorm or a
-    parallel block, phi3 with a partial rotary or a window; llama otherwise (what it cannot
+    parallel block, phi3 with a partial rotary, a window or LongRoPE; llama otherwise (what it cannot
     say is refused by name)."""
     if c.position != "rope":
         return "llama"
     if c.norm == "layernorm" or c.parallel_block:
         return "gptneox"
-    if c.rotary_dim is not None or c.sliding_window is not None:
+    if c.rotary_dim is not None or c.sliding_window is not None or c.rope_scaling == "longrope":
         return "phi3"
     return "llama"
 

@@ -27,6 +27,9 @@ def extend_context(model: Transformer, scaling: RopeScaling, factor: float) -> T
         raise InputError("rope_scaling", f"{config.position!r} models extrapolate; use scaling='none'")
     if config.rope_scaling != "none":
         raise InputError("rope_scaling", f"the model is already extended ({config.rope_scaling!r})")
+    if scaling == "longrope":
+        raise InputError("rope_scaling", "longrope's per-pair factors come with a checkpoint "
+                         "(Phi-3's config.json); choose linear, ntk, yarn or llama3")
     extended = config.replace(context_length=int(config.context_length * factor))
     if scaling != "none":
         extended = extended.replace(

@@ -6,8 +6,10 @@ and the training sample.
            row.accept(token)                 end-of-text, stop string, max_new_tokens, window
            logits = decode_one_token(tokens) one query per row against the cache, last row only
 
-Without the cache (`use_cache=False`), or after a row's context slid past the window, every
-live context is run through the model again instead: the baseline the cache must equal.
+Without the cache (`use_cache=False`), after a row's context slid past the window, or when a
+row grows past a LongRoPE model's original context (its keys all turn by the long set from
+then on), every live context is run through the model again instead: the baseline the cache
+must equal.
 Prompts of different lengths share a batch by left padding, with explicit positions.
 With `compile`, decode_one_token's compiled twin (compiled.py) takes the one-token steps.
 """
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..model.kv_cache import KVCache
+from ..model.layers.positions import switches_to_long
 from ..model.sink import SinkKVCache
 from ..model.transformer import Transformer
 from .batching import left_pad, select_rows
@@ -223,7 +226,7 @@ def decode_rows(
         raise InputError("cache", "a kept cache continues exactly one row, with use_cache=True")
     device = model.embed.tokens.weight.device
     live = list(range(len(rows)))  # batch row -> index in `rows`
-    resume = cache is not None
+    resume = kept = cache is not None
     padded = False  # whether the rows in the cache are left-padded (then positions are explicit)
     compiled = CompiledStep(model) if config.compile else None
 
@@ -233,6 +236,9 @@ def decode_rows(
         if resume:  # only what the kept cache has not seen
             resume = False
             seen = cache.seen if isinstance(cache, SinkKVCache) else cache.length
+            if switches_to_long(mc, seen, len(rows[0].context)):  # LongRoPE: all again, long
+                cache.crop(0)
+                seen = 0
             return prefill(model, torch.tensor([rows[0].context[seen:]], device=device), cache)
         ids, positions, mask = left_pad([rows[i].context for i in live], device)  # (B, L)
         padded = mask is not None
@@ -269,7 +275,12 @@ def decode_rows(
                         select_rows(cache, index)
                     live = [live[b] for b in keep]
                 full = cache is not None and cache.length == cache.max_length
-                if not config.use_cache or full or any(rows[i].slid for i in live):
+                crossed = any(switches_to_long(mc, len(rows[i].context) - 1, len(rows[i].context))
+                              for i in live)  # LongRoPE: every key by the long set from here
+                if crossed and kept:  # the caller's cache holds the text again, every key long
+                    cache.crop(0)
+                    resume = True
+                if not config.use_cache or full or crossed or any(rows[i].slid for i in live):
                     logits = forward_all()  # recompute every live context from scratch
                 elif compiled is not None:
                     logits = compiled(tokens, cache)  # positions follow on the device

@@ -17,7 +17,7 @@ NormPlacement = Literal["pre", "post", "sandwich", "out"]
 QkNorm = Literal["none", "head", "all"]  # RMSNorm of Q and K over each head, or over all heads
 Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]
 AttentionKernel = Literal["reference", "sdpa", "flash"]
-RopeScaling = Literal["none", "linear", "ntk", "yarn", "llama3"]
+RopeScaling = Literal["none", "linear", "ntk", "yarn", "llama3", "longrope"]
 Head = Literal["lm", "mlm"]  # mlm: BERT's dense + activation + norm before the decoder
 
 
@@ -72,6 +72,12 @@ class ModelConfig(ConfigFields):
     rope_original_context: int | None = None  # None: context_length / rope_factor
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths past original / this are interpolated
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original / this are kept
+    rope_beta_fast: float = 32.0  # yarn: pairs turning more often than this over the original are kept
+    rope_beta_slow: float = 1.0  # yarn: pairs turning less often than this are interpolated
+    rope_truncate: bool = True  # yarn: the band's edges rounded out to whole dimensions
+    rope_attention_factor: float | None = None  # yarn, longrope: cos and sin times this; None: derived
+    rope_short_factors: tuple[float, ...] | None = None  # longrope: θ_i divided by these (a short text)
+    rope_long_factors: tuple[float, ...] | None = None  # longrope: ... by these past the original context
     rotary_dim: int | None = None  # partial rotary: only each head's first rotary_dim turn; None: all
     norm: Norm = "layernorm"
     norm_placement: NormPlacement = "pre"
@@ -190,11 +196,38 @@ class ModelConfig(ConfigFields):
             raise InputError("rope_low_freq_factor",
                              "needs 0 < rope_low_freq_factor < rope_high_freq_factor, "
                              f"got {self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
+        self._check_rope_extension()
         if self.init_std <= 0:
             raise InputError("init_std", f"must be positive, got {self.init_std}")
         self._check_gemma_fields()
         if isinstance(self.n_token_types, bool) or self.n_token_types < 0:
             raise InputError("n_token_types", f"must be >= 0, got {self.n_token_types!r}")
+
+    def _check_rope_extension(self) -> None:
+        for name in ("rope_beta_fast", "rope_beta_slow"):
+            if getattr(self, name) <= 0:
+                raise InputError(name, f"must be positive, got {getattr(self, name)}")
+        if self.rope_attention_factor is not None:
+            if self.rope_scaling not in ("yarn", "longrope"):
+                raise InputError("rope_attention_factor", "applies to rope_scaling 'yarn' or 'longrope'")
+            if self.rope_attention_factor <= 0:
+                raise InputError("rope_attention_factor",
+                                 f"must be positive, got {self.rope_attention_factor}")
+        for name in ("rope_short_factors", "rope_long_factors"):
+            factors = getattr(self, name)
+            if (factors is None) != (self.rope_scaling != "longrope"):
+                raise InputError(name, "longrope needs its short and long factors; "
+                                 "other scalings take none")
+            if factors is None:
+                continue
+            if (not isinstance(factors, tuple) or len(factors) != self.rotated_dim // 2
+                    or not all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                               and math.isfinite(f) and f > 0 for f in factors)):
+                raise InputError(name, f"needs a tuple of rotated_dim / 2 = {self.rotated_dim // 2} "
+                                 f"positive numbers, got {factors!r}")
+        if self.rope_scaling == "longrope" and (self.rope_original_context or 0) < 2:
+            raise InputError("rope_original_context", "longrope switches factors past the "
+                             f"original context: give it (2 or more), got {self.rope_original_context}")
 
     def _check_gemma_fields(self) -> None:
         for name in ("attn_softcap", "final_softcap", "attn_scale"):

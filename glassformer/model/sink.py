@@ -92,6 +92,9 @@ class SinkPolicy:
                              f"(use a {'/'.join(MOVABLE_POSITIONS)} model)")
         if not config.causal or config.n_encoder_layers:
             raise InputError("causal", "the sink policy streams a decoder-only model's text")
+        if config.rope_scaling == "longrope":
+            raise InputError("rope_scaling", "longrope chooses its factors by the text's length, "
+                             "which the sink policy's cache positions do not show")
 
     def slot(self, t: int) -> int:
         S, W = self.sink_tokens, self.window

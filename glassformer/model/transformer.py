@@ -25,6 +25,7 @@ from .layers.positions import (
     RopeAngles,
     alibi_slopes,
     rope_cos_sin,
+    rope_frequencies,
     rope_inverse_frequencies,
 )
 from .sites import OUTPUT
@@ -60,6 +61,10 @@ class Transformer(nn.Module):
         if config.rope_local_theta is not None:  # the sliding layers' own (Gemma 3)
             local, _ = rope_inverse_frequencies(config, local=True)
             self.register_buffer("rope_local_inv_freq", local, persistent=False)  # (rotated/2,)
+        # LongRoPE's set for a text past the original context (rotated/2,), None for the others
+        long_inv_freq = (rope_inverse_frequencies(config, long=True)[0]
+                         if config.rope_scaling == "longrope" else None)
+        self.register_buffer("rope_long_inv_freq", long_inv_freq, persistent=False)
         if config.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)
         self.relative_bias = None
@@ -194,12 +199,17 @@ class Transformer(nn.Module):
             x = block(x, mask, rope, cache)
         return final_hidden(self.final_norm, x, self.hooks)
 
-    def rope_angles(self, positions: torch.Tensor) -> RopeAngles:
+    def rope_angles(self, positions: torch.Tensor, long: bool | None = None) -> RopeAngles:
         """RoPE's cos and sin at positions (B, T) for each kind of layer, (B, 1, T, rotated)
         each in the model's dtype: every layer's, then the sliding layers' own where
-        rope_local_theta is set (each attention layer takes its kind's)."""
+        rope_local_theta is set (each attention layer takes its kind's). Under LongRoPE each
+        row picks its set by its reach (`rope_frequencies`), or `long` says which."""
         dtype = self.embed.tokens.weight.dtype
-        kinds = [(self.rope_inv_freq, self.rope_attention_factor)]
+        if long is None:
+            inv_freq = rope_frequencies(self.config, positions, self.rope_inv_freq, self.rope_long_inv_freq)
+        else:
+            inv_freq = self.rope_long_inv_freq if long else self.rope_inv_freq
+        kinds = [(inv_freq, self.rope_attention_factor)]  # (d/2,) or, under LongRoPE, (B, d/2)
         if self.config.rope_local_theta is not None:
             kinds.append((self.rope_local_inv_freq, 1.0))
         return tuple(tuple(t.to(dtype) for t in rope_cos_sin(inv_freq, positions, factor))

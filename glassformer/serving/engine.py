@@ -32,6 +32,7 @@ from ..errors import InputError
 from ..generation.config import GenerationResult, RequestParams
 from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
+from ..model.layers.positions import uses_long_factors
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters
@@ -182,6 +183,8 @@ class Engine:
                     raise InputError("adapter", f"no LoRA adapter named {params.adapter!r} is loaded "
                                      f"(loaded: {', '.join(self.adapters.names()) or 'none'})")
                 seq.prefix_root = self.adapters[params.adapter].key
+            if mc.rope_scaling == "longrope" and uses_long_factors(mc, seq.prompt_len - 1):
+                _turn_long(seq)
             self._handles[seq.id] = (unit, handle)
             self._inbox.append(seq)
             self._wake.notify_all()
@@ -291,12 +294,27 @@ class Engine:
             self.stats.finished += 1
             entry[1].push(event, result, self._wakeups)
 
+    def _switch_long_texts(self) -> None:
+        """LongRoPE: a text that has just grown past the original context gives its blocks back
+        and is computed again, every key by the long set, as transformers' Phi-3 generation
+        recomputes it (and as a preempted request is)."""
+        mc = self.model.config
+        if mc.rope_scaling != "longrope":
+            return
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            if not seq.rope_long and uses_long_factors(mc, seq.num_tokens - 1):
+                self.blocks.release(seq)
+                if seq.group is not None:
+                    seq.group.forget(seq)  # its logits come again once it is recomputed
+                _turn_long(seq)
+
     def step(self) -> StepTrace | None:
         """One scheduling round and forward pass; None when there was nothing to run. Call it
         (or run_until_done) only while the background thread is not started."""
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("step: the engine's own thread is stepping it (see start/close)")
         self._intake()
+        self._switch_long_texts()
         plan = self.scheduler.schedule()
         for seq in plan.refused:  # alone on the pool it could not start (submit's check forestalls it)
             unit = seq.group if seq.group is not None else seq
@@ -441,3 +459,10 @@ def _logprobs(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs |
     logprobs = torch.log_softmax(row.float(), dim=-1)
     values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
     return TokenLogprobs(float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
+
+
+def _turn_long(seq: Sequence) -> None:
+    """From now on seq's keys turn by LongRoPE's long set (runner.py): its blocks match only
+    other long texts' in the prefix cache."""
+    seq.rope_long = True
+    seq.prefix_root = (seq.prefix_root, "longrope long factors")

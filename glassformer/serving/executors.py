@@ -32,6 +32,7 @@ import torch
 from ..generation.paths import fused_source
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
+from ..model.layers.positions import RopeAngles
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters
@@ -39,9 +40,34 @@ from .capture import LensRows, capture_hooks
 from .interventions import edit_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView, Part
-from .step import StepBatch
+from .step import RequestRows, StepBatch
 
-Rope = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per kind of layer: cos, sin (context, rotated) each
+
+class RopeTables:
+    """RoPE's cos and sin at every position of the context, computed once, per kind of layer
+    (Transformer.rope_angles), and under LongRoPE the long set's beside them."""
+
+    def __init__(self, model: Transformer) -> None:
+        positions = torch.arange(model.config.context_length, device=model.embed.tokens.weight.device)[None]
+
+        def tables(long: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:  # (context, rotated) each
+            return tuple((cos[0, 0], sin[0, 0]) for cos, sin in model.rope_angles(positions, long))
+
+        self.short = tables(False)
+        self.long = tables(True) if model.rope_long_inv_freq is not None else None
+
+    def rows(self, positions: torch.Tensor, requests: list[RequestRows]) -> RopeAngles:
+        """cos and sin of rows at `positions` (N,), (N, rotated) each, per kind of layer. Under
+        LongRoPE the rows of a request whose text is past the original context
+        (Sequence.rope_long, set by the engine) turn by the long set: a whole text by one set,
+        as `generate` and transformers turn it, however its prompt is cut into chunks."""
+        angles = tuple((cos[positions], sin[positions]) for cos, sin in self.short)
+        if self.long is None:
+            return angles
+        long = torch.tensor([r.seq.rope_long for r in requests for _ in range(r.n)],
+                            device=positions.device)[:, None]  # (N, 1)
+        return tuple((torch.where(long, lcos[positions], cos), torch.where(long, lsin[positions], sin))
+                     for (cos, sin), (lcos, lsin) in zip(angles, self.long, strict=True))
 
 
 @dataclass(frozen=True)
@@ -81,7 +107,8 @@ class Inspection:
 
 class ModulePath:
     def __init__(self, layers: Transformer, model: Transformer, pool: KVPool, fast: bool,
-                 sink: SinkPolicy | None, rope: Rope | None, group: int, adapters: Adapters | None) -> None:
+                 sink: SinkPolicy | None, rope: RopeTables | None, group: int,
+                 adapters: Adapters | None) -> None:
         """`layers`: the model's modules as the engine runs them (a view with row-invariant or
         adapter-wrapped products); `model`: the model (its masks, for the paged view)."""
         self.layers, self.model, self.pool, self.fast, self.sink = layers, model, pool, fast, sink
@@ -89,12 +116,13 @@ class ModulePath:
 
     def execute(self, batch: StepBatch) -> Executed:
         parts = [Part(r.first, r.n, r.slots, r.past_window) for r in batch.requests]
-        rotation = None if self.rope is None else self.rope[0]  # the sink policy's (one kind)
+        rotation = None if self.rope is None else self.rope.short[0]  # the sink policy's (one kind)
         view = PagedView(self.pool, parts, self.fast, self.model, self.sink, rotation, self.group)
         ids, positions = batch.ids[None], batch.positions[None]  # (1, N) each
         rope = None
         if self.rope is not None:  # per kind of layer, (1, 1, N, rotated) each
-            rope = tuple((cos[positions][:, None], sin[positions][:, None]) for cos, sin in self.rope)
+            rope = tuple((cos[None, None], sin[None, None])
+                         for cos, sin in self.rope.rows(batch.positions, batch.requests))
         adapted: dict[str, list[int]] = {}  # adapter name -> its rows
         for r in batch.requests:
             if r.adapter is not None:
@@ -112,7 +140,7 @@ class ModulePath:
 
 
 class FusedPath:
-    def __init__(self, model: Transformer, pool: KVPool, rope: Rope | None,
+    def __init__(self, model: Transformer, pool: KVPool, rope: RopeTables | None,
                  adapters: Adapters | None) -> None:
         self.model, self.pool, self.rope, self.adapters = model, pool, rope, adapters
 
@@ -127,7 +155,7 @@ class FusedPath:
         x = self.model.embed(batch.ids[None], batch.positions[None])[0]  # (B, d)
         cos = sin = None
         if self.rope is not None:  # one kind: the fused step refuses rope_local_theta
-            cos, sin = (table[batch.positions] for table in self.rope[0])  # (B, rotated) each
+            cos, sin = self.rope.rows(batch.positions, requests)[0]  # (B, rotated) each
         names = list(dict.fromkeys(r.adapter for r in requests if r.adapter is not None))
         adapter_of = torch.tensor([-1 if r.adapter is None else names.index(r.adapter)
                                    for r in requests]).repeat_interleave(counts)  # (B,)

@@ -29,7 +29,7 @@ from ..generation.paths import FUSED, MODULES, Asks, Path, choose_path, module_r
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters, itself
-from .executors import FusedPath, ModulePath
+from .executors import FusedPath, ModulePath, RopeTables
 from .kv_pool import KVPool
 from .read_out import step_logits
 from .row_tiles import row_invariant
@@ -54,7 +54,8 @@ CAPABILITIES = CapabilityTable("serving engine", {
         "final_softcap", "attn_scale")},
     **{name: any_value(_ANGLES) for name in (
         "rope_theta", "rope_scaling", "rope_factor", "rope_original_context", "rope_low_freq_factor",
-        "rope_high_freq_factor", "rotary_dim", "rope_local_theta")},
+        "rope_high_freq_factor", "rope_local_theta", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
+        "rope_attention_factor", "rope_short_factors", "rope_long_factors", "rotary_dim")},
     "position": any_value("RoPE from the table; ALiBi and T5's bias through the model's masks"),
     **{name: any_value("through the model's masks") for name in (
         "sliding_window", "relative_buckets", "relative_max_distance")},
@@ -89,10 +90,7 @@ class ModelRunner:
             # built for the fused step too where the pool lets rows take it
             adapters.install(self.layers, wrap, module_reason(self._asks()) is None and can_build(model))
         self.device = model.embed.tokens.weight.device
-        rope = None
-        if config.position == "rope":  # computed once per kind of layer: (context, rotated) each
-            positions = torch.arange(config.context_length, device=self.device)[None]
-            rope = tuple((cos[0, 0], sin[0, 0]) for cos, sin in model.rope_angles(positions))
+        rope = RopeTables(model) if config.position == "rope" else None
         self.executors = {FUSED: FusedPath(model, pool, rope, adapters),
                           MODULES: ModulePath(self.layers, model, pool, attention == "fast", sink, rope,
                                               group, adapters)}

@@ -40,6 +40,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix keys of the full blocks, in order
         self.prefix_root = None  # the first block's parent key: its adapter's (Engine.submit)
+        self.rope_long = False  # LongRoPE: its keys are turned by the long set (Engine.submit)
         self.generator = torch.Generator(device=device or "cpu")
         self.generator.manual_seed(params.seed) if params.seed is not None else self.generator.seed()
         self.counts = None

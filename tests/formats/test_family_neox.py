@@ -26,6 +26,8 @@ COMMON = dict(vocab_size=VOCAB, initializer_range=0.2, bos_token_id=None, eos_to
 NEOX = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, **COMMON)
 PHI3 = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             **COMMON)
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.25, 1.5, 2.0], "long_factor": [1.0, 3.0, 6.0, 12.0]}
 CONFIGS = {
     # parallel blocks, a quarter of each 16-wide head turning, biases everywhere
     "neox_parallel": lambda: transformers.GPTNeoXConfig(**NEOX, rotary_pct=0.25,
@@ -40,6 +42,10 @@ CONFIGS = {
                                  "partial_rotary_factor": 0.5}),
     # every head whole, a window of 5 keys
     "phi3_window": lambda: transformers.Phi3Config(**PHI3, sliding_window=5),
+    # LongRoPE over an original context of 16 (max 64), half of each head turning: 17 tokens
+    # take the long factors; factors exact in float32, as a GGUF file keeps them
+    "phi3_longrope": lambda: transformers.Phi3Config(
+        **PHI3, original_max_position_embeddings=16, rope_parameters=LONGROPE),
 }
 EXPECTED = {
     "neox_parallel": dict(parallel_block=True, rotary_dim=4, rope_theta=5000.0, norm="layernorm",
@@ -50,10 +56,14 @@ EXPECTED = {
     "phi3": dict(parallel_block=False, rotary_dim=8, n_kv_heads=2, norm="rmsnorm", gated=True,
                  sliding_window=None),
     "phi3_window": dict(rotary_dim=None, sliding_window=5),
+    "phi3_longrope": dict(rotary_dim=8, rope_scaling="longrope", rope_original_context=16,
+                          rope_factor=4.0, rope_attention_factor=None,
+                          rope_short_factors=(1.0, 1.25, 1.5, 2.0),
+                          rope_long_factors=(1.0, 3.0, 6.0, 12.0)),
 }
 # The family export writes: a Phi-3 that turns every dimension is Mistral's block exactly.
 EXPORTED_AS = {"neox_parallel": "gpt_neox", "neox_sequential": "gpt_neox", "phi3": "phi3",
-               "phi3_window": "mistral"}
+               "phi3_window": "mistral", "phi3_longrope": "phi3"}
 
 
 def _tokenizer() -> HFTokenizer:
@@ -130,9 +140,9 @@ def _hf(kind: str) -> dict:
 
 
 @pytest.mark.parametrize(("kind", "change", "field"), [
-    ("phi3", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 4,
-                                  "long_factor": [2.0] * 4, "rope_theta": 10000.0}},
-     "rope_scaling"),
+    ("phi3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+    ("phi3", {"original_max_position_embeddings": 16, "rope_parameters": LONGROPE | {
+        "short_factor": [1.0] * 3}}, "rope_short_factors"),  # 4 pairs turn
     ("phi3", {"hidden_act": "gelu"}, "hidden_act"),
     ("neox_parallel", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
     ("neox_parallel", {"hidden_act": "gelu_fast"}, "hidden_act"),
@@ -167,7 +177,11 @@ def test_gguf_round_trip_equals_transformers(pair, tmp_path):
     arch = bytes(GGUFReader(path).fields["general.architecture"].parts[-1]).decode()
     assert arch == {"gpt_neox": "gptneox", "phi3": "phi3"}[reference.config.model_type]
     ours, _ = load_gguf(path)
-    assert ours.config == model.config.replace(norm_eps=ours.config.norm_eps)
+    # a file states LongRoPE's attention factor, derived here: √(1 + ln 4 / ln 16)
+    assert ours.config == model.config.replace(norm_eps=ours.config.norm_eps,
+                                               rope_attention_factor=ours.config.rope_attention_factor)
+    assert ours.config.rope_attention_factor == (pytest.approx(1.5 ** 0.5) if kind == "phi3_longrope"
+                                                 else None)
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), reference(ids).logits, atol=1e-4, rtol=1e-4)
@@ -221,3 +235,59 @@ def test_the_family_fields_refuse_what_they_cannot_mean(changes, field):
     with pytest.raises(InputError) as error:
         ModelConfig(**(base | changes))
     assert error.value.field == field
+
+
+def test_longrope_switches_its_factors_as_transformers_does(tmp_path):
+    """Phi-3's LongRoPE over an original context of 16: a pass up to 16 tokens turns by the
+    short factors, a longer one by the long ones, forward by forward as transformers decides
+    (the same cache, fed in chunks, holds keys of both sets); generation recomputes a text as
+    it grows past 16, so cached greedy tokens equal uncached ones and transformers' on every
+    path, the engine's chunked prefill included."""
+    from transformers import DynamicCache
+
+    from glassformer.model.kv_cache import KVCache
+
+    reference = _save("phi3_longrope", tmp_path)
+    model = load_hf(tmp_path)[0]
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        short, long = model(ids[:, :10]), model(ids)
+        torch.testing.assert_close(short, reference(ids[:, :10]).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(long, reference(ids).logits, atol=1e-4, rtol=1e-4)
+        assert (short - long[:, :10]).abs().max() > 1e-2  # the switch changes the first tokens
+        cache, theirs = KVCache(model.config, batch_size=1), DynamicCache(config=reference.config)
+        for start, end in ((0, 7), (7, 16), (16, 17), (17, 30), (30, 31)):
+            torch.testing.assert_close(model(ids[:, start:end], cache=cache),
+                                       reference(ids[:, start:end], cache=theirs).logits,
+                                       atol=1e-4, rtol=1e-4)
+    greedy = GenerationConfig(max_new_tokens=16, eos_ids=())
+    for prompt in (ids[0, :5].tolist(), ids[0, :20].tolist()):  # crossing 16 while decoding, or not
+        prompt_ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = reference.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                                          do_sample=False, max_new_tokens=16,
+                                          min_new_tokens=16)[0, len(prompt):].tolist()
+        uncached = generate(model, prompt, GenerationConfig(max_new_tokens=16, eos_ids=(),
+                                                            use_cache=False)).generated_ids
+        assert generate(model, prompt, greedy).generated_ids == uncached == expected
+        engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=64, token_budget=8,
+                                                  max_batch=4))
+        handles = [engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=())),
+                   engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=()))]
+        engine.run_until_done()
+        assert [h.result.generated_ids for h in handles] == [expected, expected]
+    # a left-padded batch: each row's set by its own text, as if generated alone
+    from glassformer.generation.generate import generate_batch
+
+    prompts = [ids[0, :5].tolist(), ids[0, 5:25].tolist()]
+    assert ([r.generated_ids for r in generate_batch(model, prompts, greedy)]
+            == [generate(model, p, greedy).generated_ids for p in prompts])
+
+
+def test_longrope_refuses_the_sink_policy():
+    from glassformer.model.sink import SinkPolicy
+
+    config = config_from_hf(_hf("phi3_longrope"))
+    with pytest.raises(InputError) as error:
+        SinkPolicy(sink_tokens=2, window=8).check(config)
+    assert error.value.field == "rope_scaling"

@@ -63,8 +63,10 @@ def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarra
     return quantize(w, qtype), qtype
 
 
-def write_gguf(path, weights, qtype=Q.F32, arch="llama", omit=(), overrides=None, seed=0):
-    """A GGUF file as llama.cpp's converter writes it; returns {name: (stored, type)}."""
+def write_gguf(path, weights, qtype=Q.F32, arch="llama", omit=(), overrides=None, seed=0,
+               rope_scaling=None):
+    """A GGUF file as llama.cpp's converter writes it; returns {name: (stored, type)}.
+    `rope_scaling`: `<arch>.rope.scaling.*` values (the type a string, the rest float32)."""
     c, rng = CONFIG, np.random.default_rng(seed)
     tok = json.loads(HFTokenizer.train_bpe(["the quick brown fox jumps over a lazy dog"] * 9,
                                            VOCAB).tokenizer.to_str())
@@ -79,6 +81,13 @@ def write_gguf(path, weights, qtype=Q.F32, arch="llama", omit=(), overrides=None
                        "rope.dimension_count": c.head_dim}.items():
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_rope_freq_base(c.rope_theta)
+    for key, value in (rope_scaling or {}).items():
+        if key == "type":
+            writer.add_rope_scaling_type(gguf.RopeScalingType(value))
+        elif key == "original_context_length":
+            writer.add_rope_scaling_orig_ctx_len(value)
+        else:
+            writer.add_float32(f"{arch}.rope.scaling.{key}", value)
     writer.add_layer_norm_rms_eps(c.norm_eps)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
@@ -272,3 +281,54 @@ def test_cli_reports_a_bad_file_in_one_line(f32_file, tmp_path, capsys):
     assert main(["export", "--model", str(path), "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("glassformer: error:") and "truncated" in err and "\n" not in err
+
+
+YARN = {"type": "yarn", "factor": 4.0, "original_context_length": 16, "yarn_beta_fast": 8.0,
+        "yarn_beta_slow": 2.0}
+
+
+def test_yarn_read_as_llama_cpp_writes_it(source, tmp_path):
+    """YaRN under llama.cpp's keys: the factor, the original context and the betas; the
+    attention factor stated by yarn_attn_factor (as llama.cpp's converter writes Hugging Face's
+    attention_factor) or derived; what llama.cpp adds beyond transformers' YaRN is refused."""
+    write_gguf(tmp_path / "yarn.gguf", source, rope_scaling=YARN)
+    model, _ = load_gguf(tmp_path / "yarn.gguf")
+    c = model.config
+    assert (c.rope_scaling, c.rope_factor, c.original_context, c.rope_beta_fast, c.rope_beta_slow,
+            c.rope_truncate, c.rope_attention_factor) == ("yarn", 4.0, 16, 8.0, 2.0, True, None)
+    expected = Transformer(CONFIG.replace(rope_scaling="yarn", rope_factor=4.0, rope_original_context=16,
+                                          rope_beta_fast=8.0, rope_beta_slow=2.0))
+    expected.load_state_dict(model.state_dict())
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected(ids))
+    write_gguf(tmp_path / "stated.gguf", source, rope_scaling=YARN | {"yarn_attn_factor": 1.25})
+    assert load_gguf(tmp_path / "stated.gguf")[0].config.rope_attention_factor == 1.25
+    write_gguf(tmp_path / "log.gguf", source, rope_scaling=YARN | {"yarn_log_multiplier": 0.1})
+    _error(tmp_path / "log.gguf", "unsupported GGUF llama.rope.scaling.yarn_log_multiplier")
+
+
+def test_yarn_written_as_llama_cpp_reads_it(tmp_path):
+    """export --to gguf writes YaRN under llama.cpp's keys and reads it back; transformers'
+    GGUF reader takes no rope scaling for llama, so the oracle is the model the file came
+    from (itself equal to transformers: test_loaders_hf)."""
+    from glassformer.formats.gguf_export import export_gguf
+
+    torch.manual_seed(2)
+    config = CONFIG.replace(d_model=64, d_ff=64, rope_scaling="yarn", rope_factor=4.0,
+                            rope_original_context=16, rope_beta_fast=16.0, rope_attention_factor=1.5)
+    model = Transformer(config).eval()
+    tokenizer = HFTokenizer.train_bpe(["the quick brown fox jumps over a lazy dog"] * 9, VOCAB)
+    path = export_gguf(model, tokenizer, tmp_path / "yarn.gguf")
+    fields = gguf.GGUFReader(path).fields
+    written = {key.removeprefix("llama.rope.scaling."): fields[key].contents()
+               for key in fields if key.startswith("llama.rope.scaling.")}
+    assert written == {"type": "yarn", "factor": 4.0, "original_context_length": 16,
+                       "yarn_beta_fast": 16.0, "yarn_beta_slow": 1.0, "yarn_attn_factor": 1.5}
+    again, _ = load_gguf(path)
+    assert again.config == config.replace(norm_eps=again.config.norm_eps, init_std=again.config.init_std)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), model(ids))
+    with pytest.raises(ValueError, match="rope_truncate"):
+        export_gguf(Transformer(config.replace(rope_truncate=False)), tokenizer, tmp_path / "t.gguf")

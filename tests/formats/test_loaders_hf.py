@@ -23,6 +23,7 @@ LLAMA = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_atte
              rope_theta=5000.0, tie_word_embeddings=False, **COMMON)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, n_positions=64, **COMMON),
     "llama": lambda: transformers.LlamaConfig(**LLAMA),
@@ -32,6 +33,19 @@ CONFIGS = {
     # Llama 3.1's RoPE bands over an original context of 16: the 17-token tests cross it, and
     # d_head 8 puts one pair in the mixed band, three in the interpolated one
     "llama3": lambda: transformers.LlamaConfig(**LLAMA, rope_scaling=LLAMA3_ROPE),
+    # YaRN over an original context of 16: the attention factor derived (0.1 ln 4 + 1), and
+    # Qwen3's with everything stated (betas that move the band, no rounding of its edges)
+    "llama_yarn": lambda: transformers.LlamaConfig(**LLAMA, rope_scaling=YARN_ROPE),
+    "qwen3_yarn": lambda: transformers.Qwen3Config(**LLAMA, head_dim=8, rope_scaling=YARN_ROPE | {
+        "beta_fast": 8.0, "beta_slow": 2.0, "attention_factor": 1.25, "truncate": False}),
+}
+# ModelConfig fields each RoPE scaling above is read into
+ROPE_FIELDS = {
+    "llama3": dict(rope_scaling="llama3", rope_factor=8.0, original_context=16, rope_high_freq_factor=4.0),
+    "llama_yarn": dict(rope_scaling="yarn", rope_factor=4.0, original_context=16, rope_beta_fast=32.0,
+                       rope_beta_slow=1.0, rope_truncate=True, rope_attention_factor=None),
+    "qwen3_yarn": dict(rope_scaling="yarn", rope_factor=4.0, original_context=16, rope_beta_fast=8.0,
+                       rope_beta_slow=2.0, rope_truncate=False, rope_attention_factor=1.25),
 }
 
 
@@ -167,6 +181,18 @@ def test_unsupported_rope_scaling():
         config_from_hf(hf)
 
 
+def test_yarn_refuses_the_attention_factor_it_does_not_derive():
+    """DeepSeek's mscale / mscale_all_dim derive YaRN's attention factor another way: refused
+    by name, unless the factor is stated (transformers then reads neither)."""
+    yarn = YARN_ROPE | {"mscale": 1.0, "mscale_all_dim": 0.5}
+    hf = CONFIGS["llama"]().to_dict() | {"rope_parameters": yarn}
+    with pytest.raises(InputError) as error:
+        config_from_hf(hf)
+    assert error.value.field == "rope_scaling"
+    stated = hf | {"rope_parameters": yarn | {"attention_factor": 1.5}}
+    assert config_from_hf(stated).rope_attention_factor == 1.5
+
+
 @pytest.mark.parametrize("change", [{"num_attention_heads": 0}, {"hidden_size": "48"}, {"rope_theta": "x"},
                                     {"rope_scaling": [1]}])
 def test_a_config_value_of_another_type_is_an_input_error(change):
@@ -243,18 +269,18 @@ def test_config_missing_a_field_is_one_error(llama_folder):
         load_hf(llama_folder)
 
 
-def test_llama3_rope_on_every_path_and_back_to_transformers(tmp_path):
-    """Llama 3.1's RoPE scaling: the module path, the fused step and the engine equal
+@pytest.mark.parametrize("kind", list(ROPE_FIELDS))
+def test_rope_scaling_on_every_path_and_back_to_transformers(tmp_path, kind):
+    """Llama 3.1's RoPE scaling and YaRN: the module path, the fused step and the engine equal
     transformers past the original context; the exported folder is read back by transformers
     with the same rope_scaling and logits."""
     from glassformer.accel.quantize import quantize_model
     from glassformer.formats.export import export_hf
     from glassformer.serving import Engine, EngineConfig, RequestParams
 
-    reference = _save("llama3", tmp_path / "in")
+    reference = _save(kind, tmp_path / "in")
     model, tokenizer = load_hf(tmp_path / "in")
-    assert (model.config.rope_scaling, model.config.rope_factor, model.config.original_context,
-            model.config.rope_high_freq_factor) == ("llama3", 8.0, 16, 4.0)
+    assert {field: getattr(model.config, field) for field in ROPE_FIELDS[kind]} == ROPE_FIELDS[kind]
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = reference(ids).logits
@@ -273,6 +299,6 @@ def test_llama3_rope_on_every_path_and_back_to_transformers(tmp_path):
     assert handle.result.generated_ids == theirs
     export_hf(model, tokenizer, tmp_path / "out")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert again.config.rope_parameters["rope_type"] == "llama3"
+    assert again.config.rope_parameters["rope_type"] == ROPE_FIELDS[kind]["rope_scaling"]
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, expected, atol=1e-5, rtol=1e-5)

@@ -12,6 +12,7 @@ import torch
 
 from glassformer import get_preset
 from glassformer.formats.families import FAMILIES
+from glassformer.generation.paths import fused_source
 from glassformer.interpret import trace
 from glassformer.interpret.trace import capture, site_names
 from glassformer.model.encoder_decoder import build_model
@@ -26,7 +27,6 @@ from glassformer.model.sites import (
     layer_site,
     names,
 )
-from glassformer.generation.paths import fused_source
 
 # Every family's tiny config and the presets whose pieces no family has (post-norm, ALiBi, ...)
 CONFIGS = {**{f.name: f.read(f.example) for f in FAMILIES},

@@ -19,21 +19,27 @@ from torch import nn
 from ..config import ModelConfig
 
 
-def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> tuple[torch.Tensor, float]:
+def rope_inverse_frequencies(config: ModelConfig, local: bool = False,
+                             long: bool = False) -> tuple[torch.Tensor, float]:
     """θ_i for i < d/2 (d: the rotated dimensions, d_head unless partial), and the attention
-    factor that scales cos and sin (1 except YaRN). `local`: the sliding layers' own angles
-    where rope_local_theta sets their base (Gemma 3), which no scaling stretches.
+    factor that scales cos and sin (1 except YaRN and LongRoPE). `local`: the sliding layers'
+    own angles where rope_local_theta sets their base (Gemma 3), which no scaling stretches;
+    `long`: LongRoPE's set for a text past the original context (`uses_long_factors`).
 
     - linear (position interpolation, Chen et al. 2023): θ_i / s, i.e. positions m/s.
     - ntk (NTK-aware scaling, bloc97 2023): base' = base · s^(d/(d-2)), low frequencies stretch
       most, the highest is kept.
-    - yarn (Peng et al. 2023): per band, interpolate θ_i/s where a wavelength exceeds the original
-      context (fewer than β_slow=1 turns), keep θ_i where it has more than β_fast=32 turns, ramp
-      linearly between; and scale attention logits by (0.1·ln s + 1)² via cos and sin.
-    - llama3 (Meta's Llama 3.1): with the original context C, a wavelength λ_i = 2π/θ_i longer
-      than C / rope_low_freq_factor is interpolated (θ_i / s), one shorter than
-      C / rope_high_freq_factor kept, and between them θ_i is mixed as (1 - t)·θ_i/s + t·θ_i
-      with t = (C/λ_i - low) / (high - low).
+    - yarn (Peng et al. 2023): with the original context C, dimension 2i is kept (θ_i) at or
+      below the one where a pair turns β_fast times over C, interpolated (θ_i / s) at or above
+      the one where it turns β_slow times, and mixed linearly between (the edges rounded out to
+      whole dimensions unless rope_truncate is off); cos and sin times the attention factor
+      (rope_attention_factor, or 0.1·ln s + 1).
+    - llama3 (Meta's Llama 3.1): a wavelength λ_i = 2π/θ_i longer than C / rope_low_freq_factor
+      is interpolated (θ_i / s), one shorter than C / rope_high_freq_factor kept, and between
+      them θ_i is mixed as (1 - t)·θ_i/s + t·θ_i with t = (C/λ_i - low) / (high - low).
+    - longrope (Microsoft's LongRoPE, Phi-3): θ_i / f_i with per-pair factors f, the short ones
+      for a text within C and the long ones past it; cos and sin times the attention factor
+      (rope_attention_factor, or √(1 + ln s / ln C)).
     with s = rope_factor.
     """
     d, base, s = config.rotated_dim, config.rope_theta, config.rope_factor
@@ -46,15 +52,38 @@ def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> tuple[
     if config.rope_scaling == "linear":
         return inv_freq / s, 1.0
     if config.rope_scaling == "yarn":
-        low, high = _yarn_band(32.0, 1.0, d, base, config.original_context)
-        ramp = (torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
-        keep = 1.0 - ramp.clamp(0.0, 1.0)  # 1: extrapolate (keep θ_i), 0: interpolate (θ_i / s)
-        inv_freq = inv_freq / s * (1.0 - keep) + inv_freq * keep
-        return inv_freq, 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+        return _yarn(config, base**exponents), _attention_factor(config, 0.1 * math.log(s) + 1.0)
     if config.rope_scaling == "llama3":
         return _llama3(inv_freq, s, config.original_context, config.rope_low_freq_factor,
                        config.rope_high_freq_factor), 1.0
+    if config.rope_scaling == "longrope":
+        factors = torch.tensor(config.rope_long_factors if long else config.rope_short_factors)  # (d/2,)
+        derived = math.sqrt(1 + math.log(s) / math.log(config.original_context))
+        return 1.0 / (factors * base**exponents), _attention_factor(config, derived)
     return inv_freq, 1.0
+
+
+def _attention_factor(config: ModelConfig, derived: float) -> float:
+    """The stated attention factor, else `derived` (1 without an extension: s = 1)."""
+    if config.rope_attention_factor is not None:
+        return config.rope_attention_factor
+    return derived if config.rope_factor > 1 else 1.0
+
+
+def _yarn(config: ModelConfig, wavelength_scale: torch.Tensor) -> torch.Tensor:
+    """YaRN's θ_i (rope_inverse_frequencies) from base^(2i/d) (d/2,) -> (d/2,)."""
+    d, s, context = config.rotated_dim, config.rope_factor, config.original_context
+
+    def dim_for(turns: float) -> float:  # the dimension whose pair turns `turns` times over C
+        return d * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+    low, high = dim_for(config.rope_beta_fast), dim_for(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = (torch.arange(d // 2, dtype=torch.float32) - low) / (high - low if high != low else 1e-3)
+    keep = 1.0 - ramp.clamp(0.0, 1.0)  # 1: extrapolate (keep θ_i), 0: interpolate (θ_i / s)
+    return 1.0 / (s * wavelength_scale) * (1.0 - keep) + 1.0 / wavelength_scale * keep
 
 
 def _llama3(inv_freq: torch.Tensor, s: float, context: int, low: float, high: float) -> torch.Tensor:
@@ -64,20 +93,40 @@ def _llama3(inv_freq: torch.Tensor, s: float, context: int, low: float, high: fl
     return inv_freq / s * (1.0 - mix) + inv_freq * mix
 
 
-def _yarn_band(fast: float, slow: float, d: int, base: float, context: int) -> tuple[int, int]:
-    """The dimension indices where a pair turns `fast` and `slow` times over `context`."""
+def uses_long_factors(config: ModelConfig, highest: torch.Tensor | int) -> torch.Tensor | bool:
+    """LongRoPE's switch: whether a pass whose highest position is `highest` (any shape) turns
+    by the long factors, i.e. reaches past the original context (highest + 1 > C), as
+    transformers decides on each forward pass. A cache keeps the keys of earlier passes as
+    they were turned, so a text that crosses C while decoding holds keys of both sets."""
+    return highest + 1 > config.original_context
 
-    def dim_for(turns: float) -> float:
-        return d * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
 
-    return max(math.floor(dim_for(fast)), 0), min(math.ceil(dim_for(slow)), d - 1)
+def switches_to_long(config: ModelConfig, cached: int, length: int) -> bool:
+    """Whether a text of `length` tokens, the first `cached` of them with keys in a cache, is
+    computed again from its first token: under LongRoPE a text's keys are turned by the short
+    set while it fits the original context and all by the long set once it grows past, as
+    transformers' Phi-3 generation does (it drops its cache there)."""
+    return (config.rope_scaling == "longrope" and not uses_long_factors(config, cached - 1)
+            and bool(uses_long_factors(config, length - 1)))
+
+
+def rope_frequencies(config: ModelConfig, positions: torch.Tensor, inv_freq: torch.Tensor,
+                     long_inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """The θ_i each row of `positions` (B, T) turns by: inv_freq (d/2,) for every row, except
+    under LongRoPE, where each row picks its set by its own highest position (B, d/2); a
+    batch of texts of one length is turned as transformers turns it."""
+    if config.rope_scaling != "longrope":
+        return inv_freq
+    long = uses_long_factors(config, positions.amax(dim=-1, keepdim=True))  # (B, 1)
+    return torch.where(long, long_inv_freq, inv_freq)  # (B, d/2)
 
 
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, attention_factor: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of m·θ_i for positions m (B, T), each (B, 1, T, d) ready to broadcast."""
-    angles = positions.float()[..., None] * inv_freq.to(positions.device)  # (B, T, d/2)
+    """cos and sin of m·θ_i for positions m (B, T), each (B, 1, T, d) ready to broadcast;
+    inv_freq (d/2,) for every row, or (B, d/2) a set per row (`rope_frequencies`)."""
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)[..., None, :]  # (B, T, d/2)
     angles = torch.cat((angles, angles), dim=-1)[:, None]  # (B, 1, T, d)
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
