@@ -22,7 +22,7 @@ from ..model.sites import layer_site
 from ..model.transformer import Transformer
 from .config import RequestParams
 
-FUSED, MODULES = "fused", "modules"
+FUSED, MODULES, GRAPH = "fused", "modules", "graph"
 
 # Prompts up to this many tokens take the fused step in the engine; a longer one's prompt
 # rows keep the module path, whose attention over a chunk is one product for all its rows,
@@ -34,7 +34,7 @@ FUSED_PROMPT_TOKENS = 2048
 
 @dataclass(frozen=True)
 class Path:
-    name: str  # FUSED or MODULES
+    name: str  # FUSED, MODULES or GRAPH
     reason: str  # why, in words
 
 
@@ -51,6 +51,7 @@ class Asks:
     params: RequestParams | None = None  # the request's settings (capture, steering, adapter)
     adapter_fused: bool = True  # its adapter, if it names one, is built for the fused step
     prompt: int = 0  # the length of the prompt whose rows these are (0: generated tokens)
+    graph: bool = False  # the engine runs decoding rows as a compiled graph (serving/graph_path.py)
 
 
 def choose_path(model: Transformer, asks: Asks) -> Path:
@@ -58,6 +59,9 @@ def choose_path(model: Transformer, asks: Asks) -> Path:
     reason = module_reason(asks)
     if reason is not None:
         return Path(MODULES, reason)
+    if asks.graph:
+        reason = graph_reason(model, asks)
+        return Path(MODULES, reason) if reason else Path(GRAPH, "a plain decoding row, in the bucket's graph")
     if not model.has_fused_step:
         return Path(MODULES, "the model has no fused step (glassformer.quantize gives one)")
     step = model.fused_step()
@@ -95,6 +99,29 @@ def module_reason(asks: Asks) -> str | None:
         return f"it captures {unseen[0]}, a site the fused step does not emit"
     if params.adapter is not None and not asks.adapter_fused:
         return f"its adapter {params.adapter!r} is not built for the fused step"
+    return None
+
+
+def graph_reason(model: Transformer, asks: Asks) -> str | None:
+    """Why a row the module path could take stays there rather than the graph executor
+    (plain decoding rows over FlexAttention's masks: causal, a sliding window); or None."""
+    config, params = model.config, asks.params
+    if model.has_fused_step:
+        return "the model runs a fused C++ step (a --quantize conversion); the graph runs the plain weights"
+    if asks.prompt:
+        return "a prompt's chunk (the graph runs one new token per row)"
+    if params is not None and params.inspects:
+        return "it captures, steers or reads the lens (the graph has no hook sites)"
+    if params is not None and params.adapter is not None:
+        return f"its adapter {params.adapter!r} runs on the module path"
+    if config.position not in ("rope", "learned", "sinusoidal", "none"):
+        return f"{config.position} positions bias the scores (the graph's mask is causal and a window)"
+    if config.attn_softcap is not None:
+        return "soft-capped scores (the graph's attention is plain)"
+    if config.layer_windows is not None:
+        return "windows differ by layer (the graph's mask has one window)"
+    if config.rope_long_factors is not None:
+        return "LongRoPE turns a request by one of two sets (the graph reads one table)"
     return None
 
 

@@ -72,6 +72,8 @@ class EngineConfig:
     attention: str = "fast"  # "fast" | "reference"
     batch_invariant: bool = True  # row tiles: tokens independent of what shares a step (runner.py)
     trace_length: int = 1000  # steps kept in the trace
+    # plain decoding rows as a compiled step per batch bucket (graph_path.py; CUDA graphs on a GPU)
+    graph: bool = False
     # attention sinks (model/sink.py): every request keeps its first S and last W keys and
     # streams past the window. Per engine: the pool's accounting (S + W slots a request, no
     # prefix sharing) and the fused step's refusal follow from it, and a server takes it as flags.
@@ -111,13 +113,13 @@ class Engine:
         prefix_caching = config.prefix_caching and config.sink is None
         self.blocks = BlockManager(n_blocks, config.block_size, prefix_caching)
         device = model.embed.tokens.weight.device
-        self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device)
+        self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device, scratch=config.graph)
         # fast attention takes a prompt's queries in groups: the budget cuts prompts between them
         group = query_group(config.block_size, config.token_budget) if config.attention == "fast" else 1
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.token_budget, config.sink, group)
         self.adapters = Adapters(mc, base, model.embed.tokens.weight.dtype, device)
         self.runner = ModelRunner(model, self.pool, config.attention, config.batch_invariant,
-                                  config.sink, self.adapters, group)
+                                  config.sink, self.adapters, group, config.graph)
         # how many tokens a request may reach: the window, or any number under the sink policy
         self.window = mc.context_length if config.sink is None else math.inf
         self.stats = EngineStats()

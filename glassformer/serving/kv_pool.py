@@ -16,6 +16,8 @@ hold a cached prefix), so memory follows the work the engine has seen, up to the
 two short prompts never take the whole `--kv-memory-mb`. On an accelerator the whole pool is
 taken at once instead (`preallocate`): its addresses never move, so a step's index tensors
 and a captured graph stay valid, and the device's memory is set aside for the cache anyway.
+The graph executor (graph_path.py) takes it whole too, with one scratch block past the last
+(`scratch`): its padding rows write their keys there, never into a request's block.
 """
 
 from __future__ import annotations
@@ -41,12 +43,15 @@ def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str) -> int:
 
 class KVPool:
     def __init__(self, config: ModelConfig, n_blocks: int, block_size: int, kv_dtype: str = "fp32",
-                 device: torch.device | str = "cpu", preallocate: bool | None = None) -> None:
-        """`preallocate`: take all n_blocks now (default: on any device but the CPU)."""
+                 device: torch.device | str = "cpu", preallocate: bool | None = None,
+                 scratch: bool = False) -> None:
+        """`preallocate`: take all n_blocks now (default: on any device but the CPU);
+        `scratch`: all of them now and one block more, `scratch_block`, no request's."""
         bytes_per_block(config, block_size, kv_dtype)  # validates kv_dtype
         self.n_blocks, self.block_size, self.kv_dtype = n_blocks, block_size, kv_dtype
         self.slot_shape = (config.kv_heads, config.head_dim)  # (KV, d_head) per slot
         self.device, self.allocated = device, 0  # blocks held in memory so far
+        self.scratch_block = n_blocks if scratch else None
         empty = [torch.zeros(0, *self.slot_shape, dtype=KV_DTYPES[kv_dtype], device=device)
                  for _ in range(2 * config.n_layers)]  # (slots, KV, d_head) each
         self.keys, self.values = empty[: config.n_layers], empty[config.n_layers :]
@@ -55,7 +60,7 @@ class KVPool:
         if is_scaled(kv_dtype):  # (slots, KV) one scale per slot and head
             scales = [torch.zeros(0, config.kv_heads, device=device) for _ in range(2 * config.n_layers)]
             self.key_scales, self.value_scales = scales[: config.n_layers], scales[config.n_layers :]
-        if preallocate if preallocate is not None else torch.device(device).type != "cpu":
+        if scratch or (preallocate if preallocate is not None else torch.device(device).type != "cpu"):
             self.reserve(n_blocks)
 
     def reserve(self, n_blocks: int) -> None:
@@ -66,7 +71,8 @@ class KVPool:
         if n_blocks > self.n_blocks:
             raise InputError("blocks", f"{n_blocks} needed, the pool has {self.n_blocks}")
         grown = min(self.n_blocks, max(n_blocks, self.allocated + self.allocated // 4))
-        extra = (grown - self.allocated) * self.block_size  # new slots
+        scratch = self.scratch_block is not None and grown == self.n_blocks  # taken whole: one more
+        extra = (grown - self.allocated + scratch) * self.block_size  # new slots
         for store in (self.keys, self.values, self.key_scales, self.value_scales):
             for layer, t in enumerate(store):
                 store[layer] = torch.cat([t, t.new_zeros(extra, *t.shape[1:])])

@@ -15,6 +15,11 @@ whatever shares its step (on the fused step bit for bit; on the module path with
 rounding of its attention kernel). The price is prefill speed for float weights;
 `invariant=False` sends all rows to each product at once instead.
 
+With `graph=True` (serve / generate --prompts-file `--compile`) plain decoding rows take the
+graph executor (graph_path.py): a compiled step per batch bucket over the pool through
+FlexAttention; prompt chunks and rows that inspect, steer or name an adapter stay on the module
+path, each with its reason.
+
 A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
 each product it targets, on those rows alone (adapters.py), on either path.
 """
@@ -25,11 +30,12 @@ import torch
 
 from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import can_build
-from ..generation.paths import FUSED, MODULES, Asks, Path, choose_path, module_reason
+from ..generation.paths import FUSED, GRAPH, MODULES, Asks, Path, choose_path, module_reason
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters, itself
 from .executors import FusedPath, ModulePath, RopeTables
+from .graph_path import GraphPath
 from .kv_pool import KVPool
 from .read_out import step_logits
 from .row_tiles import row_invariant
@@ -74,12 +80,14 @@ CAPABILITIES = CapabilityTable("serving engine", {
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, attention: str = "fast",
                  invariant: bool = True, sink: SinkPolicy | None = None,
-                 adapters: Adapters | None = None, group: int = 1) -> None:
+                 adapters: Adapters | None = None, group: int = 1, graph: bool = False) -> None:
         """`model` is one the engine accepts (CAPABILITIES, checked by Engine; `sink` checked
         by it too); `adapters`: the LoRA adapters requests may name (adapters.py), applied to
-        their rows; `group`: the fast attention's query group (paged_attention.py)."""
+        their rows; `group`: the fast attention's query group (paged_attention.py); `graph`:
+        plain decoding rows run compiled (graph_path.py; the pool made with its scratch block)."""
         config = model.config
         self.model, self.pool, self.attention, self.sink = model, pool, attention, sink
+        self.graph = graph
         self.adapters = adapters
         # the model's own modules; with invariance, a view whose products run in row tiles
         self.layers = model.with_products(row_invariant) if invariant else model
@@ -94,15 +102,17 @@ class ModelRunner:
         self.executors = {FUSED: FusedPath(model, pool, rope, adapters),
                           MODULES: ModulePath(self.layers, model, pool, attention == "fast", sink, rope,
                                               group, adapters)}
+        if graph:
+            self.executors[GRAPH] = GraphPath(model, pool, rope)
 
     def _asks(self, seq: Sequence | None = None) -> Asks:
         """What seq's rows ask of the step (the pool's, without a request)."""
         if seq is None:
             return Asks(kv_dtype=self.pool.kv_dtype, moves_keys=self.sink is not None, paged=True,
-                        attention=self.attention)
+                        attention=self.attention, graph=self.graph)
         params = seq.params
         return Asks(kv_dtype=self.pool.kv_dtype, moves_keys=self.sink is not None, paged=True,
-                    attention=self.attention, params=params,
+                    attention=self.attention, params=params, graph=self.graph,
                     adapter_fused=params.adapter is None or self.adapters[params.adapter].fused is not None,
                     # a prompt's last token, cut off by the budget, is its query group's as alone
                     prompt=seq.prompt_len if seq.num_computed < seq.prompt_len else 0)

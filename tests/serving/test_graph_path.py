@@ -1,0 +1,79 @@
+"""The graph executor (serving/graph_path.py) and its FlexAttention paged attention
+(serving/flex_paged.py) against the module path over the same pool."""
+
+import pytest
+import torch
+
+from glassformer.generation.config import RequestParams, Steer
+from glassformer.generation.paths import GRAPH, MODULES
+from glassformer.serving import Engine, EngineConfig
+from glassformer.serving.flex_paged import FlexPagedCache, paged_block_mask
+from glassformer.serving.graph_path import BUCKETS, bucket_of
+from glassformer.serving.kv_pool import KVPool
+from glassformer.serving.paged_attention import PagedView, Part, slots_of
+
+
+def _engine(model, graph: bool, max_batch: int = 4) -> Engine:
+    return Engine(model, None, EngineConfig(block_size=4, n_blocks=48, max_batch=max_batch,
+                                            token_budget=16, graph=graph))
+
+
+def _greedy(engine: Engine, prompts, new_tokens: int, params=None) -> list[list[int]]:
+    params = params or [RequestParams(max_new_tokens=new_tokens, eos_ids=())] * len(prompts)
+    handles = [engine.submit(p, q, request_id=str(i)) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
+    engine.run_until_done()
+    return [h.wait(0).generated_ids for h in handles]
+
+
+def _paths(engine: Engine) -> dict[str, set[tuple[str, str]]]:
+    seen: dict[str, set[tuple[str, str]]] = {}
+    for trace in engine.trace:
+        for (rid, _), path in zip(trace.requests, trace.paths, strict=True):
+            seen.setdefault(rid, set()).add(path)
+    return seen
+
+
+def test_buckets_hold_every_batch_up_to_the_largest():
+    assert [bucket_of(n) for n in (1, 2, 3, 5, 16, 17, 256)] == [1, 2, 4, 8, 16, 32, 256]
+    assert BUCKETS[-1] == 256
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_paged_attention_matches_the_paged_view(tiny, window):
+    """Three decoding rows of different lengths and one padding row (at the scratch block),
+    compiled, against the reference paged view over the same pool."""
+    model = tiny(sliding_window=window)
+    config, bs = model.config, 4
+    pool = KVPool(config, 12, bs, scratch=True)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(config.n_layers):
+        pool.keys[layer].copy_(torch.randn(pool.keys[layer].shape, generator=g))
+        pool.values[layer].copy_(torch.randn(pool.values[layer].shape, generator=g))
+    tables, lengths = [[3, 0, 7], [5], [1, 9]], [11, 2, 6]
+    H, KV, d = config.n_heads, config.kv_heads, config.head_dim
+    q = torch.randn(4, H, 1, d, generator=g)  # (B, H, 1, d_head): the last row pads
+    k, v = torch.randn(4, KV, 1, d, generator=g), torch.randn(4, KV, 1, d, generator=g)
+    slots = [slots_of(t, n, bs) for t, n in zip(tables, lengths, strict=True)]
+    kv_blocks = torch.tensor([len(t) for t in tables] + [1], dtype=torch.int32).view(4, 1, 1)
+    kv_indices = torch.full((4, 1, 1, 13), 12, dtype=torch.int32)
+    block_position = torch.zeros(13, dtype=torch.long)
+    for i, t in enumerate(tables):
+        kv_indices[i, 0, 0, : len(t)] = torch.tensor(t)
+        block_position[t] = torch.arange(len(t))
+    positions = torch.tensor([n - 1 for n in lengths] + [0])
+    new_slots = torch.stack([s[-1] for s in slots] + [torch.tensor(12 * bs)])
+
+    def flex(keys, values):
+        mask = paged_block_mask(kv_blocks, kv_indices, block_position, positions, bs, keys[0].shape[0], window)
+        return FlexPagedCache(keys, values, new_slots, mask, [None]).attend(0, q, k, v, None, None)
+
+    keys, values = [t.clone() for t in pool.keys], [t.clone() for t in pool.values]
+    got = torch.compile(flex, fullgraph=True, dynamic=False)(keys, values)  # (4, H, 1, d_head)
+    parts = [Part(i, 1, s) for i, s in enumerate(slots)]
+    view = PagedView(pool, parts, True, model)
+    attn = model.blocks[0].attn
+    want = view.attend(0, q[:3, :, 0].transpose(0, 1)[None], k[:3, :, 0].transpose(0, 1)[None],
+                       v[:3, :, 0].transpose(0, 1)[None], None, attn.context)  # (1, H, 3, d_head)
+    torch.testing.assert_close(got[:3, :, 0], want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys[0][: 12 * bs], pool.keys[0][: 12 * bs])  # padding wrote nowhere else
+    assert torch.isfinite(got[3]).all()
