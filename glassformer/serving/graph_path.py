@@ -78,7 +78,8 @@ class GraphPath:
         self.rope = None if rope is None else rope.short
         self.device = model.embed.tokens.weight.device
         blocks = pool.n_blocks + 1  # the scratch block last
-        self.width = min(blocks, -(-model.config.context_length // pool.block_size))  # blocks a row may hold
+        # a row's table as wide as the pool: FlexAttention's mask spans every key it is given
+        self.width = blocks
         self.block_position = torch.zeros(blocks, dtype=torch.long)  # (blocks,) on the host
         self.block_position_on_device = self.block_position.to(self.device)  # (blocks,)
         self.buffers: dict[int, DecodeBuffers] = {}
@@ -105,7 +106,7 @@ class GraphPath:
             table = seq.block_table[: position // bs + 1]
             ids[i], positions[i], slots[i] = seq.tokens[seq.num_computed], position, r.slots[-1]
             kv_blocks[i] = len(table)
-            kv_indices[i, 0, 0, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            kv_indices[i, 0, 0, : len(table)] = torch.tensor(table, dtype=torch.int32)  # the rest unread
             self.block_position[table] = torch.arange(len(table))
         buffers = self.buffers.get(rows)
         if buffers is None:

@@ -77,3 +77,51 @@ def test_flex_paged_attention_matches_the_paged_view(tiny, window):
     torch.testing.assert_close(got[:3, :, 0], want[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(keys[0][: 12 * bs], pool.keys[0][: 12 * bs])  # padding wrote nowhere else
     assert torch.isfinite(got[3]).all()
+
+
+def test_the_graph_decodes_as_the_module_path_without_recompiling(tiny, prompts):
+    """Requests of different lengths side by side (buckets 4, 2, 1 as they finish), then again
+    in a second engine run: greedy tokens equal to the module path's, and once each bucket is
+    compiled no step compiles again."""
+    model = tiny()
+    asked = prompts([3, 9, 6])
+    lengths = [6, 4, 2]
+    want = [_greedy(_engine(model, graph=False), [p], n)[0] for p, n in zip(asked, lengths, strict=True)]
+    engine = _engine(model, graph=True)
+    params = [RequestParams(max_new_tokens=n, eos_ids=()) for n in lengths]
+    assert _greedy(engine, asked, 0, params) == want
+    assert {path for path, _ in _paths(engine)["0"]} == {GRAPH, MODULES}  # its prompt, then its tokens
+    with torch.compiler.set_stance("fail_on_recompile"):
+        again = _engine(model, graph=True)
+        assert _greedy(again, asked, 0, params) == want  # the same buckets: no compile
+
+
+def test_bucket_padding_leaves_a_rows_numbers_alone(tiny, prompts):
+    """A request's tokens and log-probabilities alone (bucket 1) and beside two others (bucket
+    4, one padding row)."""
+    model = tiny()
+    asked = prompts([5, 7, 4], seed=3)
+    runs = []
+    for batch in ([asked[0]], asked):
+        engine = _engine(model, graph=True)
+        handles = [engine.submit(p, RequestParams(max_new_tokens=3, eos_ids=(), logprobs=0), request_id=str(i))
+                   for i, p in enumerate(batch)]
+        engine.run_until_done()
+        runs.append([(e.token_id, e.logprobs.logprob) for e in handles[0] if e.token_id is not None])
+    alone, shared = runs
+    assert [t for t, _ in alone] == [t for t, _ in shared]
+    torch.testing.assert_close(torch.tensor([lp for _, lp in alone]), torch.tensor([lp for _, lp in shared]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_inspecting_rows_keep_the_module_path_with_their_reason(tiny, prompts):
+    model = tiny()
+    d = model.config.d_model
+    asks = [RequestParams(max_new_tokens=2, eos_ids=(), capture=("blocks.0.resid_post",)),
+            RequestParams(max_new_tokens=2, eos_ids=(), steer=(Steer("blocks.0.resid_post", torch.ones(d), 0.5),))]
+    engine = _engine(model, graph=True)
+    _greedy(engine, prompts([4, 5]), 0, asks)
+    seen = _paths(engine)
+    assert seen["0"] == {(MODULES, "it captures, steers or reads the lens (the graph has no hook sites)"),
+                         (MODULES, "a prompt's chunk (the graph runs one new token per row)")}
+    assert seen["1"] == {(MODULES, "it steers or ablates (the fused step has no hook sites)")}
