@@ -120,9 +120,6 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--question", "give it with --context retrieve, and only then")
     if args.context == "retrieve" and args.prompts_file is not None:
         raise InputError(None, "--context retrieve: one document at a time, not with --prompts-file")
-    if args.compile and args.prompts_file is not None:
-        raise InputError("--compile", "--prompts-file runs the serving engine (its paged cache), "
-                         "which has no compiled step; give one prompt")
     prompt = None if args.prompts_file is not None else read_prompt(args)
     config = GenerationConfig(
         max_new_tokens=or_default(args.max_new_tokens, MAX_NEW_TOKENS),

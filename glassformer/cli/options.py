@@ -226,7 +226,9 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
                "registers it under NAME for requests to steer with"),
     _flag("--compile", action="store_true",
           help="decode with the one-token step compiled over fixed KV buffers (torch.compile; "
-               "CUDA graphs on a GPU): the plain weights, the first steps slow while it compiles"),
+               "CUDA graphs on a GPU): the plain weights, the first steps slow while it compiles; "
+               "serve and --prompts-file: the engine's plain decoding rows compiled per batch "
+               "bucket over the paged pool (FlexAttention)"),
     *_engine_flags(),
 )})
 
@@ -266,7 +268,8 @@ def add_computing(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig that the ENGINE and CONTEXT flags describe."""
-    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_HELP}, sink=sink_policy(args))
+    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_HELP}, sink=sink_policy(args),
+                        graph=getattr(args, "compile", False))
 
 
 def sink_policy(args: argparse.Namespace, retrieve: bool = False) -> SinkPolicy | None:

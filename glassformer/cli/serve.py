@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
     add(parser, "--model", required=True)
     parser.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
-    add(parser, "--quantize", "--lora")
+    add(parser, "--quantize", "--lora", "--compile")
     parser.add_argument("--lora-dir", action="append", default=None, metavar="DIR",
                         help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter for "
                              "adapters under DIR (repeat for more folders; without it both answer "
@@ -108,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
                           lora_dirs=tuple(os.path.realpath(d) for d in args.lora_dir or ()))
     vectors = _steering_vectors(args.steer or [])
     engine = engine_config(args)
+    if args.compile and args.quantize is not None:
+        raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
+                         "(a fused C++ step)")
     if args.ray:
         if args.lora:
             raise InputError("--lora", "not with --ray (each replica would need its own copy)")

@@ -62,5 +62,6 @@ class FlexPagedCache:
         values.index_copy_(0, self.slots, v[:, :, 0].to(values.dtype))
         pooled_k = keys.transpose(0, 1)[None].to(q.dtype)  # (1, KV, S_pool, d_head)
         pooled_v = values.transpose(0, 1)[None].to(q.dtype)  # (1, KV, S_pool, d_head)
-        return flex_attention(q, pooled_k, pooled_v, block_mask=self.block_mask,
-                              scale=self.scales[layer], enable_gqa=q.shape[1] != k.shape[1])  # (B, H, 1, d_head)
+        grouped = q.shape[1] != k.shape[1]  # grouped-query attention
+        return flex_attention(q, pooled_k, pooled_v, block_mask=self.block_mask, scale=self.scales[layer],
+                              enable_gqa=grouped)  # (B, H, 1, d_head)

@@ -111,12 +111,14 @@ class GraphPath:
         buffers = self.buffers.get(rows)
         if buffers is None:
             buffers = self.buffers[rows] = DecodeBuffers(rows, self.width, self.device)
-        for buffer, value in zip(buffers.tensors(), (ids, positions, slots, kv_blocks, kv_indices), strict=True):
+        filled = (ids, positions, slots, kv_blocks, kv_indices)
+        for buffer, value in zip(buffers.tensors(), filled, strict=True):
             buffer.copy_(value, non_blocking=True)
         self.block_position_on_device.copy_(self.block_position, non_blocking=True)
-        inputs = (*buffers.tensors(), self.block_position_on_device, self.pool.keys, self.pool.values, bs, self.rope)
+        fixed = (*buffers.tensors(), self.block_position_on_device)
+        inputs = (*fixed, self.pool.keys, self.pool.values, bs, self.rope)
         if self.device.type == "cuda":  # the buffers stay where the recorded graph reads them
-            for tensor in (*buffers.tensors(), self.block_position_on_device, *self.pool.keys, *self.pool.values):
+            for tensor in (*fixed, *self.pool.keys, *self.pool.values):
                 torch._dynamo.mark_static_address(tensor)
             torch.compiler.cudagraph_mark_step_begin()
             return self.step(self.model, *inputs)[: len(requests)].clone()

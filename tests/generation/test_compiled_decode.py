@@ -157,7 +157,7 @@ def test_refuses_hooks_and_a_fused_step():
     (["chat"], ["--quantize", "none"], "--compile: compiles the plain PyTorch weights"),
     (["generate", "hi"], ["--beams", "2"], "compile: beam search"),
     (["generate", "hi"], ["--no-cache"], "compile: the compiled step decodes against the KV cache"),
-    (["generate", "--prompts-file", "never-read.jsonl"], [], "--compile: --prompts-file"),
+    (["serve"], ["--quantize", "int8"], "--compile: compiles the plain PyTorch weights"),
 ])
 def test_the_command_refuses_in_one_line(command, flags, named, capsys):
     assert main([*command, "--model", "never-read", "--compile", *flags]) == 2

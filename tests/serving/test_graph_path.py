@@ -20,7 +20,8 @@ def _engine(model, graph: bool, max_batch: int = 4) -> Engine:
 
 def _greedy(engine: Engine, prompts, new_tokens: int, params=None) -> list[list[int]]:
     params = params or [RequestParams(max_new_tokens=new_tokens, eos_ids=())] * len(prompts)
-    handles = [engine.submit(p, q, request_id=str(i)) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
+    asked = zip(prompts, params, strict=True)
+    handles = [engine.submit(p, q, request_id=str(i)) for i, (p, q) in enumerate(asked)]
     engine.run_until_done()
     return [h.wait(0).generated_ids for h in handles]
 
@@ -64,7 +65,8 @@ def test_flex_paged_attention_matches_the_paged_view(tiny, window):
     new_slots = torch.stack([s[-1] for s in slots] + [torch.tensor(12 * bs)])
 
     def flex(keys, values):
-        mask = paged_block_mask(kv_blocks, kv_indices, block_position, positions, bs, keys[0].shape[0], window)
+        mask = paged_block_mask(kv_blocks, kv_indices, block_position, positions, bs, keys[0].shape[0],
+                                window)
         return FlexPagedCache(keys, values, new_slots, mask, [None]).attend(0, q, k, v, None, None)
 
     keys, values = [t.clone() for t in pool.keys], [t.clone() for t in pool.values]
@@ -104,8 +106,8 @@ def test_bucket_padding_leaves_a_rows_numbers_alone(tiny, prompts):
     runs = []
     for batch in ([asked[0]], asked):
         engine = _engine(model, graph=True)
-        handles = [engine.submit(p, RequestParams(max_new_tokens=3, eos_ids=(), logprobs=0), request_id=str(i))
-                   for i, p in enumerate(batch)]
+        params = RequestParams(max_new_tokens=3, eos_ids=(), logprobs=0)
+        handles = [engine.submit(p, params, request_id=str(i)) for i, p in enumerate(batch)]
         engine.run_until_done()
         runs.append([(e.token_id, e.logprobs.logprob) for e in handles[0] if e.token_id is not None])
     alone, shared = runs
@@ -118,7 +120,8 @@ def test_inspecting_rows_keep_the_module_path_with_their_reason(tiny, prompts):
     model = tiny()
     d = model.config.d_model
     asks = [RequestParams(max_new_tokens=2, eos_ids=(), capture=("blocks.0.resid_post",)),
-            RequestParams(max_new_tokens=2, eos_ids=(), steer=(Steer("blocks.0.resid_post", torch.ones(d), 0.5),))]
+            RequestParams(max_new_tokens=2, eos_ids=(),
+                          steer=(Steer("blocks.0.resid_post", torch.ones(d), 0.5),))]
     engine = _engine(model, graph=True)
     _greedy(engine, prompts([4, 5]), 0, asks)
     seen = _paths(engine)
