@@ -186,7 +186,7 @@ def test_when_it_does_not_apply():
     with torch.no_grad():
         assert "decode kernels" in why_not(plain) and plain.fused_step() is None
         post = quantize_model(Transformer(get_preset("tiny-gpt1")), "none")
-        assert "pre-norm" in why_not(post) and post.fused_step() is None
+        assert "norm_placement='post'" in why_not(post) and post.fused_step() is None
         model = _converted("tiny-llama", "none")
         with model.hooks.installed({"blocks.0.attn.q": lambda t, s: None}):
             assert "hooks" in why_not(model) and model.fused_step() is None

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from fused_paths import check_fused_step
 
 from glassformer.formats.export import export_hf
 from glassformer.formats.gguf import load_gguf
@@ -109,6 +110,14 @@ def test_greedy_tokens_of_generate_and_the_engine_equal_transformers(pair):
         handle = engine.submit(prompt.tolist(), RequestParams(max_new_tokens=16, eos_ids=()))
         engine.run_until_done()
         assert handle.result.generated_ids == theirs, attention
+
+
+@pytest.mark.usefixtures("kernels")
+def test_the_fused_step_computes_the_family_in_every_format(pair):
+    """(1 + w) norms, the embedding scale, sandwich norms, soft-capped scores, the score scale
+    and each layer's window: in the C++ step too."""
+    folder = pair[3]
+    check_fused_step(lambda: load_hf_model(folder), IDS[0, :12].tolist())
 
 
 def test_config_fields(pair):
