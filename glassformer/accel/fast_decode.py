@@ -70,7 +70,7 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "attn_scale": any_value("scores times attn_scale^-1/2"),
     "attn_softcap": any_value("the C++ scores capped to c tanh(s / c) before ALiBi and softmax"),
     "scale_head_input": any_value(_PYTHON),
-    "norm_weight_offset": any_value("the C++ RMSNorm rows scale by offset + w"),
+    "norm_weight_offset": any_value("the C++ RMSNorm rows (block, query, key) scale by offset + w"),
     "embed_scale": any_value("Python embeds the token with the model's own embedding"),
     "final_softcap": any_value(_PYTHON),
     "rope_local_theta": only(None, reason="one set of RoPE angles for every layer"),

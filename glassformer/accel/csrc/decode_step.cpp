@@ -450,18 +450,19 @@ void DecodeStep::normalize(const torch::Tensor& x, const NormWeights& norm,
 
 // The query heads q (H d_head) and key heads k (KV d_head) of one row through the layer's
 // RMSNorms, in place: each head on its own (QkNorm::head, one weight for every head) or all
-// heads side by side as one row (QkNorm::all).
+// heads side by side as one row (QkNorm::all); scaled by offset + w as the block norms are.
 void DecodeStep::normalize_heads(float* q, float* k, const LayerWeights& layer) const {
   const int64_t D = config_.d_head;
-  const float eps = static_cast<float>(config_.norm_eps);
+  const float eps = static_cast<float>(config_.norm_eps), offset = static_cast<float>(config_.norm_offset);
   for (const auto& [x, heads, norm] : {std::tuple{q, config_.n_heads, &layer.q_norm},
                                        std::tuple{k, config_.n_kv_heads, &layer.k_norm}}) {
     const float* w = (*norm)->weight.data_ptr<float>();
     if (config_.qk_norm == QkNorm::all) {
-      rms_norm_row(x, w, heads * D, eps, x);
+      rms_norm_row(x, w, heads * D, eps, x, offset);
       continue;
     }
-    for (int64_t head = 0; head < heads; ++head) rms_norm_row(x + head * D, w, D, eps, x + head * D);
+    for (int64_t head = 0; head < heads; ++head)
+      rms_norm_row(x + head * D, w, D, eps, x + head * D, offset);
   }
 }
 

@@ -488,7 +488,7 @@ struct DecodeConfig {
   // per layer: attend to at most this many most recent positions; 0: all
   std::vector<int64_t> windows;
   Norm norm = Norm::layernorm;
-  double norm_offset = 0.0;  // the block norms (RMSNorm) scale by norm_offset + w (Gemma: 1)
+  double norm_offset = 0.0;  // the RMSNorms (block, query, key) scale by norm_offset + w (Gemma: 1)
   QkNorm qk_norm = QkNorm::none;  // q and k after the product, before RoPE
   Activation activation = Activation::gelu;
   bool gated = false;  // act(gate) * up for up's output [gate | up]
