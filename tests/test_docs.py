@@ -66,12 +66,12 @@ def test_the_table_follows_the_capability_tables_and_the_registry(monkeypatch):
     generator = _supported_models()
     before = generator.supported_models_markdown()
     fused = 3 + list(generator.PATHS).index("fused decode step")  # after model_type, GGUF, pieces
-    assert _row(before, "Qwen3")[fused] == "no: `qk_norm`"
-    rules = fast_decode.CAPABILITIES.rules | {"qk_norm": any_value()}
+    assert _row(before, "Gemma 3")[fused] == "no: `rope_local_theta`"
+    rules = fast_decode.CAPABILITIES.rules | {"rope_local_theta": any_value()}
     table = dataclasses.replace(fast_decode.CAPABILITIES, rules=rules)
     monkeypatch.setattr(fast_decode, "CAPABILITIES", table)
     monkeypatch.setattr(generator, "FAMILIES", (*FAMILIES, dataclasses.replace(FAMILIES[1], name="Llama 3")))
     after = generator.supported_models_markdown()
-    assert _row(after, "Qwen3")[fused] == "yes"
-    assert "Qwen3: fused decode step" in before and "Qwen3: fused decode step" not in after
+    assert _row(after, "Gemma 3")[fused] == "yes"
+    assert "Gemma 3: fused decode step" in before and "Gemma 3: fused decode step" not in after
     assert _row(after, "Llama 3") == _row(after, "Llama")

@@ -2,8 +2,9 @@
 
 For a drawn `ModelConfig` with random weights and a weight format, the paths are:
   - `generate` on the plain model (module path, nn.Linear);
-  - `generate` after `quantize_model(copy, fmt)`: the fused C++ step where it accepts the
-    config, else the module path, and the uncached module path (`use_cache=False`);
+  - `generate` after `quantize_model(copy, fmt)`: the fused C++ step where its table accepts
+    the config (every field drawn here but T5's relative bias and post-norm), else the module
+    path, and the uncached module path (`use_cache=False`);
   - the serving `Engine` with reference and with fast attention, the request alone and
     batched with other random requests arriving at other steps.
 The oracle is the module path of the model each path runs: a full forward (no cache) over
@@ -18,7 +19,8 @@ Checks, per path:
   - seeded sampling (temperature 1, the same seed) gives the same tokens on every path;
   - the engine alone and batched give the same tokens exactly (batch invariance);
   - the quantized model's oracle logits are within FORMAT_TOLERANCE of the plain model's,
-    and its greedy tokens are the plain model's argmax unless the plain margin is below it.
+    and its greedy tokens are the plain model's argmax unless the plain margin is below it
+    (not for UNBOUNDED_FORMATS, where the format's rounding itself exceeds it).
 A path that cannot compute a config may refuse it with a ValueError naming the field.
 """
 
@@ -33,7 +35,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from glassformer import ModelConfig, Transformer
-from glassformer.accel import kernels
+from glassformer.accel import fast_decode, kernels
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
@@ -49,6 +51,12 @@ TIGHT = {"plain": 2e-3, "none": 2e-3, "bf16": 2e-3, "int8": 3e-2, "int4": 3e-2}
 # too), measured on these random models at about half of each bound (4-bit blocks of
 # Gaussian weights move the logits by over one std).
 FORMAT_TOLERANCE = {"plain": 1e-4, "none": 1e-4, "bf16": 0.1, "int8": 0.6, "int4": 2.5}
+# Output norms without input norms ("out") scale each sublayer's output, rounding and all, to
+# the size of the residual stream, where pre-norm blocks add a fraction of it: int4's rounding
+# of these random weights then moves the logits by up to 4.3 std, and a plain model holding
+# int4's dequantized weights by as much (the format's own rounding, not a path's). There the
+# format is not held against the plain model; every path is still held against its oracle.
+UNBOUNDED_FORMATS = {("int4", "out")}
 PROMPT, NEW, SEED = 8, 10, 7
 SAMPLING = SamplingConfig(temperature=1.0)
 FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -126,10 +134,7 @@ def configs(draw) -> tuple[ModelConfig, str]:
         init_std=0.2,
         **gemma,
     )
-    # int4's rounding of random weights, renormalised by output norms ("out"), moves the logits
-    # past FORMAT_TOLERANCE["int4"] (4.3 against 3.3 seen); the paths still meet under int8
-    formats = FORMATS if config.norm_placement != "out" else tuple(f for f in FORMATS if f != "int4")
-    return config, draw(st.sampled_from(formats))
+    return config, draw(st.sampled_from(FORMATS))
 
 
 @dataclasses.dataclass
@@ -220,6 +225,8 @@ def check(case: Case) -> None:
     greedy = GenerationConfig(max_new_tokens=NEW, eos_ids=())
     sampled = GenerationConfig(max_new_tokens=NEW, eos_ids=(), seed=SEED, sampling=SAMPLING)
     oracle = model
+    if fmt != "plain":  # the fused step takes every config its table accepts
+        assert fast_decode.can_build(model) == (fast_decode.CAPABILITIES.why_not(config) is None)
 
     # generate: the plain module path, the converted model (fused step or module path), uncached
     runs = {"generate(plain)": plain, f"generate({fmt})": model}
@@ -269,13 +276,14 @@ def check(case: Case) -> None:
             problems.append(f"{where}: seeded sampled tokens differ from the module path's")
 
     # the weight format against the plain model
-    tokens = greedy_tokens[f"generate({fmt}, use_cache=False)"]
-    plain_logits = _logits(plain, prompt, tokens)
-    tolerance = FORMAT_TOLERANCE[fmt] * max(float(plain_logits.std()), 1.0)
-    gap = float((_logits(oracle, prompt, tokens) - plain_logits).abs().max())
-    if gap > tolerance:
-        problems.append(f"{fmt}: logits off the plain model's by {gap:.3g} (tolerance {tolerance:.3g})")
-    problems.append(_check_greedy(f"generate({fmt}) against the plain model", plain_logits, tokens,
-                                  tolerance))
+    if (fmt, config.norm_placement) not in UNBOUNDED_FORMATS:
+        tokens = greedy_tokens[f"generate({fmt}, use_cache=False)"]
+        plain_logits = _logits(plain, prompt, tokens)
+        tolerance = FORMAT_TOLERANCE[fmt] * max(float(plain_logits.std()), 1.0)
+        gap = float((_logits(oracle, prompt, tokens) - plain_logits).abs().max())
+        if gap > tolerance:
+            problems.append(f"{fmt}: logits off the plain model's by {gap:.3g} (tolerance {tolerance:.3g})")
+        problems.append(_check_greedy(f"generate({fmt}) against the plain model", plain_logits,
+                                      tokens, tolerance))
     problems = [p for p in problems if p]
     assert not problems, f"{config} {fmt}:\n" + "\n".join(problems)

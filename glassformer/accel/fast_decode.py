@@ -4,7 +4,9 @@ Once `quantize_model` has given a model its decode kernels, a step for one seque
 same arithmetic as `model(token, cache=cache)`; only the dispatch differs. Python embeds the
 token, C++ (csrc/decode_step.cpp) runs norm, QKV, RoPE, the cache write, attention, W_O,
 norm and feed-forward for every layer, and Python applies the final norm and the head's math
-(`head`). `CAPABILITIES` lists, field by field of the config, what the C++ layers compute;
+(`head`); the C++ layers also compute the query/key norms, the output norms (OLMo 2, Gemma 2's
+sandwich), Gemma's (1 + w) norms, soft-capped scores and each layer's own window.
+`CAPABILITIES` lists, field by field of the config, what the C++ layers compute;
 a model whose config it refuses keeps the module path. The model owns its step
 (`Transformer.fused_step`), built by `FastDecoder.build` and dropped whenever its tensors
 change; `why_not` says why a model cannot take it. `rows` is the same
@@ -47,8 +49,9 @@ CAPABILITIES = CapabilityTable("fused decode step", {
         "rope_short_factors", "rope_long_factors")},
     "rotary_dim": any_value("the C++ RoPE turns each head's first rotary_dim dimensions"),
     "norm": any_value("rmsnorm and layernorm rows"),
-    "norm_placement": only("pre", reason="the layers are written pre-norm"),
-    "qk_norm": only("none", reason="the C++ layers have no query/key norms"),
+    "norm_placement": only("pre", "out", "sandwich", reason="the layers norm each sublayer's input "
+                           "or output, never the residual stream itself"),
+    "qk_norm": any_value("RMSNorm rows over each head's or all heads' queries and keys"),
     "norm_eps": any_value(), "norm_bias": any_value("a bias where the norm has one"),
     "parallel_block": any_value("the feed-forward reads the layer's input"),
     "activation": any_value("relu, gelu, gelu_tanh and silu rows"), "gated": any_value(),
@@ -57,6 +60,7 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "tie_embeddings": any_value(_PYTHON),
     "causal": only(True, reason="one new token attends to the cache before it"),
     "sliding_window": any_value("the first position attended moves with the window"),
+    "layer_windows": any_value("each layer's own window, passed to the C++ layers"),
     "dropout": any_value("inference only: no dropout"),
     "attention_kernel": any_value("every kernel computes the same function"),
     "init_std": any_value(), "n_token_types": any_value(_PYTHON), "embed_norm": any_value(_PYTHON),
@@ -66,13 +70,12 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "relative_buckets": any_value("read with position='relative' only"),
     "relative_max_distance": any_value("read with position='relative' only"),
     "scale_scores": any_value("scores times 1/sqrt(d_head), or 1"),
+    "attn_scale": any_value("scores times attn_scale^-1/2"),
+    "attn_softcap": any_value("the C++ scores capped to c tanh(s / c) before ALiBi and softmax"),
     "scale_head_input": any_value(_PYTHON),
-    "norm_weight_offset": only(0.0, reason="the norm rows multiply by the weight alone"),
-    "embed_scale": only(False, reason="the token row is taken as it is"),
-    "attn_softcap": only(None, reason="the attention rows take no soft-cap"),
+    "norm_weight_offset": any_value("the C++ RMSNorm rows (block, query, key) scale by offset + w"),
+    "embed_scale": any_value("Python embeds the token with the model's own embedding"),
     "final_softcap": any_value(_PYTHON),
-    "attn_scale": only(None, reason="scores times 1/sqrt(d_head), or 1"),
-    "layer_windows": only(None, reason="one window for every layer"),
     "rope_local_theta": only(None, reason="one set of RoPE angles for every layer"),
 })
 
@@ -148,7 +151,9 @@ class FastDecoder:
         layers = [kernels.LayerWeights(_norm(block.norm1), block.attn.qkv.kernel_weights(),
                                        block.attn.out.kernel_weights(), _norm(block.norm2),
                                        block.mlp.up.kernel_weights(),
-                                       block.mlp.down.kernel_weights())
+                                       block.mlp.down.kernel_weights(), _norm(block.attn.q_norm),
+                                       _norm(block.attn.k_norm), _norm(block.attn_out_norm),
+                                       _norm(block.mlp_out_norm))
                   for block in model.blocks]
         slopes = getattr(model, "alibi_slopes", None)
         self.step_fn = kernels.decode_step(
@@ -199,7 +204,8 @@ class FastDecoder:
         adapter_of is None (B,). Rows emit (M,) also write their residual streams after the
         embedding and after each layer, the state the step carries, into residuals
         (M, n_layers + 1, d) float32 (None: no row; the plain step), and, where writes
-        (M, n_layers, 2, d) float32 is given, each layer's attention and feed-forward outputs."""
+        (M, n_layers, 2, d) float32 is given, each layer's attention and feed-forward outputs
+        (its attn.out and mlp.out sites, before any output norm)."""
         cos = self.empty if cos is None else cos.contiguous()
         sin = self.empty if sin is None else sin.contiguous()
         rows = self.no_adapters if adapter_of is None else adapter_of.contiguous()
@@ -210,6 +216,9 @@ class FastDecoder:
                                        emit, residuals, writes)
 
 
-def _norm(norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _norm(norm: torch.nn.Module | None) -> kernels.NormWeights | None:
+    """A norm's (weight, bias or None) as the C++ layers read them; None where there is none."""
+    if norm is None:
+        return None
     bias = getattr(norm, "bias", None)
     return norm.weight.detach(), None if bias is None else bias.detach()

@@ -102,39 +102,58 @@ class LinearWeights(NamedTuple):
     bias: Tensor | None
 
 
-class LayerWeights(NamedTuple):
-    """One pre-norm block: norms as (weight, bias or None), then its four products."""
+NormWeights = tuple[Tensor, Tensor | None]  # (weight, bias or None)
 
-    norm1: tuple[Tensor, Tensor | None]
+
+class LayerWeights(NamedTuple):
+    """One block: its four products and its norms, each None where the block has none: the
+    input norms (pre, sandwich), the query and key norms (qk_norm: (d_head) or (heads·d_head)),
+    the output norms (out, sandwich)."""
+
+    norm1: NormWeights | None
     qkv: LinearWeights
     out: LinearWeights
-    norm2: tuple[Tensor, Tensor | None]
+    norm2: NormWeights | None
     up: LinearWeights
     down: LinearWeights
+    q_norm: NormWeights | None
+    k_norm: NormWeights | None
+    attn_out_norm: NormWeights | None
+    mlp_out_norm: NormWeights | None
 
 
 def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: Tensor | None):
-    """The C++ DecodeStep of a pre-norm causal decoder of `config` with these layers: its
-    `step` (one sequence, a dense cache) and `step_paged` (one token of each of several
-    sequences, a paged pool, each row with its LoRA adapter or none: `adapter_weights`).
-    fast_decode.py refuses the configurations it does not compute
-    (its capability table); this passes each field by name."""
+    """The C++ DecodeStep of a causal decoder of `config` with these layers: its `step` (one
+    sequence, a dense cache) and `step_paged` (one token of each of several sequences, a paged
+    pool, each row with its LoRA adapter or none: `adapter_weights`). fast_decode.py refuses
+    the configurations it does not compute (its capability table); this passes each field by
+    name, the scores' scale as the attention module takes it (attn_scale^-½, d_head^-½ or 1)."""
     ext = extension()
     spec = ext.DecodeConfig()
     spec.d_model, spec.n_heads, spec.n_kv_heads = config.d_model, config.n_heads, config.kv_heads
-    spec.d_head, spec.d_ff, spec.window = config.head_dim, config.ff_dim, config.sliding_window or 0
-    spec.norm = ext.Norm.__members__[config.norm]
+    spec.d_head, spec.d_ff = config.head_dim, config.ff_dim
+    spec.windows = [config.window_of(layer) or 0 for layer in range(config.n_layers)]
+    spec.norm, spec.norm_offset = ext.Norm.__members__[config.norm], config.norm_weight_offset
+    spec.qk_norm = ext.QkNorm.__members__[config.qk_norm]
     spec.activation = ext.Activation.__members__[config.activation]
     spec.gated, spec.rope, spec.norm_eps = config.gated, config.position == "rope", config.norm_eps
     spec.rotary_dim, spec.parallel = config.rotated_dim, config.parallel_block
     spec.score_scale = config.head_dim**-0.5 if config.scale_scores else 1.0
+    if config.attn_scale is not None:
+        spec.score_scale = config.attn_scale**-0.5
+    spec.softcap = config.attn_softcap or 0.0
 
     def linear(weights: LinearWeights):
         return ext.LinearWeights(ext.WeightFormat.__members__[weights.format.value],
                                  weights.tensors, weights.bias)
 
-    built = [ext.LayerWeights(ext.NormWeights(*layer.norm1), linear(layer.qkv), linear(layer.out),
-                              ext.NormWeights(*layer.norm2), linear(layer.up), linear(layer.down))
+    def norm(weights: NormWeights | None):
+        return None if weights is None else ext.NormWeights(*weights)
+
+    built = [ext.LayerWeights(norm(layer.norm1), linear(layer.qkv), linear(layer.out),
+                              norm(layer.norm2), linear(layer.up), linear(layer.down),
+                              *(norm(n) for n in (layer.q_norm, layer.k_norm, layer.attn_out_norm,
+                                                  layer.mlp_out_norm)))
              for layer in layers]
     return ext.DecodeStep(spec, built, alibi_slopes)
 

@@ -25,6 +25,16 @@ def _converted(name, mode, **changes):
 # Head sizes and context lengths the attention's vector paths split differently: 8 keys and
 # 8 floats a vector, 32 floats and 64 values a pass, and sizes that are no multiple of 8.
 LONG = {f"d_head {d}": {"d_model": 4 * d, "context_length": 160} for d in (12, 40, 64)}
+# The families' pieces: Qwen3's query/key norms per head, OLMo 2's over all heads with output
+# norms, Gemma 2's sandwich and 1 + w norms, scaled embedding, soft-capped and rescaled scores
+# and a window on the first layer only.
+FAMILIES = {
+    "qwen3": {"qk_norm": "head"},
+    "olmo2": {"qk_norm": "all", "norm_placement": "out"},
+    "gemma2": {"norm_placement": "sandwich", "norm_weight_offset": 1.0, "embed_scale": True,
+               "attn_softcap": 2.0, "final_softcap": 3.0, "attn_scale": 12.0,
+               "layer_windows": (4, None)},
+}
 
 
 # The long ones in float only: over 150 steps a one-ulp difference upstream of an int8 / int4
@@ -33,7 +43,12 @@ LONG = {f"d_head {d}": {"d_model": 4 * d, "context_length": 160} for d in (12, 4
 @pytest.mark.parametrize("name,changes,length,mode",
                          [(name, {}, 20, mode) for name in PRE_NORM for mode in ("none", "int8", "int4")]
                          + [("tiny-llama", changes, 150, "none") for changes in LONG.values()]
-                         + [("tiny-alibi", LONG["d_head 64"], 150, "none")])
+                         + [("tiny-alibi", LONG["d_head 64"], 150, "none")]
+                         + [("tiny-llama", changes, 20, mode) for changes in FAMILIES.values()
+                            for mode in ("none", "int8", "int4")]
+                         # ALiBi after the soft-cap; LayerNorm sandwich norms (no 1 + w there)
+                         + [("tiny-alibi", FAMILIES["gemma2"] | {"norm_weight_offset": 0.0}, 20, "none"),
+                            ("tiny-llama", LONG["d_head 12"] | FAMILIES["gemma2"], 150, "none")])
 def test_fused_step_equals_the_module_path(name, changes, length, mode):
     model = _converted(name, mode, **changes)
     ids = torch.randint(0, 96, (1, length))
@@ -51,8 +66,13 @@ def test_fused_step_equals_the_module_path(name, changes, length, mode):
         torch.testing.assert_close(fused_cache.keys[1][:, :, :length], module_cache.keys[1][:, :, :length])
 
 
-@pytest.mark.parametrize("name,changes,lengths", [(name, {}, [1, 7, 20, 30, 4, 12, 26]) for name in PRE_NORM]
-                         + [("tiny-mqa", changes, [1, 7, 150, 30, 4, 70, 26]) for changes in LONG.values()])
+SHORT_ROWS, LONG_ROWS = [1, 7, 20, 30, 4, 12, 26], [1, 7, 150, 30, 4, 70, 26]  # sequence lengths
+
+
+@pytest.mark.parametrize("name,changes,lengths", [(name, {}, SHORT_ROWS) for name in PRE_NORM]
+                         + [("tiny-mqa", changes, LONG_ROWS) for changes in LONG.values()]
+                         + [("tiny-llama", changes, SHORT_ROWS) for changes in FAMILIES.values()]
+                         + [("tiny-mqa", LONG["d_head 12"] | FAMILIES["gemma2"], LONG_ROWS)])
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_rows_over_a_paged_pool_equal_each_sequence_stepped_alone(name, changes, lengths, mode):
     """Seven sequences of different lengths, their keys scattered over a pool: each row's
@@ -186,7 +206,7 @@ def test_when_it_does_not_apply():
     with torch.no_grad():
         assert "decode kernels" in why_not(plain) and plain.fused_step() is None
         post = quantize_model(Transformer(get_preset("tiny-gpt1")), "none")
-        assert "pre-norm" in why_not(post) and post.fused_step() is None
+        assert "norm_placement='post'" in why_not(post) and post.fused_step() is None
         model = _converted("tiny-llama", "none")
         with model.hooks.installed({"blocks.0.attn.q": lambda t, s: None}):
             assert "hooks" in why_not(model) and model.fused_step() is None

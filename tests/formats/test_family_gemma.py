@@ -7,7 +7,10 @@ import json
 
 import pytest
 import torch
+from fused_paths import check_fused_step
 
+from glassformer.accel.fast_decode import why_not
+from glassformer.accel.quantize import quantize_model
 from glassformer.formats.export import export_hf
 from glassformer.formats.gguf import load_gguf
 from glassformer.formats.gguf_export import export_gguf, gguf_metadata
@@ -109,6 +112,20 @@ def test_greedy_tokens_of_generate_and_the_engine_equal_transformers(pair):
         handle = engine.submit(prompt.tolist(), RequestParams(max_new_tokens=16, eos_ids=()))
         engine.run_until_done()
         assert handle.result.generated_ids == theirs, attention
+
+
+@pytest.mark.usefixtures("kernels")
+def test_the_fused_step_computes_the_family_in_every_format(pair):
+    """(1 + w) norms, the embedding scale, sandwich norms, soft-capped scores, the score scale
+    and each layer's window: in the C++ step too; Gemma 3's RoPE base per kind of layer is
+    refused by name (the module path computes it)."""
+    folder = pair[3]
+    if pair[2].config.rope_local_theta is not None:  # Gemma 3: one set of angles per step
+        with torch.no_grad():
+            reason = why_not(quantize_model(load_hf_model(folder), "none"))
+        assert reason.startswith("fused decode step: rope_local_theta=")
+        return
+    check_fused_step(lambda: load_hf_model(folder), IDS[0, :12].tolist())
 
 
 def test_config_fields(pair):

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from fused_paths import check_fused_step
 
 from glassformer.accel import fast_decode, kernels
 from glassformer.accel.quantize import quantize_model
@@ -121,6 +122,12 @@ def test_16_greedy_tokens_equal_on_every_path(pair):
         handle = engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=()))
         engine.run_until_done()
         assert handle.result.generated_ids == theirs
+
+
+@pytest.mark.usefixtures("kernels")
+def test_the_fused_step_computes_the_family_in_every_format(pair):
+    folder = pair[1]
+    check_fused_step(lambda: load_hf(folder)[0], [5, 17, 42, 99, 7, 3, 250])
 
 
 def test_export_reads_back_in_transformers(pair, tmp_path):

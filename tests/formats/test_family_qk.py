@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from fused_paths import check_fused_step
 
 from glassformer import ModelConfig, Transformer
 from glassformer.errors import InputError
@@ -97,6 +98,13 @@ def test_16_greedy_tokens_equal_and_the_engine_equals_generate(pair):
     handle = engine.submit(prompt, RequestParams(max_new_tokens=16, eos_ids=()))
     engine.run_until_done()
     assert handle.result.generated_ids == ours
+
+
+@pytest.mark.usefixtures("kernels")
+def test_the_fused_step_computes_the_family_in_every_format(pair):
+    """Query/key norms over each head or all heads, output norms: in the C++ step too."""
+    folder = pair[4]
+    check_fused_step(lambda: load_hf(folder)[0], [5, 17, 42, 99, 7, 3, 250, 11])
 
 
 def test_export_reads_back_in_transformers(pair, tmp_path):

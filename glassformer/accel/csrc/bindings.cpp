@@ -26,6 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::enum_<gf::Activation>(module, "Activation", pybind11::module_local())
       .value("relu", gf::Activation::relu).value("gelu", gf::Activation::gelu)
       .value("gelu_tanh", gf::Activation::gelu_tanh).value("silu", gf::Activation::silu);
+  pybind11::enum_<gf::QkNorm>(module, "QkNorm", pybind11::module_local())
+      .value("none", gf::QkNorm::none).value("head", gf::QkNorm::head).value("all", gf::QkNorm::all);
   pybind11::class_<gf::DecodeConfig>(module, "DecodeConfig", pybind11::module_local())
       .def(pybind11::init<>())
       .def_readwrite("d_model", &gf::DecodeConfig::d_model)
@@ -33,25 +35,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def_readwrite("n_kv_heads", &gf::DecodeConfig::n_kv_heads)
       .def_readwrite("d_head", &gf::DecodeConfig::d_head)
       .def_readwrite("d_ff", &gf::DecodeConfig::d_ff)
-      .def_readwrite("window", &gf::DecodeConfig::window)
+      .def_readwrite("windows", &gf::DecodeConfig::windows)
       .def_readwrite("norm", &gf::DecodeConfig::norm)
+      .def_readwrite("norm_offset", &gf::DecodeConfig::norm_offset)
+      .def_readwrite("qk_norm", &gf::DecodeConfig::qk_norm)
       .def_readwrite("activation", &gf::DecodeConfig::activation)
       .def_readwrite("gated", &gf::DecodeConfig::gated)
       .def_readwrite("rope", &gf::DecodeConfig::rope)
       .def_readwrite("rotary_dim", &gf::DecodeConfig::rotary_dim)
       .def_readwrite("parallel", &gf::DecodeConfig::parallel)
       .def_readwrite("norm_eps", &gf::DecodeConfig::norm_eps)
-      .def_readwrite("score_scale", &gf::DecodeConfig::score_scale);
+      .def_readwrite("score_scale", &gf::DecodeConfig::score_scale)
+      .def_readwrite("softcap", &gf::DecodeConfig::softcap);
   pybind11::class_<gf::NormWeights>(module, "NormWeights", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, gf::Bias>(), pybind11::arg("weight"), pybind11::arg("bias"));
   pybind11::class_<gf::LinearWeights>(module, "LinearWeights", pybind11::module_local())
       .def(pybind11::init<gf::WeightFormat, std::vector<torch::Tensor>, gf::Bias>(),
            pybind11::arg("format"), pybind11::arg("tensors"), pybind11::arg("bias"));
+  using Norm = std::optional<gf::NormWeights>;  // None: the block has no such norm
   pybind11::class_<gf::LayerWeights>(module, "LayerWeights", pybind11::module_local())
-      .def(pybind11::init<gf::NormWeights, gf::LinearWeights, gf::LinearWeights, gf::NormWeights,
-                          gf::LinearWeights, gf::LinearWeights>(),
+      .def(pybind11::init<Norm, gf::LinearWeights, gf::LinearWeights, Norm, gf::LinearWeights,
+                          gf::LinearWeights, Norm, Norm, Norm, Norm>(),
            pybind11::arg("norm1"), pybind11::arg("qkv"), pybind11::arg("out"),
-           pybind11::arg("norm2"), pybind11::arg("up"), pybind11::arg("down"));
+           pybind11::arg("norm2"), pybind11::arg("up"), pybind11::arg("down"),
+           pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("attn_out_norm"),
+           pybind11::arg("mlp_out_norm"));
   pybind11::class_<gf::LoRAUpdate>(module, "LoRAUpdate", pybind11::module_local())
       .def(pybind11::init<>())
       .def(pybind11::init<torch::Tensor, std::vector<int64_t>, std::vector<torch::Tensor>>(),

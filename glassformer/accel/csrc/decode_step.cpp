@@ -1,10 +1,14 @@
-// One decode step of a pre-norm decoder, every layer in C++: no Python between the products.
+// One decode step of a decoder, every layer in C++: no Python between the products.
 //
 // For one sequence and one new token at position `pos`, each layer computes
-//   h = norm1(x);  q, k, v = split(W_qkv h);  q, k = rope(q, k)  (each head's first rotary_dim)
-//   cache[pos] = k, v;  a_i = softmax_t(scale q_i · k_t [- slope_i (pos - t)]) · v_t
-//   x += W_o a;  h = norm2(x);  x += W_down act(W_up h)   (gated: act(gate) * up)
-// or, parallel, h = norm2(x) read before W_o a is added: x += W_o a, then x += W_down act(W_up h)
+//   h = norm1(x);  q, k, v = split(W_qkv h);  q, k = norm_q(q), norm_k(k)  (qk_norm: RMSNorm
+//   over each head, or over all heads);  q, k = rope(q, k)  (each head's first rotary_dim)
+//   cache[pos] = k, v;  s_t = scale q_i · k_t, soft-capped to c tanh(s_t / c) where c is set;
+//   a_i = softmax_t(s_t [- slope_i (pos - t)]) · v_t over the layer's window
+//   x += norm_a(W_o a);  h = norm2(x);  x += norm_m(W_down act(W_up h))   (gated: act(gate) * up)
+// each norm where the block has it: the input norms norm1, norm2 (pre, sandwich), the output
+// norms norm_a, norm_m (out, sandwich); a block without input norms reads x itself. Parallel
+// (pre-norm), h = norm2(x) is read before W_o a is added: x += W_o a, then x += W_down act(W_up h)
 // as glassformer/model/layers/*.py do for one row, with the row kernels training uses too
 // (glassformer.h); Python (accel/fast_decode.py) embeds the token before and applies the
 // final norm and head after, and refuses the configurations this does not compute. step_paged does the
@@ -14,9 +18,10 @@
 // update on that row alone, y += scale B (A x) per target slice (serving/adapters.py), after
 // the base product, so a row without one is computed exactly as without adapters.
 // step_paged also copies out, for the rows a caller names (ResidualRows), the residual stream
-// it carries between layers: after the embedding and after each layer, and, if asked, what each
-// layer's attention and feed-forward add to it (the engine's capture and logit lens of those
-// sites); with no row named it copies nothing.
+// it carries between layers: after the embedding and after each layer, and, if asked, each
+// layer's attention and feed-forward outputs (before their output norms: the attn.out and
+// mlp.out sites; the engine's capture and logit lens of those sites); with no row named it
+// copies nothing.
 
 #include <cmath>
 #include <cstring>
@@ -190,11 +195,29 @@ DecodeStep::DecodeStep(DecodeConfig config, std::vector<LayerWeights> layers,
               "decode step: n_heads must be a multiple of n_kv_heads");
   TORCH_CHECK(!alibi_ || alibi_->numel() == config_.n_heads,
               "decode step: one ALiBi slope per head");
+  TORCH_CHECK(config_.windows.size() == layers_.size(), "decode step: one window per layer");
+  const int64_t d = config_.d_model, D = config_.d_head;
+  const bool all_heads = config_.qk_norm == QkNorm::all;
   for (const LayerWeights& layer : layers_) {
     for (const LinearWeights* lin : {&layer.qkv, &layer.out, &layer.up, &layer.down}) {
       TORCH_CHECK(lin->tensors.size() == tensors_of(lin->format), "decode step: a ",
                   static_cast<int>(lin->format), " layer takes ", tensors_of(lin->format),
                   " tensors, got ", lin->tensors.size());
+    }
+    TORCH_CHECK(layer.norm1.has_value() == layer.norm2.has_value() &&
+                    layer.attn_out_norm.has_value() == layer.mlp_out_norm.has_value(),
+                "decode step: a block has both input norms or neither, both output norms or neither");
+    TORCH_CHECK(layer.q_norm.has_value() == (config_.qk_norm != QkNorm::none) &&
+                    layer.k_norm.has_value() == layer.q_norm.has_value(),
+                "decode step: query and key norms go with qk_norm");
+    for (const auto& [norm, width] : {std::pair{&layer.norm1, d}, std::pair{&layer.norm2, d},
+                                      std::pair{&layer.attn_out_norm, d},
+                                      std::pair{&layer.mlp_out_norm, d},
+                                      std::pair{&layer.q_norm, all_heads ? config_.n_heads * D : D},
+                                      std::pair{&layer.k_norm, all_heads ? config_.n_kv_heads * D : D}}) {
+      TORCH_CHECK(!*norm || ((*norm)->weight.dtype() == torch::kFloat32 &&
+                             (*norm)->weight.is_contiguous() && (*norm)->weight.numel() == width),
+                  "decode step: a norm's weight must be float32 (", width, ")");
     }
   }
 }
@@ -357,15 +380,22 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
   auto h = torch::empty_like(x);  // (B, d)
   auto context = torch::empty({B, H * D}, x.options());  // (B, H·d_head)
   std::vector<KVView> views(B);
+  // a sublayer's input: norm(x) in h, or x itself where the block has no input norms
+  auto input = [&](const std::optional<NormWeights>& norm) -> const torch::Tensor& {
+    if (!norm) return x;
+    normalize(x, *norm, h);
+    return h;
+  };
   for (size_t l = 0; l < layers_.size(); ++l) {
     const LayerWeights& layer = layers_[l];
-    normalize(x, layer.norm1, h);
-    auto qkv = layer.qkv(h);  // (B, (H + 2 KV) d_head)
-    add_updates(adapter_of, adapters, l, &LoRALayer::qkv, h, qkv);
+    const torch::Tensor& attn_in = input(layer.norm1);
+    auto qkv = layer.qkv(attn_in);  // (B, (H + 2 KV) d_head)
+    add_updates(adapter_of, adapters, l, &LoRALayer::qkv, attn_in, qkv);
     for (int64_t b = 0; b < B; ++b) {
       float* q = static_cast<float*>(qkv.data_ptr()) + b * width;
       float* k = q + H * D;
       float* v = k + KV * D;
+      if (layer.q_norm) normalize_heads(q, k, layer);
       if (config_.rope) {
         for (int64_t head = 0; head < H + KV; ++head)  // the query heads, then the key heads
           rope_row(q + head * D, cos + b * R, sin + b * R, R, 1.f, q + head * D);
@@ -378,19 +408,22 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
 #pragma omp parallel for schedule(dynamic) num_threads(at::get_num_threads())
     for (int64_t i = 0; i < B * KV * split; ++i) {  // a row's key group, or one head of it
       const int64_t b = i / (KV * split), head = i % (KV * split) * (G / split);
-      attend(q0 + b * width + head * D, views[b], head, G / split, pos[b], c0 + (b * H + head) * D);
+      attend(q0 + b * width + head * D, views[b], head, G / split, pos[b], config_.windows[l],
+             c0 + (b * H + head) * D);
     }
     auto attended = layer.out(context);  // (B, d)
     add_updates(adapter_of, adapters, l, &LoRALayer::out, context, attended);
     emit.keep(attended, emit.writes, 2 * static_cast<int64_t>(l), 2 * (sites - 1));
+    if (layer.attn_out_norm) normalize(attended, *layer.attn_out_norm, attended);
     if (!config_.parallel) x.add_(attended);
-    normalize(x, layer.norm2, h);
-    auto up = layer.up(h);  // (B, d_ff or 2 d_ff)
-    add_updates(adapter_of, adapters, l, &LoRALayer::up, h, up);
+    const torch::Tensor& mlp_in = input(layer.norm2);
+    auto up = layer.up(mlp_in);  // (B, d_ff or 2 d_ff)
+    add_updates(adapter_of, adapters, l, &LoRALayer::up, mlp_in, up);
     auto hidden = activate(up);  // (B, d_ff)
     auto down = layer.down(hidden);  // (B, d)
     add_updates(adapter_of, adapters, l, &LoRALayer::down, hidden, down);
     emit.keep(down, emit.writes, 2 * static_cast<int64_t>(l) + 1, 2 * (sites - 1));
+    if (layer.mlp_out_norm) normalize(down, *layer.mlp_out_norm, down);
     if (config_.parallel) x.add_(attended);  // the module path's order: (x + attn) + ffn
     x.add_(down);
     emit.keep(x, emit.out, static_cast<int64_t>(l) + 1, sites);
@@ -408,10 +441,28 @@ void DecodeStep::normalize(const torch::Tensor& x, const NormWeights& norm,
     const float* a = x.data_ptr<float>() + row * d;
     float* y = out.data_ptr<float>() + row * d;
     if (config_.norm == Norm::rmsnorm) {
-      rms_norm_row(a, w, d, eps, y);
+      rms_norm_row(a, w, d, eps, y, static_cast<float>(config_.norm_offset));
     } else {
       layer_norm_row(a, w, b, d, eps, y);
     }
+  }
+}
+
+// The query heads q (H d_head) and key heads k (KV d_head) of one row through the layer's
+// RMSNorms, in place: each head on its own (QkNorm::head, one weight for every head) or all
+// heads side by side as one row (QkNorm::all); scaled by offset + w as the block norms are.
+void DecodeStep::normalize_heads(float* q, float* k, const LayerWeights& layer) const {
+  const int64_t D = config_.d_head;
+  const float eps = static_cast<float>(config_.norm_eps), offset = static_cast<float>(config_.norm_offset);
+  for (const auto& [x, heads, norm] : {std::tuple{q, config_.n_heads, &layer.q_norm},
+                                       std::tuple{k, config_.n_kv_heads, &layer.k_norm}}) {
+    const float* w = (*norm)->weight.data_ptr<float>();
+    if (config_.qk_norm == QkNorm::all) {
+      rms_norm_row(x, w, heads * D, eps, x, offset);
+      continue;
+    }
+    for (int64_t head = 0; head < heads; ++head)
+      rms_norm_row(x + head * D, w, D, eps, x + head * D, offset);
   }
 }
 
@@ -461,14 +512,35 @@ struct Lanes16 {
 };
 #endif
 
-// s[h ld + i] = scale q_h · k_i - slope_h (n - 1 - i) for the query heads q_h = q + h D,
+// tanh(y) for 8 floats: 1 - 2 / (e^2|y| + 1), its sign restored (within about 1e-7 of it:
+// exp8's error, and 1's rounding near 0).
+inline __m256 tanh8(__m256 y) {
+  const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+  const __m256 e = exp8(_mm256_add_ps(_mm256_andnot_ps(sign, y), _mm256_andnot_ps(sign, y)));
+  const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+  return _mm256_or_ps(t, _mm256_and_ps(y, sign));
+}
+
+// The scores s soft-capped: c tanh(s / c) (Gemma 2's attention logits), as the module path
+// computes it (a division, then a product); c <= 0: s as it is.
+inline __m256 soft_cap8(__m256 s, float c) {
+  if (c <= 0.f) return s;
+  const __m256 c8 = _mm256_set1_ps(c);
+  return _mm256_mul_ps(c8, tanh8(_mm256_div_ps(s, c8)));
+}
+
+inline float soft_cap(float s, float c) { return c > 0.f ? c * std::tanh(s / c) : s; }
+
+// s[h ld + i] = cap(scale q_h · k_i) - slope_h (n - 1 - i) for the query heads q_h = q + h D,
 // h < heads, and the n keys k_i = keys + offset(g, first + i), D a multiple of the vector's
-// lanes (slopes: ALiBi's, or null). Eight keys at a time, met by every head while they are in
-// the L1 cache: eight sums in flight, summed across lanes together. The last eight repeat key
-// n - 1 past n (s is readable to n rounded up to 8), so every score takes the same operations.
+// lanes (slopes: ALiBi's, or null; cap: soft_cap8 by softcap). Eight keys at a time, met by
+// every head while they are in the L1 cache: eight sums in flight, summed across lanes
+// together. The last eight repeat key n - 1 past n (s is readable to n rounded up to 8), so
+// every score takes the same operations.
 template <typename L>
 void key_scores(const float* q, int64_t heads, const KVView& kv, int64_t g, int64_t first,
-                int64_t n, int64_t D, float scale, const float* slopes, float* s, int64_t ld) {
+                int64_t n, int64_t D, float scale, float softcap, const float* slopes, float* s,
+                int64_t ld) {
   const __m256 scale8 = _mm256_set1_ps(scale), lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t i = 0; i < n; i += 8) {
     const float* k[8];
@@ -483,7 +555,7 @@ void key_scores(const float* q, int64_t heads, const KVView& kv, int64_t g, int6
       }
       __m256 folded[8];
       for (int j = 0; j < 8; ++j) folded[j] = L::fold(acc[j]);
-      __m256 scores = _mm256_mul_ps(lane_sums(folded), scale8);
+      __m256 scores = soft_cap8(_mm256_mul_ps(lane_sums(folded), scale8), softcap);
       if (slopes) scores = _mm256_fnmadd_ps(_mm256_set1_ps(slopes[h]), distance, scores);
       _mm256_storeu_ps(s + h * ld + i, scores);
     }
@@ -560,29 +632,32 @@ bool with_lanes(int64_t D, F&& f) {
 }  // namespace
 
 // Query heads head0 .. head0 + heads - 1, all of one key group (their queries and outputs
-// d_head apart), over their sequence's tokens first..pos: softmax_t(scale q · k_t [- slope
-// (pos - t)]) · v_t into out. Each head's arithmetic is the same however many heads share the
-// call, and each row reads its own keys only, so a row's result depends on neither.
+// d_head apart), over their sequence's tokens first..pos (the last `window`, 0: all):
+// softmax_t(cap(scale q · k_t) [- slope (pos - t)]) · v_t into out. Each head's arithmetic is
+// the same however many heads share the call, and each row reads its own keys only, so a
+// row's result depends on neither.
 void DecodeStep::attend(const float* q, const KVView& kv, int64_t head0, int64_t heads,
-                        int64_t pos, float* out) const {
-  const int64_t D = config_.d_head, window = config_.window;
+                        int64_t pos, int64_t window, float* out) const {
+  const int64_t D = config_.d_head;
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
   const int64_t n = pos - first + 1, width = (n + 7) / 8 * 8;
   const int64_t g = head0 / (config_.n_heads / config_.n_kv_heads);
   const float scale = static_cast<float>(config_.score_scale);
+  const float softcap = static_cast<float>(config_.softcap);
   const float* slopes = alibi_ ? alibi_->data_ptr<float>() + head0 : nullptr;
   // (heads, width) the scores, then their exponentials; 1 / each head's sum
   thread_local std::vector<float> p, inverse;
   p.resize(heads * width);
   inverse.resize(heads);
   const bool vector = with_lanes(D, [&](auto lanes) {
-    key_scores<decltype(lanes)>(q, heads, kv, g, first, n, D, scale, slopes, p.data(), width);
+    key_scores<decltype(lanes)>(q, heads, kv, g, first, n, D, scale, softcap, slopes, p.data(),
+                                width);
   });
   for (int64_t h = 0; h < heads; ++h) {
     float* s = p.data() + h * width;
     if (!vector) {
       for (int64_t i = 0; i < n; ++i) {
-        s[i] = scale * dot(q + h * D, kv.keys + kv.offset(g, first + i), D);
+        s[i] = soft_cap(scale * dot(q + h * D, kv.keys + kv.offset(g, first + i), D), softcap);
         if (slopes) s[i] -= slopes[h] * static_cast<float>(n - 1 - i);
       }
     }

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 // The row tile is defined once, in Python (glassformer/accel/build.py ROW_TILE), and compiled
@@ -44,6 +45,7 @@ namespace glassformer {
 enum class WeightFormat : int { fp32, bf16, int8, int4 };
 enum class Norm : int { layernorm, rmsnorm };
 enum class Activation : int { relu, gelu, gelu_tanh, silu };
+enum class QkNorm : int { none, head, all };  // RMSNorm of q and k: none, each head, all heads
 
 constexpr int kRows = 4;  // weight rows per iteration
 // Activation rows per register tile: a tile of kTileRows × kRows accumulators, each weight
@@ -211,15 +213,19 @@ inline __m256 normal_cdf8(__m256 x, __m256* gauss) {
   return _mm256_fmadd_ps(erf, _mm256_set1_ps(0.5f), _mm256_set1_ps(0.5f));
 }
 
-// RMSNorm of one row x (d): y = x r w with r = 1 / sqrt(mean(x²) + eps); returns r.
-inline float rms_norm_row(const float* x, const float* w, int64_t d, float eps, float* y) {
+// RMSNorm of one row x (d): y = x r w with r = 1 / sqrt(mean(x²) + eps), or with an offset
+// (Gemma's 1) y = x r (offset + w), the scale summed in float32 first; returns r. y may be x.
+inline float rms_norm_row(const float* x, const float* w, int64_t d, float eps, float* y,
+                          float offset = 0.f) {
   const float inv = 1.f / std::sqrt(dot(x, x, d) / d + eps);
-  const __m256 inv8 = _mm256_set1_ps(inv);
+  const __m256 inv8 = _mm256_set1_ps(inv), offset8 = _mm256_set1_ps(offset);
   int64_t j = 0;
-  for (; j + 8 <= d; j += 8)
-    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), inv8),
-                                          _mm256_loadu_ps(w + j)));
-  for (; j < d; ++j) y[j] = x[j] * inv * w[j];
+  for (; j + 8 <= d; j += 8) {
+    const __m256 w8 = offset != 0.f ? _mm256_add_ps(offset8, _mm256_loadu_ps(w + j))
+                                    : _mm256_loadu_ps(w + j);
+    _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), inv8), w8));
+  }
+  for (; j < d; ++j) y[j] = x[j] * inv * (offset != 0.f ? offset + w[j] : w[j]);
   return inv;
 }
 
@@ -446,11 +452,15 @@ struct NormWeights {
   Bias bias;  // LayerNorm only
 };
 
+// One block. Its norms as the block has them: the input norms norm1, norm2 (pre, sandwich)
+// and the output norms attn_out_norm, mlp_out_norm (out, sandwich), (d_model) each; the query
+// and key norms (DecodeConfig::qk_norm), (d_head) for each head or (heads · d_head) for all.
 struct LayerWeights {
-  NormWeights norm1;
+  std::optional<NormWeights> norm1;
   LinearWeights qkv, out;
-  NormWeights norm2;
+  std::optional<NormWeights> norm2;
   LinearWeights up, down;
+  std::optional<NormWeights> q_norm, k_norm, attn_out_norm, mlp_out_norm;
 };
 
 // A LoRA adapter's update of one product in one layer: for an input row x, t = down x, then
@@ -475,8 +485,11 @@ using Adapters = std::vector<std::shared_ptr<AdapterWeights>>;
 // What the decode step computes, by name (fast_decode.py fills it from a ModelConfig).
 struct DecodeConfig {
   int64_t d_model = 0, n_heads = 0, n_kv_heads = 0, d_head = 0, d_ff = 0;
-  int64_t window = 0;  // attend to at most this many most recent positions; 0: all
+  // per layer: attend to at most this many most recent positions; 0: all
+  std::vector<int64_t> windows;
   Norm norm = Norm::layernorm;
+  double norm_offset = 0.0;  // the RMSNorms (block, query, key) scale by norm_offset + w (Gemma: 1)
+  QkNorm qk_norm = QkNorm::none;  // q and k after the product, before RoPE
   Activation activation = Activation::gelu;
   bool gated = false;  // act(gate) * up for up's output [gate | up]
   bool rope = false;   // rotate q and k by the angles the caller passes
@@ -484,6 +497,7 @@ struct DecodeConfig {
   bool parallel = false;   // the feed-forward reads the layer's input: x += attn + ffn
   double norm_eps = 1e-5;
   double score_scale = 1.0;  // scores are q · k times this
+  double softcap = 0.0;  // then softcap tanh(scores / softcap) (Gemma 2), before ALiBi; 0: none
 };
 
 // Where one sequence's keys and values sit in one layer's storage: token t of KV head g at
@@ -515,7 +529,7 @@ struct ResidualRows {
   void keep(const torch::Tensor& x, float* to, int64_t site, int64_t sites) const;
 };
 
-// New tokens through every layer of a pre-norm decoder (decode_step.cpp): one token of one
+// New tokens through every layer of a decoder (decode_step.cpp): one token of one
 // sequence (step), or one token of each of B sequences whose keys and values live in a paged
 // pool (step_paged). Each row is computed on its own, with the same arithmetic either way.
 class DecodeStep {
@@ -554,9 +568,10 @@ class DecodeStep {
                              torch::Tensor& writes, int64_t B) const;
   void check(const AdapterWeights& adapter) const;
   void normalize(const torch::Tensor& x, const NormWeights& norm, torch::Tensor& out) const;
+  void normalize_heads(float* q, float* k, const LayerWeights& layer) const;
   void store(const KVView& kv, const float* k, const float* v, int64_t pos) const;
   void attend(const float* q, const KVView& kv, int64_t head0, int64_t heads, int64_t pos,
-              float* out) const;
+              int64_t window, float* out) const;
   torch::Tensor activate(const torch::Tensor& up) const;
 
   DecodeConfig config_;
