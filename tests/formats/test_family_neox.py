@@ -127,7 +127,10 @@ def test_16_greedy_tokens_equal_on_every_path(pair):
 @pytest.mark.usefixtures("kernels")
 def test_the_fused_step_computes_the_family_in_every_format(pair):
     folder = pair[1]
-    check_fused_step(lambda: load_hf(folder)[0], [5, 17, 42, 99, 7, 3, 250])
+    # LongRoPE's text stays within its original context of 16: the oracle steps one cache,
+    # where generation computes a text crossing it again (test_longrope_* cover the crossing)
+    new = 8 if pair[0] == "phi3_longrope" else 16
+    check_fused_step(lambda: load_hf(folder)[0], [5, 17, 42, 99, 7, 3, 250], new)
 
 
 def test_export_reads_back_in_transformers(pair, tmp_path):
