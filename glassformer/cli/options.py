@@ -225,8 +225,10 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
                "ALPHA (default 1) x the vector at its site for every token; serve NAME=PATH "
                "registers it under NAME for requests to steer with"),
     _flag("--compile", action="store_true",
-          help="decode with the one-token step compiled over fixed KV buffers (torch.compile; "
-               "CUDA graphs on a GPU): the plain weights, the first steps slow while it compiles"),
+          help="torch.compile: generate and chat decode with the one-token step compiled "
+               "over fixed KV buffers (CUDA graphs on a GPU), the plain weights, the first steps "
+               "slow while it compiles; train compiles the model its steps run (default: the "
+               "recipe's)"),
     *_engine_flags(),
 )})
 
