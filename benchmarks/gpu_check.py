@@ -204,7 +204,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke test of the steps)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny model, two training steps on the CPU (a smoke test of the steps)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nanogpt", type=Path, default=gpu_time_to_loss.NANOGPT, help="nanoGPT's code")
