@@ -14,7 +14,13 @@ the same weights. The steps, each recorded even when another fails:
 3. the engine at `--requests` concurrent requests x 128 tokens against transformers' batched
    `generate` of the same prompts (one padded batch);
 4. 64 sampled requests through the OpenAI server on the device: the count of answers that are
-   not 200.
+   not 200;
+5. time to validation loss 1.47 on shakespeare-char: nanoGPT compiled (its own code, carried
+   beside the repository: --nanogpt) against the `shakespeare-char-gpu` and
+   `shakespeare-char-gpu-fast` recipes, each to the target or its cap, and the ratios
+   (benchmarks/gpu_time_to_loss.py).
+The budget (BUDGET, 8 minutes in all): the tests and the training runs are processes stopped at
+their share; the other steps' shares are estimates from the anchors' figures, not measured.
 Wheels the machine lacks (gguf, fastapi, starlette, pydantic, uvicorn) travel beside the
 repository and are installed on the PYTHONPATH before this script runs.
 """
@@ -36,6 +42,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_time_to_loss  # noqa: E402
+
+# Seconds per step, 480 in all. Enforced: cuda_tests (its timeout) and training (each
+# contender's cap, gpu_time_to_loss.CAPS). Estimated: making the model folder, and the decode,
+# engine and server steps (a 135M model: five loads, 128 tokens each about four times).
+BUDGET = {"model_folder": 10, "cuda_tests": 90, "training": sum(gpu_time_to_loss.CAPS.values()),
+          "one_stream": 50, "engine": 20, "serve": 10}
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
              rope_theta=100000.0, tie_word_embeddings=True)
@@ -77,7 +91,7 @@ def best_of(run, device: torch.device, repeats: int) -> float:
 
 def cuda_tests() -> dict:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-                           "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "tests"], cwd=ROOT, capture_output=True, text=True, timeout=BUDGET["cuda_tests"])
     return {"exit": done.returncode, "tail": done.stdout[-1500:]}
 
 
@@ -190,16 +204,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke test of the steps)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny model, two training steps on the CPU (a smoke test of the steps)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nanogpt", type=Path, default=gpu_time_to_loss.NANOGPT, help="nanoGPT's code")
+    parser.add_argument("--data", type=Path, default=gpu_time_to_loss.DATA, help="tinyshakespeare.txt")
     args = parser.parse_args()
     device = torch.device(args.device)
     record = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda"
               else "cpu", "quick": args.quick}
     folder = Path(tempfile.mkdtemp()) / "model"
     make_folder(folder, QUICK if args.quick else SHAPE)
-    steps = {"one_stream": lambda: one_stream(folder, device, args.repeats),
+    race = Path(tempfile.mkdtemp(prefix="glassformer-race-"))
+    steps = {"training": lambda: gpu_time_to_loss.race(race, args.data, args.nanogpt,
+                                                       gpu_time_to_loss.TARGET, args.quick),
+             "one_stream": lambda: one_stream(folder, device, args.repeats),
              "engine": lambda: engine(folder, device, args.requests),
              "serve": lambda: served(folder, device, 64)}
     if device.type == "cuda":

@@ -27,8 +27,8 @@ from glassformer.accel.onednn import OneDNNLinear
 from glassformer.model.encoder_decoder import build_model
 from glassformer.training.allocator import keep_freed_memory
 from glassformer.training.config import get_recipe
-from glassformer.training.loop import train_step
 from glassformer.training.optim import make_optimizer
+from glassformer.training.step import train_step
 
 # The pieces a conversion swaps, by the kind of module that replaces them.
 PIECES = {

@@ -225,10 +225,11 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
                "ALPHA (default 1) x the vector at its site for every token; serve NAME=PATH "
                "registers it under NAME for requests to steer with"),
     _flag("--compile", action="store_true",
-          help="decode with the one-token step compiled over fixed KV buffers (torch.compile; "
-               "CUDA graphs on a GPU): the plain weights, the first steps slow while it compiles; "
-               "serve and --prompts-file: the engine's plain decoding rows compiled per batch "
-               "bucket over the paged pool (FlexAttention)"),
+          help="torch.compile: generate and chat decode with the one-token step compiled "
+               "over fixed KV buffers (CUDA graphs on a GPU), the plain weights, the first steps "
+               "slow while it compiles; serve and --prompts-file: the engine's plain decoding "
+               "rows compiled per batch bucket over the paged pool (FlexAttention); train "
+               "compiles the model its steps run (default: the recipe's)"),
     *_engine_flags(),
 )})
 

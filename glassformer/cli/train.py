@@ -68,9 +68,14 @@ def _optional(base):
     return parse
 
 
+# Fields set by a table flag that only switches on (store_true): unset, False means "not given",
+# so a recipe's own value stands (shakespeare-char-gpu compiles without --compile).
+SWITCHES = frozenset({"train.compile"})
+
+
 def _overrides(args: argparse.Namespace, prefix: str) -> dict:
     return {k[len(prefix):]: v for k, v in vars(args).items()
-            if k.startswith(prefix) and v is not None}
+            if k.startswith(prefix) and v is not None and not (k in SWITCHES and v is False)}
 
 
 def _base_configs(args: argparse.Namespace) -> tuple[dict, dict]:

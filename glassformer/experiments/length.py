@@ -124,8 +124,8 @@ def _finetune_cell(scaling: str):
 def finetune(model: Transformer, train_tokens: np.ndarray, seconds: float, seed: int = 0) -> int:
     """Train `model` in place at its own window for `seconds` (constant rate, as many tokens
     per step as the base recipe); returns the number of steps."""
-    from ..training.loop import train_step
     from ..training.optim import make_optimizer
+    from ..training.step import train_step
 
     config = train_config(seconds, seed).replace(lr=FINETUNE_LR, min_lr=FINETUNE_LR)
     T = model.config.context_length

@@ -35,8 +35,8 @@ def train_config(seconds: float | None, seed: int, iters: int = NEVER) -> TrainC
 def train_timed(data: str | Path, folder: Path, config: ModelConfig, train: TrainConfig) -> dict:
     """training.loop.train into `folder`, quietly, after a warm-up step; its summary."""
     from ..training.loop import train as run_training
-    from ..training.loop import train_step
     from ..training.optim import make_optimizer
+    from ..training.step import train_step
 
     model = Transformer(config.replace(vocab_size=65))
     x = torch.randint(0, 65, (train.batch_size, config.context_length))  # (B, T)

@@ -60,6 +60,24 @@ def test_train_from_a_config_file(corpus, tmp_path, capsys):
     assert saved["position"] == "rope" and saved["tie_embeddings"] is False
 
 
+@pytest.mark.parametrize(("preset", "flags", "compiled"), [
+    ("shakespeare-char-gpu", [], True),  # the recipe's own value when --compile is not given
+    ("shakespeare-char", [], False),
+    ("shakespeare-char", ["--compile"], True),
+])
+def test_a_recipe_compiles_as_it_says_unless_the_flag_switches_it_on(preset, flags, compiled,
+                                                                     monkeypatch, capsys):
+    asked = []
+
+    def train(data, out, model_config, train_config, **options):
+        asked.append(train_config)
+        return {"rank": 0}
+
+    monkeypatch.setattr("glassformer.training.loop.train", train)
+    assert main(["train", "--data", "d", "--out", "o", "--preset", preset, "--json", *flags]) == 0
+    assert asked[0].compile is compiled
+
+
 @pytest.mark.parametrize("case", ["missing", "empty", "short", "exists", "other-config",
                                   "bad-value"])
 def test_bad_input_is_one_line_and_exit_2(case, corpus, tmp_path, capsys):

@@ -13,7 +13,7 @@ from hostile_helpers import checkpoint_folder
 
 from glassformer.cli import main
 from glassformer.model.config import ModelConfig
-from glassformer.training import loop
+from glassformer.training import loop, run
 from glassformer.training.config import TrainConfig
 
 SMALL = ["--n-layers", "1", "--d-model", "16", "--n-heads", "2", "--context-length", "16",
@@ -136,14 +136,14 @@ def test_a_refused_run_leaves_nothing_behind(case, corpus, tmp_path, refused):
 
 def test_divergence_stops_keeps_the_last_good_checkpoint_and_valid_json(corpus, tmp_path,
                                                                         monkeypatch):
-    real, calls = loop.train_step, []
+    real, calls = run.train_step, []
 
     def diverge_after_two(*args):
         calls.append(1)
         loss = real(*args)
         return loss * math.nan if len(calls) > 2 else loss
 
-    monkeypatch.setattr(loop, "train_step", diverge_after_two)
+    monkeypatch.setattr(run, "train_step", diverge_after_two)
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="diverged at step 3.*last good checkpoint.*step-0000002"):
         loop.train(corpus, out, MODEL, TRAIN, progress=False, echo=lambda s: None)

@@ -17,8 +17,9 @@ from glassformer import ModelConfig, Transformer
 from glassformer.formats.checkpoint import load_model
 from glassformer.model.presets import get_preset
 from glassformer.training.config import TrainConfig
-from glassformer.training.loop import train, train_step
+from glassformer.training.loop import train
 from glassformer.training.optim import make_optimizer
+from glassformer.training.step import train_step
 
 CONFIG = ModelConfig(vocab_size=17, context_length=8, d_model=16, n_layers=2, n_heads=2)
 STEP = TrainConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5)

@@ -8,16 +8,17 @@ import torch
 
 from glassformer import ModelConfig, Transformer
 from glassformer.formats.checkpoint import load_model, optimizer_from_safe, optimizer_to_safe
-from glassformer.training import loop as train_module
+from glassformer.training import run as run_module
 from glassformer.training.batches import TokenBatches
 from glassformer.training.config import RECIPES, TrainConfig, get_recipe
 from glassformer.training.data import TokenData, draw_starts
 from glassformer.training.distributed import Process
-from glassformer.training.loop import bf16_supported, lm_loss, train, train_step
+from glassformer.training.loop import train
 from glassformer.training.metrics import read_metrics
 from glassformer.training.objectives import get_objective
 from glassformer.training.optim import StackedMuon, make_optimizer, set_learning_rate
 from glassformer.training.schedule import learning_rate
+from glassformer.training.step import autocast, bf16_supported, evaluate, lm_loss, train_step
 
 MODEL = ModelConfig(vocab_size=1, context_length=16, d_model=32, n_layers=2, n_heads=2,
                     dropout=0.1)
@@ -213,7 +214,7 @@ def test_train_end_to_end(corpus, tmp_path, capsys):
     starts = draw_starts(len(data.val), 16, 8, torch.Generator().manual_seed(TRAIN.seed + 1))
     batches = TokenBatches(data, get_objective("clm"), tokenizer, 16, 8, TRAIN.seed, 0, 1)
     assert torch.equal(batches.val_starts, starts)
-    again = train_module.evaluate(model, batches, 4, Process(), torch.autocast("cpu", enabled=False))
+    again = evaluate(model, batches, 4, Process(), torch.autocast("cpu", enabled=False))
     assert again == pytest.approx(summary["val_loss"], rel=1e-5)
 
 
@@ -228,7 +229,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(corpus, tmp_path, monkeypa
     train(corpus, full, MODEL, config, progress=False)
 
     part = tmp_path / "part"
-    real_step, calls = train_module.train_step, []
+    real_step, calls = run_module.train_step, []
 
     def step_then_ctrl_c(*args):  # Ctrl-C arrives during the third step
         calls.append(1)
@@ -236,7 +237,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(corpus, tmp_path, monkeypa
             os.kill(os.getpid(), signal.SIGINT)
         return real_step(*args)
 
-    monkeypatch.setattr(train_module, "train_step", step_then_ctrl_c)
+    monkeypatch.setattr(run_module, "train_step", step_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         train(corpus, part, MODEL, config, progress=False)
     monkeypatch.undo()
@@ -285,7 +286,7 @@ def test_bf16_autocast_step_tracks_float32():
     config = MODEL.replace(vocab_size=10, dropout=0.0)
     x = torch.randint(0, 10, (4, 16))
     losses = []
-    for amp in (torch.autocast("cpu", enabled=False), train_module.autocast(
+    for amp in (torch.autocast("cpu", enabled=False), autocast(
             torch.device("cpu"), "bfloat16")):
         torch.manual_seed(0)
         model = Transformer(config)
