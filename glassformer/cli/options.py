@@ -20,9 +20,9 @@ from typing import Any
 from ..accel.quantize import QUANTIZE_CHOICES
 from ..errors import InputError
 from ..formats.files import read_text
+from ..generation.context_extension import EXTENSIONS
 from ..generation.sampling import SamplingConfig
 from ..interpret.journey.collect import MAX_TOKENS
-from ..model.config import RopeScaling
 from ..model.sink import SinkPolicy
 from ..serving.engine import EngineConfig
 from ..serving.kv_pool import KV_DTYPES
@@ -201,7 +201,7 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
           help="subtract this from the logits of tokens already seen (default 0)"),
     _flag("--frequency-penalty", type=finite, default=0.0,
           help="subtract this times their count from the logits of tokens seen (default 0)"),
-    _flag("--rope-scaling", choices=typing.get_args(RopeScaling), default=None,
+    _flag("--rope-scaling", choices=EXTENSIONS, default=None,
           help="extend a RoPE model's context window --rope-factor times (default: none; train: "
                "the run's)"),
     _flag("--rope-factor", type=positive, default=None,

@@ -5,15 +5,14 @@ each cell's key, and the thresholds the claims are judged by."""
 from __future__ import annotations
 
 import math
-import typing
 
-from ..model.config import RopeScaling
+from ..generation.context_extension import EXTENSIONS
 
 # each model's window N and its shortest prompt (a multi-key prompt must fit in it)
 MODELS = {"smollm2-135m-instruct": (8192, 256), "shakespeare-rope": (512, 512)}
 SMALL = "shakespeare-rope"  # the length experiment's RoPE model, trained here at a 512 window
 TASKS = {"needle": 1, "multikey": 4}  # needles hidden per prompt
-READINGS = (*typing.get_args(RopeScaling), "window", "sink", "retrieve")
+READINGS = (*EXTENSIONS, "window", "sink", "retrieve")
 FACTORS = (2, 4, 8)  # lengths past the window, in windows
 FAR_DEPTHS = 3  # depths per cell past the window
 NATIVE_GOAL, KV_POINTS, KEEP = 0.9, 0.05, 0.9

@@ -15,6 +15,9 @@ from ..errors import InputError
 from ..model.config import RopeScaling
 from ..model.transformer import Transformer
 
+# What extend_context applies; longrope's per-pair factors come with a checkpoint (Phi-3's)
+EXTENSIONS: tuple[RopeScaling, ...] = ("none", "linear", "ntk", "yarn", "llama3")
+
 
 def extend_context(model: Transformer, scaling: RopeScaling, factor: float) -> Transformer:
     """A model sharing `model`'s weights whose window is `factor` times longer."""
@@ -27,9 +30,9 @@ def extend_context(model: Transformer, scaling: RopeScaling, factor: float) -> T
         raise InputError("rope_scaling", f"{config.position!r} models extrapolate; use scaling='none'")
     if config.rope_scaling != "none":
         raise InputError("rope_scaling", f"the model is already extended ({config.rope_scaling!r})")
-    if scaling == "longrope":
-        raise InputError("rope_scaling", "longrope's per-pair factors come with a checkpoint "
-                         "(Phi-3's config.json); choose linear, ntk, yarn or llama3")
+    if scaling not in EXTENSIONS:
+        raise InputError("rope_scaling", f"{scaling!r}'s per-pair factors come with a checkpoint "
+                         f"(Phi-3's config.json); choose {', '.join(EXTENSIONS[1:])}")
     extended = config.replace(context_length=int(config.context_length * factor))
     if scaling != "none":
         extended = extended.replace(
