@@ -17,6 +17,22 @@ from .huggingface_rope import rope_fields
 from .tensor_map import Entry
 
 
+def head_dim(hf: dict[str, Any]) -> int:
+    """A Llama-style config.json's head size: head_dim, else hidden_size / heads."""
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def llama_sizes(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig's sizes of a Llama-style config.json (Llama, Mistral, Qwen, Phi-3)."""
+    n_heads, d_head = hf["num_attention_heads"], head_dim(hf)
+    return dict(
+        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
+        d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        d_head=d_head if d_head * n_heads != hf["hidden_size"] else None,
+        d_ff=hf["intermediate_size"])
+
+
 def llama_config(hf: dict[str, Any]) -> ModelConfig:
     """A ModelConfig equal to a Llama, Mistral or Qwen2 config.json (as a dict)."""
     if hf.get("hidden_act", "silu") != "silu":
@@ -24,14 +40,8 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
     qwen = hf["model_type"] == "qwen2"
     # Qwen names a window but uses it only with use_sliding_window, on some layers
     window = qwen_window(hf) if hf["model_type"] in ("qwen2", "qwen3") else hf.get("sliding_window")
-    n_heads = hf["num_attention_heads"]
-    d_head = hf.get("head_dim") or hf["hidden_size"] // n_heads
     return ModelConfig(
-        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
-        d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        d_head=d_head if d_head * n_heads != hf["hidden_size"] else None,
-        d_ff=hf["intermediate_size"], position="rope", **rope_fields(hf),
+        **llama_sizes(hf), position="rope", **rope_fields(hf),
         norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="silu", gated=True,
         attn_bias=qwen or bool(hf.get("attention_bias", False)),
         attn_out_bias=not qwen and bool(hf.get("attention_bias", False)),

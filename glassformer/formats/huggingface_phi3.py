@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..model.config import ModelConfig
+from .huggingface_llama import head_dim, llama_sizes
 from .huggingface_rope import rope_fields
 from .tensor_map import Entry
 
@@ -32,16 +33,11 @@ def phi3_config(hf: dict[str, Any]) -> ModelConfig:
         raise InputError("rope_scaling", f"unsupported Phi-3 rope type {rope_type!r} (default or longrope)")
     rope_hf = hf | {"rope_parameters": rope,
                     "original_max_position_embeddings": hf.get("original_max_position_embeddings") or 4096}
-    n_heads = hf["num_attention_heads"]
-    d_head = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    d_head = head_dim(hf)
     rotary_dim = int(d_head * float(rope.get("partial_rotary_factor",
                                              hf.get("partial_rotary_factor", 1.0))))
     return ModelConfig(
-        vocab_size=hf["vocab_size"], context_length=hf["max_position_embeddings"],
-        d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        d_head=d_head if d_head * n_heads != hf["hidden_size"] else None,
-        d_ff=hf["intermediate_size"], position="rope", **rope_fields(rope_hf),
+        **llama_sizes(hf), position="rope", **rope_fields(rope_hf),
         rotary_dim=None if rotary_dim == d_head else rotary_dim,
         norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-5), activation="silu", gated=True,
         attn_bias=False, attn_out_bias=False, mlp_bias=False,
