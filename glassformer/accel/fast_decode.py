@@ -5,7 +5,8 @@ same arithmetic as `model(token, cache=cache)`; only the dispatch differs. Pytho
 token, C++ (csrc/decode_step.cpp) runs norm, QKV, RoPE, the cache write, attention, W_O,
 norm and feed-forward for every layer, and Python applies the final norm and the head's math
 (`head`); the C++ layers also compute the query/key norms, the output norms (OLMo 2, Gemma 2's
-sandwich), Gemma's (1 + w) norms, soft-capped scores and each layer's own window.
+sandwich), Gemma's (1 + w) norms, soft-capped scores, each layer's own window and each layer's
+kind of RoPE angles (Gemma 3's sliding layers turn by their own base).
 `CAPABILITIES` lists, field by field of the config, what the C++ layers compute;
 a model whose config it refuses keeps the module path. The model owns its step
 (`Transformer.fused_step`), built by `FastDecoder.build` and dropped whenever its tensors
@@ -21,7 +22,7 @@ import torch
 
 from ..errors import InputError
 from ..model.kv_cache import KVCache
-from ..model.layers.positions import rope_cos_sin, rope_frequencies
+from ..model.layers.positions import RopeAngles
 from ..model.transformer import Transformer, read_out
 from . import kernels
 from .capabilities import CapabilityTable, any_value, only
@@ -76,7 +77,8 @@ CAPABILITIES = CapabilityTable("fused decode step", {
     "norm_weight_offset": any_value("the C++ RMSNorm rows (block, query, key) scale by offset + w"),
     "embed_scale": any_value("Python embeds the token with the model's own embedding"),
     "final_softcap": any_value(_PYTHON),
-    "rope_local_theta": only(None, reason="one set of RoPE angles for every layer"),
+    "rope_local_theta": any_value("the angles of each kind of layer come from Python; each layer "
+                                  "turns by its kind's (ModelConfig.local_rope)"),
 })
 
 
@@ -145,9 +147,7 @@ class FastDecoder:
         # the model's parts, not the model: a step kept alive keeps no model alive
         self.config, self.embed, self.final_norm = config, model.embed, model.final_norm
         self.head_transform, self.lm_head = model.head_transform, model.lm_head
-        self.rope = None
-        if config.position == "rope":
-            self.rope = (model.rope_inv_freq, model.rope_long_inv_freq, model.rope_attention_factor)
+        self.rope = model.rope_sets() if config.position == "rope" else None
         layers = [kernels.LayerWeights(_norm(block.norm1), block.attn.qkv.kernel_weights(),
                                        block.attn.out.kernel_weights(), _norm(block.norm2),
                                        block.mlp.up.kernel_weights(),
@@ -176,11 +176,8 @@ class FastDecoder:
         cache.allocate(token.device, torch.float32)
         x = self.embed(token[:, None], positions)[:, 0]  # (1, d)
         cos = sin = self.empty
-        if self.rope is not None:
-            inv_freq, long_inv_freq, factor = self.rope
-            cos, sin = rope_cos_sin(rope_frequencies(self.config, positions, inv_freq, long_inv_freq),
-                                    positions, factor)
-            cos, sin = cos.reshape(-1), sin.reshape(-1)  # (rotated,)
+        if self.rope is not None:  # (kinds, 1, rotated) each
+            cos, sin = by_kind(self.rope.angles(self.config, positions), 1)
         x = self.step_fn.step(x, pos, cos, sin, cache.keys, cache.values)  # (1, d)
         cache.advance(1)
         return self.head(x)
@@ -191,29 +188,38 @@ class FastDecoder:
         return read_out(self.config, self.final_norm, self.head_transform, self.lm_head, h)  # (R, V)
 
     def rows(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             cos: torch.Tensor | None, sin: torch.Tensor | None,
-             keys: list[torch.Tensor], values: list[torch.Tensor],
+             angles: RopeAngles | None, keys: list[torch.Tensor], values: list[torch.Tensor],
              adapter_of: torch.Tensor | None = None, adapters: list = (),
              emit: torch.Tensor | None = None, residuals: torch.Tensor | None = None,
              writes: torch.Tensor | None = None) -> torch.Tensor:
         """The residual streams (B, d) after every layer for the embedded tokens x (B, d) at
         positions (B,); row b's token t sits at pool slot slots[b, t] (B, S), its new one at
-        slots[b, positions[b]]; cos, sin (B, d_head) its angles (None without RoPE); keys,
-        values per layer (n_slots, KV, d_head) float32, written at the new slots. Row b adds
+        slots[b, positions[b]]; angles: its cos and sin (B, rotated) per kind of layer, in
+        Transformer.rope_angles' order (None without RoPE); keys, values per layer (n_slots,
+        KV, d_head) float32, written at the new slots. Row b adds
         the updates of adapters[adapter_of[b]] (fused_adapter's), none where it is -1 or
         adapter_of is None (B,). Rows emit (M,) also write their residual streams after the
         embedding and after each layer, the state the step carries, into residuals
         (M, n_layers + 1, d) float32 (None: no row; the plain step), and, where writes
         (M, n_layers, 2, d) float32 is given, each layer's attention and feed-forward outputs
         (its attn.out and mlp.out sites, before any output norm)."""
-        cos = self.empty if cos is None else cos.contiguous()
-        sin = self.empty if sin is None else sin.contiguous()
+        cos, sin = (self.empty, self.empty) if angles is None else by_kind(angles, len(x))
         rows = self.no_adapters if adapter_of is None else adapter_of.contiguous()
         emit = self.no_rows if emit is None else emit.contiguous()
         residuals = self.empty if residuals is None else residuals
         writes = self.empty if writes is None else writes
         return self.step_fn.step_paged(x, positions, slots, cos, sin, keys, values, rows, list(adapters),
                                        emit, residuals, writes)
+
+
+def by_kind(angles: RopeAngles, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of `rows` rows per kind of layer (each kind's (rows, …, rotated)) as the C++
+    layers read them, (kinds, rows, rotated) each: one kind as it is, two side by side."""
+    if len(angles) == 1:
+        cos, sin = angles[0]
+        return cos.reshape(1, rows, -1).contiguous(), sin.reshape(1, rows, -1).contiguous()
+    return (torch.stack([cos.reshape(rows, -1) for cos, _ in angles]),
+            torch.stack([sin.reshape(rows, -1) for _, sin in angles]))
 
 
 def _norm(norm: torch.nn.Module | None) -> kernels.NormWeights | None:

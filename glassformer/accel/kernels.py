@@ -127,7 +127,9 @@ def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: T
     sequence, a dense cache) and `step_paged` (one token of each of several sequences, a paged
     pool, each row with its LoRA adapter or none: `adapter_weights`). fast_decode.py refuses
     the configurations it does not compute (its capability table); this passes each field by
-    name, the scores' scale as the attention module takes it (attn_scale^-½, d_head^-½ or 1)."""
+    name, the scores' scale as the attention module takes it (attn_scale^-½, d_head^-½ or 1),
+    and each layer's kind of RoPE angles as its Attention picks them (0 every layer's, 1 the
+    sliding layers' own: `ModelConfig.local_rope`)."""
     ext = extension()
     spec = ext.DecodeConfig()
     spec.d_model, spec.n_heads, spec.n_kv_heads = config.d_model, config.n_heads, config.kv_heads
@@ -138,6 +140,7 @@ def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: T
     spec.activation = ext.Activation.__members__[config.activation]
     spec.gated, spec.rope, spec.norm_eps = config.gated, config.position == "rope", config.norm_eps
     spec.rotary_dim, spec.parallel = config.rotated_dim, config.parallel_block
+    spec.rope_kinds = [int(config.local_rope(layer)) for layer in range(config.n_layers)]
     spec.score_scale = config.head_dim**-0.5 if config.scale_scores else 1.0
     if config.attn_scale is not None:
         spec.score_scale = config.attn_scale**-0.5

@@ -23,9 +23,8 @@ from .layers.norm import make_norm
 from .layers.positions import (
     RelativeBias,
     RopeAngles,
+    RopeSets,
     alibi_slopes,
-    rope_cos_sin,
-    rope_frequencies,
     rope_inverse_frequencies,
 )
 from .sites import OUTPUT
@@ -58,9 +57,10 @@ class Transformer(nn.Module):
         if config.position == "rope":
             inv_freq, self.rope_attention_factor = rope_inverse_frequencies(config)
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)  # (rotated/2,)
-        if config.rope_local_theta is not None:  # the sliding layers' own (Gemma 3)
-            local, _ = rope_inverse_frequencies(config, local=True)
-            self.register_buffer("rope_local_inv_freq", local, persistent=False)  # (rotated/2,)
+        # the sliding layers' own (Gemma 3) (rotated/2,), None where every layer turns alike
+        local = (rope_inverse_frequencies(config, local=True)[0]
+                 if config.rope_local_theta is not None else None)
+        self.register_buffer("rope_local_inv_freq", local, persistent=False)
         # LongRoPE's set for a text past the original context (rotated/2,), None for the others
         long_inv_freq = (rope_inverse_frequencies(config, long=True)[0]
                          if config.rope_scaling == "longrope" else None)
@@ -199,21 +199,17 @@ class Transformer(nn.Module):
             x = block(x, mask, rope, cache)
         return final_hidden(self.final_norm, x, self.hooks)
 
+    def rope_sets(self) -> RopeSets:
+        """The θ its layers turn by, as its buffers hold them now (position="rope")."""
+        return RopeSets(self.rope_inv_freq, self.rope_attention_factor, self.rope_long_inv_freq,
+                        self.rope_local_inv_freq)
+
     def rope_angles(self, positions: torch.Tensor, long: bool | None = None) -> RopeAngles:
-        """RoPE's cos and sin at positions (B, T) for each kind of layer, (B, 1, T, rotated)
-        each in the model's dtype: every layer's, then the sliding layers' own where
-        rope_local_theta is set (each attention layer takes its kind's). Under LongRoPE each
-        row picks its set by its reach (`rope_frequencies`), or `long` says which."""
+        """RoPE's cos and sin at positions (B, T) for each kind of layer (RopeSets.angles),
+        (B, 1, T, rotated) each in the model's dtype."""
         dtype = self.embed.tokens.weight.dtype
-        if long is None:
-            inv_freq = rope_frequencies(self.config, positions, self.rope_inv_freq, self.rope_long_inv_freq)
-        else:
-            inv_freq = self.rope_long_inv_freq if long else self.rope_inv_freq
-        kinds = [(inv_freq, self.rope_attention_factor)]  # (d/2,) or, under LongRoPE, (B, d/2)
-        if self.config.rope_local_theta is not None:
-            kinds.append((self.rope_local_inv_freq, 1.0))
-        return tuple(tuple(t.to(dtype) for t in rope_cos_sin(inv_freq, positions, factor))
-                     for inv_freq, factor in kinds)
+        return tuple(tuple(t.to(dtype) for t in pair)
+                     for pair in self.rope_sets().angles(self.config, positions, long))
 
     def attention_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
                        k_valid: torch.Tensor | None = None, contiguous: bool = False,

@@ -153,9 +153,8 @@ class FusedPath:
             slots[i, : len(r.slots)] = r.slots
         slots = slots.repeat_interleave(counts, dim=0)  # (B, S): a row's request's
         x = self.model.embed(batch.ids[None], batch.positions[None])[0]  # (B, d)
-        cos = sin = None
-        if self.rope is not None:  # one kind: the fused step refuses rope_local_theta
-            cos, sin = self.rope.rows(batch.positions, requests)[0]  # (B, rotated) each
+        # per kind of layer, (B, rotated) each
+        angles = None if self.rope is None else self.rope.rows(batch.positions, requests)
         names = list(dict.fromkeys(r.adapter for r in requests if r.adapter is not None))
         adapter_of = torch.tensor([-1 if r.adapter is None else names.index(r.adapter)
                                    for r in requests]).repeat_interleave(counts)  # (B,)
@@ -167,7 +166,7 @@ class FusedPath:
             residuals = torch.empty(m, n_layers + 1, d)  # (M, L + 1, d)
             if any(fused_source(site)[0] == "writes" for r in inspecting for site in r.seq.params.capture):
                 writes = torch.empty(m, n_layers, 2, d)  # (M, L, 2, d): attn.out, mlp.out
-        h = fused.rows(x, batch.positions, slots, cos, sin, self.pool.keys, self.pool.values,
+        h = fused.rows(x, batch.positions, slots, angles, self.pool.keys, self.pool.values,
                        adapter_of if names else None, [self.adapters[name].fused for name in names],
                        emit, residuals, writes)  # (B, d)
         inspection = Inspection.of(self.model.config, batch, rows_of_inspecting=True)

@@ -8,7 +8,6 @@ from glassformer import KVCache, Transformer, get_preset
 from glassformer.accel.fast_decode import FastDecoder, fused_adapter, why_not
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
-from glassformer.model.layers.positions import rope_cos_sin
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -27,13 +26,17 @@ def _converted(name, mode, **changes):
 LONG = {f"d_head {d}": {"d_model": 4 * d, "context_length": 160} for d in (12, 40, 64)}
 # The families' pieces: Qwen3's query/key norms per head, OLMo 2's over all heads with output
 # norms, Gemma 2's sandwich and 1 + w norms, scaled embedding, soft-capped and rescaled scores
-# and a window on the first layer only.
+# and a window on the first layer only; Gemma 3's sliding layer turning by its own RoPE base,
+# the global one by a scaled one.
 FAMILIES = {
     "qwen3": {"qk_norm": "head"},
     "olmo2": {"qk_norm": "all", "norm_placement": "out"},
     "gemma2": {"norm_placement": "sandwich", "norm_weight_offset": 1.0, "embed_scale": True,
                "attn_softcap": 2.0, "final_softcap": 3.0, "attn_scale": 12.0,
                "layer_windows": (4, None)},
+    "gemma3": {"qk_norm": "head", "norm_placement": "sandwich", "norm_weight_offset": 1.0,
+               "layer_windows": (4, None), "rope_local_theta": 10.0, "rope_scaling": "linear",
+               "rope_factor": 4.0},
 }
 
 
@@ -104,11 +107,10 @@ def test_rows_over_a_paged_pool_equal_each_sequence_stepped_alone(name, changes,
             caches.append(cache)
         positions, ids = torch.tensor(lengths), torch.tensor(ids)  # (B,) each
         x = model.embed(ids[None], positions[None])[0]  # (B, d)
-        cos = sin = None
+        angles = None  # per kind of layer, (B, rotated) each
         if config.position == "rope":
-            cos, sin = (t.reshape(len(lengths), -1) for t in rope_cos_sin(
-                model.rope_inv_freq, positions[None], model.rope_attention_factor))  # (B, d_head)
-        h = step.rows(x, positions, slots, cos, sin, keys, values)  # (B, d)
+            angles = tuple((cos[0, 0], sin[0, 0]) for cos, sin in model.rope_angles(positions[None]))
+        h = step.rows(x, positions, slots, angles, keys, values)  # (B, d)
         for b, n in enumerate(lengths):
             row = h[b : b + 1]
             logits = step.head(row)  # (1, V)
@@ -127,7 +129,7 @@ def test_rows_refuse_a_slot_outside_the_pool():
         x = torch.zeros(1, config.d_model)
         angles = torch.zeros(1, config.head_dim)
         with pytest.raises(RuntimeError, match="outside the pool"):
-            step.rows(x, torch.tensor([1]), torch.tensor([[0, 9]]), angles, angles, keys, keys)
+            step.rows(x, torch.tensor([1]), torch.tensor([[0, 9]]), ((angles, angles),), keys, keys)
 
 
 def test_rows_add_each_row_s_adapter_alone_and_refuse_what_they_cannot_add():
@@ -156,7 +158,7 @@ def test_rows_add_each_row_s_adapter_alone_and_refuse_what_they_cannot_add():
         cos, sin = torch.ones(3, config.head_dim), torch.zeros(3, config.head_dim)
 
         def rows(index, adapters, b=slice(None)):
-            return step.rows(x[b], positions[b], slots[b], cos[b], sin[b], keys, values,
+            return step.rows(x[b], positions[b], slots[b], ((cos[b], sin[b]),), keys, values,
                              None if index is None else torch.tensor(index), adapters)
 
         base, some, none = rows(None, []), adapter(1.0), adapter(0.0)

@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def_readwrite("activation", &gf::DecodeConfig::activation)
       .def_readwrite("gated", &gf::DecodeConfig::gated)
       .def_readwrite("rope", &gf::DecodeConfig::rope)
+      .def_readwrite("rope_kinds", &gf::DecodeConfig::rope_kinds)
       .def_readwrite("rotary_dim", &gf::DecodeConfig::rotary_dim)
       .def_readwrite("parallel", &gf::DecodeConfig::parallel)
       .def_readwrite("norm_eps", &gf::DecodeConfig::norm_eps)

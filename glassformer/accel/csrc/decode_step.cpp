@@ -2,7 +2,8 @@
 //
 // For one sequence and one new token at position `pos`, each layer computes
 //   h = norm1(x);  q, k, v = split(W_qkv h);  q, k = norm_q(q), norm_k(k)  (qk_norm: RMSNorm
-//   over each head, or over all heads);  q, k = rope(q, k)  (each head's first rotary_dim)
+//   over each head, or over all heads);  q, k = rope(q, k)  (each head's first rotary_dim, by
+//   the angles of the layer's kind: every layer's, or the sliding layers' own base)
 //   cache[pos] = k, v;  s_t = scale q_i · k_t, soft-capped to c tanh(s_t / c) where c is set;
 //   a_i = softmax_t(s_t [- slope_i (pos - t)]) · v_t over the layer's window
 //   x += norm_a(W_o a);  h = norm2(x);  x += norm_m(W_down act(W_up h))   (gated: act(gate) * up)
@@ -23,6 +24,7 @@
 // mlp.out sites; the engine's capture and logit lens of those sites); with no row named it
 // copies nothing.
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -196,6 +198,11 @@ DecodeStep::DecodeStep(DecodeConfig config, std::vector<LayerWeights> layers,
   TORCH_CHECK(!alibi_ || alibi_->numel() == config_.n_heads,
               "decode step: one ALiBi slope per head");
   TORCH_CHECK(config_.windows.size() == layers_.size(), "decode step: one window per layer");
+  TORCH_CHECK(config_.rope_kinds.size() == layers_.size(), "decode step: one RoPE kind per layer");
+  for (const int64_t kind : config_.rope_kinds) {
+    TORCH_CHECK(kind >= 0, "decode step: a RoPE kind is a set's index, got ", kind);
+    rope_sets_ = std::max(rope_sets_, kind + 1);
+  }
   const int64_t d = config_.d_model, D = config_.d_head;
   const bool all_heads = config_.qk_norm == QkNorm::all;
   for (const LayerWeights& layer : layers_) {
@@ -229,6 +236,7 @@ torch::Tensor DecodeStep::step(torch::Tensor x, int64_t pos, const torch::Tensor
   TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(),
               "decode step: one cache tensor per layer");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "decode step: x must be (1, d)");
+  check_angles(cos, sin, 1);
   for (size_t l = 0; l < layers_.size(); ++l) {
     TORCH_CHECK(pos < keys[l].size(2) && pos < values[l].size(2), "decode step: position ",
                 pos, " is past the cache (", keys[l].size(2), ")");
@@ -277,11 +285,7 @@ torch::Tensor DecodeStep::step_paged(torch::Tensor x, const torch::Tensor& posit
                   "decode step: slot ", table[b * S + t], " is outside the pool");
     }
   }
-  if (config_.rope) {
-    const int64_t R = config_.rotary_dim;
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * R &&
-                    sin.numel() == B * R, "decode step: cos, sin must be (B, rotary_dim)");
-  }
+  check_angles(cos, sin, B);
   const int64_t* adapter = nullptr;  // null: no row has an adapter
   if (adapter_of.numel() > 0) {
     TORCH_CHECK(adapter_of.dtype() == torch::kInt64 && adapter_of.is_contiguous() &&
@@ -301,6 +305,17 @@ torch::Tensor DecodeStep::step_paged(torch::Tensor x, const torch::Tensor& posit
   return layers(x, pos, config_.rope ? cos.data_ptr<float>() : nullptr,
                 config_.rope ? sin.data_ptr<float>() : nullptr, view_of, adapter, adapters,
                 residual_rows(emit, residuals, writes, B));
+}
+
+// cos, sin (kinds, B, rotary_dim) float32: a set of angles per kind of layer, where there is RoPE.
+void DecodeStep::check_angles(const torch::Tensor& cos, const torch::Tensor& sin, int64_t B) const {
+  if (!config_.rope) return;
+  const int64_t n = rope_sets_ * B * config_.rotary_dim;
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == n,
+                "decode step: cos, sin must be float32 (", rope_sets_, ", ", B, ", ",
+                config_.rotary_dim, "): a set of angles per kind of layer");
+  }
 }
 
 ResidualRows DecodeStep::residual_rows(const torch::Tensor& emit, torch::Tensor& residuals,
@@ -361,9 +376,9 @@ void DecodeStep::check(const AdapterWeights& adapter) const {
   }
 }
 
-// Every layer for the B rows of x; row b at position pos[b], its angles at cos + b * d_head,
-// its cache in layer l at view_of(l, b), its adapter adapters[adapter_of[b]] (none where -1,
-// or where adapter_of is null).
+// Every layer for the B rows of x; row b at position pos[b], its angles in layer l at
+// cos + (rope_kinds[l] B + b) rotary_dim, its cache in layer l at view_of(l, b), its adapter
+// adapters[adapter_of[b]] (none where -1, or where adapter_of is null).
 template <typename ViewOf>
 torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const float* cos,
                                  const float* sin, ViewOf view_of, const int64_t* adapter_of,
@@ -397,8 +412,9 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
       float* v = k + KV * D;
       if (layer.q_norm) normalize_heads(q, k, layer);
       if (config_.rope) {
+        const int64_t angles = (config_.rope_kinds[l] * B + b) * R;  // the layer's kind's, row b's
         for (int64_t head = 0; head < H + KV; ++head)  // the query heads, then the key heads
-          rope_row(q + head * D, cos + b * R, sin + b * R, R, 1.f, q + head * D);
+          rope_row(q + head * D, cos + angles, sin + angles, R, 1.f, q + head * D);
       }
       views[b] = view_of(l, b);
       store(views[b], k, v, pos[b]);

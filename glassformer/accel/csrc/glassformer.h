@@ -493,6 +493,9 @@ struct DecodeConfig {
   Activation activation = Activation::gelu;
   bool gated = false;  // act(gate) * up for up's output [gate | up]
   bool rope = false;   // rotate q and k by the angles the caller passes
+  // with rope, per layer: which of the caller's sets of angles it turns by (0: every layer's;
+  // 1: the sliding layers' own base, rope_local_theta); the caller passes 1 + the largest sets
+  std::vector<int64_t> rope_kinds;
   int64_t rotary_dim = 0;  // with rope: the first dimensions of each head it turns (the rest pass)
   bool parallel = false;   // the feed-forward reads the layer's input: x += attn + ffn
   double norm_eps = 1e-5;
@@ -537,14 +540,16 @@ class DecodeStep {
   // alibi_slopes (n_heads) float32: scores minus slope_h (pos - t), where given.
   DecodeStep(DecodeConfig config, std::vector<LayerWeights> layers, Bias alibi_slopes);
 
-  // x (1, d) the embedded token; cos, sin (d_head) for its position (ignored without rope);
+  // x (1, d) the embedded token; cos, sin (kinds, rotary_dim) for its position, a set per
+  // kind of layer (DecodeConfig::rope_kinds; ignored without rope);
   // keys, values per layer (1, KV, S, d_head) float32. Returns the residual stream (1, d).
   torch::Tensor step(torch::Tensor x, int64_t pos, const torch::Tensor& cos,
                      const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
                      const std::vector<torch::Tensor>& values);
 
   // x (B, d) the embedded tokens; slots (B, S) int64: row b's token t is at pool slot
-  // slots[b, t] for t <= positions[b], its new token's slot last; cos, sin (B, d_head);
+  // slots[b, t] for t <= positions[b], its new token's slot last; cos, sin (kinds, B,
+  // rotary_dim), a set per kind of layer;
   // keys, values per layer (n_slots, KV, d_head) float32. adapter_of (B,) int64 (or empty:
   // none): row b adds the updates of adapters[adapter_of[b]], -1 none. emit (M,) int64 rows
   // (or empty: none) whose residual streams after the embedding and each layer go to residuals
@@ -567,6 +572,7 @@ class DecodeStep {
   ResidualRows residual_rows(const torch::Tensor& emit, torch::Tensor& residuals,
                              torch::Tensor& writes, int64_t B) const;
   void check(const AdapterWeights& adapter) const;
+  void check_angles(const torch::Tensor& cos, const torch::Tensor& sin, int64_t B) const;
   void normalize(const torch::Tensor& x, const NormWeights& norm, torch::Tensor& out) const;
   void normalize_heads(float* q, float* k, const LayerWeights& layer) const;
   void store(const KVView& kv, const float* k, const float* v, int64_t pos) const;
@@ -575,6 +581,7 @@ class DecodeStep {
   torch::Tensor activate(const torch::Tensor& up) const;
 
   DecodeConfig config_;
+  int64_t rope_sets_ = 1;  // the sets of angles a step passes: 1 + the largest of rope_kinds
   Bias alibi_;
   std::vector<LayerWeights> layers_;
 };

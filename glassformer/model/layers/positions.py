@@ -12,6 +12,7 @@ stack shared by its layers.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -134,6 +135,31 @@ def rope_cos_sin(
 # RoPE's cos and sin per kind of layer, each (B, 1, T, d): [0] every layer's, [1] the sliding
 # layers' where rope_local_theta gives them their own base (an Attention picks its kind).
 RopeAngles = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+class RopeSets(NamedTuple):
+    """The θ a model's layers turn by (the Transformer's buffers, (d/2,) each): every layer's
+    and the attention factor scaling its cos and sin, LongRoPE's long set (None without), and
+    the sliding layers' own base (rope_local_theta; None without)."""
+
+    inv_freq: torch.Tensor
+    attention_factor: float
+    long_inv_freq: torch.Tensor | None
+    local_inv_freq: torch.Tensor | None
+
+    def angles(self, config: ModelConfig, positions: torch.Tensor, long: bool | None = None) -> RopeAngles:
+        """RoPE's cos and sin at positions (B, T) for each kind of layer, (B, 1, T, rotated)
+        each in float32: every layer's, then the sliding layers' own where rope_local_theta is
+        set (each attention layer takes its kind's: `ModelConfig.local_rope`). Under LongRoPE
+        each row picks its set by its reach (`rope_frequencies`), or `long` says which."""
+        if long is None:
+            inv_freq = rope_frequencies(config, positions, self.inv_freq, self.long_inv_freq)
+        else:
+            inv_freq = self.long_inv_freq if long else self.inv_freq
+        kinds = [(inv_freq, self.attention_factor)]  # (d/2,) or, under LongRoPE, (B, d/2)
+        if self.local_inv_freq is not None:
+            kinds.append((self.local_inv_freq, 1.0))
+        return tuple(rope_cos_sin(frequencies, positions, factor) for frequencies, factor in kinds)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
