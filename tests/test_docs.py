@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from glassformer.accel import fast_decode
-from glassformer.accel.capabilities import any_value
+from glassformer.accel.capabilities import only
 from glassformer.formats.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,12 +66,13 @@ def test_the_table_follows_the_capability_tables_and_the_registry(monkeypatch):
     generator = _supported_models()
     before = generator.supported_models_markdown()
     fused = 3 + list(generator.PATHS).index("fused decode step")  # after model_type, GGUF, pieces
-    assert _row(before, "Gemma 3")[fused] == "no: `rope_local_theta`"
-    rules = fast_decode.CAPABILITIES.rules | {"rope_local_theta": any_value()}
+    assert _row(before, "Gemma 3")[fused] == "yes"
+    rules = fast_decode.CAPABILITIES.rules | {"rope_local_theta": only(None, reason="one base")}
     table = dataclasses.replace(fast_decode.CAPABILITIES, rules=rules)
     monkeypatch.setattr(fast_decode, "CAPABILITIES", table)
     monkeypatch.setattr(generator, "FAMILIES", (*FAMILIES, dataclasses.replace(FAMILIES[1], name="Llama 3")))
     after = generator.supported_models_markdown()
-    assert _row(after, "Gemma 3")[fused] == "yes"
-    assert "Gemma 3: fused decode step" in before and "Gemma 3: fused decode step" not in after
+    assert _row(after, "Gemma 3")[fused] == "no: `rope_local_theta`"
+    assert "Gemma 3: fused decode step" not in before
+    assert "- Gemma 3: fused decode step: rope_local_theta=10000.0 is not computed (one base)" in after
     assert _row(after, "Llama 3") == _row(after, "Llama")
