@@ -109,7 +109,7 @@ def test_fused_adapter_rows_equal_the_module_path_s(tiny, prompts, tmp_path, mon
     original = FastDecoder.rows
 
     def rows(self, *args, **kwargs):
-        adapter_of = args[7] if len(args) > 7 else kwargs.get("adapter_of")
+        adapter_of = args[6] if len(args) > 6 else kwargs.get("adapter_of")
         steps.append(None if adapter_of is None else adapter_of.tolist())
         return original(self, *args, **kwargs)
 

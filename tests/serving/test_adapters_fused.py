@@ -63,7 +63,7 @@ def test_adapter_rows_equal_the_merged_model_alone_and_at_any_thread_count():
     def rows(step, index=None, b=slice(None)):
         keys = [torch.zeros(B, config.kv_heads, config.head_dim) for _ in range(config.n_layers)]
         values = [torch.zeros_like(k) for k in keys]
-        return step.rows(x[b], positions[b], slots[b], cos[b], sin[b], keys, values,
+        return step.rows(x[b], positions[b], slots[b], ((cos[b], sin[b]),), keys, values,
                          None if index is None else index[b], adapters)
 
     threads = torch.get_num_threads()

@@ -23,10 +23,10 @@ def emitted(monkeypatch):
     calls = []
     rows = FastDecoder.rows
 
-    def spy(self, x, positions, slots, cos, sin, keys, values, adapter_of=None, adapters=(),
+    def spy(self, x, positions, slots, angles, keys, values, adapter_of=None, adapters=(),
             emit=None, residuals=None, writes=None):
         calls.append([] if emit is None else emit.tolist())
-        return rows(self, x, positions, slots, cos, sin, keys, values, adapter_of, adapters, emit, residuals,
+        return rows(self, x, positions, slots, angles, keys, values, adapter_of, adapters, emit, residuals,
                     writes)
 
     monkeypatch.setattr(FastDecoder, "rows", spy)
@@ -79,7 +79,7 @@ def test_emitting_rows_changes_no_row(tiny, kernels, mode):
                 writes = torch.full((m, n_layers, 2, d), torch.nan)  # (M, L, 2, d)
         with torch.inference_mode():
             rows = None if emit is None else torch.tensor(emit)  # (M,)
-            h = step().rows(x, positions, slots, cos, sin, keys, values, emit=rows, residuals=residuals,
+            h = step().rows(x, positions, slots, ((cos, sin),), keys, values, emit=rows, residuals=residuals,
                             writes=writes)
         return h, keys, values, residuals, writes
 
