@@ -49,8 +49,10 @@ FAMILIES = {
                          + [("tiny-alibi", LONG["d_head 64"], 150, "none")]
                          + [("tiny-llama", changes, 20, mode) for changes in FAMILIES.values()
                             for mode in ("none", "int8", "int4")]
-                         # ALiBi after the soft-cap; LayerNorm sandwich norms (no 1 + w there)
+                         # ALiBi after the soft-cap; LayerNorm sandwich norms (no 1 + w there);
+                         # a local base without a sliding layer (its angles passed, not read)
                          + [("tiny-alibi", FAMILIES["gemma2"] | {"norm_weight_offset": 0.0}, 20, "none"),
+                            ("tiny-llama", {"rope_local_theta": 10.0}, 20, "none"),
                             ("tiny-llama", LONG["d_head 12"] | FAMILIES["gemma2"], 150, "none")])
 def test_fused_step_equals_the_module_path(name, changes, length, mode):
     model = _converted(name, mode, **changes)

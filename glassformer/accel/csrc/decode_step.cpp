@@ -307,13 +307,15 @@ torch::Tensor DecodeStep::step_paged(torch::Tensor x, const torch::Tensor& posit
                 residual_rows(emit, residuals, writes, B));
 }
 
-// cos, sin (kinds, B, rotary_dim) float32: a set of angles per kind of layer, where there is RoPE.
+// cos, sin (kinds, B, rotary_dim) float32, where there is RoPE: a set of angles per kind of
+// layer the model has (a layer of each kind or not), at least one per kind a layer names.
 void DecodeStep::check_angles(const torch::Tensor& cos, const torch::Tensor& sin, int64_t B) const {
   if (!config_.rope) return;
-  const int64_t n = rope_sets_ * B * config_.rotary_dim;
   for (const auto* t : {&cos, &sin}) {
-    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == n,
-                "decode step: cos, sin must be float32 (", rope_sets_, ", ", B, ", ",
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) >= rope_sets_ && t->size(1) == B &&
+                    t->size(2) == config_.rotary_dim && t->sizes() == cos.sizes(),
+                "decode step: cos, sin must be float32 (kinds >= ", rope_sets_, ", ", B, ", ",
                 config_.rotary_dim, "): a set of angles per kind of layer");
   }
 }

@@ -494,7 +494,7 @@ struct DecodeConfig {
   bool gated = false;  // act(gate) * up for up's output [gate | up]
   bool rope = false;   // rotate q and k by the angles the caller passes
   // with rope, per layer: which of the caller's sets of angles it turns by (0: every layer's;
-  // 1: the sliding layers' own base, rope_local_theta); the caller passes 1 + the largest sets
+  // 1: the sliding layers' own base, rope_local_theta)
   std::vector<int64_t> rope_kinds;
   int64_t rotary_dim = 0;  // with rope: the first dimensions of each head it turns (the rest pass)
   bool parallel = false;   // the feed-forward reads the layer's input: x += attn + ffn
@@ -581,7 +581,7 @@ class DecodeStep {
   torch::Tensor activate(const torch::Tensor& up) const;
 
   DecodeConfig config_;
-  int64_t rope_sets_ = 1;  // the sets of angles a step passes: 1 + the largest of rope_kinds
+  int64_t rope_sets_ = 1;  // the fewest sets of angles a step takes: 1 + the largest of rope_kinds
   Bias alibi_;
   std::vector<LayerWeights> layers_;
 };
