@@ -113,7 +113,8 @@ def graph_reason(model: Transformer, asks: Asks) -> str | None:
     (plain decoding rows over FlexAttention's masks: causal, a sliding window); or None."""
     config, params = model.config, asks.params
     if model.has_fused_step:
-        return "the model runs a fused C++ step (a --quantize conversion); the graph executor runs the plain weights"
+        return ("the model runs a fused C++ step (a --quantize conversion); the graph executor runs "
+                "the plain weights")
     if asks.prompt:
         return "a prompt's chunk (the graph executor runs one new token per row)"
     if params is not None and params.inspects:
@@ -121,7 +122,8 @@ def graph_reason(model: Transformer, asks: Asks) -> str | None:
     if params is not None and params.adapter is not None:
         return f"its adapter {params.adapter!r} runs on the module path (not in the graph executor)"
     if config.position not in ("rope", "learned", "sinusoidal", "none"):
-        return f"{config.position} positions bias the scores (the graph executor's mask is causal and a window)"
+        return (f"{config.position} positions bias the scores (the graph executor's mask is causal "
+                "and a window)")
     if config.attn_softcap is not None:
         return "soft-capped scores (the graph executor's attention is plain)"
     if config.layer_windows is not None:
