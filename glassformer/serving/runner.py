@@ -20,6 +20,11 @@ graph executor (graph_path.py): a compiled step per batch bucket over the pool t
 FlexAttention; prompt chunks and rows that inspect, steer or name an adapter stay on the module
 path, each with its reason.
 
+On a GPU a norm's or a decoding row's attention call, and the graph's bucket, follow the step's
+size, and its kernels split their sums by it; `fixed_batch` (EngineConfig.deterministic on
+CUDA) fixes every shape by the request alone: norms in row tiles too, one attention call per
+decoding row, the graph at one bucket (docs/guides/serving.md says what it costs).
+
 A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
 each product it targets, on those rows alone (adapters.py), on either path.
 """
