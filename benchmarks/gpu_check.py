@@ -6,7 +6,9 @@
 The model is SmolLM2-135M's shape (30 layers, d 576, 9 heads on 3 KV heads, vocab 49,152) with
 random weights, made and saved by transformers as a Hugging Face folder, so both libraries read
 the same weights. The steps, each recorded even when another fails:
-1. `pytest -m cuda`: the tests that repeat the oracle tests on the device;
+1. `pytest -m cuda`: the tests that repeat the oracle tests on the device (transformers' logits
+   in float32 and bfloat16, cached = uncached, the graph executor = the module path, a request
+   bit for bit alone and in a mixed batch under --deterministic, a server round trip, training);
 2. one-stream greedy decode of 128 tokens: Glassformer (float32, bfloat16, and bfloat16 with the
    compiled static step, CUDA graphs) against transformers bfloat16 with a static cache (its
    best setting) and float32 with its dynamic cache; the

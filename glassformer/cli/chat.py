@@ -12,6 +12,7 @@ from .options import (
     add,
     add_computing,
     checked_text,
+    inference_precision,
     or_default,
     positive_int,
     sampling_config,
@@ -32,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-context", type=positive_int, default=2048,
                         help="tokens of conversation kept in the KV cache (--context full)")
     add(parser, *CONTEXT)
+    add(parser, "--deterministic")
     add_computing(parser)
     parser.set_defaults(run=run)
 
@@ -44,9 +46,10 @@ def run(args: argparse.Namespace) -> int:
     if args.compile and args.quantize is not None:
         raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
                          "(a fused C++ step)")
-    language_model = load(model, quantize=None if args.compile else or_default(args.quantize, "none"))
+    device, precision = inference_precision(args)
+    language_model = load(model, quantize=precision.quantize)
     settle_threads(args)
-    language_model.to(or_default(args.device, "cpu"))
+    precision.place(language_model.model, device)
     session = ChatSession(language_model.model, language_model.tokenizer, sampling_config(args),
                           or_default(args.max_new_tokens, MAX_NEW_TOKENS), args.system, args.max_context,
                           args.seed, args.kv_dtype, sink_policy(args), args.compile)

@@ -29,6 +29,7 @@ from .options import (
     add_prompt,
     engine_config,
     finite,
+    inference_precision,
     or_default,
     positive_int,
     read_prompt,
@@ -53,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add(engine, *(name for name in ENGINE if name != "--kv-dtype"))
     add(parser, "--kv-dtype")
     add(parser, "--model", required=True)
-    add(parser, "--quantize", "--compile", "--max-new-tokens", *SAMPLING)
+    add(parser, "--quantize", "--compile", "--deterministic", "--max-new-tokens", *SAMPLING)
     parser.add_argument("--beams", type=positive_int, default=1, help="beam search width (1: no beam search)")
     parser.add_argument("--length-penalty", type=finite, default=1.0, help="beam score exponent")
     add(parser, "--seed")
@@ -140,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compile and args.quantize is not None:
         raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
                          "(a fused C++ step)")
-    quantize = None if args.compile else or_default(args.quantize, "none")
+    device, precision = inference_precision(args)
+    quantize = precision.quantize
     if args.lora is not None and len(args.lora) > 1:
         raise InputError("--lora", "generate applies one adapter (serve serves several)")
     convert = extend or args.lora is not None  # plain weights first, converted at the end
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         model = extend_context(model, args.rope_scaling, or_default(args.rope_factor, ROPE_FACTOR))
     if convert and quantize is not None:
         quantize_model(model, quantize_format(quantize))
-    model = model.to(or_default(args.device, "cpu"))
+    model = precision.place(model, device)
     with steered(model, _steers(args.steer or [])):  # every token of every prompt (the module path)
         return _generate(args, model, tokenizer, prompt, config)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ..accel.precision import Precision, choose_precision, use_precision
 from ..accel.quantize import QUANTIZE_CHOICES
 from ..errors import InputError
 from ..formats.files import read_text
@@ -230,6 +231,11 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
                "slow while it compiles; serve and --prompts-file: the engine's plain decoding "
                "rows compiled per batch bucket over the paged pool (FlexAttention); train "
                "compiles the model its steps run (default: the recipe's)"),
+    _flag("--deterministic", action="store_true",
+          help="on a GPU, a request's tokens bit for bit independent of what shares its batch: "
+               "deterministic algorithms, no TF32, products and norms in fixed row tiles, one "
+               "attention call per request, --compile's graph at one fixed batch size (slower); "
+               "on the CPU the engine is batch invariant already and this changes nothing"),
     *_engine_flags(),
 )})
 
@@ -270,7 +276,22 @@ def add_computing(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig that the ENGINE and CONTEXT flags describe."""
     return EngineConfig(**{name: getattr(args, name) for name in ENGINE_HELP}, sink=sink_policy(args),
-                        graph=getattr(args, "compile", False))
+                        graph=getattr(args, "compile", False),
+                        deterministic=getattr(args, "deterministic", False))
+
+
+def inference_precision(args: argparse.Namespace) -> tuple[str, Precision]:
+    """generate, chat and serve: the device (--device, default cpu) and the weights and
+    products chosen for it from --quantize, --compile and --deterministic (accel/precision.py),
+    the process set up for them; on CUDA the choice is named on stderr."""
+    from ..training.distributed import pick_device
+
+    device = pick_device(or_default(args.device, "cpu"))
+    precision = choose_precision(device.type, args.quantize, args.compile, args.deterministic)
+    use_precision(precision)
+    if device.type == "cuda":
+        print(f"glassformer: {precision.describe()}", file=sys.stderr)
+    return str(device), precision
 
 
 def sink_policy(args: argparse.Namespace, retrieve: bool = False) -> SinkPolicy | None:

@@ -13,6 +13,7 @@ from .options import (
     add,
     add_computing,
     engine_config,
+    inference_precision,
     non_negative,
     non_negative_int,
     or_default,
@@ -28,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (HTTP)")
     add(parser, "--model", required=True)
     parser.add_argument("--name", default=None, help="the model's name in the API (default: --model)")
-    add(parser, "--quantize", "--lora", "--compile")
+    add(parser, "--quantize", "--lora", "--compile", "--deterministic")
     parser.add_argument("--lora-dir", action="append", default=None, metavar="DIR",
                         help="turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter for "
                              "adapters under DIR (repeat for more folders; without it both answer "
@@ -119,10 +120,11 @@ def run(args: argparse.Namespace) -> int:
         if vectors:
             raise InputError("--steer", "not with --ray (upload vectors: POST /v1/steering_vectors)")
         return _run_on_ray(args, config, engine)
-    language_model = load(args.model, quantize=or_default(args.quantize, "none"))
+    device, precision = inference_precision(args)
+    language_model = load(args.model, quantize=precision.quantize)
     settle_threads(args)
-    app = create_app(language_model.to(or_default(args.device, "cpu")), config, engine, args.thread_policy,
-                     vectors)
+    precision.place(language_model.model, device)
+    app = create_app(language_model, config, engine, args.thread_policy, vectors)
     for name, path in args.lora or ():
         if name == config.model_name:
             raise InputError("--lora", f"{name!r} is the base model's name; give NAME=PATH")

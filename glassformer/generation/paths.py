@@ -57,11 +57,12 @@ class Asks:
 def choose_path(model: Transformer, asks: Asks) -> Path:
     """The path a row of `model` takes, and why."""
     reason = module_reason(asks)
+    if reason is None and asks.graph:
+        reason = graph_reason(model, asks)
+        if reason is None:
+            return Path(GRAPH, "a plain decoding row, in the bucket's graph")
     if reason is not None:
         return Path(MODULES, reason)
-    if asks.graph:
-        reason = graph_reason(model, asks)
-        return Path(MODULES, reason) if reason else Path(GRAPH, "a plain decoding row, in the bucket's graph")
     if not model.has_fused_step:
         return Path(MODULES, "the model has no fused step (glassformer.quantize gives one)")
     step = model.fused_step()
@@ -78,15 +79,20 @@ def choose_path(model: Transformer, asks: Asks) -> Path:
 
 
 def module_reason(asks: Asks) -> str | None:
-    """Why the row's asks alone keep it on the module path, whatever the model; or None."""
+    """Why the row's asks alone keep it on the module path, whatever the model; or None. The
+    reason names the executor that declines: the graph executor where the engine runs one
+    (`asks.graph`), else the fused step."""
+    executor = "the graph executor" if asks.graph else "the fused step"
     if asks.kv_dtype not in (None, "fp32"):
-        return f"{asks.kv_dtype} keys and values (the fused step reads float32)"
+        return f"{asks.kv_dtype} keys and values ({executor} reads float32)"
     if asks.moves_keys:
-        return "the sink policy moves keys (the fused step keeps each at its text position)"
+        return f"the sink policy moves keys ({executor} keeps each at its text position)"
     if asks.own_positions or asks.sequences != 1:
-        return "several sequences or padded rows over a dense cache (the fused step takes one)"
+        return f"several sequences or padded rows over a dense cache ({executor} takes one)"
     if asks.attention != "fast":
-        return f"{asks.attention} attention asked"
+        return f"{asks.attention} attention asked ({executor} runs the fast one)"
+    if asks.graph:  # what else keeps a row off the graph is graph_reason's to say
+        return None
     if asks.prompt > FUSED_PROMPT_TOKENS:
         return f"a prompt over {FUSED_PROMPT_TOKENS} tokens (one attention product per chunk)"
     params = asks.params
@@ -107,21 +113,23 @@ def graph_reason(model: Transformer, asks: Asks) -> str | None:
     (plain decoding rows over FlexAttention's masks: causal, a sliding window); or None."""
     config, params = model.config, asks.params
     if model.has_fused_step:
-        return "the model runs a fused C++ step (a --quantize conversion); the graph runs the plain weights"
+        return ("the model runs a fused C++ step (a --quantize conversion); the graph executor runs "
+                "the plain weights")
     if asks.prompt:
-        return "a prompt's chunk (the graph runs one new token per row)"
+        return "a prompt's chunk (the graph executor runs one new token per row)"
     if params is not None and params.inspects:
-        return "it captures, steers or reads the lens (the graph has no hook sites)"
+        return "it captures, steers or reads the lens (the graph executor has no hook sites)"
     if params is not None and params.adapter is not None:
-        return f"its adapter {params.adapter!r} runs on the module path"
+        return f"its adapter {params.adapter!r} runs on the module path (not in the graph executor)"
     if config.position not in ("rope", "learned", "sinusoidal", "none"):
-        return f"{config.position} positions bias the scores (the graph's mask is causal and a window)"
+        return (f"{config.position} positions bias the scores (the graph executor's mask is causal "
+                "and a window)")
     if config.attn_softcap is not None:
-        return "soft-capped scores (the graph's attention is plain)"
+        return "soft-capped scores (the graph executor's attention is plain)"
     if config.layer_windows is not None:
-        return "windows differ by layer (the graph's mask has one window)"
+        return "windows differ by layer (the graph executor's mask has one window)"
     if config.rope_long_factors is not None:
-        return "LongRoPE turns a request by one of two sets (the graph reads one table)"
+        return "LongRoPE turns a request by one of two sets (the graph executor reads one table)"
     return None
 
 

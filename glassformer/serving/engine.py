@@ -78,6 +78,9 @@ class EngineConfig:
     # streams past the window. Per engine: the pool's accounting (S + W slots a request, no
     # prefix sharing) and the fused step's refusal follow from it, and a server takes it as flags.
     sink: SinkPolicy | None = None
+    # on CUDA, a request's numbers bit for bit independent of what shares its step (runner.py:
+    # fixed shapes); on the CPU the engine is so already and this changes nothing
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -89,6 +92,8 @@ class EngineConfig:
         if self.sink is not None and self.kv_dtype != "fp32":
             raise InputError("sink",
                              f"the sink policy keeps float32 keys; not with kv_dtype={self.kv_dtype!r}")
+        if self.deterministic and not self.batch_invariant:
+            raise InputError("deterministic", "needs batch_invariant=True (its products in row tiles)")
 
 
 class Engine:
@@ -113,13 +118,19 @@ class Engine:
         prefix_caching = config.prefix_caching and config.sink is None
         self.blocks = BlockManager(n_blocks, config.block_size, prefix_caching)
         device = model.embed.tokens.weight.device
+        fixed_shapes = config.deterministic and device.type == "cuda"
+        if fixed_shapes and not torch.are_deterministic_algorithms_enabled():
+            raise InputError("deterministic", "on CUDA, call glassformer.accel.precision.use_precision "
+                             "with a deterministic Precision before the model's first product "
+                             "(the command line's --deterministic does)")
         self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device, scratch=config.graph)
         # fast attention takes a prompt's queries in groups: the budget cuts prompts between them
         group = query_group(config.block_size, config.token_budget) if config.attention == "fast" else 1
         self.scheduler = Scheduler(self.blocks, config.max_batch, config.token_budget, config.sink, group)
         self.adapters = Adapters(mc, base, model.embed.tokens.weight.dtype, device)
         self.runner = ModelRunner(model, self.pool, config.attention, config.batch_invariant,
-                                  config.sink, self.adapters, group, config.graph)
+                                  config.sink, self.adapters, group, config.graph,
+                                  config.max_batch if fixed_shapes else None)
         # how many tokens a request may reach: the window, or any number under the sink policy
         self.window = mc.context_length if config.sink is None else math.inf
         self.stats = EngineStats()

@@ -108,16 +108,17 @@ class Inspection:
 class ModulePath:
     def __init__(self, layers: Transformer, model: Transformer, pool: KVPool, fast: bool,
                  sink: SinkPolicy | None, rope: RopeTables | None, group: int,
-                 adapters: Adapters | None) -> None:
+                 adapters: Adapters | None, alone: bool = False) -> None:
         """`layers`: the model's modules as the engine runs them (a view with row-invariant or
-        adapter-wrapped products); `model`: the model (its masks, for the paged view)."""
+        adapter-wrapped products); `model`: the model (its masks, for the paged view);
+        `alone`: each decoding row's attention in a call of its own (PagedView)."""
         self.layers, self.model, self.pool, self.fast, self.sink = layers, model, pool, fast, sink
-        self.rope, self.group, self.adapters = rope, group, adapters
+        self.rope, self.group, self.adapters, self.alone = rope, group, adapters, alone
 
     def execute(self, batch: StepBatch) -> Executed:
         parts = [Part(r.first, r.n, r.slots, r.past_window) for r in batch.requests]
         rotation = None if self.rope is None else self.rope.short[0]  # the sink policy's (one kind)
-        view = PagedView(self.pool, parts, self.fast, self.model, self.sink, rotation, self.group)
+        view = PagedView(self.pool, parts, self.fast, self.model, self.sink, rotation, self.group, self.alone)
         ids, positions = batch.ids[None], batch.positions[None]  # (1, N) each
         rope = None
         if self.rope is not None:  # per kind of layer, (1, 1, N, rotated) each

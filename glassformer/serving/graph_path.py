@@ -14,7 +14,9 @@ recorded graph replayed each step), over the paged pool through FlexAttention (f
 A row's numbers depend on its own request alone: padding rows write nowhere a request reads,
 and no row sees another's blocks. The products run over the bucket's rows at once (not the
 module path's row tiles, row_tiles.py), so they agree with the module path within float32
-rounding, not bit for bit. Prompt chunks, and rows that inspect, steer or name an adapter,
+rounding, not bit for bit; and a GPU's kernels, chosen by shape, may round a row otherwise in
+another bucket. With a fixed batch (EngineConfig.deterministic on CUDA) every step is padded
+to one bucket, so every kernel sees one shape. Prompt chunks, and rows that inspect, steer or name an adapter,
 take the module path (generation/paths.py says why, row by row).
 """
 
@@ -70,11 +72,15 @@ class DecodeBuffers:
 
 
 class GraphPath:
-    def __init__(self, model: Transformer, pool: KVPool, rope: RopeTables | None) -> None:
-        """`pool`: taken whole, with its scratch block (KVPool(scratch=True))."""
+    def __init__(self, model: Transformer, pool: KVPool, rope: RopeTables | None,
+                 fixed_batch: int | None = None) -> None:
+        """`pool`: taken whole, with its scratch block (KVPool(scratch=True)); `fixed_batch`:
+        every step padded to that batch's bucket, whatever its number of rows (one shape for
+        every kernel: deterministic), else to the smallest bucket that holds them."""
         if pool.scratch_block is None:
             raise ValueError("the graph path needs a pool with a scratch block (KVPool(scratch=True))")
         self.model, self.pool = model, pool
+        self.fixed = None if fixed_batch is None else bucket_of(min(fixed_batch, BUCKETS[-1]))
         self.rope = None if rope is None else rope.short
         self.device = model.embed.tokens.weight.device
         blocks = pool.n_blocks + 1  # the scratch block last
@@ -95,7 +101,8 @@ class GraphPath:
     def _run(self, batch: StepBatch, start: int) -> torch.Tensor:
         """The residual streams (B, d) of the batch's requests start.. (at most a bucket's)."""
         requests = batch.requests[start : start + BUCKETS[-1]]
-        rows, bs, scratch = bucket_of(len(requests)), self.pool.block_size, self.pool.scratch_block
+        rows = bucket_of(len(requests)) if self.fixed is None else max(self.fixed, bucket_of(len(requests)))
+        bs, scratch = self.pool.block_size, self.pool.scratch_block
         ids = torch.zeros(rows, dtype=torch.long)  # (B,) on the host, as every index below
         positions = torch.zeros(rows, dtype=torch.long)  # (B,)
         slots = torch.full((rows,), scratch * bs, dtype=torch.long)  # (B,) padding: the scratch block

@@ -83,11 +83,14 @@ class PagedView:
 
     def __init__(self, pool: KVPool, parts: list[Part], fast: bool, model: Transformer,
                  sink: SinkPolicy | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, group: int = 1) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, group: int = 1,
+                 alone: bool = False) -> None:
         """`sink`: the engine's sink policy, whose keys are stored unrotated, with `rope`, the
         model's cos and sin (P, d_head) at positions 0..P-1 to rotate them; None: the layers
-        rotated them. `group`: the fast calls' query group (`query_group`)."""
-        self.pool, self.fast, self.sink, self.model = pool, fast, sink, model
+        rotated them. `group`: the fast calls' query group (`query_group`). `alone`: each
+        single query in a call of its own, not side by side (a GPU kernel may split a row's
+        keys by how many rows share its call)."""
+        self.pool, self.fast, self.sink, self.model, self.alone = pool, fast, sink, model, alone
         self.rotation = rope if sink is not None else None
         self.rotates_keys = sink is not None
         device = pool.device
@@ -115,13 +118,14 @@ class PagedView:
 
     def _single_calls(self, single: list[tuple[int, torch.Tensor]]):
         """The single-query calls side by side, one call per padded length L (each row's keys
-        padded to whole blocks): (rows (B,), slots (B, L), mask) each."""
+        padded to whole blocks; `alone`: one call per row): (rows (B,), slots (B, L), mask) each."""
         device, block = self.pool.device, self.pool.block_size
-        by_length: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        by_length: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}  # (L, row alone or 0)
         for row, slots in single:
-            by_length.setdefault(-(-slots.shape[0] // block) * block, []).append((row, slots))
+            length = -(-slots.shape[0] // block) * block
+            by_length.setdefault((length, row if self.alone else 0), []).append((row, slots))
         calls = []
-        for length, rows in by_length.items():
+        for (length, _), rows in by_length.items():
             B = len(rows)
             slot_matrix = torch.zeros(B, length, dtype=torch.long, device=device)  # (B, L)
             valid = torch.zeros(B, length, dtype=torch.bool, device=device)  # (B, L)

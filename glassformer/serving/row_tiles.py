@@ -10,6 +10,9 @@ built or not chosen: `backend="torch"`, `GLASSFORMER_KERNELS=torch`) runs throug
 BLAS, which picks its kernels by shape (and, on some CPUs, sums a row in another order at
 another number of rows), so it runs in tiles padded to exactly ROW_TILE rows: one fixed
 shape, one code path.
+
+`tile_norms` does the same for a view's norms (on CUDA, a row's reduction is split by the
+number of rows it shares the call with; the deterministic engine tiles them).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ..accel import kernels
 from ..accel.kernels import ROW_TILE
 from ..accel.quantized_linear import QuantizedLinear
 from ..accel.weight_formats import WeightFormat
+from ..model.layers.norm import LayerNorm, QKNorm, RMSNorm
 
 
 def row_invariant(product: nn.Module) -> nn.Module:
@@ -51,3 +55,13 @@ class RowTiles(nn.Module):
             outs.append(self.product(tile)[:m])
         y = torch.cat(outs) if len(outs) > 1 else outs[0]  # (M, N)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def tile_norms(view: nn.Module) -> None:
+    """Run every norm of `view` (a copy the engine owns) in row tiles: each row's mean over
+    its own features, in calls of ROW_TILE rows. A QK-norm over all heads side by side
+    (OLMo 2) stays as it is: its rows are (B, T) across the heads."""
+    for name, module in list(view.named_modules()):
+        per_row = type(module) in (LayerNorm, RMSNorm) or (type(module) is QKNorm and not module.over_heads)
+        if per_row:
+            view.set_submodule(name, RowTiles(module))

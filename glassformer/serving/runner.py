@@ -20,6 +20,11 @@ graph executor (graph_path.py): a compiled step per batch bucket over the pool t
 FlexAttention; prompt chunks and rows that inspect, steer or name an adapter stay on the module
 path, each with its reason.
 
+On a GPU a norm's or a decoding row's attention call, and the graph's bucket, follow the step's
+size, and its kernels split their sums by it; `fixed_batch` (EngineConfig.deterministic on
+CUDA) fixes every shape by the request alone: norms in row tiles too, one attention call per
+decoding row, the graph at one bucket (docs/guides/serving.md says what it costs).
+
 A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
 each product it targets, on those rows alone (adapters.py), on either path.
 """
@@ -38,7 +43,7 @@ from .executors import FusedPath, ModulePath, RopeTables
 from .graph_path import GraphPath
 from .kv_pool import KVPool
 from .read_out import step_logits
-from .row_tiles import row_invariant
+from .row_tiles import row_invariant, tile_norms
 from .scheduler import StepPlan
 from .sequence import Sequence
 from .step import StepBatch, step_batch
@@ -80,17 +85,25 @@ CAPABILITIES = CapabilityTable("serving engine", {
 class ModelRunner:
     def __init__(self, model: Transformer, pool: KVPool, attention: str = "fast",
                  invariant: bool = True, sink: SinkPolicy | None = None,
-                 adapters: Adapters | None = None, group: int = 1, graph: bool = False) -> None:
+                 adapters: Adapters | None = None, group: int = 1, graph: bool = False,
+                 fixed_batch: int | None = None) -> None:
         """`model` is one the engine accepts (CAPABILITIES, checked by Engine; `sink` checked
         by it too); `adapters`: the LoRA adapters requests may name (adapters.py), applied to
         their rows; `group`: the fast attention's query group (paged_attention.py); `graph`:
-        plain decoding rows run compiled (graph_path.py; the pool made with its scratch block)."""
+        plain decoding rows run compiled (graph_path.py; the pool made with its scratch block);
+        `fixed_batch`: the most requests in a step, where every call's shape is to depend on
+        the request alone (deterministic on CUDA: norms in row tiles too, one attention call
+        per decoding request, the graph always at that batch's bucket), else None."""
         config = model.config
         self.model, self.pool, self.attention, self.sink = model, pool, attention, sink
         self.graph = graph
         self.adapters = adapters
+        if fixed_batch is not None and not invariant:
+            raise ValueError("fixed shapes need the row-invariant products (invariant=True)")
         # the model's own modules; with invariance, a view whose products run in row tiles
         self.layers = model.with_products(row_invariant) if invariant else model
+        if fixed_batch is not None:
+            tile_norms(self.layers)
         if adapters is not None:
             wrap = row_invariant if invariant else itself
             if not invariant:  # a view to wrap, so the model itself stays as it is
@@ -101,9 +114,9 @@ class ModelRunner:
         rope = RopeTables(model) if config.position == "rope" else None
         self.executors = {FUSED: FusedPath(model, pool, rope, adapters),
                           MODULES: ModulePath(self.layers, model, pool, attention == "fast", sink, rope,
-                                              group, adapters)}
+                                              group, adapters, alone=fixed_batch is not None)}
         if graph:
-            self.executors[GRAPH] = GraphPath(model, pool, rope)
+            self.executors[GRAPH] = GraphPath(model, pool, rope, fixed_batch)
 
     def _asks(self, seq: Sequence | None = None) -> Asks:
         """What seq's rows ask of the step (the pool's, without a request)."""

@@ -199,3 +199,42 @@ def test_a_command_settles_its_threads_once_its_model_is_loaded(run, monkeypatch
     assert main(["generate", "--model", str(folder), "the cat", "-n", "2", "--json"]) == 0
     assert events == ["made", "loaded", "settled"]
     assert json.loads(capsys.readouterr().out)["generated_ids"]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "chat"])
+def test_deterministic_is_one_flag_that_reaches_the_engine(command):
+    args = build_parser().parse_args([command, "--model", "m", "--deterministic"])
+    assert args.deterministic
+    if command != "chat":
+        assert engine_config(args) == dataclasses.replace(EngineConfig(), deterministic=True)
+    assert not build_parser().parse_args([command, "--model", "m"]).deterministic
+
+
+def test_deterministic_on_the_cpu_gives_the_same_tokens(run, tmp_path, capsys):
+    folder, _ = run
+    lines = [{"prompt": "the cat", "max_tokens": 5}, {"prompt": "a lazy dog sat", "max_tokens": 3,
+                                                       "temperature": 0.9, "seed": 2}]
+    prompts_file = _requests(tmp_path, lines)
+    printed = []
+    for extra in ([], ["--deterministic"]):
+        assert main(["generate", "--model", str(folder), "the cat", "-n", "5", "--json", *extra]) == 0
+        single = json.loads(capsys.readouterr().out)["generated_ids"]
+        assert main(["generate", "--model", str(folder), "--prompts-file", prompts_file, *extra]) == 0
+        many = [json.loads(line)["generated_ids"] for line in capsys.readouterr().out.splitlines()[:2]]
+        printed.append((single, many))
+    assert printed[0] == printed[1]
+
+
+def test_a_cuda_device_gets_bf16_weights_and_the_choice_named(monkeypatch, capsys):
+    """The decision for a CUDA device, asked on the CPU: the device as pick_device gives it."""
+    from glassformer.cli import options
+    from glassformer.training import distributed
+
+    applied = []
+    monkeypatch.setattr(distributed, "pick_device", lambda name: torch.device("cuda", 0))
+    monkeypatch.setattr(options, "use_precision", applied.append)
+    args = build_parser().parse_args(["generate", "--model", "m", "x", "--device", "cpu"])
+    device, precision = options.inference_precision(args)
+    assert device == "cuda:0" and precision.dtype == torch.bfloat16 and precision.quantize is None
+    assert applied == [precision]
+    assert capsys.readouterr().err.strip() == "glassformer: cuda: bfloat16 weights, TF32 float32 products"

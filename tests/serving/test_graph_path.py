@@ -1,11 +1,13 @@
 """The graph executor (serving/graph_path.py) and its FlexAttention paged attention
 (serving/flex_paged.py) against the module path over the same pool."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from glassformer.generation.config import RequestParams, Steer
-from glassformer.generation.paths import GRAPH, MODULES
+from glassformer.generation.paths import GRAPH, MODULES, Asks, choose_path
 from glassformer.serving import Engine, EngineConfig
 from glassformer.serving.flex_paged import FlexPagedCache, paged_block_mask
 from glassformer.serving.graph_path import BUCKETS, bucket_of
@@ -125,6 +127,21 @@ def test_inspecting_rows_keep_the_module_path_with_their_reason(tiny, prompts):
     engine = _engine(model, graph=True)
     _greedy(engine, prompts([4, 5]), 0, asks)
     seen = _paths(engine)
-    assert seen["0"] == {(MODULES, "it captures, steers or reads the lens (the graph has no hook sites)"),
-                         (MODULES, "a prompt's chunk (the graph runs one new token per row)")}
-    assert seen["1"] == {(MODULES, "it steers or ablates (the fused step has no hook sites)")}
+    inspects = (MODULES, "it captures, steers or reads the lens (the graph executor has no hook sites)")
+    chunk = (MODULES, "a prompt's chunk (the graph executor runs one new token per row)")
+    assert seen["0"] == seen["1"] == {inspects, chunk}
+
+
+@pytest.mark.parametrize("asks", [
+    Asks(kv_dtype="int8"), Asks(moves_keys=True), Asks(attention="reference"), Asks(prompt=5000),
+    Asks(params=RequestParams(steer=(Steer("blocks.0.resid_post", torch.ones(64), 0.5),))),
+    Asks(params=RequestParams(capture=("blocks.0.norm1",))), Asks(params=RequestParams(lens=2)),
+    Asks(params=RequestParams(adapter="a"), adapter_fused=False),
+])
+def test_a_row_the_graph_executor_declines_names_it_not_the_fused_step(tiny, asks):
+    """Where the engine runs the graph executor, every module-path reason names the executor
+    that declined the row."""
+    graph = dataclasses.replace(asks, paged=True, graph=True)
+    path = choose_path(tiny(), graph)
+    assert path.name == MODULES
+    assert "graph executor" in path.reason and "fused step" not in path.reason

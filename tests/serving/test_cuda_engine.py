@@ -1,0 +1,81 @@
+"""The engine on a GPU (marked cuda, skipped without one): the graph executor decodes as the
+module path, and with EngineConfig.deterministic a request's tokens and log-probabilities are
+bit for bit the same alone and in a batch of eight mixed requests (the module path in float32
+and bfloat16, the graph in float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glassformer.accel.precision import CUBLAS_WORKSPACE, choose_precision, use_precision
+from glassformer.generation.config import RequestParams
+from glassformer.generation.paths import GRAPH, MODULES
+from glassformer.generation.sampling import SamplingConfig
+from glassformer.serving import Engine, EngineConfig
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    """The process as `--deterministic` sets it on CUDA, restored afterwards."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
+              torch.backends.cudnn.allow_tf32)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    use_precision(choose_precision("cuda", deterministic=True))
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[1:]
+
+
+def _mixed(prompts) -> list[tuple[list[int], RequestParams]]:
+    """Eight requests of different lengths and settings; the first is the one watched."""
+    asked = prompts([5, 11, 3, 17, 8, 2, 13, 6], seed=4)
+    sampled = SamplingConfig(temperature=0.9, top_k=20)
+    return [(p, RequestParams(max_new_tokens=6 + i % 3, eos_ids=(), logprobs=0, seed=i,
+                              sampling=sampled if i % 2 else SamplingConfig()))
+            for i, p in enumerate(asked)]
+
+
+def _first_request(model, config: EngineConfig, requests) -> tuple[list, set[str]]:
+    """The first request's (token, log-probability) pairs and the paths its rows took."""
+    engine = Engine(model, None, config)
+    handles = [engine.submit(p, q, request_id=str(i)) for i, (p, q) in enumerate(requests)]
+    engine.run_until_done()
+    paths = {path for trace in engine.trace for (rid, _), (path, _) in zip(trace.requests, trace.paths,
+                                                                          strict=True) if rid == "0"}
+    return [(e.token_id, e.logprobs.logprob) for e in handles[0] if e.token_id is not None], paths
+
+
+def test_the_graph_executor_decodes_as_the_module_path(tiny, prompts):
+    model = tiny().to("cuda")
+    requests = [(p, RequestParams(max_new_tokens=n, eos_ids=(), logprobs=0)) for p, n in
+                zip(prompts([3, 9, 6]), [6, 4, 2], strict=True)]
+    config = EngineConfig(block_size=4, n_blocks=48, max_batch=4, token_budget=16)
+    want = [_first_request(model, config, [r])[0] for r in requests]
+    graph = EngineConfig(block_size=4, n_blocks=48, max_batch=4, token_budget=16, graph=True)
+    got = [_first_request(model, graph, [r]) for r in requests]
+    assert [[t for t, _ in tokens] for tokens, _ in got] == [[t for t, _ in tokens] for tokens in want]
+    assert got[0][1] == {GRAPH, MODULES}  # its prompt on the module path, its tokens in the graph
+
+
+# the graph compiles once per dtype: float32 only, within gpu_check's time for these tests
+@pytest.mark.parametrize(("dtype", "graph"), [(torch.float32, False), (torch.bfloat16, False),
+                                              (torch.float32, True)])
+def test_deterministic_keeps_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, prompts, deterministic,
+                                                                         dtype, graph):
+    model = tiny().to(device="cuda", dtype=dtype)
+    config = EngineConfig(block_size=16, n_blocks=64, max_batch=8, token_budget=64, graph=graph,
+                          deterministic=True)
+    requests = _mixed(prompts)
+    alone, _ = _first_request(model, config, requests[:1])
+    shared, paths = _first_request(model, config, requests)
+    assert shared == alone  # bit for bit: tokens and log-probabilities
+    assert (GRAPH in paths) == graph
+
+
+def test_deterministic_on_cuda_needs_the_process_settings(tiny, monkeypatch):
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: False)
+    with pytest.raises(ValueError, match="use_precision"):
+        Engine(tiny().to("cuda"), None, EngineConfig(n_blocks=16, deterministic=True))

@@ -1,0 +1,94 @@
+"""EngineConfig.deterministic: on the CPU it changes nothing (the engine is batch invariant
+there already); the fixed shapes it turns on for CUDA (norms in row tiles, one attention call
+per decoding row, the graph at one bucket) run on the CPU too, where a request's tokens alone
+and in a batch of mixed requests must agree, as on the module path without them."""
+
+import pytest
+import torch
+
+from glassformer.generation.config import RequestParams
+from glassformer.generation.paths import GRAPH
+from glassformer.generation.sampling import SamplingConfig
+from glassformer.serving import Engine, EngineConfig
+from glassformer.serving.kv_pool import KVPool
+from glassformer.serving.paged_attention import PagedView, Part, query_group, slots_of
+from glassformer.serving.row_tiles import RowTiles
+from glassformer.serving.runner import ModelRunner
+
+CONFIG = EngineConfig(block_size=4, n_blocks=96, max_batch=8, token_budget=32)
+
+
+def _mixed(prompts) -> list[tuple[list[int], RequestParams]]:
+    """Eight requests of different lengths and settings; the first is the one watched."""
+    asked = prompts([5, 11, 3, 17, 8, 2, 13, 6], seed=4)
+    sampled = SamplingConfig(temperature=0.9, top_k=20)
+    return [(p, RequestParams(max_new_tokens=4 + i % 3, eos_ids=(), logprobs=0, seed=i,
+                              sampling=sampled if i % 2 else SamplingConfig()))
+            for i, p in enumerate(asked)]
+
+
+def _engine(model, config: EngineConfig, fixed_batch: int | None = None) -> Engine:
+    engine = Engine(model, None, config)
+    if fixed_batch is not None:  # what the engine builds on CUDA with deterministic=True
+        group = query_group(config.block_size, config.token_budget)
+        engine.runner = ModelRunner(model, engine.pool, config.attention, True, None, engine.adapters,
+                                    group, config.graph, fixed_batch)
+    return engine
+
+
+def _first_request(engine: Engine, requests) -> list[tuple[int, float]]:
+    handles = [engine.submit(p, q, request_id=str(i)) for i, (p, q) in enumerate(requests)]
+    engine.run_until_done()
+    return [(e.token_id, e.logprobs.logprob) for e in handles[0] if e.token_id is not None]
+
+
+def test_deterministic_on_the_cpu_changes_nothing(tiny, prompts):
+    model, requests = tiny(), _mixed(prompts)
+    plain = _first_request(_engine(model, CONFIG), requests)
+    engine = _engine(model, EngineConfig(**{**CONFIG.__dict__, "deterministic": True}))
+    assert _first_request(engine, requests) == plain
+    assert not any(isinstance(m, RowTiles) and "norm" in n for n, m in engine.runner.layers.named_modules())
+
+
+def test_deterministic_needs_row_invariant_products():
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(deterministic=True, batch_invariant=False)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_fixed_shapes_keep_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, prompts, graph):
+    """The watched request alone, then beside seven others: the same tokens and log-
+    probabilities, and the same as the engine without fixed shapes."""
+    model, requests = tiny(), _mixed(prompts)
+    config = EngineConfig(**{**CONFIG.__dict__, "graph": graph})
+    alone = _first_request(_engine(model, config, fixed_batch=8), requests[:1])
+    engine = _engine(model, config, fixed_batch=8)
+    shared = _first_request(engine, requests)
+    if graph:  # every step padded to the one bucket that holds max_batch
+        assert set(engine.runner.executors[GRAPH].buffers) == {8}
+    plain = _first_request(_engine(model, CONFIG), requests[:1])
+    for run in (shared, plain):
+        assert [t for t, _ in run] == [t for t, _ in alone]
+        torch.testing.assert_close(torch.tensor([lp for _, lp in run]), torch.tensor([lp for _, lp in alone]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_norms_compute_the_norms_they_wrap(tiny, prompts):
+    model = tiny(qk_norm="head")
+    engine = _engine(model, CONFIG, fixed_batch=8)
+    tiled = {n: m for n, m in engine.runner.layers.named_modules() if isinstance(m, RowTiles)
+             and "norm" in n}
+    assert "final_norm" in tiled and "blocks.0.attn.q_norm" in tiled
+    x = torch.randn(1, 21, model.config.d_model, generator=torch.Generator().manual_seed(0))  # (1, N, d)
+    torch.testing.assert_close(tiled["final_norm"](x), model.final_norm(x))
+
+
+def test_alone_gives_each_decoding_row_its_own_attention_call(tiny):
+    model = tiny()
+    pool = KVPool(model.config, 16, 4)
+    parts = [Part(0, 1, slots_of([0, 1], 6, 4)), Part(1, 1, slots_of([2, 3], 7, 4)),
+             Part(2, 1, slots_of([4], 3, 4))]
+    together = PagedView(pool, parts, True, model)
+    alone = PagedView(pool, parts, True, model, alone=True)
+    assert [len(rows) for rows, _, _ in together.single] == [2, 1]  # by padded length: 8, 4
+    assert [rows.tolist() for rows, _, _ in alone.single] == [[0], [1], [2]]
