@@ -38,22 +38,25 @@ from ..model.transformer import Transformer
 from .adapters import Adapters
 from .beam import BeamGroup
 from .block_manager import BlockManager
-from .capture import captured, check_capture, check_lens, lens_of, new_rows
-from .handle import Event, RequestHandle, TokenLogprobs, Wakeups
-from .interventions import check_edits
+from .capture import new_rows
+from .handle import Event, RequestHandle, Wakeups
 from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION, query_group
+from .requests import (
+    NON_FINITE,
+    check_request,
+    non_finite_rows,
+    plain_greedy,
+    result_of,
+    token_logprobs,
+    too_large,
+)
 from .runner import CAPABILITIES, ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stats import EngineStats, StepTrace
 
 log = logging.getLogger("glassformer.serving.engine")
-
-
-class CapacityError(InputError):
-    """A request larger than the whole KV pool: it could never run, so it is refused at once
-    (naming `beams` where its beams are what make it too large, else `prompt`)."""
 
 
 class AdapterInUse(ValueError):
@@ -153,34 +156,8 @@ class Engine:
         mc, params = self.model.config, params or RequestParams()
         if self._error is not None:
             raise RuntimeError(f"engine: stopped after an error ({self._error!r})")
-        if not isinstance(params, RequestParams):
-            raise InputError("params", f"a RequestParams, got {type(params).__name__}")
-        prompt = list(prompt)
-        if not prompt:
-            raise InputError("prompt", "empty; give at least one token")
-        if len(prompt) > self.window:
-            raise InputError("prompt", f"{len(prompt)} tokens exceed context_length={mc.context_length}")
-        if self.config.sink is not None and params.beams > 1:
-            raise InputError("beams", "not with the sink policy (beams would share a ring of slots)")
-        if params.stop and self.tokenizer is None:
-            raise InputError("stop", "stop strings need a tokenizer to decode the text")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in prompt):
-            raise InputError("prompt", f"token ids must be integers in 0..{mc.vocab_size - 1}")
-        check_capture(mc, params.capture)
-        check_lens(mc, params.lens_layers)
-        check_edits(mc, params)
-        if params.logprobs is not None and params.logprobs > mc.vocab_size:
-            raise InputError("logprobs", f"at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")
-        slots = self.config.sink.capacity if self.config.sink else mc.context_length
-        longest = min(len(prompt) + params.max_new_tokens, slots)
-        needed = self.blocks.blocks_for(longest) * params.beams  # every beam may need its own
-        if needed > self.blocks.n_blocks:
-            size, beams = self.blocks.block_size, f"{params.beams} beams x " if params.beams > 1 else ""
-            raise CapacityError("beams" if params.beams > 1 else "prompt",
-                                f"the request needs {needed * size} tokens of cache ({beams}"
-                                f"{len(prompt)} prompt + {longest - len(prompt)} new, in blocks of "
-                                f"{size}); the engine holds {self.blocks.n_blocks * size}",
-                                "context_length_exceeded")
+        prompt = check_request(mc, prompt, params, self.window, self.config.sink, self.blocks,
+                               self.tokenizer is not None)
         eos = set(params.eos_ids) if params.eos_ids is not None else (
             {self.tokenizer.eos_id} if getattr(self.tokenizer, "eos_id", None) is not None else set())
         seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id, self.runner.device)
@@ -197,7 +174,7 @@ class Engine:
                                      f"(loaded: {', '.join(self.adapters.names()) or 'none'})")
                 seq.prefix_root = self.adapters[params.adapter].key
             if mc.rope_scaling == "longrope" and uses_long_factors(mc, seq.prompt_len - 1):
-                _turn_long(seq)
+                seq.turn_long()
             self._handles[seq.id] = (unit, handle)
             self._inbox.append(seq)
             self._wake.notify_all()
@@ -295,7 +272,7 @@ class Engine:
                 continue
             seq = entry[0].root if isinstance(entry[0], BeamGroup) else entry[0]
             seq.stop_reason, seq.finish_time = "cancelled", time.perf_counter()
-            self._finish(entry[0], Event(seq.id, None, "", True, "cancelled"), self._result(seq))
+            self._finish(entry[0], Event(seq.id, None, "", True, "cancelled"), result_of(seq))
         self._wakeups.send()
 
     def _finish(self, unit: Sequence | BeamGroup, event: Event, result: GenerationResult) -> None:
@@ -319,7 +296,7 @@ class Engine:
                 self.blocks.release(seq)
                 if seq.group is not None:
                     seq.group.forget(seq)  # its logits come again once it is recomputed
-                _turn_long(seq)
+                seq.turn_long()
 
     def step(self) -> StepTrace | None:
         """One scheduling round and forward pass; None when there was nothing to run. Call it
@@ -331,7 +308,7 @@ class Engine:
         plan = self.scheduler.schedule()
         for seq in plan.refused:  # alone on the pool it could not start (submit's check forestalls it)
             unit = seq.group if seq.group is not None else seq
-            self._fail(unit, _too_large(unit, self.blocks))
+            self._fail(unit, too_large(unit, self.blocks))
         if not plan.scheduled:
             self._wakeups.send()
             return None
@@ -339,10 +316,10 @@ class Engine:
         batch = self.runner.batch(plan)
         logits = self.runner.run(batch)  # (R, V)
         ready = self.scheduler.advance(plan)
-        broken = _non_finite_rows(logits)
+        broken = non_finite_rows(logits)
         plain = [i for i, seq in enumerate(ready) if seq.group is None]
         plain_logits = logits if len(plain) == len(ready) else logits[plain]  # no copy when all
-        greedy = [_plain_greedy(ready[i]) for i in plain]
+        greedy = [plain_greedy(ready[i]) for i in plain]
         argmax = argmax_rows(plain_logits).tolist() if any(greedy) else []  # (R,): each row's own
         drawn, failed = {}, set()  # plain row -> its draw (1,), still on the device
         for j, i in enumerate(plain):
@@ -406,9 +383,9 @@ class Engine:
         """Accept a request's next token and stream it (the last event once it stopped)."""
         piece = seq.accept(token, self.window)
         event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason,
-                      _logprobs(logits, token, seq.params.logprobs), captured=new_rows(seq))
+                      token_logprobs(logits, token, seq.params.logprobs), captured=new_rows(seq))
         if event.finished:
-            self._finish(seq, event, self._result(seq))
+            self._finish(seq, event, result_of(seq))
         else:
             self._handles[seq.id][1].push(event, wakeups=self._wakeups)
 
@@ -418,64 +395,9 @@ class Engine:
         seq = unit.root if isinstance(unit, BeamGroup) else unit
         seq.stop_reason, seq.finish_time = "error", time.perf_counter()
         message = f"{type(error).__name__}: {error}"
-        self._finish(unit, Event(seq.id, None, "", True, "error", error=message), self._result(seq))
+        self._finish(unit, Event(seq.id, None, "", True, "error", error=message), result_of(seq))
 
     def run_until_done(self) -> None:
         """Step on this thread until every submitted request has finished."""
         while self.has_work():
             self.step()
-
-    def _result(self, seq: Sequence) -> GenerationResult:
-        first = seq.first_token_time or seq.finish_time
-        return GenerationResult(
-            prompt_ids=seq.tokens[: seq.prompt_len],
-            generated_ids=seq.generated,
-            text=None if seq.text is None else seq.text.text,
-            stop_reason=seq.stop_reason,
-            prefill_seconds=first - seq.arrival,  # the time to first token, queueing included
-            decode_seconds=seq.finish_time - first,
-            decode_steps=max(len(seq.generated) - 1, 0),
-            stop_string=None if seq.text is None else seq.text.stop_string,
-            captured=captured(seq),
-            lens=lens_of(seq),
-        )
-
-
-NON_FINITE = ("its logits hold NaN or Inf: its activations overflowed (a steer's alpha, an adapter's "
-              "weights?); no token was picked")
-
-
-def _non_finite_rows(logits: torch.Tensor) -> set[int]:
-    """The rows of (R, V) logits holding NaN or Inf: one reduction, rows listed only if any."""
-    finite = torch.isfinite(logits).all(dim=-1)  # (R,)
-    return set() if bool(finite.all()) else set((~finite).nonzero().flatten().tolist())
-
-
-def _too_large(unit: Sequence | BeamGroup, blocks: BlockManager) -> InputError:
-    members = unit.members if isinstance(unit, BeamGroup) else [unit]
-    longest, size = max(seq.num_tokens for seq in members), blocks.block_size
-    return InputError("beams" if len(members) > 1 else "prompt",
-                      f"{len(members)} sequence(s) of up to {longest} tokens need more KV cache than "
-                      f"the engine's {blocks.n_blocks * size} tokens (blocks of {size})",
-                      "context_length_exceeded")
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    sampling = seq.params.sampling
-    return sampling.greedy and not sampling.uses_counts
-
-
-def _logprobs(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs | None:
-    """The chosen token's log-probability and the `top` likeliest tokens' from one row (V,)."""
-    if top is None:
-        return None
-    logprobs = torch.log_softmax(row.float(), dim=-1)
-    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
-    return TokenLogprobs(float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
-
-
-def _turn_long(seq: Sequence) -> None:
-    """From now on seq's keys turn by LongRoPE's long set (runner.py): its blocks match only
-    other long texts' in the prefix cache."""
-    seq.rope_long = True
-    seq.prefix_root = (seq.prefix_root, "longrope long factors")

@@ -66,6 +66,12 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 
+    def turn_long(self) -> None:
+        """From now on its keys turn by LongRoPE's long set (runner.py): its blocks match only
+        other long texts' in the prefix cache."""
+        self.rope_long = True
+        self.prefix_root = (self.prefix_root, "longrope long factors")
+
     def accept(self, token: int, context_length: int) -> str:
         """Append a generated token and decide whether to stop; returns the newly visible text."""
         now = time.perf_counter()

@@ -10,7 +10,7 @@ from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
-from glassformer.serving.engine import CapacityError
+from glassformer.serving.requests import CapacityError
 
 GREEDY = RequestParams(max_new_tokens=12, eos_ids=())
 SAMPLED = RequestParams(max_new_tokens=12, eos_ids=(), seed=5,

@@ -30,7 +30,7 @@ from ...interpret.steer import SteeringVector
 from ...language_model import LanguageModel
 from .. import Engine, EngineConfig, Event, RequestHandle
 from ..capture import answer_bytes, token_axis
-from ..engine import CapacityError
+from ..requests import CapacityError
 from . import errors, responses
 from .errors import APIError
 from .metrics import ServerMetrics

@@ -1,0 +1,112 @@
+"""A request's bookkeeping outside the step: what `Engine.submit` checks before queueing it,
+and what the engine answers from a finished or failed one (its result, its log-probabilities,
+why its logits or its size ended it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Ids
+
+import torch
+
+from ..errors import InputError
+from ..generation.config import GenerationResult, RequestParams
+from ..model.config import ModelConfig
+from ..model.sink import SinkPolicy
+from .beam import BeamGroup
+from .block_manager import BlockManager
+from .capture import captured, check_capture, check_lens, lens_of
+from .handle import TokenLogprobs
+from .interventions import check_edits
+from .sequence import Sequence
+
+NON_FINITE = ("its logits hold NaN or Inf: its activations overflowed (a steer's alpha, an adapter's "
+              "weights?); no token was picked")
+
+
+class CapacityError(InputError):
+    """A request larger than the whole KV pool: it could never run, so it is refused at once
+    (naming `beams` where its beams are what make it too large, else `prompt`)."""
+
+
+def check_request(mc: ModelConfig, prompt: Ids[int], params: RequestParams, window: float,
+                  sink: SinkPolicy | None, blocks: BlockManager, decodes: bool) -> list[int]:
+    """The prompt as a list, once the request is one the engine can run: InputError naming the
+    field otherwise (CapacityError where the whole pool could not hold it). `window`: how many
+    tokens a request may reach; `decodes`: whether the engine has a tokenizer."""
+    if not isinstance(params, RequestParams):
+        raise InputError("params", f"a RequestParams, got {type(params).__name__}")
+    prompt = list(prompt)
+    if not prompt:
+        raise InputError("prompt", "empty; give at least one token")
+    if len(prompt) > window:
+        raise InputError("prompt", f"{len(prompt)} tokens exceed context_length={mc.context_length}")
+    if sink is not None and params.beams > 1:
+        raise InputError("beams", "not with the sink policy (beams would share a ring of slots)")
+    if params.stop and not decodes:
+        raise InputError("stop", "stop strings need a tokenizer to decode the text")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in prompt):
+        raise InputError("prompt", f"token ids must be integers in 0..{mc.vocab_size - 1}")
+    check_capture(mc, params.capture)
+    check_lens(mc, params.lens_layers)
+    check_edits(mc, params)
+    if params.logprobs is not None and params.logprobs > mc.vocab_size:
+        raise InputError("logprobs", f"at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")
+    slots = sink.capacity if sink else mc.context_length
+    longest = min(len(prompt) + params.max_new_tokens, slots)
+    needed = blocks.blocks_for(longest) * params.beams  # every beam may need its own
+    if needed > blocks.n_blocks:
+        size, beams = blocks.block_size, f"{params.beams} beams x " if params.beams > 1 else ""
+        raise CapacityError("beams" if params.beams > 1 else "prompt",
+                            f"the request needs {needed * size} tokens of cache ({beams}"
+                            f"{len(prompt)} prompt + {longest - len(prompt)} new, in blocks of "
+                            f"{size}); the engine holds {blocks.n_blocks * size}",
+                            "context_length_exceeded")
+    return prompt
+
+
+def too_large(unit: Sequence | BeamGroup, blocks: BlockManager) -> InputError:
+    """Why a request that could not start on an empty pool is refused."""
+    members = unit.members if isinstance(unit, BeamGroup) else [unit]
+    longest, size = max(seq.num_tokens for seq in members), blocks.block_size
+    return InputError("beams" if len(members) > 1 else "prompt",
+                      f"{len(members)} sequence(s) of up to {longest} tokens need more KV cache than "
+                      f"the engine's {blocks.n_blocks * size} tokens (blocks of {size})",
+                      "context_length_exceeded")
+
+
+def non_finite_rows(logits: torch.Tensor) -> set[int]:
+    """The rows of (R, V) logits holding NaN or Inf: one reduction, rows listed only if any."""
+    finite = torch.isfinite(logits).all(dim=-1)  # (R,)
+    return set() if bool(finite.all()) else set((~finite).nonzero().flatten().tolist())
+
+
+def plain_greedy(seq: Sequence) -> bool:
+    """Whether a request's next token is its logits' argmax, whatever came before."""
+    sampling = seq.params.sampling
+    return sampling.greedy and not sampling.uses_counts
+
+
+def token_logprobs(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs | None:
+    """The chosen token's log-probability and the `top` likeliest tokens' from one row (V,)."""
+    if top is None:
+        return None
+    logprobs = torch.log_softmax(row.float(), dim=-1)
+    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
+    return TokenLogprobs(float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
+
+
+def result_of(seq: Sequence) -> GenerationResult:
+    """A finished (or stopped) request's result."""
+    first = seq.first_token_time or seq.finish_time
+    return GenerationResult(
+        prompt_ids=seq.tokens[: seq.prompt_len],
+        generated_ids=seq.generated,
+        text=None if seq.text is None else seq.text.text,
+        stop_reason=seq.stop_reason,
+        prefill_seconds=first - seq.arrival,  # the time to first token, queueing included
+        decode_seconds=seq.finish_time - first,
+        decode_steps=max(len(seq.generated) - 1, 0),
+        stop_string=None if seq.text is None else seq.text.stop_string,
+        captured=captured(seq),
+        lens=lens_of(seq),
+    )
