@@ -52,7 +52,8 @@ def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
     rows = torch.cat(kept) if len(kept) > 1 else kept[0]  # (M, d)
     if rows.shape[0] <= LENS_ROWS:  # one call: every wanted row at once
         logits = model.read_out(rows)  # (M, V)
-        outputs = logits[source]  # (R, V)
+        whole = source == list(range(logits.shape[0]))  # every row read is an end's, in order
+        outputs = logits if whole else logits[source]  # (R, V), copied only when picked
         for base, lens in zip(bases, lenses, strict=True):
             lens.take(logits[base:], 0)
     else:

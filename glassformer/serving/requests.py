@@ -75,8 +75,10 @@ def too_large(unit: Sequence | BeamGroup, blocks: BlockManager) -> InputError:
 
 
 def non_finite_rows(logits: torch.Tensor) -> set[int]:
-    """The rows of (R, V) logits holding NaN or Inf: one reduction, rows listed only if any."""
-    finite = torch.isfinite(logits).all(dim=-1)  # (R,)
+    """The rows of (R, V) logits holding NaN or Inf, listed only if any: a row's largest and
+    smallest value are finite exactly when all of its are (both carry a NaN; +Inf shows in the
+    largest, -Inf in the smallest), two reductions without a (R, V) mask."""
+    finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))  # (R,)
     return set() if bool(finite.all()) else set((~finite).nonzero().flatten().tolist())
 
 
