@@ -92,8 +92,16 @@ def best_of(run, device: torch.device, repeats: int) -> float:
 
 
 def cuda_tests() -> dict:
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-                           "tests"], cwd=ROOT, capture_output=True, text=True, timeout=BUDGET["cuda_tests"])
+    """`pytest -m cuda`: its exit status and the end of its report, with the slowest tests named;
+    past its budget, what it had printed by then (a test per character) and "timeout"."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
+               "--durations=8", "tests"]
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                              timeout=BUDGET["cuda_tests"])
+    except subprocess.TimeoutExpired as late:
+        printed = late.stdout.decode() if isinstance(late.stdout, bytes) else late.stdout or ""
+        return {"exit": "timeout", "tail": printed[-1500:]}
     return {"exit": done.returncode, "tail": done.stdout[-1500:]}
 
 
