@@ -42,15 +42,7 @@ from .capture import new_rows
 from .handle import Event, RequestHandle, Wakeups
 from .kv_pool import KVPool, bytes_per_block
 from .paged_attention import ATTENTION, query_group
-from .requests import (
-    NON_FINITE,
-    check_request,
-    non_finite_rows,
-    plain_greedy,
-    result_of,
-    token_logprobs,
-    too_large,
-)
+from .requests import NON_FINITE, broken_rows, check_request, logprobs_of, plain_greedy, result_of, too_large
 from .runner import CAPABILITIES, ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -316,7 +308,7 @@ class Engine:
         batch = self.runner.batch(plan)
         logits = self.runner.run(batch)  # (R, V)
         ready = self.scheduler.advance(plan)
-        broken = non_finite_rows(logits)
+        broken = broken_rows(logits)
         plain = [i for i, seq in enumerate(ready) if seq.group is None]
         plain_logits = logits if len(plain) == len(ready) else logits[plain]  # no copy when all
         greedy = [plain_greedy(ready[i]) for i in plain]
@@ -383,7 +375,7 @@ class Engine:
         """Accept a request's next token and stream it (the last event once it stopped)."""
         piece = seq.accept(token, self.window)
         event = Event(seq.id, token, piece, seq.stop_reason is not None, seq.stop_reason,
-                      token_logprobs(logits, token, seq.params.logprobs), captured=new_rows(seq))
+                      logprobs_of(logits, token, seq.params.logprobs), captured=new_rows(seq))
         if event.finished:
             self._finish(seq, event, result_of(seq))
         else:

@@ -74,7 +74,7 @@ def too_large(unit: Sequence | BeamGroup, blocks: BlockManager) -> InputError:
                       "context_length_exceeded")
 
 
-def non_finite_rows(logits: torch.Tensor) -> set[int]:
+def broken_rows(logits: torch.Tensor) -> set[int]:
     """The rows of (R, V) logits holding NaN or Inf, listed only if any: a row's largest and
     smallest value are finite exactly when all of its are (both carry a NaN; +Inf shows in the
     largest, -Inf in the smallest), two reductions without a (R, V) mask."""
@@ -88,7 +88,7 @@ def plain_greedy(seq: Sequence) -> bool:
     return sampling.greedy and not sampling.uses_counts
 
 
-def token_logprobs(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs | None:
+def logprobs_of(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs | None:
     """The chosen token's log-probability and the `top` likeliest tokens' from one row (V,)."""
     if top is None:
         return None

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from glassformer import Transformer, get_preset
+from glassformer.generation.config import RequestParams
+from glassformer.generation.sampling import SamplingConfig
 from glassformer.serving import Engine, EngineConfig
 
 
@@ -32,6 +34,21 @@ def prompts():
     def make(lengths, seed: int = 1, vocab: int = 96) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)
         return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+    return make
+
+
+@pytest.fixture
+def mixed_requests(prompts):
+    """Eight requests of different lengths and settings (greedy and seeded sampling, with
+    log-probabilities), each asking new_tokens + 0..2 tokens; the first is the one watched."""
+
+    def make(new_tokens: int) -> list[tuple[list[int], RequestParams]]:
+        asked = prompts([5, 11, 3, 17, 8, 2, 13, 6], seed=4)
+        sampled = SamplingConfig(temperature=0.9, top_k=20)
+        return [(p, RequestParams(max_new_tokens=new_tokens + i % 3, eos_ids=(), logprobs=0, seed=i,
+                                  sampling=sampled if i % 2 else SamplingConfig()))
+                for i, p in enumerate(asked)]
 
     return make
 

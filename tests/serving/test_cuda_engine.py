@@ -11,7 +11,6 @@ import torch
 from glassformer.accel.precision import CUBLAS_WORKSPACE, choose_precision, use_precision
 from glassformer.generation.config import RequestParams
 from glassformer.generation.paths import GRAPH, MODULES
-from glassformer.generation.sampling import SamplingConfig
 from glassformer.serving import Engine, EngineConfig
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -27,15 +26,6 @@ def deterministic(monkeypatch):
     yield
     torch.use_deterministic_algorithms(before[0])
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[1:]
-
-
-def _mixed(prompts) -> list[tuple[list[int], RequestParams]]:
-    """Eight requests of different lengths and settings; the first is the one watched."""
-    asked = prompts([5, 11, 3, 17, 8, 2, 13, 6], seed=4)
-    sampled = SamplingConfig(temperature=0.9, top_k=20)
-    return [(p, RequestParams(max_new_tokens=6 + i % 3, eos_ids=(), logprobs=0, seed=i,
-                              sampling=sampled if i % 2 else SamplingConfig()))
-            for i, p in enumerate(asked)]
 
 
 def _first_request(model, config: EngineConfig, requests) -> tuple[list, set[str]]:
@@ -63,12 +53,12 @@ def test_the_graph_executor_decodes_as_the_module_path(tiny, prompts):
 # the graph compiles once per dtype: float32 only, within gpu_check's time for these tests
 @pytest.mark.parametrize(("dtype", "graph"), [(torch.float32, False), (torch.bfloat16, False),
                                               (torch.float32, True)])
-def test_deterministic_keeps_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, prompts, deterministic,
+def test_deterministic_keeps_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, mixed_requests, deterministic,
                                                                          dtype, graph):
     model = tiny().to(device="cuda", dtype=dtype)
     config = EngineConfig(block_size=16, n_blocks=64, max_batch=8, token_budget=64, graph=graph,
                           deterministic=True)
-    requests = _mixed(prompts)
+    requests = mixed_requests(6)
     alone, _ = _first_request(model, config, requests[:1])
     shared, paths = _first_request(model, config, requests)
     assert shared == alone  # bit for bit: tokens and log-probabilities

@@ -6,9 +6,7 @@ and in a batch of mixed requests must agree, as on the module path without them.
 import pytest
 import torch
 
-from glassformer.generation.config import RequestParams
 from glassformer.generation.paths import GRAPH
-from glassformer.generation.sampling import SamplingConfig
 from glassformer.serving import Engine, EngineConfig
 from glassformer.serving.kv_pool import KVPool
 from glassformer.serving.paged_attention import PagedView, Part, query_group, slots_of
@@ -16,15 +14,6 @@ from glassformer.serving.row_tiles import RowTiles
 from glassformer.serving.runner import ModelRunner
 
 CONFIG = EngineConfig(block_size=4, n_blocks=96, max_batch=8, token_budget=32)
-
-
-def _mixed(prompts) -> list[tuple[list[int], RequestParams]]:
-    """Eight requests of different lengths and settings; the first is the one watched."""
-    asked = prompts([5, 11, 3, 17, 8, 2, 13, 6], seed=4)
-    sampled = SamplingConfig(temperature=0.9, top_k=20)
-    return [(p, RequestParams(max_new_tokens=4 + i % 3, eos_ids=(), logprobs=0, seed=i,
-                              sampling=sampled if i % 2 else SamplingConfig()))
-            for i, p in enumerate(asked)]
 
 
 def _engine(model, config: EngineConfig, fixed_batch: int | None = None) -> Engine:
@@ -42,8 +31,8 @@ def _first_request(engine: Engine, requests) -> list[tuple[int, float]]:
     return [(e.token_id, e.logprobs.logprob) for e in handles[0] if e.token_id is not None]
 
 
-def test_deterministic_on_the_cpu_changes_nothing(tiny, prompts):
-    model, requests = tiny(), _mixed(prompts)
+def test_deterministic_on_the_cpu_changes_nothing(tiny, mixed_requests):
+    model, requests = tiny(), mixed_requests(4)
     plain = _first_request(_engine(model, CONFIG), requests)
     engine = _engine(model, EngineConfig(**{**CONFIG.__dict__, "deterministic": True}))
     assert _first_request(engine, requests) == plain
@@ -56,10 +45,10 @@ def test_deterministic_needs_row_invariant_products():
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_fixed_shapes_keep_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, prompts, graph):
+def test_fixed_shapes_keep_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, mixed_requests, graph):
     """The watched request alone, then beside seven others: the same tokens and log-
     probabilities, and the same as the engine without fixed shapes."""
-    model, requests = tiny(), _mixed(prompts)
+    model, requests = tiny(), mixed_requests(4)
     config = EngineConfig(**{**CONFIG.__dict__, "graph": graph})
     alone = _first_request(_engine(model, config, fixed_batch=8), requests[:1])
     engine = _engine(model, config, fixed_batch=8)

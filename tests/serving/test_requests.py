@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from glassformer.serving.requests import non_finite_rows
+from glassformer.serving.requests import broken_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -13,5 +13,5 @@ def test_non_finite_rows_are_those_the_full_mask_finds(dtype):
         logits[row, int(torch.randint(300, (1,), generator=g))] = value
     oracle = set((~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist())
     assert oracle == {1, 4, 7, 9, 12}
-    assert non_finite_rows(logits) == oracle
-    assert non_finite_rows(torch.finfo(dtype).max * torch.ones(3, 5, dtype=dtype)) == set()
+    assert broken_rows(logits) == oracle
+    assert broken_rows(torch.finfo(dtype).max * torch.ones(3, 5, dtype=dtype)) == set()
