@@ -59,6 +59,7 @@ QUICK = dict(SHAPE, vocab_size=512, hidden_size=64, intermediate_size=128, num_h
              num_attention_heads=4, num_key_value_heads=2)
 NEW_TOKENS = 128
 PROMPT = list(range(100, 116))  # 16 token ids
+STEPS = ["cuda_tests", "training", "one_stream", "engine", "serve"]
 
 
 def make_folder(folder: Path, shape: dict) -> None:
@@ -91,14 +92,14 @@ def best_of(run, device: torch.device, repeats: int) -> float:
     return min(timed(run, device) for _ in range(repeats))
 
 
-def cuda_tests() -> dict:
+def cuda_tests(seconds: float) -> dict:
     """`pytest -m cuda`: its exit status and the end of its report, with the slowest tests named;
-    past its budget, what it had printed by then (a test per character) and "timeout"."""
+    past `seconds`, what it had printed by then (a test per character) and "timeout"."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
-               "--durations=8", "tests"]
+               "--durations=8", "--continue-on-collection-errors", "tests"]
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                              timeout=BUDGET["cuda_tests"])
+                              timeout=seconds)
     except subprocess.TimeoutExpired as late:
         printed = late.stdout.decode() if isinstance(late.stdout, bytes) else late.stdout or ""
         return {"exit": "timeout", "tail": printed[-1500:]}
@@ -220,6 +221,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nanogpt", type=Path, default=gpu_time_to_loss.NANOGPT, help="nanoGPT's code")
     parser.add_argument("--data", type=Path, default=gpu_time_to_loss.DATA, help="tinyshakespeare.txt")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS,
+                        help="the steps to run, in this order (all by default; cuda_tests on CUDA only)")
+    parser.add_argument("--tests-seconds", type=float, default=BUDGET["cuda_tests"],
+                        help="the cuda tests' time limit")
     args = parser.parse_args()
     device = torch.device(args.device)
     record = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda"
@@ -227,14 +232,15 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp()) / "model"
     make_folder(folder, QUICK if args.quick else SHAPE)
     race = Path(tempfile.mkdtemp(prefix="glassformer-race-"))
-    steps = {"training": lambda: gpu_time_to_loss.race(race, args.data, args.nanogpt,
+    steps = {"cuda_tests": lambda: cuda_tests(args.tests_seconds),
+             "training": lambda: gpu_time_to_loss.race(race, args.data, args.nanogpt,
                                                        gpu_time_to_loss.TARGET, args.quick),
              "one_stream": lambda: one_stream(folder, device, args.repeats),
              "engine": lambda: engine(folder, device, args.requests),
              "serve": lambda: served(folder, device, 64)}
-    if device.type == "cuda":
-        steps = {"cuda_tests": cuda_tests, **steps}
-    for name, step in steps.items():
+    chosen = [name for name in args.steps if device.type == "cuda" or name != "cuda_tests"]
+    for name in chosen:
+        step = steps[name]
         start = time.perf_counter()
         try:
             record[name] = step()

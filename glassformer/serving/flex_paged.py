@@ -24,6 +24,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from ..model.kv_cache import AttentionFn
 from ..model.layers.masking import AttentionMask
 
+# A row's one query sits in a block of this many: FlexAttention's decoding kernel on CUDA takes
+# a query block that its tile of a KV head's queries (16, or the group's size up to 128) divides.
+QUERY_BLOCK = 128
+
 
 def paged_block_mask(kv_blocks: torch.Tensor, kv_indices: torch.Tensor, block_position: torch.Tensor,
                      q_position: torch.Tensor, block_size: int, pool_slots: int,
@@ -39,8 +43,8 @@ def paged_block_mask(kv_blocks: torch.Tensor, kv_indices: torch.Tensor, block_po
             seen = seen & (q_position[b] - key < window)
         return seen
 
-    return BlockMask.from_kv_blocks(kv_blocks, kv_indices, BLOCK_SIZE=(1, block_size), mask_mod=sees,
-                                    seq_lengths=(1, pool_slots))
+    return BlockMask.from_kv_blocks(kv_blocks, kv_indices, BLOCK_SIZE=(QUERY_BLOCK, block_size),
+                                    mask_mod=sees, seq_lengths=(1, pool_slots))
 
 
 class FlexPagedCache:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..generation.paths import FLEX_CUDA_TILE
 from ..model.transformer import Transformer
 from .capture import LensRows
 from .executors import Executed, RopeTables
@@ -90,6 +91,9 @@ class GraphPath:
         self.block_position_on_device = self.block_position.to(self.device)  # (blocks,)
         self.buffers: dict[int, DecodeBuffers] = {}
         cuda = self.device.type == "cuda"
+        if cuda and pool.block_size % FLEX_CUDA_TILE:
+            raise ValueError(f"the graph executor on CUDA needs KV blocks of a multiple of {FLEX_CUDA_TILE} "
+                             f"tokens (FlexAttention's tiles), not {pool.block_size}: set block_size")
         self.step = torch.compile(graph_step, fullgraph=True, dynamic=False,
                                   mode="reduce-overhead" if cuda else None)
 

@@ -46,8 +46,11 @@ class AttentionMask:
         own = window if self.window is None else min(self.window, window)
         return dataclasses.replace(self, window=own)
 
-    def allowed(self, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+    # The row and column ranges default to None, meaning all: a slice as a default value is a
+    # constant that torch.compile (PyTorch 2.11) cannot trace.
+    def allowed(self, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
         """True where query row may attend to key column: (B, 1, tq, tk)."""
+        rows, cols = _whole(rows), _whole(cols)
         q = self.q_pos[:, rows, None]  # (B, tq, 1)
         k = self.k_pos[:, None, cols]  # (B, 1, tk)
         ok = torch.ones(q.shape[0], q.shape[1], k.shape[2], dtype=torch.bool, device=q.device)
@@ -62,7 +65,7 @@ class AttentionMask:
         return ok[:, None]
 
     def bias(
-        self, dtype: torch.dtype, rows: slice = slice(None), cols: slice = slice(None)
+        self, dtype: torch.dtype, rows: slice | None = None, cols: slice | None = None
     ) -> torch.Tensor:
         """The additive mask M: 0 where allowed, -inf elsewhere, plus ALiBi or the relative
         position bias: (B, 1 or H, tq, tk).
@@ -70,6 +73,7 @@ class AttentionMask:
         A query that may see no key at all (a padding position) is given every key instead, so
         softmax stays finite; `empty_rows` marks those rows so kernels can zero their output.
         """
+        rows, cols = _whole(rows), _whole(cols)
         ok = self.allowed(rows, cols)
         if self.k_valid is not None:
             ok = ok | self.empty_rows(rows)
@@ -83,6 +87,11 @@ class AttentionMask:
             bias = bias + self.position_bias[:, :, rows, cols].to(dtype)
         return bias
 
-    def empty_rows(self, rows: slice = slice(None)) -> torch.Tensor:
+    def empty_rows(self, rows: slice | None = None) -> torch.Tensor:
         """True for queries that may attend to no key: (B, 1, tq, 1)."""
         return ~self.allowed(rows).any(dim=-1, keepdim=True)
+
+
+def _whole(part: slice | None) -> slice:
+    """`part`, or every index where it is None."""
+    return slice(None) if part is None else part
