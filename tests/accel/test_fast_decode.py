@@ -77,13 +77,18 @@ SHORT_ROWS, LONG_ROWS = [1, 7, 20, 30, 4, 12, 26], [1, 7, 150, 30, 4, 70, 26]  #
 @pytest.mark.parametrize("name,changes,lengths", [(name, {}, SHORT_ROWS) for name in PRE_NORM]
                          + [("tiny-mqa", changes, LONG_ROWS) for changes in LONG.values()]
                          + [("tiny-llama", changes, SHORT_ROWS) for changes in FAMILIES.values()]
-                         + [("tiny-mqa", LONG["d_head 12"] | FAMILIES["gemma2"], LONG_ROWS)])
+                         + [("tiny-mqa", LONG["d_head 12"] | FAMILIES["gemma2"], LONG_ROWS)]
+                         # SmolLM2's three key groups of three heads: one row's do not share
+                         # out evenly among two threads (a run of heads each); seven rows' are
+                         # many (a group a task)
+                         + [("tiny-llama", {"d_model": 72, "n_heads": 9, "n_kv_heads": 3, "context_length": 160},
+                             LONG_ROWS)])
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_rows_over_a_paged_pool_equal_each_sequence_stepped_alone(name, changes, lengths, mode):
     """Seven sequences of different lengths, their keys scattered over a pool: each row's
     logits and new keys are bit for bit those of the one-sequence step (the oracle above),
-    which, with fewer key groups than threads (tiny-mqa's one), shares the attention among
-    the threads head by head, not a key group a task."""
+    which, where the key groups do not share out evenly among the threads (tiny-mqa's one, or
+    three on two), gives each thread a run of heads, not a key group a task."""
     model = _converted(name, mode, **changes)
     config = model.config
     g = torch.Generator().manual_seed(0)

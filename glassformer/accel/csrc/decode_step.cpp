@@ -178,6 +178,36 @@ void add_updates(const int64_t* adapter_of, const Adapters& adapters, size_t l,
   }
 }
 
+// Heads of one key group in one row: `heads` query heads from `head`, attended in one call
+// (each key and value read once for them).
+struct HeadPiece {
+  int64_t row, head, heads;
+};
+
+// The attention's work in a step, the same in every layer: shares that threads take as they
+// come, each a list of pieces. Where the B·H/G key groups share out evenly among the threads,
+// or are many, a share is one whole group. Otherwise (one stream's 3 groups on 2 threads would
+// leave a thread idle a third of the time) the B·H heads are cut into one contiguous run per
+// thread, each run into pieces of its groups: a group is read by at most two threads. A head's
+// numbers do not depend on the piece it is in.
+std::vector<std::vector<HeadPiece>> attention_shares(int64_t B, int64_t H, int64_t G, int64_t threads) {
+  const int64_t groups = B * H / G;
+  std::vector<std::vector<HeadPiece>> shares;
+  if (groups % threads == 0 || groups >= 4 * threads) {
+    for (int64_t i = 0; i < groups; ++i) shares.push_back({{i * G / H, i * G % H, G}});
+    return shares;
+  }
+  for (int64_t t = 0; t < threads; ++t) {
+    std::vector<HeadPiece>& run = shares.emplace_back();
+    for (int64_t i = B * H * t / threads, end = B * H * (t + 1) / threads; i < end;) {
+      const int64_t next = std::min(end, (i / G + 1) * G);  // the end of head i's group, or of the run
+      run.push_back({i / H, i % H, next - i});
+      i = next;
+    }
+  }
+  return shares;
+}
+
 }  // namespace
 
 torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {
@@ -388,9 +418,7 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
   const int64_t H = config_.n_heads, KV = config_.n_kv_heads, D = config_.d_head;
   const int64_t R = config_.rotary_dim;  // the dimensions of a head RoPE turns
   const int64_t B = x.size(0), width = (H + 2 * KV) * D, G = H / KV;
-  // the attention's work items: each row's key groups, its G query heads sharing each key and
-  // value read; or, where there are fewer groups than threads, single heads
-  const int64_t split = B * KV >= at::get_num_threads() ? 1 : G;
+  const std::vector<std::vector<HeadPiece>> shares = attention_shares(B, H, G, at::get_num_threads());
   x = x.contiguous().clone();  // (B, d): updated in place layer by layer
   const int64_t sites = static_cast<int64_t>(layers_.size()) + 1;
   emit.keep(x, emit.out, 0, sites);
@@ -424,10 +452,10 @@ torch::Tensor DecodeStep::layers(torch::Tensor x, const int64_t* pos, const floa
     const float* q0 = static_cast<float*>(qkv.data_ptr());
     float* c0 = static_cast<float*>(context.data_ptr());
 #pragma omp parallel for schedule(dynamic) num_threads(at::get_num_threads())
-    for (int64_t i = 0; i < B * KV * split; ++i) {  // a row's key group, or one head of it
-      const int64_t b = i / (KV * split), head = i % (KV * split) * (G / split);
-      attend(q0 + b * width + head * D, views[b], head, G / split, pos[b], config_.windows[l],
-             c0 + (b * H + head) * D);
+    for (size_t i = 0; i < shares.size(); ++i) {
+      for (const auto [b, head, heads] : shares[i])
+        attend(q0 + b * width + head * D, views[b], head, heads, pos[b], config_.windows[l],
+               c0 + (b * H + head) * D);
     }
     auto attended = layer.out(context);  // (B, d)
     add_updates(adapter_of, adapters, l, &LoRALayer::out, context, attended);
