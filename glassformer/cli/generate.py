@@ -246,7 +246,7 @@ def _run_many(args: argparse.Namespace, language_model: LanguageModel, config: G
     if args.beams > 1 or args.no_cache or args.slide or args.truncate:
         raise InputError("--prompts-file", "--beams, --no-cache, --slide and --truncate need one prompt")
     prompts, params = _read_requests(args, language_model, config)
-    engine = engine_config(args)
+    engine = engine_config(args, str(language_model.model.embed.tokens.weight.device))
     start, done = time.perf_counter(), [0, 0]
 
     def progress(index, result):

@@ -26,6 +26,7 @@ from ..generation.sampling import SamplingConfig
 from ..interpret.journey.collect import MAX_TOKENS
 from ..model.sink import SinkPolicy
 from ..serving.engine import EngineConfig
+from ..serving.flex_paged import FLEX_BLOCK
 from ..serving.kv_pool import KV_DTYPES
 
 
@@ -273,10 +274,18 @@ def add_computing(parser: argparse.ArgumentParser) -> None:
     add_threads(parser)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig that the ENGINE and CONTEXT flags describe."""
-    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_HELP}, sink=sink_policy(args),
-                        graph=getattr(args, "compile", False),
+def engine_config(args: argparse.Namespace, device: str = "cpu") -> EngineConfig:
+    """The EngineConfig that the ENGINE and CONTEXT flags describe, on `device`. With --compile
+    on CUDA, KV blocks left at their default hold FLEX_BLOCK tokens, as the graph executor's
+    FlexAttention needs there (named on stderr)."""
+    settings = {name: getattr(args, name) for name in ENGINE_HELP}
+    graph = getattr(args, "compile", False)
+    default_block = EngineConfig.__dataclass_fields__["block_size"].default
+    if graph and device.startswith("cuda") and settings["block_size"] == default_block:
+        settings["block_size"] = FLEX_BLOCK
+        print(f"glassformer: KV blocks of {FLEX_BLOCK} tokens (the graph executor's FlexAttention on "
+              "CUDA)", file=sys.stderr)
+    return EngineConfig(**settings, sink=sink_policy(args), graph=graph,
                         deterministic=getattr(args, "deterministic", False))
 
 

@@ -108,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
                           max_capture_mb=args.max_capture_mb,
                           lora_dirs=tuple(os.path.realpath(d) for d in args.lora_dir or ()))
     vectors = _steering_vectors(args.steer or [])
-    engine = engine_config(args)
     if args.compile and args.quantize is not None:
         raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
                          "(a fused C++ step)")
@@ -119,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--device", "the --ray replicas run on the cpu")
         if vectors:
             raise InputError("--steer", "not with --ray (upload vectors: POST /v1/steering_vectors)")
-        return _run_on_ray(args, config, engine)
+        return _run_on_ray(args, config, engine_config(args))
     device, precision = inference_precision(args)
+    engine = engine_config(args, device)
     language_model = load(args.model, quantize=precision.quantize)
     settle_threads(args)
     precision.place(language_model.model, device)

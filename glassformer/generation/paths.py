@@ -31,9 +31,9 @@ FUSED, MODULES, GRAPH = "fused", "modules", "graph"
 # its tokens still takes one path whatever shares its steps.
 FUSED_PROMPT_TOKENS = 2048
 
-# FlexAttention's kernels on CUDA (Triton, PyTorch 2.11) take tiles of at least this many
-# head dimensions and keys (the graph executor's heads and KV blocks); the CPU's take any.
-FLEX_CUDA_TILE = 16
+# FlexAttention's kernels on CUDA (Triton, PyTorch 2.11) take heads of at least this many
+# dimensions (the graph executor's); the CPU's take any.
+FLEX_CUDA_HEAD_DIM = 16
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,9 @@ def graph_reason(model: Transformer, asks: Asks) -> str | None:
         return "windows differ by layer (the graph executor's mask has one window)"
     if config.rope_long_factors is not None:
         return "LongRoPE turns a request by one of two sets (the graph executor reads one table)"
-    if model.embed.tokens.weight.is_cuda and config.head_dim < FLEX_CUDA_TILE:
+    if model.embed.tokens.weight.is_cuda and config.head_dim < FLEX_CUDA_HEAD_DIM:
         return (f"heads of {config.head_dim} dimensions (the graph executor's FlexAttention needs "
-                f"{FLEX_CUDA_TILE} on CUDA)")
+                f"{FLEX_CUDA_HEAD_DIM} on CUDA)")
     return None
 
 

@@ -24,9 +24,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from ..model.kv_cache import AttentionFn
 from ..model.layers.masking import AttentionMask
 
-# A row's one query sits in a block of this many: FlexAttention's decoding kernel on CUDA takes
-# a query block that its tile of a KV head's queries (16, or the group's size up to 128) divides.
-QUERY_BLOCK = 128
+# FlexAttention's own block (its default size), which every tile its CUDA kernels choose
+# divides: a row's one query sits in a block of this many, and on CUDA the pool's KV blocks
+# are a multiple of it (its kernels take a tile of 32 to 128 keys, or, where a KV head's query
+# heads are a power of two, no more keys than a block holds).
+FLEX_BLOCK = 128
 
 
 def paged_block_mask(kv_blocks: torch.Tensor, kv_indices: torch.Tensor, block_position: torch.Tensor,
@@ -43,7 +45,7 @@ def paged_block_mask(kv_blocks: torch.Tensor, kv_indices: torch.Tensor, block_po
             seen = seen & (q_position[b] - key < window)
         return seen
 
-    return BlockMask.from_kv_blocks(kv_blocks, kv_indices, BLOCK_SIZE=(QUERY_BLOCK, block_size),
+    return BlockMask.from_kv_blocks(kv_blocks, kv_indices, BLOCK_SIZE=(FLEX_BLOCK, block_size),
                                     mask_mod=sees, seq_lengths=(1, pool_slots))
 
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from ..generation.paths import FLEX_CUDA_TILE
+from ..errors import InputError
 from ..model.transformer import Transformer
 from .capture import LensRows
 from .executors import Executed, RopeTables
-from .flex_paged import FlexPagedCache, paged_block_mask
+from .flex_paged import FLEX_BLOCK, FlexPagedCache, paged_block_mask
 from .kv_pool import KVPool
 from .step import StepBatch
 
@@ -91,9 +91,10 @@ class GraphPath:
         self.block_position_on_device = self.block_position.to(self.device)  # (blocks,)
         self.buffers: dict[int, DecodeBuffers] = {}
         cuda = self.device.type == "cuda"
-        if cuda and pool.block_size % FLEX_CUDA_TILE:
-            raise ValueError(f"the graph executor on CUDA needs KV blocks of a multiple of {FLEX_CUDA_TILE} "
-                             f"tokens (FlexAttention's tiles), not {pool.block_size}: set block_size")
+        if cuda and pool.block_size % FLEX_BLOCK:
+            raise InputError("block_size", f"the graph executor on CUDA (--compile) needs KV blocks of a "
+                             f"multiple of {FLEX_BLOCK} tokens (FlexAttention's tiles), not "
+                             f"{pool.block_size}")
         self.step = torch.compile(graph_step, fullgraph=True, dynamic=False,
                                   mode="reduce-overhead" if cuda else None)
 

@@ -71,6 +71,7 @@ def test_fused_step_equals_the_module_path(name, changes, length, mode):
         torch.testing.assert_close(fused_cache.keys[1][:, :, :length], module_cache.keys[1][:, :, :length])
 
 
+THREE_GROUPS = {"d_model": 72, "n_heads": 9, "n_kv_heads": 3, "context_length": 160}  # SmolLM2's grouping
 SHORT_ROWS, LONG_ROWS = [1, 7, 20, 30, 4, 12, 26], [1, 7, 150, 30, 4, 70, 26]  # sequence lengths
 
 
@@ -81,8 +82,7 @@ SHORT_ROWS, LONG_ROWS = [1, 7, 20, 30, 4, 12, 26], [1, 7, 150, 30, 4, 70, 26]  #
                          # SmolLM2's three key groups of three heads: one row's do not share
                          # out evenly among two threads (a run of heads each); seven rows' are
                          # many (a group a task)
-                         + [("tiny-llama", {"d_model": 72, "n_heads": 9, "n_kv_heads": 3, "context_length": 160},
-                             LONG_ROWS)])
+                         + [("tiny-llama", THREE_GROUPS, LONG_ROWS)])
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_rows_over_a_paged_pool_equal_each_sequence_stepped_alone(name, changes, lengths, mode):
     """Seven sequences of different lengths, their keys scattered over a pool: each row's

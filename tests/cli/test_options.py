@@ -18,6 +18,7 @@ from glassformer.cli.options import ENGINE, FLAGS, engine_config
 from glassformer.formats import checkpoint
 from glassformer.formats.tokenizers import HFTokenizer
 from glassformer.serving import EngineConfig
+from glassformer.serving.flex_paged import FLEX_BLOCK
 
 TOKENIZER = HFTokenizer.train_bpe(["the quick brown fox jumps over a lazy dog, the cat sat"] * 9, 300)
 # Commands that compute (load weights and run them): each takes --device and --threads.
@@ -81,6 +82,18 @@ def test_engine_flags_are_enginesconfig_fields_with_its_defaults_in_generate_and
             defaults, kv_memory_mb=64.0, max_batch=3, kv_dtype="int8", prefix_caching=False)
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     assert {flag[2:].replace("-", "_") for flag in ENGINE} <= names
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_compile_on_cuda_takes_kv_blocks_of_flex_attentions_size_unless_asked_otherwise(command, capsys):
+    compiled = build_parser().parse_args([command, "--model", "m", "--compile"])
+    assert engine_config(compiled, "cuda:0").block_size == FLEX_BLOCK
+    assert f"KV blocks of {FLEX_BLOCK} tokens" in capsys.readouterr().err
+    assert engine_config(compiled, "cpu").block_size == EngineConfig().block_size
+    plain = build_parser().parse_args([command, "--model", "m"])
+    assert engine_config(plain, "cuda").block_size == EngineConfig().block_size
+    asked = build_parser().parse_args([command, "--model", "m", "--compile", "--block-size", "256"])
+    assert engine_config(asked, "cuda").block_size == 256
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from glassformer.accel.precision import CUBLAS_WORKSPACE, choose_precision, use_precision
+from glassformer.errors import InputError
 from glassformer.generation.config import RequestParams
-from glassformer.generation.paths import FLEX_CUDA_TILE, GRAPH, MODULES, Asks, choose_path
+from glassformer.generation.paths import FLEX_CUDA_HEAD_DIM, GRAPH, MODULES, Asks, choose_path
 from glassformer.serving import Engine, EngineConfig
+from glassformer.serving.flex_paged import FLEX_BLOCK
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 # tiny-llama with heads as wide as FlexAttention's CUDA kernel takes (the preset's are 8)
-WIDE_HEADS = dict(d_model=4 * FLEX_CUDA_TILE, d_ff=128)
+WIDE_HEADS = dict(d_model=4 * FLEX_CUDA_HEAD_DIM, d_ff=128)
 
 
 @pytest.fixture
@@ -45,12 +47,17 @@ def test_the_graph_executor_decodes_as_the_module_path(tiny, prompts):
     model = tiny(**WIDE_HEADS).to("cuda")
     requests = [(p, RequestParams(max_new_tokens=n, eos_ids=(), logprobs=0)) for p, n in
                 zip(prompts([3, 9, 6]), [6, 4, 2], strict=True)]
-    config = EngineConfig(block_size=16, n_blocks=12, max_batch=4, token_budget=16)
+    config = EngineConfig(block_size=FLEX_BLOCK, n_blocks=4, max_batch=4, token_budget=16)
     want = [_first_request(model, config, [r])[0] for r in requests]
-    graph = EngineConfig(block_size=16, n_blocks=12, max_batch=4, token_budget=16, graph=True)
+    graph = EngineConfig(block_size=FLEX_BLOCK, n_blocks=4, max_batch=4, token_budget=16, graph=True)
     got = [_first_request(model, graph, [r]) for r in requests]
     assert [[t for t, _ in tokens] for tokens, _ in got] == [[t for t, _ in tokens] for tokens in want]
     assert got[0][1] == {GRAPH, MODULES}  # its prompt on the module path, its tokens in the graph
+
+
+def test_the_graph_executor_refuses_kv_blocks_flex_attention_cannot_tile(tiny):
+    with pytest.raises(InputError, match=f"multiple of {FLEX_BLOCK} tokens"):
+        Engine(tiny(**WIDE_HEADS).to("cuda"), None, EngineConfig(block_size=16, n_blocks=16, graph=True))
 
 
 def test_heads_too_narrow_for_flex_attention_keep_the_module_path(tiny):
@@ -65,8 +72,8 @@ def test_heads_too_narrow_for_flex_attention_keep_the_module_path(tiny):
 def test_deterministic_keeps_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, mixed_requests, deterministic,
                                                                          dtype, graph):
     model = tiny(**WIDE_HEADS).to(device="cuda", dtype=dtype)
-    config = EngineConfig(block_size=16, n_blocks=64, max_batch=8, token_budget=64, graph=graph,
-                          deterministic=True)
+    config = EngineConfig(block_size=FLEX_BLOCK if graph else 16, n_blocks=64, max_batch=8, token_budget=64,
+                          graph=graph, deterministic=True)
     requests = mixed_requests(6)
     alone, _ = _first_request(model, config, requests[:1])
     shared, paths = _first_request(model, config, requests)
