@@ -17,8 +17,9 @@ from glassformer.serving.flex_paged import FLEX_BLOCK
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
-# tiny-llama with heads as wide as FlexAttention's CUDA kernel takes (the preset's are 8)
-WIDE_HEADS = dict(d_model=4 * FLEX_CUDA_HEAD_DIM, d_ff=128)
+# tiny-llama with heads as wide as FlexAttention's CUDA kernels take (the preset's are 8), three
+# query heads to a key head as SmolLM2's (not a power of two: FlexAttention's main kernel)
+WIDE_HEADS = dict(d_model=6 * FLEX_CUDA_HEAD_DIM, n_heads=6, n_kv_heads=2, d_ff=128)
 
 
 @pytest.fixture
