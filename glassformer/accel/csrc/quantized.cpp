@@ -228,11 +228,13 @@ void linear_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
     if (M - m >= 1) tile_rows<Q4, 1>(wt, dt, mt, R, nb, a, m, y + m * N + n0, N, bt);
   };
   // threads take runs of tiles as they come (a thread slowed by another process leaves its
-  // share to the others): 2 runs a thread. A run starts its reads cold (the prefetches reach
-  // within it), so shorter runs cost the small products most: with 8 runs a thread one
-  // stream's decode was 6-16% slower (SmolLM2 int4 and Q4_1, 2 threads, Xeon model 207)
+  // share to the others). A run starts its reads cold (the prefetches reach within it): for
+  // few activation rows, 2 runs a thread; with 8, one stream's decode was 6-16% slower and an
+  // 8-row engine step 9% (SmolLM2 int4 and Q4_1, 2 threads, Xeon model 207). From 16 rows a
+  // tile holds enough arithmetic that balancing pays: 8 runs a thread (2 were 6% slower)
   const int threads = N * row_bytes * std::max<int64_t>(M / 8, 1) >= (64 << 10) ? at::get_num_threads() : 1;
-  const int64_t run_length = std::max<int64_t>(1, tiles / (2 * threads));
+  const int64_t runs = M < 16 ? 2 : 8;
+  const int64_t run_length = std::max<int64_t>(1, tiles / (runs * threads));
 #pragma omp parallel for schedule(dynamic, run_length) if (threads > 1) num_threads(threads)
   for (int64_t i = 0; i < tiles; ++i) run(i);
 }
