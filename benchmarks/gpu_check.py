@@ -158,11 +158,16 @@ def engine(folder: Path, device: torch.device, requests: int) -> dict:
     prompts = [[(7 * r + t) % 300 for t in range(16)] for r in range(requests)]
     model = load(folder, progress=False).model.to(device)
     params = RequestParams(max_new_tokens=NEW_TOKENS, eos_ids=())
+
+    def sized(block_size: int, graph: bool) -> EngineConfig:
+        """Every request's blocks at once (16 prompt and NEW_TOKENS new tokens each, and one to
+        spare), and a few."""
+        blocks = requests * (-(-(16 + NEW_TOKENS) // block_size) + 1) + 8
+        return EngineConfig(max_batch=requests, token_budget=max(256, 16 * requests), block_size=block_size,
+                            n_blocks=blocks, graph=graph)
+
     # the module path in blocks of 16; the graph executor (serve --compile) in FlexAttention's
-    config = EngineConfig(max_batch=requests, token_budget=max(256, 16 * requests),
-                          n_blocks=requests * (16 + NEW_TOKENS) // 16 + requests + 8)
-    graph = EngineConfig(max_batch=requests, token_budget=max(256, 16 * requests), block_size=FLEX_BLOCK,
-                         n_blocks=requests + 8, graph=True)
+    config, graph = sized(16, False), sized(FLEX_BLOCK, True)
 
     def run_engine(config=config):
         engine = Engine(model, None, config)
