@@ -280,7 +280,7 @@ def engine_config(args: argparse.Namespace, device: str = "cpu") -> EngineConfig
     FlexAttention needs there (named on stderr)."""
     settings = {name: getattr(args, name) for name in ENGINE_HELP}
     graph = getattr(args, "compile", False)
-    default_block = EngineConfig.__dataclass_fields__["block_size"].default
+    default_block = EngineConfig.block_size  # the dataclass field's default
     if graph and device.startswith("cuda") and settings["block_size"] == default_block:
         settings["block_size"] = FLEX_BLOCK
         print(f"glassformer: KV blocks of {FLEX_BLOCK} tokens (the graph executor's FlexAttention on "
