@@ -1,8 +1,14 @@
-"""The tokenizer of a pretrained model: an HFTokenizer plus whether to add BOS and a chat template.
+"""The tokenizer of a pretrained model: an HFTokenizer plus whether to add BOS, the tokens that
+end a reply, and a chat template.
 
-Built from a GGUF vocabulary (`from_gguf_metadata`) or read from a Hugging Face folder
-(`tokenizer.json` + `tokenizer_config.json`); saved in the Hugging Face layout so both
-`transformers` and `ChatTokenizer.load` read it back.
+Built from a GGUF vocabulary (gguf_tokenizer.py) or read from a Hugging Face folder
+(`tokenizer.json` + `tokenizer_config.json` + `generation_config.json`); saved in the Hugging
+Face layout so both `transformers` and `ChatTokenizer.load` read it back.
+
+BOS, as transformers adds it: `tokenizer_config.json`'s `add_bos_token` where it is written,
+else whatever tokenizer.json's post-processor puts before the text (Gemma's and Llama 3's add
+their BOS there). The ids that end a reply: EOS, and every id of `generation_config.json`'s
+`eos_token_id` (Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer
 
 from ..errors import InputError
 from .files import read_json_object
@@ -22,51 +28,29 @@ from .tokenizers import HFTokenizer, read_tokenizer, token_text
 
 TEMPLATE_SECONDS = 2.0  # a chat template renders in milliseconds; a loop that does not stops here
 TEMPLATE_MIN_OUTPUT = 1 << 20  # characters; or four times the messages' text where that is more
-# GGUF tokenizer.ggml.token_type values
-_CONTROL, _USER_DEFINED = 3, 4
-
-
-def _gpt2() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), _gpt2()]
-    )
-
-
-def _qwen2() -> pre_tokenizers.PreTokenizer:
-    """Qwen2's split (single digits, letters with one leading mark, newline runs), then bytes."""
-    split = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-             r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-
-
-# GGUF tokenizer.ggml.pre -> the pre-tokenizer of the original tokenizer.json
-PRE_TOKENIZERS = {
-    "default": _gpt2,
-    "gpt-2": _gpt2,
-    "smollm": _digits_then_gpt2,
-    "starcoder": _digits_then_gpt2,
-    "refact": _digits_then_gpt2,
-    "qwen2": _qwen2,
-}
-# ... and the normalizer before it, where the original has one
-NORMALIZERS = {"qwen2": normalizers.NFC}
 
 
 class ChatTokenizer(HFTokenizer):
-    """An HFTokenizer that also knows whether to prepend BOS and the model's chat template."""
+    """An HFTokenizer that also knows whether to prepend BOS, the ids that end a reply
+    (`end_ids`: EOS and any end-of-turn token) and the model's chat template."""
 
     def __init__(self, tokenizer: Tokenizer, eos_token: str | None = None,
                  bos_token: str | None = None, chat_template: str | None = None,
-                 add_bos: bool = False):
+                 add_bos: bool = False, end_ids: tuple[int, ...] = (),
+                 pad_token: str | None = None):
         super().__init__(tokenizer, eos_token, bos_token)
         self.chat_template = chat_template
         self.add_bos = add_bos
+        self.pad_token = pad_token
+        size = self.vocab_size
+        for i in end_ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < size:
+                raise InputError("eos_token_id", f"{i!r} is not a token id (vocabulary of {size})")
+        self._end_ids = frozenset(end_ids) | super().end_ids
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        return self._end_ids
 
     def encode(self, text: str) -> list[int]:
         ids = super().encode(text)
@@ -93,9 +77,16 @@ class ChatTokenizer(HFTokenizer):
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
                                   "bos_token": self.bos_token, "eos_token": self.eos_token,
                                   "add_bos_token": self.add_bos}
+        if self.pad_token is not None:
+            config["pad_token"] = self.pad_token
         if self.chat_template:
             config["chat_template"] = self.chat_template
         path.with_name("tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        ends = sorted(self.end_ids)
+        if ends != sorted(HFTokenizer.end_ids.fget(self)):  # more than EOS ends a reply
+            generation = path.with_name("generation_config.json")
+            settings = read_json_object(generation) if generation.is_file() else {}
+            generation.write_text(json.dumps(settings | {"eos_token_id": ends}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> ChatTokenizer:
@@ -110,60 +101,27 @@ class ChatTokenizer(HFTokenizer):
         template = config.get("chat_template")
         if not isinstance(template, str):  # a list of named templates is not supported
             template = None
-        return cls(read_tokenizer(path), token_text(config.get("eos_token")),
-                   token_text(config.get("bos_token")), template,
-                   bool(config.get("add_bos_token", False)))
+        tokenizer = read_tokenizer(path)
+        bos_token = token_text(config.get("bos_token"))
+        leading = _leading_specials(tokenizer)
+        if bos_token is None and len(leading) == 1:
+            bos_token = tokenizer.id_to_token(leading[0])
+        add_bos = config.get("add_bos_token")
+        if not isinstance(add_bos, bool):  # not written: as the post-processor does
+            add_bos = bos_token is not None and tokenizer.token_to_id(bos_token) in leading
+        generation = path.with_name("generation_config.json")
+        ends = read_json_object(generation).get("eos_token_id") if generation.is_file() else None
+        ends = [ends] if isinstance(ends, int) else ends if isinstance(ends, list) else []
+        return cls(tokenizer, token_text(config.get("eos_token")), bos_token, template, add_bos,
+                   tuple(ends), token_text(config.get("pad_token")))
 
 
-def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
-    """Rebuild a byte-level BPE tokenizer from `tokenizer.ggml.*` metadata."""
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise InputError(None, f"unsupported GGUF tokenizer {kind!r} (supported: byte-level BPE 'gpt2')")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise InputError(None, f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
-                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise InputError(None, "GGUF lacks its vocabulary (tokenizer.ggml.tokens)")
-    if not all(isinstance(t, str) for t in tokens):
-        raise InputError(None, "GGUF tokenizer.ggml.tokens: expected a list of strings")
-    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if not isinstance(types, list) or len(types) != len(tokens):
-        raise InputError(None,
-                         f"GGUF tokenizer.ggml.token_type: {len(types) if isinstance(types, list) else 0} "
-                         f"entries for {len(tokens)} tokens")
-    merges = meta.get("tokenizer.ggml.merges", [])
-    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
-        raise InputError(None, "GGUF tokenizer.ggml.merges: expected strings of two tokens")
-    merges = [tuple(m.split(" ", 1)) for m in merges]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    for a, b in merges:  # the tokenizers library panics on a merge outside the vocabulary
-        if a not in vocab or b not in vocab or a + b not in vocab:
-            raise InputError(None, f"GGUF tokenizer.ggml.merges: {a!r} + {b!r} is not in the vocabulary")
-    for key in ("eos", "bos"):  # an end-of-text id outside the vocabulary never stops a reply
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
-            raise InputError(None, f"GGUF tokenizer.ggml.{key}_token_id = {i!r} is outside the "
-                             f"vocabulary of {len(tokens)} tokens")
-    tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
-    if pre in NORMALIZERS:
-        tokenizer.normalizer = NORMALIZERS[pre]()
-    tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_tokens([AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
-                          for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED)])
-
-    def token(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    template = meta.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
-        raise InputError(None, "GGUF tokenizer.chat_template: expected a string")
-    return ChatTokenizer(tokenizer, token("eos"), token("bos"), template,
-                         bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+def _leading_specials(tokenizer: Tokenizer) -> list[int]:
+    """The ids a tokenizer.json's post-processor puts before a text (BOS, or BERT's [CLS])."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    whole = tokenizer.encode("a", add_special_tokens=True).ids
+    starts = [k for k in range(len(whole) - len(plain) + 1) if whole[k:k + len(plain)] == plain]
+    return whole[:starts[0]] if starts else []
 
 
 def _raise(message: str) -> None:

@@ -33,12 +33,13 @@ from gguf.quants import dequantize
 from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
-from .chat_tokenizer import ChatTokenizer, from_gguf_metadata
+from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
 from .gguf_file import GGUFFile
 from .gguf_gemma import GEMMA_ARCHITECTURES, NORM_SHIFT, gemma_fields
 from .gguf_neox import NEOX_ARCHITECTURES, family_names, family_of, neox_fields
 from .gguf_rope import FACTOR_TENSORS, read_factors, rope_scaling_fields
+from .gguf_tokenizer import from_gguf_metadata
 from .huggingface_gemma import is_gemma
 from .validate import check_model, check_tensor
 

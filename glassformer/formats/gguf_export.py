@@ -36,6 +36,7 @@ from .gguf import architecture, config_from_metadata, tensor_map
 from .gguf_gemma import gemma_metadata
 from .gguf_neox import NEOX_ARCHITECTURES, family_metadata
 from .gguf_rope import attention_factor, factor_tensors, rope_scaling_metadata
+from .gguf_tokenizer import pre_name
 from .validate import check_model_finite
 
 # --dtype -> (the matrices' GGML type, general.file_type)
@@ -115,7 +116,7 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
     model = data.get("model") or {}
     if model.get("type") != "BPE" or (data.get("decoder") or {}).get("type") != "ByteLevel":
         raise InputError("tokenizer", "GGUF export writes byte-level BPE tokenizers only")
-    pre = _pre_tokenizer(data.get("pre_tokenizer") or {})
+    pre = pre_name(data.get("pre_tokenizer")) or _pre_tokenizer(data.get("pre_tokenizer") or {})
     tokens = [""] * vocab_size
     types = [int(TokenType.UNUSED)] * vocab_size
     for token, i in model["vocab"].items():

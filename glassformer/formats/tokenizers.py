@@ -1,7 +1,8 @@
 """Tokenizers: character-level, byte-level BPE, and any Hugging Face `tokenizer.json`.
 
 Every tokenizer has `encode(text) -> list[int]`, `encode_array(text) -> np.ndarray`,
-`decode(ids) -> str`, `vocab_size`, `eos_id`, `bos_id`, `mask_id` (or None) and `save(path)`.
+`decode(ids) -> str`, `vocab_size`, `eos_id`, `bos_id`, `mask_id` (or None), `end_ids` (the ids
+that end a generated text) and `save(path)`.
 `encode_sequence(text)` adds the special tokens a tokenizer.json's post-processor names (BERT's
 [CLS] ... [SEP]); elsewhere it is `encode`.
 `load_tokenizer(path)` reads either file format back:
@@ -67,6 +68,10 @@ class CharTokenizer:
     @property
     def eos_id(self) -> int:
         return len(self.chars)
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        return frozenset({self.eos_id})
 
     @property
     def bos_id(self) -> None:
@@ -157,6 +162,11 @@ class HFTokenizer:
     @property
     def bos_id(self) -> int | None:
         return self._bos_id
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        """The ids that end a generated text: EOS (a ChatTokenizer adds end-of-turn tokens)."""
+        return frozenset() if self._eos_id is None else frozenset({self._eos_id})
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -30,6 +30,7 @@ from ..accel.greedy import argmax_rows
 from ..accel.threads import ThreadPolicy, hand_over_cores
 from ..errors import InputError
 from ..generation.config import GenerationResult, RequestParams
+from ..generation.core import eos_ids
 from ..generation.sampling import next_token
 from ..generation.stopping import Decoder
 from ..model.layers.positions import uses_long_factors
@@ -150,8 +151,7 @@ class Engine:
             raise RuntimeError(f"engine: stopped after an error ({self._error!r})")
         prompt = check_request(mc, prompt, params, self.window, self.config.sink, self.blocks,
                                self.tokenizer is not None)
-        eos = set(params.eos_ids) if params.eos_ids is not None else (
-            {self.tokenizer.eos_id} if getattr(self.tokenizer, "eos_id", None) is not None else set())
+        eos = eos_ids(params, self.tokenizer)
         seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id, self.runner.device)
         unit = BeamGroup(seq, self.tokenizer, mc.context_length) if params.beams > 1 else seq
         handle = RequestHandle(seq.id, self.cancel)

@@ -97,7 +97,7 @@ class SamplingFields(Strict):
             raise InputError(None, "stop strings must not be empty")
         return value
 
-    def params(self, max_new_tokens: int, eos_id: int | None) -> RequestParams:
+    def params(self, max_new_tokens: int) -> RequestParams:
         stop = self.stop if self.stop is not None else ()
         return RequestParams(
             max_new_tokens=max_new_tokens,
@@ -107,7 +107,7 @@ class SamplingFields(Strict):
                 frequency_penalty=self.frequency_penalty),
             seed=self.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            eos_ids=() if self.glassformer.ignore_eos or eos_id is None else (eos_id,),
+            eos_ids=() if self.glassformer.ignore_eos else None,  # None: the tokenizer's end ids
             logprobs=self.logprob_count,
             capture=tuple(site for site in self.glassformer.trace if token_axis(site) is not None),
             ablate=tuple(self.glassformer.ablate),

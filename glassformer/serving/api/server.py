@@ -167,7 +167,7 @@ class Server:
         limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
         self.check_capture_size(fields, min(len(ids) + limit, context))
         try:
-            params = fields.params(limit, self.language_model.tokenizer.eos_id)
+            params = fields.params(limit)
             if fields.glassformer.ui:
                 watched = live_sites(self.language_model.config)
                 params = replace(params, capture=tuple(dict.fromkeys(params.capture + watched)))
