@@ -5,10 +5,12 @@ Built from a GGUF vocabulary (gguf_tokenizer.py) or read from a Hugging Face fol
 (`tokenizer.json` + `tokenizer_config.json` + `generation_config.json`); saved in the Hugging
 Face layout so both `transformers` and `ChatTokenizer.load` read it back.
 
-BOS, as transformers adds it: `tokenizer_config.json`'s `add_bos_token` where it is written,
-else whatever tokenizer.json's post-processor puts before the text (Gemma's and Llama 3's add
-their BOS there). The ids that end a reply: EOS, and every id of `generation_config.json`'s
-`eos_token_id` (Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`).
+BOS, as transformers adds it: whatever tokenizer.json's post-processor puts before the text
+(Gemma's and Llama 3's add their BOS there), unless `tokenizer_config.json` names a model's own
+tokenizer class and writes `add_bos_token` (that class rebuilds its post-processor from it).
+Saved, a tokenizer that adds BOS gets a post-processor that does, so transformers agrees.
+The ids that end a reply: EOS, and every id of `generation_config.json`'s `eos_token_id`
+(Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 from ..errors import InputError
 from .files import read_json_object
 from .tokenizers import HFTokenizer, read_tokenizer, token_text
 
+GENERIC_CLASS = "PreTrainedTokenizerFast"  # transformers reads its BOS from the post-processor alone
 TEMPLATE_SECONDS = 2.0  # a chat template renders in milliseconds; a loop that does not stops here
 TEMPLATE_MIN_OUTPUT = 1 << 20  # characters; or four times the messages' text where that is more
 
@@ -73,8 +76,14 @@ class ChatTokenizer(HFTokenizer):
     def save(self, path: str | Path) -> None:
         """tokenizer.json at `path` and tokenizer_config.json beside it (Hugging Face layout)."""
         path = Path(path)
-        super().save(path)
-        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+        tokenizer = self.tokenizer
+        if self.add_bos and self.bos_id not in _leading_specials(tokenizer):  # as transformers reads it
+            tokenizer = Tokenizer.from_str(tokenizer.to_str())
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=f"{self.bos_token} $A", pair=f"{self.bos_token} $A {self.bos_token} $B",
+                special_tokens=[(self.bos_token, self.bos_id)])
+        tokenizer.save(str(path))
+        config: dict[str, Any] = {"tokenizer_class": GENERIC_CLASS,
                                   "bos_token": self.bos_token, "eos_token": self.eos_token,
                                   "add_bos_token": self.add_bos}
         if self.pad_token is not None:
@@ -107,7 +116,7 @@ class ChatTokenizer(HFTokenizer):
         if bos_token is None and len(leading) == 1:
             bos_token = tokenizer.id_to_token(leading[0])
         add_bos = config.get("add_bos_token")
-        if not isinstance(add_bos, bool):  # not written: as the post-processor does
+        if not isinstance(add_bos, bool) or config.get("tokenizer_class") == GENERIC_CLASS:
             add_bos = bos_token is not None and tokenizer.token_to_id(bos_token) in leading
         generation = path.with_name("generation_config.json")
         ends = read_json_object(generation).get("eos_token_id") if generation.is_file() else None
