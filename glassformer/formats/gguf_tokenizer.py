@@ -17,7 +17,8 @@ Any other kind, or a pre-tokenizer name not in PRE_SPLITS, is refused by name.
 Control and user-defined tokens are matched in the text before anything else. BOS follows
 llama.cpp: added by default for SentencePiece and Llama-3-style BPE, and as
 `tokenizer.ggml.add_bos_token` says where the file says. The end-of-generation ids are EOS,
-`eot` / `eom`, and every token whose text is one of END_OF_TURN_TEXTS (as llama.cpp marks them).
+`eot` / `eom`, and every token whose text is one of END_OF_TURN_TEXTS, which llama.cpp also
+matches in text as control tokens whatever the file calls them (Qwen2's `</s>`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from .chat_tokenizer import ChatTokenizer
 # tokenizer.ggml.token_type values
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPACE = "\u2581"  # ▁, SentencePiece's written space
+# llama.cpp ends a reply at any token of these texts and makes it a control token, whatever its type
 END_OF_TURN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
-                     "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<eos>", "<turn|>")
+                     "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<eos>", "<turn|>", "</s>")
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -74,13 +76,14 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
     if not tokens:
         raise InputError(None, "GGUF lacks its vocabulary (tokenizer.ggml.tokens)")
     types = _list(meta, "tokenizer.ggml.token_type", int, len(tokens)) or [NORMAL] * len(tokens)
+    types = [CONTROL if t in END_OF_TURN_TEXTS else kind for t, kind in zip(tokens, types, strict=True)]
     tokenizer, add_bos = builders[kind](meta, tokens, types)
     specials = [AddedToken(tokens[i], special=types[i] == CONTROL, normalized=False)
                 for i in range(len(tokens)) if types[i] in (CONTROL, USER_DEFINED)]
     tokenizer.add_tokens(specials)
     ids = {key: _token_id(meta, key, len(tokens)) for key in ("bos", "eos", "eot", "eom", "padding")}
     ends = {i for key in ("eos", "eot", "eom") if (i := ids[key]) is not None}
-    ends |= {i for i, t in enumerate(tokens) if t in END_OF_TURN_TEXTS and types[i] != NORMAL}
+    ends |= {i for i, t in enumerate(tokens) if t in END_OF_TURN_TEXTS}
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise InputError(None, "GGUF tokenizer.chat_template: expected a string")

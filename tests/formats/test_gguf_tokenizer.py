@@ -78,6 +78,9 @@ def test_end_of_turn_tokens_end_a_reply(tokenizers):
     phi3 = _tokenizer(tokenizers, "phi-3")
     assert {32000, phi3.tokenizer.token_to_id("<|end|>")} <= phi3.end_ids
     assert _tokenizer(tokenizers, "gpt-2").end_ids == {50256}
+    qwen2 = _tokenizer(tokenizers, "qwen2")  # its "</s>" is a plain token in the file
+    closing = qwen2.tokenizer.token_to_id("</s>")
+    assert closing in qwen2.end_ids and qwen2.encode("</s> text")[0] == closing  # as llama.cpp
 
 
 def test_sentencepiece_special_tokens_in_text_start_a_new_piece(tokenizers):
