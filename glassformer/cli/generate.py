@@ -146,7 +146,10 @@ def run(args: argparse.Namespace) -> int:
     if args.lora is not None and len(args.lora) > 1:
         raise InputError("--lora", "generate applies one adapter (serve serves several)")
     convert = extend or args.lora is not None  # plain weights first, converted at the end
+    started = time.perf_counter()
     language_model = load(args.model, quantize=None if convert else quantize)
+    args.load_seconds = round(time.perf_counter() - started, 3)
+    print(f"glassformer: loaded {args.model} in {args.load_seconds:.1f} s", file=sys.stderr)
     settle_threads(args)
     model, tokenizer = language_model.model, language_model.tokenizer
     if not model.config.causal:
@@ -184,7 +187,7 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str | None,
         print(flush=True)
         result = run_.result
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps(result.to_dict() | {"load_seconds": args.load_seconds}))
     else:
         print(
             f"[{result.n_generated} tokens, stop: {result.stop_reason}, "

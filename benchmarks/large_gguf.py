@@ -1,0 +1,120 @@
+"""A 1 B model as users download it, beside llama.cpp on the same file: peak memory, load time,
+decode and prefill.
+
+The model is shaped like Llama 3.2 1B (16 layers of 2,048, 32 query and 8 key heads, 8,192 wide
+feed-forward, Llama 3's 128,256-token vocabulary from llama.cpp's ggml-vocab-llama-bpe.gguf,
+tied head, Llama 3.1's RoPE bands), with random weights made by transformers and saved in
+bf16; llama.cpp's converter writes it as f16 GGUF and `llama-quantize` as Q4_K_M.
+
+    python benchmarks/large_gguf.py --llama-cpp PATH/llama.cpp --dir DIR [--rounds 2] [--json]
+
+Each round runs, in turn: `glassformer generate --quantize gguf` (a new process: its peak RSS
+from the kernel, its load time and decode / prefill speeds from --json) and `llama-bench` on
+the same file with the same thread count. Prints the figures and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+             tie_word_embeddings=True, rope_scaling={
+                 "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+PROMPT = "The meaning of life is"
+
+
+def make(llama_cpp: Path, folder: Path) -> Path:
+    """The HF folder, its f16 GGUF and the Q4_K_M file (each made once)."""
+    quantized = folder.with_name(folder.name + ".Q4_K_M.gguf")
+    if quantized.is_file():
+        return quantized
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(REPO))
+    from glassformer.formats.gguf_file import GGUFFile
+    from glassformer.formats.gguf_tokenizer import from_gguf_metadata
+
+    with GGUFFile(llama_cpp / "models/ggml-vocab-llama-bpe.gguf") as file:
+        tokenizer = from_gguf_metadata(file.metadata)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(folder / "tokenizer.json")
+    config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id,
+                                      eos_token_id=tokenizer.eos_id, initializer_range=0.02, **SHAPE)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    f16 = folder.with_name(folder.name + ".f16.gguf")
+    env = os.environ | {"PYTHONPATH": str(llama_cpp / "gguf-py")}
+    subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder),
+                    "--outtype", "f16", "--outfile", str(f16)], check=True, env=env,
+                   capture_output=True)
+    subprocess.run([str(llama_cpp / "build/bin/llama-quantize"), str(f16), str(quantized), "Q4_K_M"],
+                   check=True, capture_output=True)
+    return quantized
+
+
+def glassformer_run(path: Path, threads: int, n: int) -> dict:
+    command = [sys.executable, "-m", "glassformer", "generate", "--model", str(path),
+               "--quantize", "gguf", "-n", str(n), "--ignore-eos", "--json", PROMPT]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=True,
+                          env=os.environ | {"GLASSFORMER_THREADS": str(threads)})
+    wall = time.perf_counter() - start
+    out = json.loads(done.stdout)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # MB, the largest child so far
+    return {"decode": out["decode_tokens_per_second"], "prefill": out["prefill_tokens_per_second"],
+            "load_seconds": out.get("load_seconds"), "wall_seconds": wall, "peak_rss_mb": peak}
+
+
+def llama_bench(llama_cpp: Path, path: Path, threads: int, n: int) -> dict:
+    done = subprocess.run([str(llama_cpp / "build/bin/llama-bench"), "-m", str(path), "-t", str(threads),
+                           "-p", "64", "-n", str(n), "-r", "2", "-o", "json"],
+                          capture_output=True, text=True, check=True)
+    rows = json.loads(done.stdout)
+    speed = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
+    return speed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-cpp", type=Path, required=True)
+    parser.add_argument("--dir", type=Path, required=True, help="where the model files are made")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    path = make(args.llama_cpp, args.dir / "llama-3.2-1b-shaped")
+    rounds = []
+    for _ in range(args.rounds):
+        ours = glassformer_run(path, args.threads, args.tokens)
+        theirs = llama_bench(args.llama_cpp, path, args.threads, args.tokens)
+        rounds.append({"glassformer": ours, "llama.cpp": theirs,
+                       "decode_ratio": ours["decode"] / theirs["decode"]})
+    result = {"file": str(path), "file_mb": path.stat().st_size / 2**20, "rounds": rounds}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{path.name}: {result['file_mb']:.0f} MB")
+    for r in rounds:
+        g, lc = r["glassformer"], r["llama.cpp"]
+        print(f"decode {g['decode']:.1f} vs llama-bench {lc['decode']:.1f} tokens/s "
+              f"({r['decode_ratio']:.2f}x); prefill {g['prefill']:.1f} vs {lc['prefill']:.1f}; "
+              f"peak RSS {g['peak_rss_mb']:.0f} MB; load {g['load_seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
