@@ -56,8 +56,12 @@ class ChatTokenizer(HFTokenizer):
         return self._end_ids
 
     def encode(self, text: str) -> list[int]:
+        """The text's ids, after BOS where the tokenizer adds one and the text does not begin
+        with it already (never twice)."""
         ids = super().encode(text)
-        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+        if not self.add_bos or self.bos_id is None or ids[:1] == [self.bos_id]:
+            return ids
+        return [self.bos_id, *ids]
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation as text, through the model's own Jinja chat template."""

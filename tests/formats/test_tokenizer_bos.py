@@ -54,6 +54,7 @@ def test_a_chat_template_that_writes_bos_gets_it_once(tmp_path):
     ours = _folder(tmp_path, True, {})
     ids = ours.apply_chat_template([{"role": "user", "content": "hi"}])
     assert ids.count(ours.bos_id) == 1 and ids[0] == ours.bos_id
+    assert ours.encode("<bos>hi") == ours.encode("hi")  # a prompt that writes it: once
 
 
 def test_generation_config_end_ids_end_a_reply(tmp_path):
