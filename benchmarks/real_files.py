@@ -10,9 +10,10 @@ tokenizers):
 Each is converted by llama.cpp's `convert_hf_to_gguf.py` (f32) and quantized by
 `llama-quantize` to Q4_K_M, Q5_K_M, Q6_K and Q8_0. Then, for each file:
 - token ids: Glassformer's (BOS as the file says) against `llama-tokenize` over hard strings;
-- greedy tokens: Glassformer from the f32 GGUF and from the folder against transformers on
-  the folder (required equal); from each quantized file, Glassformer's default load (float32)
-  beside `--quantize gguf` (its blocks kept; how many tokens agree is reported).
+- greedy tokens: Glassformer from the f32 GGUF (one sequence and the serving engine) and from
+  the folder against transformers on the folder (required equal); from each quantized file,
+  Glassformer's default load (float32) beside `--quantize gguf` (its blocks kept; how many
+  tokens agree is reported).
 
     python benchmarks/real_files.py --llama-cpp PATH/llama.cpp [--out DIR] [--json]
 
@@ -103,8 +104,11 @@ def llama_cpp_ids(tool: Path, gguf: Path, text: str) -> list[int]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def greedy(source, n: int = 16, **load_options) -> list[int]:
+def greedy(source, n: int = 16, engine: bool = False, **load_options) -> list[int]:
+    """Greedy tokens from one sequence's decode, or from the serving engine's."""
     model = load(str(source), progress=False, **load_options)
+    if engine:
+        return model.generate_many([PROMPT], max_new_tokens=n, eos_ids=())[0].generated_ids
     return model.generate(PROMPT, max_new_tokens=n, eos_ids=()).generated_ids
 
 
@@ -133,7 +137,8 @@ def check_family(name: str, folder: Path, llama_cpp: Path, out: Path) -> dict:
     token_errors = [text for text in HARD if ours.encode(text) != llama_cpp_ids(tool, f32, text)]
     reference = transformers_greedy(folder)
     report = {"tokenizer_mismatches": token_errors, "transformers": reference,
-              "glassformer_folder": greedy(folder), "glassformer_f32_gguf": greedy(f32)}
+              "glassformer_folder": greedy(folder), "glassformer_f32_gguf": greedy(f32),
+              "glassformer_engine_f32_gguf": greedy(f32, engine=True)}
     for quant in QUANTS:
         report[quant] = {"dequantized": greedy(files[quant]),
                          "kept": greedy(files[quant], quantize="gguf")}
@@ -142,7 +147,7 @@ def check_family(name: str, folder: Path, llama_cpp: Path, out: Path) -> dict:
     # the kept blocks round activations to int8 as llama.cpp does: their tokens part from the
     # float32 dequantized ones where random weights leave near ties; reported, not required
     report["ok"] = (not token_errors and report["glassformer_folder"] == reference
-                    == report["glassformer_f32_gguf"])
+                    == report["glassformer_f32_gguf"] == report["glassformer_engine_f32_gguf"])
     return report
 
 
