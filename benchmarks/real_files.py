@@ -10,6 +10,7 @@ tokenizers):
 Each is converted by llama.cpp's `convert_hf_to_gguf.py` (f32) and quantized by
 `llama-quantize` to Q4_K_M, Q5_K_M, Q6_K and Q8_0. Then, for each file:
 - token ids: Glassformer's (BOS as the file says) against `llama-tokenize` over hard strings;
+- `glassformer compare` of the f32 GGUF against transformers reading it, at every place;
 - greedy tokens: Glassformer from the f32 GGUF (one sequence and the serving engine) and from
   the folder against transformers on the folder (required equal); from each quantized file,
   Glassformer's default load (float32) beside `--quantize gguf` (its blocks kept; how many
@@ -135,8 +136,11 @@ def check_family(name: str, folder: Path, llama_cpp: Path, out: Path) -> dict:
     tool = llama_cpp / "build/bin/llama-tokenize"
     ours = load(str(f32)).tokenizer
     token_errors = [text for text in HARD if ours.encode(text) != llama_cpp_ids(tool, f32, text)]
+    compare = json.loads(run([sys.executable, "-m", "glassformer", "compare", "--model", str(f32),
+                              "--json", PROMPT]))
     reference = transformers_greedy(folder)
-    report = {"tokenizer_mismatches": token_errors, "transformers": reference,
+    report = {"tokenizer_mismatches": token_errors, "compare_ok": compare["ok"],
+              "compare_places": len(compare["sites"]), "transformers": reference,
               "glassformer_folder": greedy(folder), "glassformer_f32_gguf": greedy(f32),
               "glassformer_engine_f32_gguf": greedy(f32, engine=True)}
     for quant in QUANTS:
@@ -146,7 +150,7 @@ def check_family(name: str, folder: Path, llama_cpp: Path, out: Path) -> dict:
         report[quant]["same_prefix"] = next((i for i, (a, b) in enumerate(pairs) if a != b), 16)
     # the kept blocks round activations to int8 as llama.cpp does: their tokens part from the
     # float32 dequantized ones where random weights leave near ties; reported, not required
-    report["ok"] = (not token_errors and report["glassformer_folder"] == reference
+    report["ok"] = (not token_errors and compare["ok"] and report["glassformer_folder"] == reference
                     == report["glassformer_f32_gguf"] == report["glassformer_engine_f32_gguf"])
     return report
 
