@@ -227,7 +227,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
         arch = file.metadata["general.architecture"]
         file.metadata.clear()  # the vocabulary as Python strings (~12 MB for 49k tokens), now read
         targets = tensor_map(config, arch)
-        _check_tensors(file, config, targets)
+        check_tensors(file, config, targets)
         if tokenizer.vocab_size != config.vocab_size:
             raise InputError(path, f"{tokenizer.vocab_size} tokens in the vocabulary but "
                              f"{config.vocab_size} rows in token_embd.weight")
@@ -296,7 +296,7 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
     return done
 
 
-def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Target]) -> None:
+def check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Target]) -> None:
     """Names, shapes and types, all checked before any memory is allocated for the model."""
     missing = sorted(set(targets) - set(file.tensors))
     if missing:
