@@ -159,20 +159,13 @@ def gguf_file(source: str, progress: bool) -> Path | None:
 def describe_gguf(path: Path, summary) -> dict:
     """A GGUF file's size, metadata (long values summarised) and tensors: each one's type,
     shape, bytes and what --quantize gguf does with it (and why), and those grouped by type."""
-    from ..formats.gguf_summary import FLOAT32
+    from ..formats.gguf_summary import FLOAT32, tensor_groups
 
-    groups: dict[tuple, dict] = {}
-    for tensor in summary.tensors:
-        key = (tensor["type"], tensor["quantize_gguf"], tensor["why"])
-        group = groups.setdefault(key, {"type": tensor["type"], "tensors": 0, "bytes": 0,
-                                        "quantize_gguf": tensor["quantize_gguf"], "why": tensor["why"]})
-        group["tensors"] += 1
-        group["bytes"] += tensor["bytes"]
     types: dict[str, int] = {}
     for tensor in summary.tensors:
         types[tensor["type"]] = types.get(tensor["type"], 0) + 1
     return {"format": "gguf", "path": str(path), "bytes": path.stat().st_size, "tensor_types": types,
-            "default_load": FLOAT32, "tensor_groups": list(groups.values()),
+            "default_load": FLOAT32, "tensor_groups": tensor_groups(summary.tensors),
             "tensors": summary.tensors, "metadata": _summarised(summary.metadata)}
 
 

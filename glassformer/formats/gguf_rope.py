@@ -46,8 +46,8 @@ def read_factors(file: GGUFFile) -> dict[str, tuple[float, ...]]:
 
 
 def rope_scaling_fields(arch: str, meta: dict[str, Any], context_length: int,
-                        factors: dict[str, tuple[float, ...]], theta: float = 10000.0,
-                        rotated: int = 0) -> dict[str, Any]:
+                        factors: dict[str, tuple[float, ...]], theta: float,
+                        rotated: int) -> dict[str, Any]:
     """The ModelConfig's RoPE scaling fields of an `arch` file's metadata and RoPE tensors
     (`theta` and `rotated`: its base and turning dimensions, which rope_freqs.weight needs)."""
     if ROPE_FREQS in factors:

@@ -101,6 +101,19 @@ def block_plan(config: ModelConfig, tensors: dict[str, TensorInfo], arch: str) -
     return plan
 
 
+def tensor_groups(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tensors summed per type and what keep_blocks does with them (and why): type,
+    tensors (a count), bytes, quantize_gguf, why; in the order each first appears."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for tensor in tensors:
+        key = (tensor["type"], tensor["quantize_gguf"], tensor["why"])
+        group = groups.setdefault(key, {"type": tensor["type"], "tensors": 0, "bytes": 0,
+                                        "quantize_gguf": tensor["quantize_gguf"], "why": tensor["why"]})
+        group["tensors"] += 1
+        group["bytes"] += tensor["bytes"]
+    return list(groups.values())
+
+
 def _kept_as(name: str, config: ModelConfig) -> str:
     if name != "token_embd.weight":
         return "kept in its blocks: the quantized kernels multiply by them"
