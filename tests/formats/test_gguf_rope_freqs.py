@@ -6,8 +6,8 @@ past the original context; a tensor that is not such bands refused by name."""
 
 from __future__ import annotations
 
-import io
 import shutil
+import string
 import subprocess
 
 import numpy as np
@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llama_cpp_source import converter
 from llama_folder import TEXT
+from tokenizers import Tokenizer, decoders, models, normalizers
 
 from glassformer.cli import main
 from glassformer.formats.gguf import config_from_metadata, load_gguf
@@ -36,6 +37,7 @@ from glassformer.model.transformer import Transformer
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 300
+SPACE = "\u2581"  # SentencePiece's written space
 # base 100 on 16 dimensions: λ_i = 2π·100^(i/8). With C = 32, low 1 and high 4: pair 0 is kept
 # (λ < 8), pairs 1 and 2 lie in the smooth band (8 .. 32), pairs 3 to 7 are slowed 8 times
 BANDS = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -151,18 +153,23 @@ def test_export_writes_the_tensor_and_computes_transformers_logits(folder, oracl
         assert (plain(ids) - expected).abs().max() > 0.1  # so the bands are what is tested
 
 
-def _spm_folder(folder, destination):
-    """`folder`'s weights with a SentencePiece tokenizer.model (what llama.cpp's converter
-    reads for llama without asking which pre-tokenizer a BPE is)."""
-    spm = pytest.importorskip("sentencepiece")
+def _byte_fallback_folder(folder, destination):
+    """`folder`'s weights with a SentencePiece-style tokenizer.json (a BPE over ▁-marked text
+    with byte fallback, VOCAB tokens: specials, the 256 byte tokens, ▁ and letters), which
+    llama.cpp's converter reads for llama as it reads Llama 2's, without asking which
+    pre-tokenizer a byte-level BPE is."""
     destination.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(folder / name, destination / name)
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT.split(". ")), model_writer=model,
-                                   vocab_size=VOCAB, model_type="bpe", byte_fallback=True,
-                                   character_coverage=1.0, minloglevel=2)
-    (destination / "tokenizer.model").write_bytes(model.getvalue())
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], SPACE,
+              *string.ascii_lowercase, *string.ascii_uppercase[:14]]
+    assert len(tokens) == VOCAB
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [], byte_fallback=True,
+                                     unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer.save(str(destination / "tokenizer.json"))
     return destination
 
 
@@ -170,7 +177,7 @@ def test_llama_cpp_converter_file(folder, oracle, tmp_path):
     """convert_hf_to_gguf.py's rope_freqs: read as the folder's bands, equal to the divisors
     export writes, and the file computes transformers' logits past the original context."""
     command = converter()
-    source = _spm_folder(folder, tmp_path / "spm")
+    source = _byte_fallback_folder(folder, tmp_path / "source")
     path = tmp_path / "converted.gguf"
     done = subprocess.run([*command, str(source), "--outtype", "f32", "--outfile", str(path)],
                           capture_output=True, text=True, timeout=300)
