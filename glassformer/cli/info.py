@@ -23,6 +23,7 @@ from ..model.presets import get_preset
 from .options import add
 
 LONGEST_LIST, LONGEST_TEXT = 8, 80  # metadata values longer than these are summarised
+_LISTED = ("metadata", "tensor_groups", "tensors")  # sections printed as lists of their own (text)
 # Where a model's family was read, as the text output says it
 FAMILY_SOURCES = {"model_type": "as its config.json's model_type says",
                   "general.architecture": "as its GGUF architecture says",
@@ -34,7 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "info", help="describe a model, a preset, a configuration, or this CPU",
         description="Print a model's family and pieces, its configuration and its parameter "
                     "counts; for --model also its "
-                    "tokenizer and its file's format and metadata (a GGUF file's key/values, a "
+                    "tokenizer (its BOS rule and end ids) and its file's format and metadata (a "
+                    "GGUF file's key/values and tensor types, with what the default load and "
+                    "--quantize gguf do with each, read from its header alone; a "
                     "Hugging Face config.json, a checkpoint's training settings); for --cpu "
                     "this CPU and the fast paths measured on it.")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -58,7 +61,19 @@ def load_config(preset: str | None, path: str | None) -> ModelConfig:
 def run(args: argparse.Namespace) -> int:
     if args.cpu:
         return show_system(args.json)
-    if args.model is not None:
+    gguf = None if args.model is None else gguf_file(args.model, progress=not args.json)
+    if gguf is not None:  # the header alone: no tensor is read
+        from ..formats.gguf_summary import summarize_gguf
+
+        summary = summarize_gguf(gguf)
+        config = summary.config
+        with torch.device("meta"):
+            model = build_model(config)
+        tokenizer = describe_tokenizer(summary.tokenizer)
+        described = {"file": describe_gguf(gguf, summary),
+                     "tokenizer": {"tokenizer": tokenizer.pop("tokenizer"), "kind": summary.tokenizer_kind,
+                                   "pre_tokenizer": summary.pre_tokenizer, **tokenizer}}
+    elif args.model is not None:
         from ..language_model import load  # imported here: loading pulls in every loader
 
         language_model = load(args.model, progress=not args.json)
@@ -80,9 +95,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for section in ("file", "tokenizer"):
         if section in described:
-            _print_fields({k: v for k, v in described[section].items() if k != "metadata"})
+            _print_fields({k: v for k, v in described[section].items() if k not in _LISTED})
             for key, value in described[section].get("metadata", {}).items():
                 print(f"{key:>40}  {value}")
+            _print_tensor_groups(described[section].get("tensor_groups", []))
             print()
     if config.n_encoder_layers or not config.causal:  # the stacks first, then the family
         for stack in stacks:
@@ -108,21 +124,57 @@ def _print_fields(fields: dict) -> None:
         print(f"{field:>24}  {value}")
 
 
-def describe_file(source: str) -> dict:
-    """The format of a model's file or folder, its size and its metadata (long values summarised)."""
-    from ..formats.checkpoint import Checkpoint
-    from ..formats.gguf_file import GGUFFile
+def _print_tensor_groups(groups: list[dict]) -> None:
+    """One line per tensor type and what --quantize gguf does with it (the default load:
+    float32 for all)."""
+    from ..formats.gguf_summary import KEPT
 
+    if groups:
+        print(f"\n{'tensors':>24}  the default load makes every tensor float32; --quantize gguf:")
+    for group in groups:
+        count = f"{group['tensors']} tensor{'s' if group['tensors'] > 1 else ''}"
+        action = "" if group["quantize_gguf"] == KEPT else "float32: "
+        print(f"{group['type']:>24}  {count}, {_size(group['bytes'])}: {action}{group['why']}")
+
+
+def _size(n_bytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{n_bytes} bytes"
+
+
+def gguf_file(source: str, progress: bool) -> Path | None:
+    """The GGUF file --model names (a file, or a known model's, fetched as load does), else
+    None (a folder, or a path load will refuse with its own message)."""
     path = Path(source).expanduser()
     if not path.exists() and source in hub.MODELS:
-        path = hub.model_path(source, progress=False)  # load() has just fetched it
+        return hub.model_path(source, progress=progress)
     if path.is_file():
-        with GGUFFile(path) as gguf:
-            types: dict[str, int] = {}
-            for info in gguf.tensors.values():
-                types[info.qtype.name] = types.get(info.qtype.name, 0) + 1
-            return {"format": "gguf", "path": str(path), "bytes": path.stat().st_size,
-                    "tensor_types": types, "metadata": _summarised(gguf.metadata)}
+        with open(path, "rb") as f:
+            return path if f.read(4) == b"GGUF" else None
+    return None
+
+
+def describe_gguf(path: Path, summary) -> dict:
+    """A GGUF file's size, metadata (long values summarised) and tensors: each one's type,
+    shape, bytes and what --quantize gguf does with it (and why), and those grouped by type."""
+    from ..formats.gguf_summary import FLOAT32, tensor_groups
+
+    types: dict[str, int] = {}
+    for tensor in summary.tensors:
+        types[tensor["type"]] = types.get(tensor["type"], 0) + 1
+    return {"format": "gguf", "path": str(path), "bytes": path.stat().st_size, "tensor_types": types,
+            "default_load": FLOAT32, "tensor_groups": tensor_groups(summary.tensors),
+            "tensors": summary.tensors, "metadata": _summarised(summary.metadata)}
+
+
+def describe_file(source: str) -> dict:
+    """The format of a model's folder and its metadata (long values summarised); a GGUF
+    file's: describe_gguf."""
+    from ..formats.checkpoint import Checkpoint
+
+    path = Path(source).expanduser()
     config = read_json_object(path / "config.json") if (path / "config.json").is_file() else {}
     files = sorted(p.name for p in path.iterdir())
     if "model_type" in config:
@@ -153,11 +205,28 @@ def describe_family(config: ModelConfig, file: dict | None) -> dict | None:
 
 
 def describe_tokenizer(tokenizer) -> dict:
-    """The tokenizer's kind, vocabulary size, special token ids and whether it has a chat template."""
+    """The tokenizer's kind, vocabulary size, special token ids, its BOS rule (whether each
+    text starts with BOS, and which), the ids that end a reply and whether it has a chat
+    template."""
+    table = getattr(tokenizer, "tokenizer", None)  # a tokenizers.Tokenizer, where there is one
+    ends = sorted(tokenizer.end_ids)
     return {"tokenizer": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size,
             "eos_id": tokenizer.eos_id, "bos_id": getattr(tokenizer, "bos_id", None),
             "mask_id": getattr(tokenizer, "mask_id", None),
-            "chat_template": bool(getattr(tokenizer, "chat_template", None))}
+            "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+            "add_bos": bool(getattr(tokenizer, "add_bos", False)),
+            "bos_token": getattr(tokenizer, "bos_token", None), "bos_rule": _bos_rule(tokenizer),
+            "end_ids": ends,
+            "end_tokens": [table.id_to_token(i) for i in ends] if table is not None else None}
+
+
+def _bos_rule(tokenizer) -> str:
+    """What encoding a text puts before it, in words."""
+    if not getattr(tokenizer, "add_bos", False):
+        return "no BOS before a text"
+    if tokenizer.bos_id is None:
+        return "BOS asked for, but no BOS token named: none before a text"
+    return f"{tokenizer.bos_token!r} (id {tokenizer.bos_id}) before each text"
 
 
 def _summarised(values: dict) -> dict:

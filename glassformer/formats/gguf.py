@@ -38,7 +38,7 @@ from .empty_model import empty_model
 from .gguf_file import GGUFFile
 from .gguf_gemma import GEMMA_ARCHITECTURES, NORM_SHIFT, gemma_fields
 from .gguf_neox import NEOX_ARCHITECTURES, family_names, family_of, neox_fields
-from .gguf_rope import FACTOR_TENSORS, read_factors, rope_scaling_fields
+from .gguf_rope import ROPE_TENSORS, read_factors, rope_scaling_fields
 from .gguf_tokenizer import from_gguf_metadata
 from .huggingface_gemma import is_gemma
 from .validate import check_model, check_tensor
@@ -73,8 +73,8 @@ class Target:
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any],
                          factors: dict[str, tuple[float, ...]] | None = None) -> ModelConfig:
     """The architecture described by `{arch}.*` metadata (and, where the metadata is silent,
-    by which tensors the file holds); `factors`: the values of its LongRoPE factor tensors
-    (gguf_rope.read_factors)."""
+    by which tensors the file holds); `factors`: the values of its RoPE tensors (LongRoPE's
+    factors, Llama 3.1's rope_freqs: gguf_rope.read_factors)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise InputError(None, f"unsupported GGUF architecture {arch!r} "
@@ -107,6 +107,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any],
     if "token_embd.weight" not in tensors:
         raise InputError(None, "GGUF lacks the tensor token_embd.weight")
     n_layers = count("block_count")
+    theta = number("rope.freq_base", 10000.0)
     if arch in NEOX_ARCHITECTURES:
         fields = neox_fields(arch, get, tensors)
     else:
@@ -124,8 +125,8 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any],
         d_head=d_head if d_head * n_heads != d_model else None,
         d_ff=count("feed_forward_length"),
         position="rope",
-        rope_theta=number("rope.freq_base", 10000.0),
-        **rope_scaling_fields(arch, meta, count("context_length"), factors or {}),
+        rope_theta=theta,
+        **rope_scaling_fields(arch, meta, count("context_length"), factors or {}, theta, rotary),
         rotary_dim=rotary if rotary != d_head else None,
         tie_embeddings="output.weight" not in tensors,
         **fields,
@@ -226,7 +227,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
         arch = file.metadata["general.architecture"]
         file.metadata.clear()  # the vocabulary as Python strings (~12 MB for 49k tokens), now read
         targets = tensor_map(config, arch)
-        _check_tensors(file, config, targets)
+        check_tensors(file, config, targets)
         if tokenizer.vocab_size != config.vocab_size:
             raise InputError(path, f"{tokenizer.vocab_size} tokens in the vocabulary but "
                              f"{config.vocab_size} rows in token_embd.weight")
@@ -295,13 +296,13 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
     return done
 
 
-def _check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Target]) -> None:
+def check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Target]) -> None:
     """Names, shapes and types, all checked before any memory is allocated for the model."""
     missing = sorted(set(targets) - set(file.tensors))
     if missing:
         raise InputError(file.path, f"missing tensor {missing[0]} "
                          f"({len(missing)} missing in all)")
-    unknown = sorted(set(file.tensors) - set(targets) - set(FACTOR_TENSORS))  # factors: in the config
+    unknown = sorted(set(file.tensors) - set(targets) - set(ROPE_TENSORS))  # RoPE's: in the config
     if unknown:
         raise InputError(file.path, f"unexpected tensor {unknown[0]} for a "
                          f"{config.n_layers}-layer {architecture(config)} model")

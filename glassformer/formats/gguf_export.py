@@ -8,11 +8,13 @@ blk.N.attn_q ..., output_norm, output) and the tokenizer as
 template. For llama, W_Q and W_K rows are permuted into llama.cpp's RoPE layout (adjacent
 pairs), the inverse of `gguf.unpermute_rows`; the fused qkv and gate-up matrices are cut back into
 llama.cpp's separate tensors. Matrices take the asked type (F32, F16, or Q8_0 / Q4_0 blocks
-made by `gguf.quants.quantize`); norms stay F32, as llama.cpp keeps them.
+made by `gguf.quants.quantize`); norms stay F32, as llama.cpp keeps them. RoPE scaling goes
+as gguf_rope.py writes it (Llama 3.1's bands as the tensor rope_freqs.weight).
 
 What the file describes is checked before anything is written: the loader's own reading of
 the metadata (`config_from_metadata`) must give back the model's config, so a field GGUF
-cannot say is refused by name. The file is written beside its destination and renamed into
+cannot say is refused by name (Llama 3.1's band fields: the same divisors, since the file
+holds only those). The file is written beside its destination and renamed into
 place.
 """
 
@@ -35,7 +37,7 @@ from ..model.transformer import Transformer
 from .gguf import architecture, config_from_metadata, tensor_map
 from .gguf_gemma import gemma_metadata
 from .gguf_neox import NEOX_ARCHITECTURES, family_metadata
-from .gguf_rope import attention_factor, factor_tensors, rope_scaling_metadata
+from .gguf_rope import LLAMA3_FIELDS, attention_factor, factor_tensors, rope_scaling_metadata
 from .gguf_tokenizer import pre_name
 from .validate import check_model_finite
 
@@ -91,6 +93,8 @@ def gguf_metadata(config: ModelConfig) -> dict:
     except ValueError as error:
         raise InputError(None, f"GGUF export: {error}") from None
     for field in config.to_dict():
+        if field in LLAMA3_FIELDS and read.rope_scaling == "llama3":
+            continue  # read from the config's own rope_freqs, checked to give its divisors back
         derived = _DERIVED.get(field, field)  # None there means "the usual", stated here
         ours, theirs = getattr(config, derived), getattr(read, derived)
         if field == "rope_attention_factor":  # a file states LongRoPE's even where derived
