@@ -36,13 +36,19 @@
 namespace glassformer {
 namespace {
 
-// The tensors each format stores: (weight), (qweight, scales), (qweight, scales, mins).
+// The tensors each format stores: (weight), (qweight, scales), (qweight, scales, mins), or
+// (qweight) for GGUF's blocks as the file has them.
 size_t tensors_of(WeightFormat format) {
   switch (format) {
     case WeightFormat::fp32:
     case WeightFormat::bf16: return 1;
     case WeightFormat::int8: return 2;
     case WeightFormat::int4: return 3;
+    case WeightFormat::q4_k:
+    case WeightFormat::q5_k:
+    case WeightFormat::q6_k:
+    case WeightFormat::q5_0:
+    case WeightFormat::q5_1: return 1;
   }
   TORCH_CHECK(false, "decode step: unknown weight format ", static_cast<int>(format));
 }
@@ -216,6 +222,11 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {
     case WeightFormat::bf16: return linear_bf16(x, tensors[0], bias);
     case WeightFormat::int8: return linear_q8(x, tensors[0], tensors[1], bias);
     case WeightFormat::int4: return linear_q4(x, tensors[0], tensors[1], tensors[2], bias);
+    case WeightFormat::q4_k:
+    case WeightFormat::q5_k:
+    case WeightFormat::q6_k:
+    case WeightFormat::q5_0:
+    case WeightFormat::q5_1: return linear_gguf(x, tensors[0], format, bias);
   }
   TORCH_CHECK(false, "decode step: unknown weight format ", static_cast<int>(format));
 }
