@@ -110,11 +110,13 @@ def dequantize_gguf(qweight: Tensor, fmt: WeightFormat, in_features: int) -> Ten
 
 class LinearWeights(NamedTuple):
     """One product of a block as the decode step reads it: fp32 / bf16 (weight,), int8
-    (qweight, scales), int4 (qweight, scales, mins), GGUF's blocks as stored (qweight,)."""
+    (qweight, scales), int4 (qweight, scales, mins), GGUF's blocks as stored (qweight,); or a
+    product held in parts, each its own LinearWeights, whose outputs go side by side."""
 
     format: WeightFormat
     tensors: list[Tensor]
     bias: Tensor | None
+    parts: tuple[LinearWeights, ...] = ()  # a product held in parts (stacked_linear.py): theirs
 
 
 NormWeights = tuple[Tensor, Tensor | None]  # (weight, bias or None)
@@ -163,7 +165,7 @@ def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: T
 
     def linear(weights: LinearWeights):
         return ext.LinearWeights(ext.WeightFormat.__members__[weights.format.value],
-                                 weights.tensors, weights.bias)
+                                 weights.tensors, weights.bias, [linear(p) for p in weights.parts])
 
     def norm(weights: NormWeights | None):
         return None if weights is None else ext.NormWeights(*weights)

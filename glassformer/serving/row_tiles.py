@@ -23,13 +23,15 @@ from torch import nn
 from ..accel import kernels
 from ..accel.kernels import ROW_TILE
 from ..accel.quantized_linear import QuantizedLinear
+from ..accel.stacked_linear import StackedLinear
 from ..model.layers.norm import LayerNorm, QKNorm, RMSNorm
 
 
 def row_invariant(product: nn.Module) -> nn.Module:
     """`product` computing each row independently of the call's size: through the kernels
     where it has them, else in row tiles."""
-    if isinstance(product, QuantizedLinear) and product.backend != "torch" and kernels.available():
+    if (isinstance(product, (QuantizedLinear, StackedLinear)) and product.backend != "torch"
+            and kernels.available()):
         return product.row_invariant()  # a block layer (int8, int4, GGUF's) is itself
     return RowTiles(product)
 

@@ -65,6 +65,12 @@ def check_within(y, ref, bound):
     assert torch.all((y - ref).abs() <= bound), (y - ref).abs().sub(bound).max()
 
 
+def product(build, x, compact):
+    """x (M, K) times the layer's blocks by one build of the kernels (native or AVX2)."""
+    fmt = build.WeightFormat.__members__[compact.mode.value]
+    return build.linear_gguf(x.contiguous(), compact.qweight, fmt, compact.bias)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
@@ -118,8 +124,7 @@ def test_avx2_build_computes_the_native_one_s_bits(name, kernels, avx2_kernels):
         g = torch.Generator().manual_seed(10 + i)
         x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
         compact, _ = layer(name, n, k, seed=10 + i, bias=b)
-        ys = [build.linear_gguf(x, compact.qweight, build.WeightFormat.__members__[compact.mode.value], b)
-              for build in (kernels, avx2_kernels)]
+        ys = [product(build, x, compact) for build in (kernels, avx2_kernels)]
         assert same_bits(*ys)
         w = compact.dequantized_weight()
         check_within(ys[1], kquants.linear(x, compact.qweight, compact.mode, b),
@@ -132,15 +137,11 @@ def test_each_row_is_the_lone_row_bit_for_bit(name, kernels, avx2_kernels):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(70, k, generator=g) * 2  # (M_max, K)
     compact, _ = layer(name, 19, k, seed=3, bias=torch.randn(19, generator=g))
-    fmt = compact.mode
     for build in (kernels, avx2_kernels):
-        def product(rows):
-            return build.linear_gguf(rows.contiguous(), compact.qweight, build.WeightFormat.__members__[fmt.value],
-                                     compact.bias)
-        alone = torch.cat([product(x[i:i + 1]) for i in range(len(x))])  # (M_max, N)
+        alone = torch.cat([product(build, x[i:i + 1], compact) for i in range(len(x))])  # (M_max, N)
         for m in (2, 3, 4, 5, 8, 17, 64, 70):
-            assert same_bits(product(x[:m]), alone[:m]), m
-            assert same_bits(product(x[:m].flip(0)).flip(0), alone[:m]), m
+            assert same_bits(product(build, x[:m], compact), alone[:m]), m
+            assert same_bits(product(build, x[:m].flip(0), compact).flip(0), alone[:m]), m
     with torch.no_grad():  # the layer itself, whatever the number of rows
         assert same_bits(compact(x), torch.cat([compact(row[None]) for row in x]))
 

@@ -54,8 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<gf::NormWeights>(module, "NormWeights", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, gf::Bias>(), pybind11::arg("weight"), pybind11::arg("bias"));
   pybind11::class_<gf::LinearWeights>(module, "LinearWeights", pybind11::module_local())
-      .def(pybind11::init<gf::WeightFormat, std::vector<torch::Tensor>, gf::Bias>(),
-           pybind11::arg("format"), pybind11::arg("tensors"), pybind11::arg("bias"));
+      .def(pybind11::init<gf::WeightFormat, std::vector<torch::Tensor>, gf::Bias,
+                          std::vector<gf::LinearWeights>>(),
+           pybind11::arg("format"), pybind11::arg("tensors"), pybind11::arg("bias"),
+           pybind11::arg("parts") = std::vector<gf::LinearWeights>{});
   using Norm = std::optional<gf::NormWeights>;  // None: the block has no such norm
   pybind11::class_<gf::LayerWeights>(module, "LayerWeights", pybind11::module_local())
       .def(pybind11::init<Norm, gf::LinearWeights, gf::LinearWeights, Norm, gf::LinearWeights,

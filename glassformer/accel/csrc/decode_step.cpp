@@ -217,6 +217,11 @@ std::vector<std::vector<HeadPiece>> attention_shares(int64_t B, int64_t H, int64
 }  // namespace
 
 torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {
+  if (!parts.empty()) {
+    std::vector<torch::Tensor> outputs;
+    for (const LinearWeights& part : parts) outputs.push_back(part(x));
+    return torch::cat(outputs, -1);
+  }
   switch (format) {
     case WeightFormat::fp32: return linear_f32(x, tensors[0], bias);
     case WeightFormat::bf16: return linear_bf16(x, tensors[0], bias);
@@ -247,10 +252,15 @@ DecodeStep::DecodeStep(DecodeConfig config, std::vector<LayerWeights> layers,
   const int64_t d = config_.d_model, D = config_.d_head;
   const bool all_heads = config_.qk_norm == QkNorm::all;
   for (const LayerWeights& layer : layers_) {
-    for (const LinearWeights* lin : {&layer.qkv, &layer.out, &layer.up, &layer.down}) {
-      TORCH_CHECK(lin->tensors.size() == tensors_of(lin->format), "decode step: a ",
-                  static_cast<int>(lin->format), " layer takes ", tensors_of(lin->format),
-                  " tensors, got ", lin->tensors.size());
+    for (const LinearWeights* layer_weights : {&layer.qkv, &layer.out, &layer.up, &layer.down}) {
+      std::vector<const LinearWeights*> held{layer_weights};
+      for (const LinearWeights& part : layer_weights->parts) held.push_back(&part);
+      for (const LinearWeights* lin : held) {
+        if (lin == layer_weights && !lin->parts.empty()) continue;  // a layer in parts holds none itself
+        TORCH_CHECK(lin->parts.empty() && lin->tensors.size() == tensors_of(lin->format),
+                    "decode step: a ", static_cast<int>(lin->format), " layer takes ",
+                    tensors_of(lin->format), " tensors, got ", lin->tensors.size());
+      }
     }
     TORCH_CHECK(layer.norm1.has_value() == layer.norm2.has_value() &&
                     layer.attn_out_norm.has_value() == layer.mlp_out_norm.has_value(),

@@ -452,11 +452,15 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
 // ------------------------------------------------------------------ decode step
 
 // One linear layer of the decode step: its format and its tensors, (weight),
-// (qweight, scales) or (qweight, scales, mins).
+// (qweight, scales), (qweight, scales, mins) or (qweight); or, where `parts` is not empty, a
+// layer whose outputs are held in parts of their own formats (a GGUF file's q, k and v in
+// different block types), each part's outputs after the previous part's (format, tensors and
+// bias then unused).
 struct LinearWeights {
   WeightFormat format;
   std::vector<torch::Tensor> tensors;
   Bias bias;
+  std::vector<LinearWeights> parts;
 
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
