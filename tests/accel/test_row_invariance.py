@@ -20,7 +20,7 @@ from glassformer.accel.quantized_linear import QuantizedLinear
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels are not built")
 
-FORMATS = ("fp32", "bf16", "int8", "int4", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # K-quants: test_kquants.py
+FORMATS = ("fp32", "bf16", "int8", "int4", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # K-quants: test_kquants
 # K: under one SIMD width, tails of 1..7 floats, part blocks of 32, odd and >8 block counts
 SIZES = [(5, 7), (12, 9), (37, 20), (96, 33), (300, 17), (520, 64)]
 ROWS = (1, 2, 3, 5, 8, 17, 64, 70)  # 70: past a panel of 64 rows
