@@ -1,5 +1,5 @@
 """GGUF blocks -> a QuantizedLinear's tensors, without requantizing: Q8_0 / Q4_0 / Q4_1 as the
-int8 / int4 kernel tensors, and the K-quants and Q5_x (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) as the
+int8 / int4 kernel tensors, and the K-quants and Q5_x (Q3_K ... Q6_K, Q5_0, Q5_1) as the
 file's own bytes (kquants.py). `KEPT_TYPES` names every type so kept.
 
 GGUF stores a quantized (N, K) matrix as N rows of K / 32 blocks (what `gguf` returns as

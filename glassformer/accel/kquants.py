@@ -1,4 +1,4 @@
-"""GGUF's K-quants (Q4_K, Q5_K, Q6_K) and 5-bit blocks (Q5_0, Q5_1), held as the file stores
+"""GGUF's K-quants (Q3_K, Q4_K, Q5_K, Q6_K) and 5-bit blocks (Q5_0, Q5_1), held as the file stores
 them, and their float32 weights written as plain PyTorch (the oracle beside gguf's own).
 
 A layer in one of these formats holds one tensor, `qweight` (N, row bytes) uint8: each row its
@@ -11,6 +11,10 @@ blocks exactly as in the file, so it costs what the file does, byte for byte (bi
                 of sub-block j), Q4_K's nibbles; q = nibble + 16 h
   Q6_K  6.5625  (210 bytes) 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales
                 (one per 16 weights), fp16 d; w = d sc (q - 32)
+  Q3_K  3.4375  (110 bytes) 32 bytes of high bits (bit j of byte l: element l of block j), 64
+                bytes of 2-bit quants (byte l of the 32 at 32 h: bits 2 k of element l of block
+                4 h + k), 12 bytes packing 16 six-bit scales (one per 16 weights, stored plus
+                32), fp16 d; w = d sc (q - 4), q = the 2 bits + 4 h
   Q5_0  5.5     block of 32 (22 bytes): fp16 d, 32 high bits, 16 bytes of nibbles (byte l:
                 element l low, l + 16 high); w = d (q - 16)
   Q5_1  6.0     (24 bytes) fp16 d, fp16 m, the same; w = d q + m
@@ -31,6 +35,7 @@ LAYOUTS = {
     WeightFormat.Q4_K: ("Q4_K", 256, 144),
     WeightFormat.Q5_K: ("Q5_K", 256, 176),
     WeightFormat.Q6_K: ("Q6_K", 256, 210),
+    WeightFormat.Q3_K: ("Q3_K", 256, 110),
     WeightFormat.Q5_0: ("Q5_0", 32, 22),
     WeightFormat.Q5_1: ("Q5_1", 32, 24),
 }
@@ -95,6 +100,16 @@ def dequantize(qweight: torch.Tensor, fmt: WeightFormat, in_features: int) -> to
         scales = blocks[..., 192:208].contiguous().view(torch.int8).float()  # (M, G, 16)
         d = _half(blocks[..., 208:210]) * scales  # (M, G, 16)
         w = d[..., None] * (q.to(torch.int16) - 32).float().reshape(m, g, 16, 16)
+        return w.reshape(m, in_features)
+    if fmt == WeightFormat.Q3_K:
+        packed = blocks[..., 96:108]  # (M, G, 12): low 4 bits in bytes 0-7, top 2 in 8-11
+        low = _bits(packed[..., 0:8], 4).reshape(m, g, 16)
+        top = _bits(packed[..., 8:12], 2).reshape(m, g, 16)
+        scales = ((low | (top << 4)).to(torch.int16) - 32).float()  # (M, G, 16)
+        d = _half(blocks[..., 108:110]) * scales  # (M, G, 16)
+        two = _bits(blocks[..., 32:96].reshape(m, g, 2, 32), 2).reshape(m, g, 8, 32)
+        q = two | (_bits(blocks[..., 0:32], 1) << 2)  # (M, G, 8, 32)
+        w = d[..., None] * (q.to(torch.int16) - 4).float().reshape(m, g, 16, 16)
         return w.reshape(m, in_features)
     d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])  # (M, G, 1) each
     scales, mins = _scales_and_mins(blocks[..., 4:16])  # (M, G, 8) each

@@ -36,6 +36,7 @@ class WeightFormat(StrEnum):
     Q4_K = "q4_k"
     Q5_K = "q5_k"
     Q6_K = "q6_k"
+    Q3_K = "q3_k"
     Q5_0 = "q5_0"
     Q5_1 = "q5_1"
 
@@ -52,8 +53,8 @@ class WeightFormat(StrEnum):
 
 
 # The formats only a GGUF file's blocks are kept in (there is no quantizer for them here)
-GGUF_FORMATS = (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q5_0,
-                WeightFormat.Q5_1)
+GGUF_FORMATS = (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q3_K,
+                WeightFormat.Q5_0, WeightFormat.Q5_1)
 
 
 def n_blocks(in_features: int) -> int:

@@ -207,7 +207,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
     """Read a GGUF file: the model (eval mode, on CPU) and its tokenizer.
 
     By default every tensor is dequantized (exactly what transformers computes);
-    keep_blocks=True keeps Q8_0 / Q4_0 / Q4_1, Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 matrices in
+    keep_blocks=True keeps Q8_0 / Q4_x / Q5_x and Q3_K ... Q6_K matrices in
     their blocks as QuantizedLinear layers (glassformer.accel): the same weights in the file's
     memory, multiplied by the block kernels (which round the activations to int8, like
     llama.cpp);

@@ -4,7 +4,7 @@ csrc/kquants.cpp), on random but valid blocks (random bytes, finite fp16 scales)
 - the product equals the plain math, the activations quantized per block of 32 as the
   kernels quantize them times the dequantized weight, within float32 rounding, and the
   unquantized product within the activations' rounding (the bounds of test_kernels.py);
-- each row of a batch is the lone row bit for bit, on both builds, and the builds agree;
+- each row of a batch is the lone row bit for bit, on both builds;
 - a token table in these blocks looks up exactly the dequantized rows.
 """
 
@@ -21,8 +21,8 @@ from glassformer.accel import weight_formats as quant
 from glassformer.accel.quantized_embedding import QuantizedEmbedding
 
 U = 2.0**-24
-TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
-FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2)}
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q5_0", "Q5_1"]
+FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q5_0": (0,), "Q5_1": (0, 2)}
 # (M, N, K): one row and several, whole tiles of 4 rows and a rest, past a panel of 64 rows;
 # K-quants take whole super-blocks of 256, Q5_x blocks of 32 (odd and short groups of 8)
 SHAPES = {"K": [(1, 1, 256), (1, 13, 512), (3, 7, 768), (9, 20, 256), (70, 5, 512)],
@@ -118,17 +118,18 @@ def test_product_is_the_plain_math(name, with_bias, kernels):
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_avx2_build_computes_the_native_one_s_bits(name, kernels, avx2_kernels):
-    """The integer sums are exact and the float operations the same on both builds."""
+def test_both_builds_compute_the_plain_math(name, kernels, avx2_kernels):
+    """The AVX2 build (one block a step) and the native one (two a step where it targets
+    AVX-512): the same exact integer sums, their float sums in their own orders."""
     for i, (m, n, k) in enumerate(shapes(name)):
         g = torch.Generator().manual_seed(10 + i)
         x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
         compact, _ = layer(name, n, k, seed=10 + i, bias=b)
-        ys = [product(build, x, compact) for build in (kernels, avx2_kernels)]
-        assert same_bits(*ys)
         w = compact.dequantized_weight()
-        check_within(ys[1], kquants.linear(x, compact.qweight, compact.mode, b),
-                     4 * float_bound(x, w) + 2 * U * b.abs() + 1e-6)
+        reference = kquants.linear(x, compact.qweight, compact.mode, b)
+        bound = 4 * float_bound(x, w) + 2 * U * b.abs() + 1e-6
+        for build in (kernels, avx2_kernels):
+            check_within(product(build, x, compact), reference, bound)
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -25,8 +25,9 @@ from glassformer.formats.gguf import load_gguf
 from glassformer.formats.gguf_file import GGUFFile
 
 # each K-quant's fp16 fields (offset in its block) and their size, for weights of about 0.05
-K_FIELDS = {Q.Q4_K: ((0, 2), 3e-4), Q.Q5_K: ((0, 2), 1.5e-4), Q.Q6_K: ((208,), 3e-5)}
-KEPT = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1]
+K_FIELDS = {Q.Q4_K: ((0, 2), 3e-4), Q.Q5_K: ((0, 2), 1.5e-4), Q.Q6_K: ((208,), 3e-5),
+            Q.Q3_K: ((108,), 3e-4)}
+KEPT = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q5_0, Q.Q5_1]
 QUANTIZED = files.encode  # gguf's quantizer for the types it has
 
 

@@ -22,8 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .value("fp32", gf::WeightFormat::fp32).value("bf16", gf::WeightFormat::bf16)
       .value("int8", gf::WeightFormat::int8).value("int4", gf::WeightFormat::int4)
       .value("q4_k", gf::WeightFormat::q4_k).value("q5_k", gf::WeightFormat::q5_k)
-      .value("q6_k", gf::WeightFormat::q6_k).value("q5_0", gf::WeightFormat::q5_0)
-      .value("q5_1", gf::WeightFormat::q5_1);
+      .value("q6_k", gf::WeightFormat::q6_k).value("q3_k", gf::WeightFormat::q3_k)
+      .value("q5_0", gf::WeightFormat::q5_0).value("q5_1", gf::WeightFormat::q5_1);
   pybind11::enum_<gf::Norm>(module, "Norm", pybind11::module_local())
       .value("layernorm", gf::Norm::layernorm).value("rmsnorm", gf::Norm::rmsnorm);
   pybind11::enum_<gf::Activation>(module, "Activation", pybind11::module_local())

@@ -47,6 +47,7 @@ size_t tensors_of(WeightFormat format) {
     case WeightFormat::q4_k:
     case WeightFormat::q5_k:
     case WeightFormat::q6_k:
+    case WeightFormat::q3_k:
     case WeightFormat::q5_0:
     case WeightFormat::q5_1: return 1;
   }
@@ -230,6 +231,7 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {
     case WeightFormat::q4_k:
     case WeightFormat::q5_k:
     case WeightFormat::q6_k:
+    case WeightFormat::q3_k:
     case WeightFormat::q5_0:
     case WeightFormat::q5_1: return linear_gguf(x, tensors[0], format, bias);
   }

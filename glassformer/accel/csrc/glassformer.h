@@ -46,7 +46,7 @@ namespace glassformer {
 // name): a weight's storage format (accel/weight_formats.py), a norm and an activation
 // (ModelConfig's `norm` and `activation`).
 // q4_k ... q5_1: GGUF's blocks in the file's own layout (kquants.cpp).
-enum class WeightFormat : int { fp32, bf16, int8, int4, q4_k, q5_k, q6_k, q5_0, q5_1 };
+enum class WeightFormat : int { fp32, bf16, int8, int4, q4_k, q5_k, q6_k, q3_k, q5_0, q5_1 };
 enum class Norm : int { layernorm, rmsnorm };
 enum class Activation : int { relu, gelu, gelu_tanh, silu };
 enum class QkNorm : int { none, head, all };  // RMSNorm of q and k: none, each head, all heads

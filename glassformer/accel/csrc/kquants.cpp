@@ -1,4 +1,4 @@
-// GGUF's K-quants (Q4_K, Q5_K, Q6_K) and 5-bit blocks (Q5_0, Q5_1) read in the file's own
+// GGUF's K-quants (Q3_K, Q4_K, Q5_K, Q6_K) and 5-bit blocks (Q5_0, Q5_1) read in the file's own
 // layout: products with int8 activations, and dequantization.
 //
 // A weight row is its GGUF blocks as the file stores them (accel/kquants.py lists the byte
@@ -21,7 +21,8 @@
 // Q5_0's offset of 16 quants goes into the float part as -16 d · s_j (no second maddubs).
 // Every row's float operations are the same in any tile of activation rows and at any place in
 // it, so each row's result is bitwise the same whatever the number of rows; the integer sums
-// are the same on every target, so the AVX2 and the native builds agree bit for bit too.
+// are exact on every target. AVX-512 builds take two blocks a step (512-bit registers), so
+// their float sums go in another order than the AVX2 build's.
 
 #include <cstring>
 #include <type_traits>
@@ -30,6 +31,12 @@
 
 namespace glassformer {
 namespace {
+
+// Where the compiler targets AVX-512 (BW, DQ: -march=native on such a CPU) the products take
+// two blocks a step in 512-bit registers; elsewhere one, in 256-bit AVX2 ones.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define GLASSFORMER_KQ_WIDE 1
+#endif
 
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -81,6 +88,12 @@ struct Q4K {
     return _mm256_and_si256(j % 2 ? _mm256_srli_epi16(raw, 4) : raw, low4());
   }
   __m256i multipliers(int j) const { return _mm256_set1_epi16(sc[j]); }
+#ifdef GLASSFORMER_KQ_WIDE
+  __m512i units() const {  // sub-block j's scale for its two runs of 16
+    const __m128i s16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+    return _mm512_castsi256_si512(_mm256_set_m128i(_mm_unpackhi_epi16(s16, s16), _mm_unpacklo_epi16(s16, s16)));
+  }
+#endif
 };
 
 // Q5_K (176 bytes): Q4_K's d, dmin and scales, then 32 bytes of high bits (bit j of byte l:
@@ -128,6 +141,53 @@ struct Q6K {
   __m256i multipliers(int j) const {
     return _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
   }
+#ifdef GLASSFORMER_KQ_WIDE
+  __m512i units() const {
+    return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+  }
+#endif
+};
+
+// Q3_K (110 bytes): 32 bytes of high bits, 64 bytes of 2-bit quants, 12 bytes packing 16
+// six-bit scales (stored plus 32: bytes 0-7 hold the low 4 bits of scales 0-7 and 8-15 in
+// their low and high nibbles, bytes 8-11 the top 2 bits, scale i in bits 2 (i / 4) of byte
+// 8 + i % 4), fp16 d. Block j = 4 h + k: element l's low 2 bits are bits 2 k of byte
+// 32 h + l of the quants, its high bit bit j of byte l of the high bits; elements 0-15 take
+// scale 2 j, 16-31 scale 2 j + 1. w = d (sc - 32) (q - 4).
+struct Q3K {
+  static constexpr int64_t kGroupBytes = 110, kBlocks = 8, kUnit = 256, kUnitBytes = kGroupBytes;
+  static constexpr int kOffset = 4;
+  static constexpr bool kOffsets = false;
+  const uint8_t* g;
+  float d;
+  alignas(16) int8_t sc[16];
+
+  Q3K(const uint8_t* group, int) : g(group), d(half(group + 108)) {
+    const uint8_t* p = group + 96;
+    for (int i = 0; i < 16; ++i) {
+      const int low = (p[i % 8] >> (4 * (i / 8))) & 15, top = (p[8 + i % 4] >> (2 * (i / 4))) & 3;
+      sc[i] = static_cast<int8_t>((low | (top << 4)) - 32);
+    }
+  }
+  __m256 factors() const { return _mm256_set1_ps(d); }
+  __m256 offsets() const { return _mm256_setzero_ps(); }
+  __m256i quants(int j) const {
+    const int h = j / 4, k = j % 4;
+    const __m256i two = _mm256_and_si256(_mm256_srli_epi16(load32(g + 32 + 32 * h), 2 * k),
+                                         _mm256_set1_epi8(3));
+    __m256i bit = _mm256_and_si256(load32(g), _mm256_set1_epi8(static_cast<char>(1 << j)));
+    if (j < 2) bit = _mm256_slli_epi16(bit, 2 - j);  // bit j of each byte to bit 2
+    if (j > 2) bit = _mm256_srli_epi16(bit, j - 2);
+    return _mm256_or_si256(two, bit);
+  }
+  __m256i multipliers(int j) const {
+    return _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+  }
+#ifdef GLASSFORMER_KQ_WIDE
+  __m512i units() const {
+    return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc))));
+  }
+#endif
 };
 
 // 32 bits as 32 bytes: byte i is 0xFF where bit i is set, else 0.
@@ -170,6 +230,9 @@ struct Q5 {
     return _mm256_or_si256(nibbles, _mm256_and_si256(bits_to_bytes(bits), _mm256_set1_epi8(16)));
   }
   __m256i multipliers(int) const { return _mm256_set1_epi16(1); }
+#ifdef GLASSFORMER_KQ_WIDE
+  __m512i units() const { return _mm512_set1_epi16(1); }
+#endif
 };
 
 // The first len <= 8 floats from p, zeros after.
@@ -185,6 +248,71 @@ struct Activations {  // quantize_activations' q (M, nb · 32), d and s (M, nb)
   std::vector<float> d, s;
 };
 
+#ifdef GLASSFORMER_KQ_WIDE
+// The same products two blocks at a time in 512-bit registers (AVX-512 builds): each pair's 64
+// quants against the activations' two blocks (64 contiguous bytes), the integer scales of its
+// four runs of 16 quants taken from the group's 16 by one permutation, the float scales of its
+// two blocks likewise. A last odd block (Q5_x) goes through the 256-bit step.
+template <typename F, int MB>
+inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a, int64_t m0, float* y,
+                     int64_t ldy, float bias) {
+  __m512 acc[MB][2];
+  __m256 rest[MB];  // the offsets' terms and an odd last block
+  for (int m = 0; m < MB; ++m) {
+    acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    rest[m] = _mm256_setzero_ps();
+  }
+  const __m512i offset = _mm512_set1_epi8(F::kOffset);
+  constexpr bool kFold = F::kOffsets;
+  const __m512i eighths = _mm512_srli_epi16(  // int16 lane l: l / 8
+      _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                       15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int64_t b0 = 0, g = 0; b0 < nb; b0 += F::kBlocks, ++g) {
+    const int len = static_cast<int>(std::min<int64_t>(F::kBlocks, nb - b0));
+    const uint8_t* at = row + g * F::kGroupBytes;
+    prefetch(at);
+    const F f(at, len);
+    const __m256 factors = f.factors();
+    const __m512i units = f.units();  // int16 lane u < 16: the integer scale of quants 16 u ..
+    __m512 scale[MB];
+    for (int m = 0; m < MB; ++m) {
+      const int64_t first = (m0 + m) * nb + b0;
+      scale[m] = _mm512_castps256_ps512(_mm256_mul_ps(factors, load_part(a.d.data() + first, len)));
+      if constexpr (kFold)
+        rest[m] = _mm256_fmadd_ps(f.offsets(), load_part(a.s.data() + first, len), rest[m]);
+    }
+    int j = 0;
+    for (; j + 2 <= len; j += 2) {
+      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(f.quants(j)), f.quants(j + 1), 1);
+      const __m512i mult = _mm512_permutexvar_epi16(_mm512_add_epi16(eighths, _mm512_set1_epi16(2 * j)), units);
+      const __m512i pick = _mm512_add_epi32(halves, _mm512_set1_epi32(j));
+      for (int m = 0; m < MB; ++m) {
+        const __m512i x = _mm512_loadu_si512(a.q.data() + ((m0 + m) * nb + b0 + j) * 32);
+        __m512i p = _mm512_maddubs_epi16(q, x);
+        if constexpr (!kFold && F::kOffset != 0) p = _mm512_sub_epi16(p, _mm512_maddubs_epi16(offset, x));
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_madd_epi16(p, mult));
+        acc[m][j / 2 % 2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, scale[m]), sums, acc[m][j / 2 % 2]);
+      }
+    }
+    if (j < len) {  // (Q5_x only: one multiplier for all, so no offset to subtract)
+      const __m256i q = f.quants(j);
+      for (int m = 0; m < MB; ++m) {
+        const __m256i x = load32(reinterpret_cast<const uint8_t*>(a.q.data() + ((m0 + m) * nb + b0 + j) * 32));
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, x), f.multipliers(j)));
+        alignas(32) float s[8];
+        _mm256_store_ps(s, _mm512_castps512_ps256(scale[m]));
+        rest[m] = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), sums, rest[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    const __m512 sum = _mm512_add_ps(acc[m][0], acc[m][1]);
+    const __m256 folded = _mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1));
+    y[m * ldy] = hsum(_mm256_add_ps(folded, rest[m])) + bias;
+  }
+}
+#else
 // acc[m] (two accumulators) += weight row `row` (its groups) times activation rows m0 + m,
 // m < MB. Each row's operations are those of MB = 1 (see the top of the file).
 template <typename F, int MB>
@@ -220,6 +348,7 @@ inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a, int64
   }
   for (int m = 0; m < MB; ++m) y[m * ldy] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + bias;
 }
+#endif
 
 constexpr int kTile = 4;  // activation rows sharing each decoded block
 
@@ -281,6 +410,7 @@ void with_format(WeightFormat format, Body&& body) {
     case WeightFormat::q4_k: return body(static_cast<Q4K*>(nullptr));
     case WeightFormat::q5_k: return body(static_cast<Q5K*>(nullptr));
     case WeightFormat::q6_k: return body(static_cast<Q6K*>(nullptr));
+    case WeightFormat::q3_k: return body(static_cast<Q3K*>(nullptr));
     case WeightFormat::q5_0: return body(static_cast<Q5<false>*>(nullptr));
     case WeightFormat::q5_1: return body(static_cast<Q5<true>*>(nullptr));
     default: TORCH_CHECK(false, "not a GGUF block format: ", static_cast<int>(format));
