@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from . import kquants
+from . import ops
 from . import weight_formats as quant
 from .quantized_linear import BLOCK_NAMES, QuantizedLinear
 from .tile_order import BLOCK_TENSORS, TileOrdered, rows_in_block_order
@@ -55,7 +55,7 @@ class QuantizedEmbedding(TileOrdered):
         if self.mode == WeightFormat.INT8:
             x = quant.dequantize_int8(*rows, self.embedding_dim)  # (M, d)
         elif self.mode in GGUF_FORMATS:
-            x = kquants.dequantize(*rows, self.mode, self.embedding_dim)  # (M, d)
+            x = ops.dequantize_gguf(*rows, self.mode, self.embedding_dim)  # (M, d), C++ where built
         else:
             x = quant.dequantize_int4(*rows, self.embedding_dim)  # (M, d)
         return x.reshape(*ids.shape, self.embedding_dim)  # (..., d)

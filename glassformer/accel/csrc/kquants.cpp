@@ -80,8 +80,8 @@ struct Q4K {
 
   Q4K(const uint8_t* g, int) : qs(g + 16), d(half(g)), dmin(half(g + 2)) { unpack_scales(g + 4, sc, mn); }
   __m256 factors() const { return _mm256_set1_ps(d); }
-  __m256 offsets() const {  // -(dmin m_j): the negation is exact
-    return _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(dmin), bytes_to_floats(mn)));
+  __m256 offsets() const {  // -(dmin m_j), the sign flipped (so -(+0) is -0, as gguf subtracts)
+    return _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(_mm256_set1_ps(dmin), bytes_to_floats(mn)));
   }
   __m256i quants(int j) const {
     const __m256i raw = load32(qs + 32 * (j / 2));
