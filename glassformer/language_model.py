@@ -132,7 +132,8 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
     quantize=None keeps plain nn.Linear layers (trainable; the reference path). Otherwise the
     weights are converted once for fast inference (glassformer.quantize): "none" keeps them
     in float32, "bf16" / "int8" / "int4" store them smaller, and "gguf" keeps a GGUF file's
-    Q8_0 / Q4_0 / Q4_1 blocks as they are (no requantization; see formats/gguf.py). The
+    Q8_0 / Q4_x, K-quant (Q3_K to Q6_K) and Q5_x blocks as they are (no requantization;
+    see formats/gguf.py). The
     converted model decodes one sequence with the fused C++ step (`model.fused_step()`)."""
     from .formats.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
 

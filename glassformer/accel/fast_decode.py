@@ -27,6 +27,7 @@ from ..model.transformer import Transformer, read_out
 from . import kernels
 from .capabilities import CapabilityTable, any_value, only
 from .quantized_linear import QuantizedLinear
+from .stacked_linear import StackedLinear
 
 _SIZES = "sizes and layouts are the C++ step's own parameters"
 _PYTHON = "Python computes it around the C++ layers"
@@ -125,7 +126,8 @@ def _static_reason(model: Transformer) -> str | None:
     reason = CAPABILITIES.why_not(model.config)
     if reason is not None:
         return reason
-    if not all(isinstance(layer, QuantizedLinear) for layer in model.linear_layers().values()):
+    if not all(isinstance(layer, (QuantizedLinear, StackedLinear))
+               for layer in model.linear_layers().values()):
         return "the model has no decode kernels (see glassformer.quantize)"
     if embedding.device.type != "cpu" or embedding.dtype != torch.float32:
         return "float32 on the CPU only"

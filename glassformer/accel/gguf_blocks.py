@@ -1,4 +1,6 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 blocks -> the int8 / int4 kernel tensors, without requantizing.
+"""GGUF blocks -> a QuantizedLinear's tensors, without requantizing: Q8_0 / Q4_0 / Q4_1 as the
+int8 / int4 kernel tensors, and the K-quants and Q5_x (Q3_K ... Q6_K, Q5_0, Q5_1) as the
+file's own bytes (kquants.py). `KEPT_TYPES` names every type so kept.
 
 GGUF stores a quantized (N, K) matrix as N rows of K / 32 blocks (what `gguf` returns as
 `tensor.data`: a uint8 array of N rows of bytes). Block layouts:
@@ -16,9 +18,11 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from . import kquants
 from .weight_formats import WeightFormat
 
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the types moved into int8 / int4 blocks of 32
+KEPT_TYPES = (*BLOCK_BYTES, *kquants.BY_TYPE)
 
 
 def from_gguf_blocks(
@@ -26,12 +30,22 @@ def from_gguf_blocks(
 ) -> tuple[WeightFormat, dict[str, torch.Tensor]]:
     """(mode, tensors) for QuantizedLinear from raw blocks of an (N, K) = `shape` matrix.
 
-    `qtype` is a `gguf.GGMLQuantizationType` or its name ("Q8_0", "Q4_0", "Q4_1").
+    `qtype` is a `gguf.GGMLQuantizationType` or its name (one of KEPT_TYPES).
     """
     name = getattr(qtype, "name", qtype)
-    if name not in BLOCK_BYTES:
-        raise InputError(None, f"GGUF type {name} has no direct kernel; supported: {list(BLOCK_BYTES)}")
+    if name not in KEPT_TYPES:
+        raise InputError(None, f"GGUF type {name} has no direct kernel; supported: {list(KEPT_TYPES)}")
     n, k = shape
+    if name in kquants.BY_TYPE:
+        fmt = kquants.BY_TYPE[name]
+        try:
+            size = kquants.row_bytes(fmt, k)
+        except ValueError as error:
+            raise InputError(None, str(error)) from None
+        raw = np.asarray(data, dtype=np.uint8)
+        if raw.size != n * size:
+            raise InputError(None, f"{name} data of {raw.size} bytes does not fit a ({n}, {k}) matrix")
+        return fmt, {"qweight": torch.from_numpy(raw.reshape(n, size).copy())}  # (N, row bytes), copied once
     if k % 32:
         raise InputError(None, f"GGUF {name} rows must hold whole blocks of 32, got {k} columns")
     nb, size = k // 32, BLOCK_BYTES[name]

@@ -91,15 +91,32 @@ def dequantize(qweight: Tensor, scales: Tensor, mins: Tensor | None, in_features
     return extension().dequantize(qweight, scales, mins, in_features)
 
 
+# ------------------------------------------ kquants.cpp (GGUF's K-quant and 5-bit blocks as stored)
+
+def linear_gguf(x: Tensor, qweight: Tensor, fmt: WeightFormat, bias: Tensor | None) -> Tensor:
+    """x (M, K) float32 @ the weightᵀ of rows of `fmt` blocks (N, row bytes) uint8 (+ bias) ->
+    (M, N), the activations quantized to int8 per block of 32 (kquants.py)."""
+    ext = extension()
+    return ext.linear_gguf(x, qweight, ext.WeightFormat.__members__[fmt.value], bias)
+
+
+def dequantize_gguf(qweight: Tensor, fmt: WeightFormat, in_features: int) -> Tensor:
+    """The (N, in_features) float32 weight of rows of `fmt` blocks."""
+    ext = extension()
+    return ext.dequantize_gguf(qweight, ext.WeightFormat.__members__[fmt.value], in_features)
+
+
 # ------------------------------------------------------- decode_step.cpp (every layer at once)
 
 class LinearWeights(NamedTuple):
     """One product of a block as the decode step reads it: fp32 / bf16 (weight,), int8
-    (qweight, scales), int4 (qweight, scales, mins)."""
+    (qweight, scales), int4 (qweight, scales, mins), GGUF's blocks as stored (qweight,); or a
+    product held in parts, each its own LinearWeights, whose outputs go side by side."""
 
     format: WeightFormat
     tensors: list[Tensor]
     bias: Tensor | None
+    parts: tuple[LinearWeights, ...] = ()  # a product held in parts (stacked_linear.py): theirs
 
 
 NormWeights = tuple[Tensor, Tensor | None]  # (weight, bias or None)
@@ -148,7 +165,7 @@ def decode_step(config: ModelConfig, layers: list[LayerWeights], alibi_slopes: T
 
     def linear(weights: LinearWeights):
         return ext.LinearWeights(ext.WeightFormat.__members__[weights.format.value],
-                                 weights.tensors, weights.bias)
+                                 weights.tensors, weights.bias, [linear(p) for p in weights.parts])
 
     def norm(weights: NormWeights | None):
         return None if weights is None else ext.NormWeights(*weights)

@@ -2,8 +2,9 @@
 
 Every function takes x as a (M, K) float32 tensor and returns (M, N) float32, and computes
 the layer's own function whatever M is:
-- int8 / int4: activations quantized per block of 32 as the kernels do, integer block
-  products, scales applied per block (weight_formats.py is the reference). The C++ kernels
+- int8 / int4 and GGUF's blocks (q4_k ... q5_1): activations quantized per block of 32 as the
+  kernels do, integer block products, scales applied per block (weight_formats.py and
+  kquants.py are the references). The C++ kernels
   take any number of rows on the CPU; the PyTorch path computes the same thing. Only an
   input that needs a gradient (rounding has none) multiplies the dequantized weight with
   unquantized activations.
@@ -12,8 +13,9 @@ the layer's own function whatever M is:
   (prefill), which sums in another order, unless `any_rows` asks for the C++ kernels at any
   number of rows (the serving engine's batch invariance).
 Row invariance: the C++ kernels compute each row on its own, with the same arithmetic
-whatever the number of rows and whatever the other rows hold (csrc/quantized.cpp: register
-tiles of rows, each row's sums in one fixed order). So an int8 / int4 row's result never
+whatever the number of rows and whatever the other rows hold (csrc/quantized.cpp, kquants.cpp:
+register tiles of rows, each row's sums in one fixed order). So an int8 / int4 / GGUF-block
+row's result never
 depends on what shares its call; a float row's does not up to `ROW_TILE` rows, or at any
 number with `any_rows`.
 `backend` is "auto" (C++ when built, else PyTorch), "cpp" or "torch".
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from . import kernels
+from . import kernels, kquants
 from . import weight_formats as quant
 from .kernels import ROW_TILE
 from .tile_order import in_order
@@ -73,6 +75,21 @@ def dequantize(qweight, scales, mins, in_features, backend="auto", tiled=False):
     if mins is None:
         return quant.dequantize_int8(qweight, scales, in_features)
     return quant.dequantize_int4(qweight, scales, mins, in_features)
+
+
+def dequantize_gguf(qweight, fmt, in_features, backend="auto"):
+    """The (N, K) float32 weight of rows of GGUF blocks (kquants.py), in C++ where it runs:
+    both equal gguf's dequantization bit for bit."""
+    if backend != "torch" and qweight.device.type == "cpu" and kernels.available():
+        return kernels.dequantize_gguf(qweight, fmt, in_features)
+    return kquants.dequantize(qweight, fmt, in_features)
+
+
+def linear_gguf(x, qweight, fmt, bias=None, backend="auto"):
+    """qweight (N, row bytes) uint8: rows of GGUF K-quant / Q5_x blocks as stored (kquants.py)."""
+    if _kernels(x, backend, any_rows=True):
+        return kernels.linear_gguf(x, qweight, fmt, bias)
+    return kquants.linear(x, qweight, fmt, bias)
 
 
 def linear_fp32(x, weight, bias=None, backend="auto", any_rows=False):

@@ -18,11 +18,13 @@ from ..model.transformer import Transformer
 from .capabilities import CapabilityTable, any_value
 from .fast_decode import FastDecoder
 from .quantized_linear import QuantizedLinear
-from .weight_formats import WeightFormat
+from .weight_formats import GGUF_FORMATS, WeightFormat
 
 # What `load(quantize=...)` and `--quantize` take: a WeightFormat ("none" for fp32), or "gguf":
-# a GGUF file's Q8_0 / Q4_x blocks kept as they are (int8 / int4), float32 for the rest.
-QUANTIZE_CHOICES = ("none", *(f for f in WeightFormat if f != WeightFormat.FP32), "gguf")
+# a GGUF file's blocks kept as they are (Q8_0 / Q4_x as int8 / int4, the K-quants and Q5_x in
+# their own layout), float32 for the rest.
+QUANTIZE_CHOICES = ("none", *(f for f in WeightFormat if f != WeightFormat.FP32 and f not in GGUF_FORMATS),
+                    "gguf")
 
 
 _PRODUCTS = "every linear layer is a product x Wᵀ + b, whatever its size or place"
@@ -52,7 +54,7 @@ def quantize_format(choice: WeightFormat | str) -> WeightFormat:
     """The format a `quantize` choice gives the layers it converts."""
     if choice == "gguf":
         return WeightFormat.FP32  # the layers not kept in GGUF blocks
-    if choice not in (*QUANTIZE_CHOICES, *WeightFormat):
+    if choice not in (*QUANTIZE_CHOICES, *(f for f in WeightFormat if f not in GGUF_FORMATS)):
         raise InputError("quantize", f"choose one of {', '.join(QUANTIZE_CHOICES)}, got {choice!r}")
     return WeightFormat.parse(choice)
 

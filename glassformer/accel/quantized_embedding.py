@@ -1,10 +1,11 @@
-"""QuantizedEmbedding: a token table held in int8 / int4 blocks, dequantized a row at a lookup.
+"""QuantizedEmbedding: a token table held in int8 / int4 or GGUF's blocks, dequantized a row at
+a lookup.
 
 A GGUF file's token table is usually Q4_x / Q8_0 like the rest, and a tied head multiplies by
 it in those blocks (QuantizedLinear). Dequantizing the whole table for the lookup would hold a
 float32 copy of what stays quantized (4 bytes a value instead of about 0.6); this module
 shares the head's blocks and dequantizes only the rows of the ids looked up, with the same
-math (weight_formats.py), so every row equals the dequantized table's row bit for bit.
+math (weight_formats.py, kquants.py), so every row equals the dequantized table's row bit for bit.
 """
 
 from __future__ import annotations
@@ -12,20 +13,21 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
+from . import ops
 from . import weight_formats as quant
 from .quantized_linear import BLOCK_NAMES, QuantizedLinear
 from .tile_order import BLOCK_TENSORS, TileOrdered, rows_in_block_order
-from .weight_formats import WeightFormat
+from .weight_formats import GGUF_FORMATS, WeightFormat
 
 
 class QuantizedEmbedding(TileOrdered):
-    """E_token[ids] for a (V, d) table stored as the int8 / int4 buffers of a QuantizedLinear
+    """E_token[ids] for a (V, d) table stored as the block buffers of a QuantizedLinear
     with V outputs and d inputs (shared with it, not copied, in the order it holds them)."""
 
     def __init__(self, table: QuantizedLinear) -> None:
         super().__init__()
         if table.mode not in BLOCK_NAMES:
-            raise InputError("mode", f"a quantized embedding takes int8 or int4 blocks, not {table.mode}")
+            raise InputError("mode", f"a quantized embedding takes block formats, not {table.mode}")
         self.mode = table.mode
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
         self.tiled = table.tiled
@@ -52,6 +54,8 @@ class QuantizedEmbedding(TileOrdered):
             rows = [getattr(self, name)[flat] for name in BLOCK_NAMES[self.mode]]
         if self.mode == WeightFormat.INT8:
             x = quant.dequantize_int8(*rows, self.embedding_dim)  # (M, d)
+        elif self.mode in GGUF_FORMATS:
+            x = ops.dequantize_gguf(*rows, self.mode, self.embedding_dim)  # (M, d), C++ where built
         else:
             x = quant.dequantize_int4(*rows, self.embedding_dim)  # (M, d)
         return x.reshape(*ids.shape, self.embedding_dim)  # (..., d)

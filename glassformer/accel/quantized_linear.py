@@ -6,14 +6,15 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from . import kernels, ops
+from . import kernels, kquants, ops
 from . import weight_formats as quant
 from .gguf_blocks import from_gguf_blocks
 from .tile_order import BLOCK_TENSORS, TileOrdered, in_order, to_tile_order
-from .weight_formats import WeightFormat
+from .weight_formats import GGUF_FORMATS, WeightFormat
 
-# the block tensors of each int format, as an int8 / int4 layer (and an embedding sharing them) holds them
-BLOCK_NAMES = {WeightFormat.INT8: ("qweight", "scales"), WeightFormat.INT4: ("qweight", "scales", "mins")}
+# the block tensors of each block format, as a layer (and an embedding sharing them) holds them
+BLOCK_NAMES = {WeightFormat.INT8: ("qweight", "scales"), WeightFormat.INT4: ("qweight", "scales", "mins"),
+               **{fmt: ("qweight",) for fmt in GGUF_FORMATS}}
 
 
 class QuantizedLinear(TileOrdered):
@@ -23,14 +24,16 @@ class QuantizedLinear(TileOrdered):
     kernels (once per process, with a notice), so that no forward ever starts a compile.
     Buffers by mode (all saved in the state dict): fp32 `weight` (N, K) float32; bf16
     `weight` (N, K) bfloat16; int8 `qweight` (N, nb·32) int8 + `scales` (N, nb) fp16;
-    int4 `qweight` (N, nb·16) uint8 + `scales`, `mins` (N, nb) fp16; and `bias` (N,) float32
-    or None. Where the kernels read tile order (AVX-512 VNNI builds), an int8 / int4 layer
-    holds its block tensors in it (`tiled`, tile_order.py) instead of block order, and gives
-    block order to its state dict, `blocks()` and everything that reads the blocks themselves.
-    No gradients flow to the weight. An int8 / int4 layer gives each row the same
-    bits whatever shares its call; a float layer does up to ROW_TILE rows (ops.py), or at any
-    number of rows with `invariant` (the C++ kernels then take prefills too, which
-    torch.matmul computes faster but in an order that depends on the number of rows).
+    int4 `qweight` (N, nb·16) uint8 + `scales`, `mins` (N, nb) fp16; GGUF's K-quant and Q5_x
+    blocks (GGUF_FORMATS, only from a file: `from_gguf`) `qweight` (N, row bytes) uint8, the
+    file's bytes (kquants.py); and `bias` (N,) float32 or None. Where the kernels read tile
+    order (AVX-512 VNNI builds), an int8 / int4 layer holds its block tensors in it (`tiled`,
+    tile_order.py) instead of block order, and gives block order to its state dict, `blocks()`
+    and everything that reads the blocks themselves. No gradients flow to the weight. A block
+    layer (int8, int4, GGUF's) gives each row the same bits whatever shares its call; a float
+    layer does up to ROW_TILE rows (ops.py), or at any number of rows with `invariant` (the C++
+    kernels then take prefills too, which torch.matmul computes faster but in an order that
+    depends on the number of rows).
     """
 
     def __init__(
@@ -90,6 +93,8 @@ class QuantizedLinear(TileOrdered):
     ) -> QuantizedLinear:
         """From a float (out_features, in_features) weight."""
         w, mode = weight.detach(), WeightFormat.parse(mode)
+        if mode in GGUF_FORMATS:
+            raise InputError("mode", f"{mode} blocks are kept from GGUF files only (from_gguf)")
         if mode == WeightFormat.FP32:
             tensors = {"weight": w.float()}
         elif mode == WeightFormat.BF16:
@@ -109,14 +114,14 @@ class QuantizedLinear(TileOrdered):
         bias: torch.Tensor | None = None,
         backend: str = "auto",
     ) -> QuantizedLinear:
-        """From the raw GGUF Q8_0 / Q4_0 / Q4_1 blocks of an (out, in) = `shape` matrix."""
+        """From the raw GGUF blocks (gguf_blocks.KEPT_TYPES) of an (out, in) = `shape` matrix."""
         mode, tensors = from_gguf_blocks(data, qtype, shape)
         return cls(shape[1], shape[0], mode, tensors, bias, backend)
 
     def row_invariant(self) -> QuantizedLinear:
         """This layer computing each row alike at any number of rows: itself where it already
-        does (int8, int4), else a float layer sharing its tensors with `invariant` set."""
-        if self.invariant or self.mode in (WeightFormat.INT8, WeightFormat.INT4):
+        does (the block formats), else a float layer sharing its tensors with `invariant` set."""
+        if self.invariant or self.mode in BLOCK_NAMES:
             return self
         tensors = {name: buffer for name, buffer in self.named_buffers() if name != "bias"}
         return QuantizedLinear(self.in_features, self.out_features, self.mode, tensors, self.bias,
@@ -128,11 +133,13 @@ class QuantizedLinear(TileOrdered):
             return self.weight.float()
         if self.mode == WeightFormat.INT8:
             return quant.dequantize_int8(*self.blocks(), self.in_features)
+        if self.mode in GGUF_FORMATS:
+            return ops.dequantize_gguf(self.qweight, self.mode, self.in_features, self.backend)
         return quant.dequantize_int4(*self.blocks(), self.in_features)
 
     def blocks(self) -> tuple[torch.Tensor, ...]:
-        """An int8 (qweight, scales) or int4 (qweight, scales, mins) layer's tensors in block
-        order (weight_formats.py), whatever order they are held in."""
+        """An int8 (qweight, scales), int4 (qweight, scales, mins) or GGUF-block (qweight,)
+        layer's tensors in block order (weight_formats.py), whatever order they are held in."""
         held = {name: getattr(self, name) for name in BLOCK_NAMES[self.mode]}
         return tuple(in_order(False, self.tiled, **held))
 
@@ -144,8 +151,8 @@ class QuantizedLinear(TileOrdered):
 
     def _fast_path(self) -> tuple:
         """The kernels' try_* entry point and its arguments, or () where there is none."""
-        if self.backend == "torch" or not kernels.available():
-            return ()
+        if self.backend == "torch" or not kernels.available() or self.mode in GGUF_FORMATS:
+            return ()  # GGUF's blocks: ops.linear_gguf, the kernels at any number of rows
         if self.mode in (WeightFormat.FP32, WeightFormat.BF16):
             kernel = kernels.try_f32 if self.mode == WeightFormat.FP32 else kernels.try_bf16
             return kernel, (self.weight, self.bias)
@@ -171,6 +178,8 @@ class QuantizedLinear(TileOrdered):
             y = ops.linear_bf16(x2, self.weight, self.bias, backend, self.invariant)
         elif mode == WeightFormat.INT8:
             y = ops.linear_int8(x2, self.qweight, self.scales, self.bias, backend, self.tiled)
+        elif mode in GGUF_FORMATS:
+            y = ops.linear_gguf(x2, self.qweight, mode, self.bias, backend)
         else:
             y = ops.linear_int4(x2, self.qweight, self.scales, self.mins, self.bias, backend,
                                 self.tiled)
@@ -203,6 +212,11 @@ def _shapes(mode: WeightFormat, n: int, k: int) -> dict[str, tuple[tuple[int, ..
         return {"weight": ((n, k), torch.bfloat16)}
     if mode == WeightFormat.INT8:
         return {"qweight": ((n, nb * quant.BLOCK), torch.int8), "scales": ((n, nb), torch.float16)}
+    if mode in GGUF_FORMATS:
+        try:
+            return {"qweight": ((n, kquants.row_bytes(mode, k)), torch.uint8)}
+        except ValueError as error:
+            raise InputError(None, str(error)) from None
     return {
         "qweight": ((n, nb * quant.BLOCK // 2), torch.uint8),
         "scales": ((n, nb), torch.float16),

@@ -25,12 +25,20 @@ BLOCK = 32
 
 
 class WeightFormat(StrEnum):
-    """fp32 (N, K) float32; bf16 (N, K) bfloat16; int8 / int4 blocks of 32 (below)."""
+    """fp32 (N, K) float32; bf16 (N, K) bfloat16; int8 / int4 blocks of 32 (below); q4_k ...
+    q5_1 rows of GGUF blocks as a file stores them (GGUF_FORMATS, kquants.py)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
     INT8 = "int8"
     INT4 = "int4"
+    # GGUF's blocks in the file's own layout (kquants.py): kept from a file, never made here
+    Q4_K = "q4_k"
+    Q5_K = "q5_k"
+    Q6_K = "q6_k"
+    Q3_K = "q3_k"
+    Q5_0 = "q5_0"
+    Q5_1 = "q5_1"
 
     @classmethod
     def parse(cls, value: str, field: str = "mode") -> WeightFormat:
@@ -42,6 +50,11 @@ class WeightFormat(StrEnum):
         except ValueError:
             raise InputError(field, f"unknown weight format {value!r}; choose one of "
                              f"{', '.join(['none', *cls])}") from None
+
+
+# The formats only a GGUF file's blocks are kept in (there is no quantizer for them here)
+GGUF_FORMATS = (WeightFormat.Q4_K, WeightFormat.Q5_K, WeightFormat.Q6_K, WeightFormat.Q3_K,
+                WeightFormat.Q5_0, WeightFormat.Q5_1)
 
 
 def n_blocks(in_features: int) -> int:

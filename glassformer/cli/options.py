@@ -179,8 +179,8 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
                "one per core other processes leave free, looked at again during long runs)"),
     _flag("--quantize", choices=QUANTIZE_CHOICES, default=None,
           help="inference weights: none = float32 through the fast kernels, bf16 / int8 / int4 "
-               "converted once, gguf = a GGUF file's own Q8_0/Q4_x blocks (default: none; "
-               "journey: the plain reference layers)"),
+               "converted once, gguf = a GGUF file's own blocks (Q8_0, Q4_x, Q5_x, Q3_K to "
+               "Q6_K; default: none; journey: the plain reference layers)"),
     _flag("--seed", type=int, default=None,
           help="seed of the random numbers: sampling (default: unseeded), a journey --preset's "
                "weights (default 0), training (default: the run's)"),

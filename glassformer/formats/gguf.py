@@ -209,9 +209,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
     """Read a GGUF file: the model (eval mode, on CPU) and its tokenizer.
 
     By default every tensor is dequantized (exactly what transformers computes);
-    keep_blocks=True keeps Q8_0 / Q4_0 / Q4_1 matrices in their blocks as QuantizedLinear
-    layers (glassformer.accel): the same weights in a quarter of the memory, multiplied by
-    the int8 / int4 decode kernels (which round the activations to int8, like llama.cpp);
+    keep_blocks=True keeps Q8_0 / Q4_x / Q5_x and Q3_K ... Q6_K matrices in
+    their blocks as QuantizedLinear layers (glassformer.accel): the same weights in the file's
+    memory, multiplied by the block kernels (which round the activations to int8, like
+    llama.cpp);
     a token table in such blocks becomes a QuantizedEmbedding, whose lookups give exactly
     the dequantized rows.
     """
@@ -250,14 +251,16 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks:
 
 
 def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target]) -> set[str]:
-    """Swap each linear layer whose GGUF tensors all share a block type the kernels read for
-    a QuantizedLinear built from those blocks, and the token table, when in such blocks, for a
-    QuantizedEmbedding (sharing a tied head's blocks): no float32 copy of either. Returns the
-    tensor names so consumed; their pages of the file are dropped as each is copied. Blocks
-    hold whole rows, so fusing (q; k; v) and un-permuting rows work on the bytes."""
-    from ..accel import QuantizedLinear
-    from ..accel.gguf_blocks import BLOCK_BYTES
+    """Swap each linear layer whose GGUF tensors are all in block types the kernels read
+    (gguf_blocks.KEPT_TYPES) for a QuantizedLinear built from those blocks (a StackedLinear of
+    one per run of a type where its tensors differ: a Q4_K_M file's q, k in Q4_K and v in
+    Q6_K), and the token table, when in such blocks, for a QuantizedEmbedding (sharing a tied
+    head's blocks): no float32 copy of either. Returns the tensor names so consumed; their
+    pages of the file are dropped as each is copied. Blocks hold whole rows, so fusing
+    (q; k; v) and un-permuting rows work on the bytes."""
+    from ..accel.gguf_blocks import KEPT_TYPES
     from ..accel.quantized_embedding import QuantizedEmbedding
+    from ..accel.stacked_linear import StackedLinear
 
     linear = model.linear_layers()
     layers: dict[str, list[str]] = {}
@@ -267,33 +270,55 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
             layers.setdefault(layer, []).append(name)
     if model.config.tie_embeddings:  # the head reads the embedding
         layers["lm_head"] = ["token_embd.weight"]
-    elif file.tensors["token_embd.weight"].qtype.name in BLOCK_BYTES:
+    elif file.tensors["token_embd.weight"].qtype.name in KEPT_TYPES:
         layers["embed.tokens"] = ["token_embd.weight"]  # its own table, built like a head
     done: set[str] = set()
+
+    def rows(n: str) -> tuple[int, int]:
+        return targets[n].rows or (0, 0)
+
     for layer, names in layers.items():
-        types = {file.tensors[n].qtype.name for n in names}
-        if len(types) != 1 or next(iter(types)) not in BLOCK_BYTES:
+        if not all(file.tensors[n].qtype.name in KEPT_TYPES for n in names):
             continue
-        rows = []
-        for n in sorted(names, key=lambda n: targets[n].rows or (0, 0)):
-            raw = file.raw(n)
-            heads = targets[n].heads
-            rows.append(unpermute_rows(raw, heads) if heads else raw)
-        raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
-        shape = (sum(file.tensors[n].shape[0] for n in names), file.tensors[names[0]].shape[1])
-        biases = sorted((n for n, t in targets.items() if t.param == layer + ".bias"),
-                        key=lambda n: targets[n].rows or (0, 0))
-        bias = torch.from_numpy(np.concatenate(  # q, k, v biases (qwen2, gptneox), as the file has them
-            [dequantize(file.raw(n), file.tensors[n].qtype).reshape(-1) for n in biases])) if biases else None
-        table = QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape, bias)
+        runs: list[list[str]] = []  # consecutive tensors (by rows) of one block type
+        for n in sorted(names, key=rows):
+            if runs and file.tensors[runs[-1][0]].qtype == file.tensors[n].qtype:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+        biases = sorted((n for n, t in targets.items() if t.param == layer + ".bias"), key=rows)
+        parts = []
+        for run in runs:
+            span = (rows(run[0])[0], rows(run[-1])[1])
+            mine = [n for n in biases if len(runs) == 1 or span[0] <= rows(n)[0] < span[1]]
+            parts.append(_kept_part(file, targets, run, mine))
+            done.update(run, mine)
+        table = parts[0] if len(parts) == 1 else StackedLinear(parts)
         if layer != "embed.tokens":
             model.set_submodule(layer, table)
         if "token_embd.weight" in names:
             model.embed.tokens = QuantizedEmbedding(table)
-        for n in [*names, *biases]:
-            file.release(n)
-        done.update(names, biases)
     return done
+
+
+def _kept_part(file: GGUFFile, targets: dict[str, Target], names: list[str], biases: list[str]):
+    """The QuantizedLinear of tensors `names` (one block type, rows in order) and their
+    `biases`, the pages of each dropped once copied."""
+    from ..accel import QuantizedLinear
+
+    rows = []
+    for n in names:
+        raw = file.raw(n)
+        heads = targets[n].heads
+        rows.append(unpermute_rows(raw, heads) if heads else raw)
+    raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
+    shape = (sum(file.tensors[n].shape[0] for n in names), file.tensors[names[0]].shape[1])
+    bias = torch.from_numpy(np.concatenate(  # q, k, v biases (qwen2, gptneox), as the file has them
+        [dequantize(file.raw(n), file.tensors[n].qtype).reshape(-1) for n in biases])) if biases else None
+    table = QuantizedLinear.from_gguf(raw, file.tensors[names[0]].qtype, shape, bias)
+    for n in [*names, *biases]:
+        file.release(n)
+    return table
 
 
 def check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Target]) -> None:

@@ -23,17 +23,16 @@ from torch import nn
 from ..accel import kernels
 from ..accel.kernels import ROW_TILE
 from ..accel.quantized_linear import QuantizedLinear
-from ..accel.weight_formats import WeightFormat
+from ..accel.stacked_linear import StackedLinear
 from ..model.layers.norm import LayerNorm, QKNorm, RMSNorm
 
 
 def row_invariant(product: nn.Module) -> nn.Module:
     """`product` computing each row independently of the call's size: through the kernels
     where it has them, else in row tiles."""
-    if isinstance(product, QuantizedLinear) and product.backend != "torch" and kernels.available():
-        if product.mode in (WeightFormat.INT8, WeightFormat.INT4):
-            return product
-        return product.row_invariant()
+    if (isinstance(product, (QuantizedLinear, StackedLinear)) and product.backend != "torch"
+            and kernels.available()):
+        return product.row_invariant()  # a block layer (int8, int4, GGUF's) is itself
     return RowTiles(product)
 
 

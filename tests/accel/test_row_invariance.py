@@ -2,7 +2,7 @@
 
 The oracle is the row computed alone (one row, M = 1). Row i of a batch must equal the lone
 row exactly, wherever it sits and whatever the other rows hold, at any number of rows: for
-int8 / int4 layers (GGUF blocks included) as they are, for float layers told to
+int8 / int4 layers (GGUF blocks included, K-quants and Q5_x too) as they are, for float layers told to
 (`QuantizedLinear.row_invariant`, what the serving engine uses; without it they are so up to
 ROW_TILE rows). The kernels take rows in register tiles and panels (csrc/quantized.cpp), so
 the row counts cover one tile, tiles with a rest, and more than one panel.
@@ -20,7 +20,7 @@ from glassformer.accel.quantized_linear import QuantizedLinear
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the C++ kernels are not built")
 
-FORMATS = ("fp32", "bf16", "int8", "int4", "Q8_0", "Q4_0", "Q4_1")
+FORMATS = ("fp32", "bf16", "int8", "int4", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # K-quants: test_kquants
 # K: under one SIMD width, tails of 1..7 floats, part blocks of 32, odd and >8 block counts
 SIZES = [(5, 7), (12, 9), (37, 20), (96, 33), (300, 17), (520, 64)]
 ROWS = (1, 2, 3, 5, 8, 17, 64, 70)  # 70: past a panel of 64 rows
@@ -122,7 +122,7 @@ def test_every_tile_shape_computes_each_row_as_the_lone_row(fmt, k):
                                        msg=f"{fmt}, K = {k}: rows of a batch of {m}")
 
 
-@pytest.mark.parametrize("fmt", ("int8", "int4", "Q4_1"))
+@pytest.mark.parametrize("fmt", ("int8", "int4", "Q4_1", "Q5_0"))
 def test_a_long_prefill_computes_each_row_as_the_lone_row(fmt):
     """300 rows (several panels of 64, tiles of 16 and a rest of 8 + 4) on a shape with a
     whole chunk and a short tail (K = 576), against each row computed alone, bit for bit."""

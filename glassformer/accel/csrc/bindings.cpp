@@ -20,7 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // enumerators are bound by their names, the names Python knows them by.
   pybind11::enum_<gf::WeightFormat>(module, "WeightFormat", pybind11::module_local())
       .value("fp32", gf::WeightFormat::fp32).value("bf16", gf::WeightFormat::bf16)
-      .value("int8", gf::WeightFormat::int8).value("int4", gf::WeightFormat::int4);
+      .value("int8", gf::WeightFormat::int8).value("int4", gf::WeightFormat::int4)
+      .value("q4_k", gf::WeightFormat::q4_k).value("q5_k", gf::WeightFormat::q5_k)
+      .value("q6_k", gf::WeightFormat::q6_k).value("q3_k", gf::WeightFormat::q3_k)
+      .value("q5_0", gf::WeightFormat::q5_0).value("q5_1", gf::WeightFormat::q5_1);
   pybind11::enum_<gf::Norm>(module, "Norm", pybind11::module_local())
       .value("layernorm", gf::Norm::layernorm).value("rmsnorm", gf::Norm::rmsnorm);
   pybind11::enum_<gf::Activation>(module, "Activation", pybind11::module_local())
@@ -51,8 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<gf::NormWeights>(module, "NormWeights", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, gf::Bias>(), pybind11::arg("weight"), pybind11::arg("bias"));
   pybind11::class_<gf::LinearWeights>(module, "LinearWeights", pybind11::module_local())
-      .def(pybind11::init<gf::WeightFormat, std::vector<torch::Tensor>, gf::Bias>(),
-           pybind11::arg("format"), pybind11::arg("tensors"), pybind11::arg("bias"));
+      .def(pybind11::init<gf::WeightFormat, std::vector<torch::Tensor>, gf::Bias,
+                          std::vector<gf::LinearWeights>>(),
+           pybind11::arg("format"), pybind11::arg("tensors"), pybind11::arg("bias"),
+           pybind11::arg("parts") = std::vector<gf::LinearWeights>{});
   using Norm = std::optional<gf::NormWeights>;  // None: the block has no such norm
   pybind11::class_<gf::LayerWeights>(module, "LayerWeights", pybind11::module_local())
       .def(pybind11::init<Norm, gf::LinearWeights, gf::LinearWeights, Norm, gf::LinearWeights,
@@ -81,6 +86,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            "each row with its LoRA adapter or none");
   module.def("tile_order", &gf::tile_order, "whether linear_q8 / linear_q4 read weights in tile order");
   module.def("dequantize", &gf::dequantize, "q8 (mins None) or q4 blocks -> (N, K) float32");
+  module.def("linear_gguf", &gf::linear_gguf, NoGil(),
+             "y = x @ W^T (+ bias), W rows of GGUF blocks (q4_k, q5_k, q6_k, q5_0, q5_1)");
+  module.def("dequantize_gguf", &gf::dequantize_gguf, NoGil(), "rows of GGUF blocks -> (N, K) float32");
   module.def("try_f32", &gf::try_f32, NoGil(), "linear_f32 for a small batch, else None");
   module.def("try_bf16", &gf::try_bf16, NoGil(), "linear_bf16 for a small batch, else None");
   module.def("try_q8", &gf::try_q8, NoGil(), "linear_q8 for a small batch of K features, else None");

@@ -36,13 +36,20 @@
 namespace glassformer {
 namespace {
 
-// The tensors each format stores: (weight), (qweight, scales), (qweight, scales, mins).
+// The tensors each format stores: (weight), (qweight, scales), (qweight, scales, mins), or
+// (qweight) for GGUF's blocks as the file has them.
 size_t tensors_of(WeightFormat format) {
   switch (format) {
     case WeightFormat::fp32:
     case WeightFormat::bf16: return 1;
     case WeightFormat::int8: return 2;
     case WeightFormat::int4: return 3;
+    case WeightFormat::q4_k:
+    case WeightFormat::q5_k:
+    case WeightFormat::q6_k:
+    case WeightFormat::q3_k:
+    case WeightFormat::q5_0:
+    case WeightFormat::q5_1: return 1;
   }
   TORCH_CHECK(false, "decode step: unknown weight format ", static_cast<int>(format));
 }
@@ -211,11 +218,22 @@ std::vector<std::vector<HeadPiece>> attention_shares(int64_t B, int64_t H, int64
 }  // namespace
 
 torch::Tensor LinearWeights::operator()(const torch::Tensor& x) const {
+  if (!parts.empty()) {
+    std::vector<torch::Tensor> outputs;
+    for (const LinearWeights& part : parts) outputs.push_back(part(x));
+    return torch::cat(outputs, -1);
+  }
   switch (format) {
     case WeightFormat::fp32: return linear_f32(x, tensors[0], bias);
     case WeightFormat::bf16: return linear_bf16(x, tensors[0], bias);
     case WeightFormat::int8: return linear_q8(x, tensors[0], tensors[1], bias);
     case WeightFormat::int4: return linear_q4(x, tensors[0], tensors[1], tensors[2], bias);
+    case WeightFormat::q4_k:
+    case WeightFormat::q5_k:
+    case WeightFormat::q6_k:
+    case WeightFormat::q3_k:
+    case WeightFormat::q5_0:
+    case WeightFormat::q5_1: return linear_gguf(x, tensors[0], format, bias);
   }
   TORCH_CHECK(false, "decode step: unknown weight format ", static_cast<int>(format));
 }
@@ -236,10 +254,15 @@ DecodeStep::DecodeStep(DecodeConfig config, std::vector<LayerWeights> layers,
   const int64_t d = config_.d_model, D = config_.d_head;
   const bool all_heads = config_.qk_norm == QkNorm::all;
   for (const LayerWeights& layer : layers_) {
-    for (const LinearWeights* lin : {&layer.qkv, &layer.out, &layer.up, &layer.down}) {
-      TORCH_CHECK(lin->tensors.size() == tensors_of(lin->format), "decode step: a ",
-                  static_cast<int>(lin->format), " layer takes ", tensors_of(lin->format),
-                  " tensors, got ", lin->tensors.size());
+    for (const LinearWeights* layer_weights : {&layer.qkv, &layer.out, &layer.up, &layer.down}) {
+      std::vector<const LinearWeights*> held{layer_weights};
+      for (const LinearWeights& part : layer_weights->parts) held.push_back(&part);
+      for (const LinearWeights* lin : held) {
+        if (lin == layer_weights && !lin->parts.empty()) continue;  // a layer in parts holds none itself
+        TORCH_CHECK(lin->parts.empty() && lin->tensors.size() == tensors_of(lin->format),
+                    "decode step: a ", static_cast<int>(lin->format), " layer takes ",
+                    tensors_of(lin->format), " tensors, got ", lin->tensors.size());
+      }
     }
     TORCH_CHECK(layer.norm1.has_value() == layer.norm2.has_value() &&
                     layer.attn_out_norm.has_value() == layer.mlp_out_norm.has_value(),

@@ -4,7 +4,10 @@
 //   matvec.cpp       float weights (f32, bf16) and the checks on tensors from Python
 //   (this header)    the row kernels training and decode share: RMSNorm, LayerNorm, RoPE and
 //                    the activations, one row at a time
-//   quantized.cpp    the block formats (q8, q4): products and dequantization
+//   quantized.cpp    the block formats (q8, q4): products and dequantization, and the
+//                    activations' int8 quantization
+//   kquants.cpp      GGUF's K-quant and 5-bit blocks as the file stores them: products and
+//                    dequantization
 //   decode_step.cpp  one decode step through every layer (calls the linear_* entry points)
 //   greedy.cpp       each row's argmax, the greedy pick of a decode step
 //   attention_train.cpp  training's exact attention, forward and backward
@@ -42,7 +45,8 @@ namespace glassformer {
 // The names Python passes these by are the enumerators' own (bindings.cpp binds them by
 // name): a weight's storage format (accel/weight_formats.py), a norm and an activation
 // (ModelConfig's `norm` and `activation`).
-enum class WeightFormat : int { fp32, bf16, int8, int4 };
+// q4_k ... q5_1: GGUF's blocks in the file's own layout (kquants.cpp).
+enum class WeightFormat : int { fp32, bf16, int8, int4, q4_k, q5_k, q6_k, q3_k, q5_0, q5_1 };
 enum class Norm : int { layernorm, rmsnorm };
 enum class Activation : int { relu, gelu, gelu_tanh, silu };
 enum class QkNorm : int { none, head, all };  // RMSNorm of q and k: none, each head, all heads
@@ -374,6 +378,16 @@ c10::optional<torch::Tensor> try_q4(const torch::Tensor& x, const torch::Tensor&
 // Whether linear_q8 / linear_q4 (and their try_*) read weights, scales and minimums in tile
 // order (AVX-512 VNNI builds; accel/tile_order.py) rather than block order.
 bool tile_order();
+// Each row of x (M, K) quantized per block of 32 (nb blocks, the tail past K zero) into
+// q (M, nb * 32) int8, d = amax / 127 and s = d * sum(q) (M, nb), and, where c is not null,
+// c = -128 sum(q) (M, nb) (quantized.cpp).
+void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8_t* q, float* d,
+                          float* s, int32_t* c);
+// y = x @ W^T (+ bias) for W (N, row bytes) uint8 rows of GGUF blocks in `format` (q4_k ...
+// q5_1), and those rows as the (N, K) float32 weight (kquants.cpp).
+torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& qs, WeightFormat format,
+                          const Bias& bias);
+torch::Tensor dequantize_gguf(const torch::Tensor& qs, WeightFormat format, int64_t K);
 // q8 (no mins) or q4 blocks in block order -> the (N, K) float32 weight.
 torch::Tensor dequantize(const torch::Tensor& qs, const torch::Tensor& d, const Bias& m,
                          int64_t K);
@@ -438,11 +452,15 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& grad, const t
 // ------------------------------------------------------------------ decode step
 
 // One linear layer of the decode step: its format and its tensors, (weight),
-// (qweight, scales) or (qweight, scales, mins).
+// (qweight, scales), (qweight, scales, mins) or (qweight); or, where `parts` is not empty, a
+// layer whose outputs are held in parts of their own formats (a GGUF file's q, k and v in
+// different block types), each part's outputs after the previous part's (format, tensors and
+// bias then unused).
 struct LinearWeights {
   WeightFormat format;
   std::vector<torch::Tensor> tensors;
   Bias bias;
+  std::vector<LinearWeights> parts;
 
   torch::Tensor operator()(const torch::Tensor& x) const;
 };

@@ -47,6 +47,8 @@ constexpr bool kWide = false;
 
 inline float half(const uint16_t* p) { return _cvtsh_ss(*p); }
 
+}  // namespace
+
 // ------------------------------------------------------------ activation quantization (Q8)
 
 // Quantizes each row of x (M, K) in blocks of 32: q = round(x * 127 / amax), d = amax / 127,
@@ -96,6 +98,8 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8
     }
   }
 }
+
+namespace {
 
 // n blocks of 32 from p reordered as [elements 0..15 of each block][elements 16..31 of each].
 inline void interleave_halves(int8_t* p, int n) {
