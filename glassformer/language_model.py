@@ -125,15 +125,20 @@ class LanguageModel:
         return self
 
 
+# A conversion of this many parameters or more takes seconds: `load` announces it.
+ANNOUNCED_PARAMETERS = 10_000_000
+
+
 def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
-         quantize: str | None = None) -> LanguageModel:
+         quantize: str | None = None, announce: Callable[[str], None] | None = None) -> LanguageModel:
     """Read a model from a known name, a .gguf file, a Hugging Face or a Glassformer folder.
 
     quantize=None keeps plain nn.Linear layers (trainable; the reference path). Otherwise the
     weights are converted once for fast inference (glassformer.quantize): "none" keeps them
     in float32, "bf16" / "int8" / "int4" store them smaller, and "gguf" keeps a GGUF file's
     Q8_0 / Q4_0 / Q4_1 blocks as they are (no requantization; see formats/gguf.py). The
-    converted model decodes one sequence with the fused C++ step (`model.fused_step()`)."""
+    converted model decodes one sequence with the fused C++ step (`model.fused_step()`).
+    `announce` is told, in a line, of a conversion long enough to wait for (ANNOUNCED_PARAMETERS)."""
     from .formats.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
 
     fmt = None if quantize is None else quantize_format(quantize)
@@ -160,6 +165,8 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
             f"or a known name ({', '.join(sorted(hub.MODELS))})"
         )
     if fmt is not None:  # layers kept in GGUF blocks stay; the others get fmt's kernels
+        if announce is not None and sum(p.numel() for p in model.parameters()) >= ANNOUNCED_PARAMETERS:
+            announce(f"converting the weights of {text} ({quantize}) for the fused decode step")
         quantize_model(model, fmt)
     return LanguageModel(model, tokenizer, text)
 

@@ -218,7 +218,9 @@ class Checkpoint:
         folder = resolve(path)
         meta = read_json_object(folder / "config.json")
         if not isinstance(meta.get("model"), dict):
-            raise InputError(folder / "config.json", 'lacks the "model" object of a checkpoint')
+            raise InputError(folder / "config.json", 'has no "model_type", which names the family of a '
+                             'Hugging Face model (llama, gpt2, qwen2, ...), nor the "model" object of a '
+                             'Glassformer checkpoint')
         try:
             return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
         except InputError as error:
