@@ -58,15 +58,21 @@ PRE_TOKENIZERS = {
 NORMALIZERS = {"qwen2": normalizers.NFC}
 
 
+# Special tokens tokenizer_config.json may name besides BOS and EOS, which transformers reads
+# (pad_token: batches, unk_token): kept as read, written back on save.
+OTHER_SPECIALS = ("pad_token", "unk_token")
+
+
 class ChatTokenizer(HFTokenizer):
     """An HFTokenizer that also knows whether to prepend BOS and the model's chat template."""
 
     def __init__(self, tokenizer: Tokenizer, eos_token: str | None = None,
                  bos_token: str | None = None, chat_template: str | None = None,
-                 add_bos: bool = False):
+                 add_bos: bool = False, specials: dict[str, str] | None = None):
         super().__init__(tokenizer, eos_token, bos_token)
         self.chat_template = chat_template
         self.add_bos = add_bos
+        self.specials = dict(specials or {})  # OTHER_SPECIALS the files name, kept for an export
 
     def encode(self, text: str) -> list[int]:
         ids = super().encode(text)
@@ -92,7 +98,7 @@ class ChatTokenizer(HFTokenizer):
         super().save(path)
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
                                   "bos_token": self.bos_token, "eos_token": self.eos_token,
-                                  "add_bos_token": self.add_bos}
+                                  "add_bos_token": self.add_bos, **self.specials}
         if self.chat_template:
             config["chat_template"] = self.chat_template
         path.with_name("tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -110,9 +116,11 @@ class ChatTokenizer(HFTokenizer):
         template = config.get("chat_template")
         if not isinstance(template, str):  # a list of named templates is not supported
             template = None
+        specials = {name: token_text(config[name]) for name in OTHER_SPECIALS
+                    if isinstance(token_text(config.get(name)), str)}
         return cls(read_tokenizer(path), token_text(config.get("eos_token")),
                    token_text(config.get("bos_token")), template,
-                   bool(config.get("add_bos_token", False)))
+                   bool(config.get("add_bos_token", False)), specials)
 
 
 def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
