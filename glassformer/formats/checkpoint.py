@@ -33,6 +33,7 @@ from safetensors import SafetensorError
 from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import build_model
+from ..model.sizes import check_model_fits
 from .chat_tokenizer import ChatTokenizer
 from .files import read_json_object
 from .tokenizers import load_tokenizer
@@ -222,7 +223,9 @@ class Checkpoint:
                              'Hugging Face model (llama, gpt2, qwen2, ...), nor the "model" object of a '
                              'Glassformer checkpoint')
         try:
-            return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
+            config = ModelConfig.from_dict(meta["model"])
+            check_model_fits(config)  # before a model of its sizes is built
+            return cls(folder, config, meta)
         except InputError as error:
             raise InputError(folder / "config.json", str(error)) from None
 

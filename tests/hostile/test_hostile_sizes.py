@@ -147,3 +147,16 @@ def test_a_pool_too_small_for_one_block_names_both_flags_and_the_smallest_pool(
     line = refused(["generate", "--model", model, "--prompts-file", root / "p.jsonl", *flags],
                    "--kv-memory-mb", root, seconds=5)
     assert "--block-size" in line and f"smallest pool that works is {smallest}" in line
+
+
+@pytest.mark.parametrize("key", ["vocab_size", "context_length", "d_model", "n_layers", "d_ff",
+                                 "n_token_types"])
+def test_a_checkpoint_config_size_of_10_12_is_refused_before_the_model_is_built(key, folders, tmp_path,
+                                                                                refused):
+    folder = tmp_path / "model"
+    shutil.copytree(folders[1], folder)
+    meta = json.loads((folder / "config.json").read_text())
+    meta["model"][key] = 10**12
+    (folder / "config.json").write_text(json.dumps(meta))
+    refused(["generate", "--model", folder, "-n", "1", "hi"], f"{folder / 'config.json'}: {key}: ", folder,
+            seconds=5)
