@@ -67,12 +67,13 @@ class LanguageModel:
                       engine: EngineConfig | None = None,
                       on_result: Callable[[int, GenerationResult], None] | None = None,
                       adapters: Mapping[str, str | Path] | None = None,
-                      **options: Any) -> list[GenerationResult]:
+                      labels: Sequence[str] | None = None, **options: Any) -> list[GenerationResult]:
         """Continue many prompts together through the serving engine (continuous batching over
         a paged KV cache); results in prompt order. `options` are RequestParams and
         SamplingConfig fields for every prompt, or `params` gives one RequestParams each.
         `on_result(index, result)` is called as each request finishes. `adapters`: LoRA
-        adapter folders by name, which a request picks with `adapter=name` (None: the base)."""
+        adapter folders by name, which a request picks with `adapter=name` (None: the base).
+        `labels`: what a refusal calls each prompt (a file's line), before its reason."""
         if params is None:
             shared = RequestParams.from_fields(max_new_tokens=max_new_tokens, temperature=temperature,
                                                **options)
@@ -82,7 +83,14 @@ class LanguageModel:
         runner = Engine(self.model, self.tokenizer, engine or EngineConfig(), base=self.source or None)
         for name, path in (adapters or {}).items():
             runner.load_adapter(name, str(path))
-        handles = [runner.submit(self.encode(p), r) for p, r in zip(prompts, params, strict=True)]
+        handles = []
+        for i, (prompt, request) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                handles.append(runner.submit(self.encode(prompt), request))
+            except InputError as error:
+                if labels is None:
+                    raise
+                raise InputError(None, f"{labels[i]}: {error}", error.code) from None
         index = {h.request_id: i for i, h in enumerate(handles)}
         while runner.has_work():
             runner.step()

@@ -205,13 +205,13 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str | None,
 
 
 def _read_requests(args: argparse.Namespace, language_model: LanguageModel, config: GenerationConfig):
-    """Prompt ids and RequestParams per line: the line's fields over the command's flags; ids
-    outside the vocabulary are refused with the line's number."""
+    """Prompt ids, RequestParams and the line number of each line: the line's fields over the
+    command's flags; ids outside the vocabulary are refused with the line's number."""
     defaults = dataclasses.asdict(config.sampling) | {
         "max_new_tokens": config.max_new_tokens, "seed": config.seed, "stop": config.stop,
         "eos_ids": config.eos_ids,
     }
-    prompts, params = [], []
+    prompts, params, lines = [], [], []
     for number, line in enumerate(read_text(args.prompts_file).splitlines(), 1):
         if not line.strip():
             continue
@@ -226,11 +226,12 @@ def _read_requests(args: argparse.Namespace, language_model: LanguageModel, conf
             prompts.append(_prompt_ids(language_model.tokenizer, prompt, args.chat)
                            if isinstance(prompt, str) else language_model.encode(prompt))
             _check_window(fields, len(prompts[-1]), language_model.model.config.context_length)
+            lines.append(number)
         except (ValueError, TypeError) as error:
             raise InputError(None, f"{args.prompts_file}:{number}: {error}") from None
     if not prompts:
         raise InputError(args.prompts_file, "no prompts")
-    return prompts, params
+    return prompts, params, lines
 
 
 def _check_window(fields: dict, n_prompt: int, window: int) -> None:
@@ -261,7 +262,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _run_many(args: argparse.Namespace, language_model: LanguageModel, config: GenerationConfig) -> int:
     if args.beams > 1 or args.no_cache or args.slide or args.truncate:
         raise InputError("--prompts-file", "--beams, --no-cache, --slide and --truncate need one prompt")
-    prompts, params = _read_requests(args, language_model, config)
+    prompts, params, lines = _read_requests(args, language_model, config)
     device = str(language_model.model.embed.tokens.weight.device)
     engine = engine_config(args, device)
     announce_engine(engine, device)
@@ -272,7 +273,8 @@ def _run_many(args: argparse.Namespace, language_model: LanguageModel, config: G
         rate = done[1] / (time.perf_counter() - start)
         print(f"\r[{done[0]}/{len(prompts)} requests, {rate:.1f} tok/s]", end="", file=sys.stderr, flush=True)
 
-    results = language_model.generate_many(prompts, params=params, engine=engine, on_result=progress)
+    results = language_model.generate_many(prompts, params=params, engine=engine, on_result=progress,
+                                           labels=[f"{args.prompts_file}:{n}" for n in lines])
     wall = time.perf_counter() - start
     print(file=sys.stderr)
     for result in results:

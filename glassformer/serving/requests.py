@@ -57,7 +57,7 @@ def check_request(mc: ModelConfig, prompt: Ids[int], params: RequestParams, wind
     if needed > blocks.n_blocks:
         size, beams = blocks.block_size, f"{params.beams} beams x " if params.beams > 1 else ""
         new = longest - len(prompt)
-        cut = f" (max_new_tokens {params.max_new_tokens}: {new} reach the window)" \
+        cut = f" of max_new_tokens {params.max_new_tokens}, cut at the window" \
             if new < params.max_new_tokens else ""
         prompt_fits = blocks.blocks_for(len(prompt) + 1) * params.beams <= blocks.n_blocks
         field = "beams" if params.beams > 1 else "max_new_tokens" if prompt_fits else "prompt"

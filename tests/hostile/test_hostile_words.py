@@ -83,3 +83,16 @@ def test_a_lone_surrogate_is_named_as_such():
     with pytest.raises(ValidationError) as broken:
         CompletionRequest.model_validate_json(b'{"model": "m", "prompt": ')
     assert "not valid JSON" in from_validation(broken.value).message
+
+
+def test_a_prompts_file_line_larger_than_the_pool_names_its_line_and_max_tokens(tmp_path, refused):
+    """Within the window but past a pool of 2 blocks of 4 tokens: the line and the field the
+    request could change (its prompt fits)."""
+    model = checkpoint_folder(tmp_path / "model")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi", "max_tokens": 2}\n{"prompt": "hello", "max_tokens": 20}\n')
+    block = 2 * 1 * 4 * 2 * 8 * 4 / 2**20  # MiB: keys and values, 1 layer, 4 tokens, 2 heads of 8
+    line = refused(["generate", "--model", model, "--prompts-file", prompts, "--block-size", "4",
+                    "--kv-memory-mb", str(2 * block)], f"{prompts}:2: max_new_tokens: the request needs 28",
+                   tmp_path, seconds=10)
+    assert "5 prompt + 20 new" in line and "the engine holds 8" in line
