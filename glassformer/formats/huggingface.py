@@ -76,11 +76,11 @@ def config_from_hf(hf: dict[str, Any], pooler: bool = False, where: str | Path =
 
 
 def check_sizes(hf: dict[str, Any], config: ModelConfig, tensors: dict[str, torch.Tensor],
-                where: Path) -> None:
+                where: Path, dtype: torch.dtype = torch.float32) -> None:
     """Before any weight is allocated: the config's sizes fit the machine and give the shapes
     the file's tensors have (checked on a model without storage, on the meta device)."""
     try:
-        check_model_fits(config)
+        check_model_fits(config, dtype=dtype)
     except InputError as error:
         raise in_file(error, hf, where) from None
     with torch.device("meta"):
@@ -123,7 +123,7 @@ def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     tensors = read_safetensors(folder)
     if family_of(hf["model_type"]).pooler_key in tensors:  # BERT's pooler, where the file holds one
         config = config_from_hf(hf, pooler=True, where=folder / "config.json")
-    check_sizes(hf, config, tensors, folder / "config.json")
+    check_sizes(hf, config, tensors, folder / "config.json", dtype)
     model = empty_model(config, dtype)
     try:
         weights = state_dict(config, hf["model_type"], tensors, model)

@@ -54,14 +54,15 @@ def weight_bytes(config: ModelConfig, bytes_per_weight: int = 4) -> int:
     return bytes_per_weight * (tables + layers + encoder)
 
 
-def check_model_fits(config: ModelConfig, device: torch.device | str = "cpu", where: str = "") -> None:
-    """Refuse a configuration whose weights alone are larger than the device's memory,
-    naming the size that makes them so (`where`: the file or flags it came from)."""
-    memory = device_memory(device)
-    if memory is None or weight_bytes(config) <= memory:
+def check_model_fits(config: ModelConfig, device: torch.device | str = "cpu", where: str = "",
+                     dtype: torch.dtype = torch.float32) -> None:
+    """Refuse a configuration whose weights alone (in `dtype`) are larger than the device's
+    memory, naming the size that makes them so (`where`: the file or flags it came from)."""
+    memory, size = device_memory(device), weight_bytes(config, dtype.itemsize)
+    if memory is None or size <= memory:
         return
     sizes = {name: getattr(config, name) for name in
              ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads",
               "d_head", "d_ff", "n_encoder_layers", "n_token_types") if getattr(config, name) is not None}
     largest = max(sizes, key=lambda name: sizes[name])
-    check_fits(weight_bytes(config), device, largest, f"the weights at {sizes[largest]:,}{where}")
+    check_fits(size, device, largest, f"the weights at {sizes[largest]:,}{where}")
