@@ -29,8 +29,10 @@ from pathlib import Path
 
 import harness
 
+from glassformer.data import tinyshakespeare
+
 HERE = Path(__file__).resolve().parent
-DATA = HERE.parents[1] / "shared" / "data" / "tinyshakespeare.txt"
+DATA = tinyshakespeare()
 MODEL = "smollm2-135m-instruct"
 WORKLOADS = {"decode-fp32": "none", "decode-int4": "int4", "train": None}
 SETTINGS = ("default", "threads", "passive")

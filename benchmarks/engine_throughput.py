@@ -42,7 +42,9 @@ from pathlib import Path
 import harness
 from harness import peak_mb
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # --corpus
+from glassformer.data import tinyshakespeare
+
+CORPUS = tinyshakespeare()  # --corpus
 ANCHOR = "The meaning of life is"
 
 

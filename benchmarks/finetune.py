@@ -40,7 +40,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+from glassformer.data import tinyshakespeare
+
+DATA = tinyshakespeare()
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONTENDERS = ("glassformer full", "transformers full", "glassformer lora", "transformers+peft lora")
 ANCHOR = "The meaning of life is"

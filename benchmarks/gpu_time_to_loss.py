@@ -38,8 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
+from glassformer.data import tinyshakespeare
+
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+DATA = tinyshakespeare()
 NANOGPT = ROOT.parent / "shared" / "nanoGPT"
 TARGET = 1.47
 # Seconds each contender may run (nanoGPT first: the anchor). These sum to the training share of

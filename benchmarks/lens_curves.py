@@ -5,7 +5,7 @@ lenses are measured on held-out windows from its end (glassformer.interpret.lens
 Prints the CPU line, one row per residual stream (nats) and a Markdown table of the same.
 
     .venv/bin/python benchmarks/lens_curves.py [--model smollm2-135m-instruct] \
-        [--data ../shared/data/tinyshakespeare.txt] [--chars 60000] [--steps 30] [--context 64]
+        [--data glassformer/data/tinyshakespeare.txt] [--chars 60000] [--steps 30] [--context 64]
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import harness
 import torch
 
 from glassformer import load
+from glassformer.data import tinyshakespeare
 from glassformer.formats.files import read_text
 from glassformer.interpret.lens import LensTraining, held_out, kl_curve, residual_sites, train_tuned_lens
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+DATA = tinyshakespeare()
 
 
 def main() -> None:

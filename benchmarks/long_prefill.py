@@ -28,10 +28,11 @@ from pathlib import Path
 
 import harness
 
+from glassformer.data import tinyshakespeare
 from glassformer.experiments.memory import peak_memory_mb, reset_peak_memory, resident_mb
 from glassformer.model.kv_formats import KV_DTYPES
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS = tinyshakespeare()
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 
 

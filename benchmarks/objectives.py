@@ -33,6 +33,7 @@ import torch
 
 from glassformer import Transformer, get_preset
 from glassformer.accel.fast_training import use_fast_training
+from glassformer.data import tinyshakespeare
 from glassformer.formats.checkpoint import load_model
 from glassformer.interpret.params import count_parameters
 from glassformer.training.config import TrainConfig
@@ -42,7 +43,7 @@ from glassformer.training.metrics import read_metrics
 from glassformer.training.objectives import OBJECTIVES
 from glassformer.training.span import corrupt, span_counts
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+DEFAULT_DATA = tinyshakespeare()
 # One model shape for every objective; only the attention mask follows the objective.
 MODEL = get_preset("tiny-bert").replace(context_length=64, d_model=128, n_layers=4, n_heads=4,
                                         d_ff=512, pooler=False)

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from glassformer import load
+from glassformer.data import tinyshakespeare
 
 MODES = ("reference", "none", "bf16", "int8", "int4", "gguf")
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS = tinyshakespeare()
 
 
 @torch.inference_mode()

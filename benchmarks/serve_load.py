@@ -70,8 +70,9 @@ import llama_binaries
 from finetune import served_adapter
 
 from glassformer import load
+from glassformer.data import tinyshakespeare
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # --corpus
+CORPUS = tinyshakespeare()  # --corpus
 ANCHOR = "The meaning of life is"
 NAME, ADAPTER = "bench", "bench-lora"
 SITES = ("blocks.0.attn.out", "blocks.0.resid_post")  # what an inspecting request traces

@@ -37,6 +37,7 @@ import harness  # noqa: E402
 import nanogpt_recipe  # noqa: E402
 
 from glassformer import Transformer  # noqa: E402
+from glassformer.data import tinyshakespeare  # noqa: E402
 from glassformer.formats.checkpoint import load_model  # noqa: E402
 from glassformer.training import allocator  # noqa: E402
 from glassformer.training.config import get_recipe  # noqa: E402
@@ -44,7 +45,7 @@ from glassformer.training.data import TokenData  # noqa: E402
 from glassformer.training.loop import train  # noqa: E402
 from glassformer.training.perplexity import perplexity  # noqa: E402
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+DEFAULT_DATA = tinyshakespeare()
 
 
 def matmul_ceiling(n: int = 1024, repeats: int = 20) -> dict[str, float]:

@@ -67,12 +67,13 @@ class LanguageModel:
                       engine: EngineConfig | None = None,
                       on_result: Callable[[int, GenerationResult], None] | None = None,
                       adapters: Mapping[str, str | Path] | None = None,
-                      **options: Any) -> list[GenerationResult]:
+                      labels: Sequence[str] | None = None, **options: Any) -> list[GenerationResult]:
         """Continue many prompts together through the serving engine (continuous batching over
         a paged KV cache); results in prompt order. `options` are RequestParams and
         SamplingConfig fields for every prompt, or `params` gives one RequestParams each.
         `on_result(index, result)` is called as each request finishes. `adapters`: LoRA
-        adapter folders by name, which a request picks with `adapter=name` (None: the base)."""
+        adapter folders by name, which a request picks with `adapter=name` (None: the base).
+        `labels`: what a refusal calls each prompt (a file's line), before its reason."""
         if params is None:
             shared = RequestParams.from_fields(max_new_tokens=max_new_tokens, temperature=temperature,
                                                **options)
@@ -82,7 +83,14 @@ class LanguageModel:
         runner = Engine(self.model, self.tokenizer, engine or EngineConfig(), base=self.source or None)
         for name, path in (adapters or {}).items():
             runner.load_adapter(name, str(path))
-        handles = [runner.submit(self.encode(p), r) for p, r in zip(prompts, params, strict=True)]
+        handles = []
+        for i, (prompt, request) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                handles.append(runner.submit(self.encode(prompt), request))
+            except InputError as error:
+                if labels is None:
+                    raise
+                raise InputError(None, f"{labels[i]}: {error}", error.code) from None
         index = {h.request_id: i for i, h in enumerate(handles)}
         while runner.has_work():
             runner.step()
@@ -125,16 +133,21 @@ class LanguageModel:
         return self
 
 
+# A conversion of this many parameters or more takes seconds: `load` announces it.
+ANNOUNCED_PARAMETERS = 10_000_000
+
+
 def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
-         quantize: str | None = None) -> LanguageModel:
+         quantize: str | None = None, announce: Callable[[str], None] | None = None) -> LanguageModel:
     """Read a model from a known name, a .gguf file, a Hugging Face or a Glassformer folder.
 
     quantize=None keeps plain nn.Linear layers (trainable; the reference path). Otherwise the
     weights are converted once for fast inference (glassformer.quantize): "none" keeps them
     in float32, "bf16" / "int8" / "int4" store them smaller, and "gguf" keeps a GGUF file's
     Q8_0 / Q4_x, K-quant (Q3_K to Q6_K) and Q5_x blocks as they are (no requantization;
-    see formats/gguf.py). The
-    converted model decodes one sequence with the fused C++ step (`model.fused_step()`)."""
+    see formats/gguf.py). The converted model decodes one sequence with the fused C++ step
+    (`model.fused_step()`). `announce` is told, in a line, of a conversion long enough to wait
+    for (ANNOUNCED_PARAMETERS)."""
     from .formats.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
 
     fmt = None if quantize is None else quantize_format(quantize)
@@ -161,6 +174,8 @@ def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool 
             f"or a known name ({', '.join(sorted(hub.MODELS))})"
         )
     if fmt is not None:  # layers kept in GGUF blocks stay; the others get fmt's kernels
+        if announce is not None and sum(p.numel() for p in model.parameters()) >= ANNOUNCED_PARAMETERS:
+            announce(f"converting the weights of {text} ({quantize}) for the fused decode step")
         quantize_model(model, fmt)
     return LanguageModel(model, tokenizer, text)
 

@@ -6,24 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+from glassformer.data import tinyshakespeare
+
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 VOCAB = 400
 
 
-def corpus() -> Path:
-    """../shared/data/tinyshakespeare.txt beside the repository; the test is skipped without it."""
-    if not CORPUS.is_file():
-        pytest.skip(f"the corpus {CORPUS} is not available")
-    return CORPUS
-
-
 def wordpiece() -> Tokenizer:
-    text = corpus().read_text(encoding="utf-8")[:200_000].split("\n\n")
+    text = tinyshakespeare().read_text(encoding="utf-8")[:200_000].split("\n\n")
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

@@ -31,6 +31,7 @@ from . import (
     train,
 )
 from . import eval as evaluate
+from .options import error_line
 
 # Each command module defines add_parser(subparsers) and run(args) -> exit status.
 COMMANDS = [info, train, evaluate, journey, pull, export, compare, generate, fill_mask, chat, serve,
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         except Exception as error:
             if users_mistake(error):
-                print(f"glassformer: error: {error}", file=sys.stderr)
+                print(f"glassformer: error: {error_line(error, vars(args))}", file=sys.stderr)
                 return 2
             report = crash_report(error, args.command)
             if report is None:

@@ -11,6 +11,8 @@ from .options import (
     SAMPLING,
     add,
     add_computing,
+    announce,
+    announce_compile,
     checked_text,
     inference_precision,
     or_default,
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
                          "(a fused C++ step)")
     device, precision = inference_precision(args)
-    language_model = load(model, quantize=precision.quantize)
+    language_model = load(model, quantize=precision.quantize, announce=announce)
+    announce_compile(args.compile)
     settle_threads(args)
     precision.place(language_model.model, device)
     session = ChatSession(language_model.model, language_model.tokenizer, sampling_config(args),

@@ -17,7 +17,7 @@ from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
 from ..generation.retrieval import RANKINGS, retrieve
 from ..interpret.steer import SteeringVector, steered
-from ..language_model import LanguageModel, load
+from ..language_model import ANNOUNCED_PARAMETERS, LanguageModel, load
 from ..serving import RequestParams
 from ..training.lora import apply_adapter, merge_lora
 from .options import (
@@ -27,6 +27,9 @@ from .options import (
     add,
     add_computing,
     add_prompt,
+    announce,
+    announce_compile,
+    announce_engine,
     engine_config,
     finite,
     inference_precision,
@@ -147,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--lora", "generate applies one adapter (serve serves several)")
     convert = extend or args.lora is not None  # plain weights first, converted at the end
     started = time.perf_counter()
-    language_model = load(args.model, quantize=None if convert else quantize)
+    language_model = load(args.model, quantize=None if convert else quantize, announce=announce)
     args.load_seconds = round(time.perf_counter() - started, 3)
     print(f"glassformer: loaded {args.model} in {args.load_seconds:.1f} s", file=sys.stderr)
     settle_threads(args)
@@ -161,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     if extend:
         model = extend_context(model, args.rope_scaling, or_default(args.rope_factor, ROPE_FACTOR))
     if convert and quantize is not None:
+        if sum(p.numel() for p in model.parameters()) >= ANNOUNCED_PARAMETERS:
+            announce(f"converting the weights ({quantize}) for the fused decode step")
         quantize_model(model, quantize_format(quantize))
     model = precision.place(model, device)
     with steered(model, _steers(args.steer or [])):  # every token of every prompt (the module path)
@@ -171,6 +176,7 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str | None,
               config: GenerationConfig) -> int:
     if args.prompts_file is not None:
         return _run_many(args, LanguageModel(model, tokenizer), config)
+    announce_compile(config.compile)
     if args.context == "retrieve":
         prompt_ids = _retrieved_ids(args, model, tokenizer, prompt,
                                     model.config.context_length - config.max_new_tokens)
@@ -202,13 +208,13 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str | None,
 
 
 def _read_requests(args: argparse.Namespace, language_model: LanguageModel, config: GenerationConfig):
-    """Prompt ids and RequestParams per line: the line's fields over the command's flags; ids
-    outside the vocabulary are refused with the line's number."""
+    """Prompt ids, RequestParams and the line number of each line: the line's fields over the
+    command's flags; ids outside the vocabulary are refused with the line's number."""
     defaults = dataclasses.asdict(config.sampling) | {
         "max_new_tokens": config.max_new_tokens, "seed": config.seed, "stop": config.stop,
         "eos_ids": config.eos_ids,
     }
-    prompts, params = [], []
+    prompts, params, lines = [], [], []
     for number, line in enumerate(read_text(args.prompts_file).splitlines(), 1):
         if not line.strip():
             continue
@@ -222,11 +228,22 @@ def _read_requests(args: argparse.Namespace, language_model: LanguageModel, conf
             params.append(RequestParams.from_fields(**(defaults | _own_names(fields))))
             prompts.append(_prompt_ids(language_model.tokenizer, prompt, args.chat)
                            if isinstance(prompt, str) else language_model.encode(prompt))
+            _check_window(fields, len(prompts[-1]), language_model.model.config.context_length)
+            lines.append(number)
         except (ValueError, TypeError) as error:
             raise InputError(None, f"{args.prompts_file}:{number}: {error}") from None
     if not prompts:
         raise InputError(args.prompts_file, "no prompts")
-    return prompts, params
+    return prompts, params, lines
+
+
+def _check_window(fields: dict, n_prompt: int, window: int) -> None:
+    """A line that asks for more new tokens than the window leaves after its prompt is refused
+    by the name it used (a flag's default is cut at the window, as for one prompt)."""
+    for name, value in fields.items():
+        if OPENAI_NAMES.get(name, name) == "max_new_tokens" and n_prompt + value > window:
+            raise InputError(name, f"{value} new tokens after the prompt's {n_prompt} pass the "
+                             f"model's {window}-token window: give at most {max(window - n_prompt, 0)}")
 
 
 def _own_names(fields: dict) -> dict:
@@ -248,8 +265,10 @@ def _percentile(values: list[float], q: float) -> float:
 def _run_many(args: argparse.Namespace, language_model: LanguageModel, config: GenerationConfig) -> int:
     if args.beams > 1 or args.no_cache or args.slide or args.truncate:
         raise InputError("--prompts-file", "--beams, --no-cache, --slide and --truncate need one prompt")
-    prompts, params = _read_requests(args, language_model, config)
-    engine = engine_config(args, str(language_model.model.embed.tokens.weight.device))
+    prompts, params, lines = _read_requests(args, language_model, config)
+    device = str(language_model.model.embed.tokens.weight.device)
+    engine = engine_config(args, device)
+    announce_engine(engine, device)
     start, done = time.perf_counter(), [0, 0]
 
     def progress(index, result):
@@ -257,7 +276,8 @@ def _run_many(args: argparse.Namespace, language_model: LanguageModel, config: G
         rate = done[1] / (time.perf_counter() - start)
         print(f"\r[{done[0]}/{len(prompts)} requests, {rate:.1f} tok/s]", end="", file=sys.stderr, flush=True)
 
-    results = language_model.generate_many(prompts, params=params, engine=engine, on_result=progress)
+    results = language_model.generate_many(prompts, params=params, engine=engine, on_result=progress,
+                                           labels=[f"{args.prompts_file}:{n}" for n in lines])
     wall = time.perf_counter() - start
     print(file=sys.stderr)
     for result in results:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import re
 import sys
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -28,6 +30,8 @@ from ..model.sink import SinkPolicy
 from ..serving.engine import EngineConfig
 from ..serving.flex_paged import FLEX_BLOCK
 from ..serving.kv_pool import KV_DTYPES
+
+MAX_THREADS_PER_CORE = 16  # more is never faster, and a count past 2**31 overflows OpenMP's
 
 
 def finite(text: str) -> float:
@@ -67,6 +71,14 @@ def _integer(text: str, low: int, words: str) -> int:
 
 def positive_int(text: str) -> int:
     return _integer(text, 1, "a positive integer")
+
+
+def thread_count(text: str) -> int:
+    """--threads: a positive count, at most MAX_THREADS_PER_CORE threads a core."""
+    value, most = positive_int(text), MAX_THREADS_PER_CORE * (os.cpu_count() or 1)
+    if value > most:
+        raise argparse.ArgumentTypeError(f"{value} threads on {os.cpu_count()} cores: at most {most}")
+    return value
 
 
 def non_negative_int(text: str) -> int:
@@ -120,6 +132,21 @@ ENGINE_HELP = MappingProxyType({
 ENGINE_CHOICES = MappingProxyType({"kv_dtype": tuple(KV_DTYPES)})
 
 
+def error_line(error: Exception, options: Iterable[str]) -> str:
+    """The line a user's mistake prints. An error about a setting the command takes as an
+    option (`options`: the parsed arguments' names) names it as the flag, and so do the other
+    such settings its message names (kv_memory_mb -> --kv-memory-mb; names of one word, which
+    read as words, only where they lead)."""
+    options = {name.rpartition(".")[2] for name in options}  # train's model.d_model: --d-model
+    if not isinstance(error, InputError) or error.field not in options:
+        return str(error)
+    flag = "--" + error.field.replace("_", "-")
+    named = sorted((o for o in options if "_" in o), key=len, reverse=True)
+    detail = re.sub(rf"\b({'|'.join(named)})\b", lambda m: "--" + m[1].replace("_", "-"),
+                    error.detail) if named else error.detail
+    return f"{flag}: {detail}"
+
+
 def _engine_flag(field: dataclasses.Field, kind: type) -> Flag:
     help = f"{ENGINE_HELP[field.name]} (default: {field.default})"
     settings: dict[str, Any] = {"default": field.default, "help": help}
@@ -153,7 +180,7 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
           help='a JSON file: ModelConfig fields, or {"model": {...}, "train": {...}}'),
     _flag("--data", nargs="+", default=None,
           help="text file(s) or folder(s) (experiment: one, for ablation and length; default "
-               "tinyshakespeare)"),
+               "the packaged tinyshakespeare)"),
     _flag("--documents", choices=("file", "line", "blank"), default=None,
           help="where one document ends and the next begins (default: file; train: the run's)"),
     _flag("--batch-size", type=positive_int, default=None,
@@ -174,7 +201,7 @@ FLAGS: Mapping[str, Flag] = MappingProxyType({flag.name: flag for flag in (
     _flag("--no-progress", action="store_true", help="no progress bar"),
     _flag("--device", type=device, default=None,
           help="cpu, cuda, cuda:N, mps or auto (default: cpu; train: the run's, auto)"),
-    _flag("--threads", type=positive_int, default=None,
+    _flag("--threads", type=thread_count, default=None,
           help="compute threads (default: GLASSFORMER_THREADS or OMP_NUM_THREADS if set, else "
                "one per core other processes leave free, looked at again during long runs)"),
     _flag("--quantize", choices=QUANTIZE_CHOICES, default=None,
@@ -328,6 +355,26 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
     )
+
+
+def announce(message: str) -> None:
+    """One line on stderr before a wait that may last more than a few seconds, naming it."""
+    print(f"glassformer: {message}", file=sys.stderr, flush=True)
+
+
+def announce_engine(engine: EngineConfig, device: str) -> None:
+    """The engine's long waits before its first token: a pool taken whole (off the CPU or for
+    the graph executor), and the graph executor's compiled steps."""
+    if engine.graph or not device.startswith("cpu"):
+        announce(f"taking the KV pool's {engine.kv_memory_mb:g} MiB on {device} at once")
+    if engine.graph:
+        announce("compiling the engine's decode step (torch.compile), once for each batch size "
+                 "as it first comes: the first steps wait for it")
+
+
+def announce_compile(compile: bool) -> None:
+    if compile:
+        announce("compiling the one-token step (torch.compile): the first token waits for it")
 
 
 def or_default(value, fallback):

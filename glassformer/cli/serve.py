@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
+import socket
 
 from ..errors import InputError
+from ..model.sizes import MIB, check_fits
 from .options import (
     CONTEXT,
     ENGINE,
     add,
     add_computing,
+    announce,
+    announce_engine,
     engine_config,
     inference_precision,
     non_negative,
@@ -35,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "adapters under DIR (repeat for more folders; without it both answer "
                              "403: only --lora's adapters are served)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000, help="TCP port (0: any free one)")
     parser.add_argument("--api-key", default=os.environ.get("GLASSFORMER_API_KEY"),
                         help="require `Authorization: Bearer KEY` on /v1, /ui and /ui/state (the page "
                              "also takes ?key=KEY); /health never, /metrics only with --metrics-key "
@@ -92,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("serve", f"the module {error.name} is missing; install the serve extra: "
                          "pip install 'glassformer[serve]'") from None
 
+    check_address(args.host, args.port)  # before the model loads, as every other flag
+    check_fits(args.max_body_kb * 1024, "cpu", "--max-body-kb", f"a request body of {args.max_body_kb:,} KiB")
+    check_fits(args.max_capture_mb * MIB, "cpu", "--max-capture-mb",
+               f"a request's capture of {args.max_capture_mb:g} MiB")
     hosts = tuple(dict.fromkeys((args.host, *LOOPBACK, *args.allowed_hosts)))
     for folder in args.lora_dir or ():
         if not os.path.isdir(folder):
@@ -121,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_on_ray(args, config, engine_config(args))
     device, precision = inference_precision(args)
     engine = engine_config(args, device)
-    language_model = load(args.model, quantize=precision.quantize)
+    language_model = load(args.model, quantize=precision.quantize, announce=announce)
+    announce_engine(engine, device)
     settle_threads(args)
     precision.place(language_model.model, device)
     app = create_app(language_model, config, engine, args.thread_policy, vectors)
@@ -136,6 +146,30 @@ def run(args: argparse.Namespace) -> int:
                               log_level="info", http=header_limited(config.header_timeout_s))
     _draining(settings, app.state.server, args.grace).run()
     return 0
+
+
+def port_number(text: str) -> int:
+    """--port: 0 (any free port) to 65535."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {value}")
+    return value
+
+
+def check_address(host: str, port: int) -> None:
+    """--host names an address of this machine and --port is free on it: found out by binding
+    it for a moment, before anything is loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise InputError("--host", f"{host!r} is not an address this machine can bind ({error})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            probe.bind(address)
+        except OSError as error:
+            field = "--port" if error.errno == errno.EADDRINUSE or port < 1024 else "--host"
+            raise InputError(field, f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
 def _steering_vectors(specs: list[str]) -> dict:

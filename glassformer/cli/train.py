@@ -18,7 +18,7 @@ from ..formats.files import read_json_object
 from ..model.config import ModelConfig
 from ..model.presets import PRESETS
 from ..training.config import RECIPES, TrainConfig
-from .options import FLAGS, add, add_threads
+from .options import FLAGS, add, add_threads, announce
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -111,14 +111,17 @@ def run(args: argparse.Namespace) -> int:
         if train_config.init is None:
             model_config = ModelConfig.from_dict({"vocab_size": 1, **model_config})  # the tokenizer's
     except InputError as error:
-        raise InputError(args.config, f"{error}" if args.config else str(error)) from None
+        if args.config:  # the file's field, named with the file
+            raise InputError(args.config, str(error)) from None
+        raise
     lora_flags = [k for k in _overrides(args, "train.") if k.startswith("lora_")]
     if train_config.lora_rank is None and lora_flags:  # even at their defaults: never ignored
         raise InputError(lora_flags[0], f"--{lora_flags[0].replace('_', '-')} applies to LoRA: "
                          "give --lora-rank too")
     echo = (lambda s: tqdm.write(s, file=sys.stderr)) if args.json else tqdm.write
     summary = train(args.data, args.out, model_config, train_config, resume=args.resume,
-                    progress=not args.no_progress, echo=echo, threads=args.thread_policy)
+                    progress=not args.no_progress, echo=echo, threads=args.thread_policy,
+                    announce=announce)
     if summary["rank"] != 0:  # under torchrun, rank 0 speaks for all
         return 0
     if args.json:

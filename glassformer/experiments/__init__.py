@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..data import tinyshakespeare
 from ..errors import InputError
 from . import ablation, decode_cache, explain, length, recall
 from .report import write_html
@@ -12,8 +13,6 @@ from .runner import Runner
 
 EXPERIMENTS = {"ablation": ablation, "length": length, "cache": decode_cache, "explain": explain,
                "recall": recall}
-# tinyshakespeare where the repository's checkout keeps it: ../shared/data beside the clone
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def run_experiment(name: str, out: str | Path, budget: float, data: str | Path | None = None,
@@ -29,10 +28,7 @@ def run_experiment(name: str, out: str | Path, budget: float, data: str | Path |
         raise InputError("budget", f"must be positive seconds, got {budget}")
     module, out = EXPERIMENTS[name], Path(out)
     if module.NEEDS_DATA:
-        data = Path(data or DEFAULT_DATA)
-        if not data.is_file():
-            raise FileNotFoundError(f"no text at {data}: pass --data FILE")
-        config = module.settings(budget, data.resolve(), **options)
+        config = module.settings(budget, training_text(data), **options)
     else:
         config = module.settings(budget, **options)
     runner = Runner(out, name, config)
@@ -40,3 +36,11 @@ def run_experiment(name: str, out: str | Path, budget: float, data: str | Path |
     runner.finish(module.summarize(config, results, out))
     write_html(out, module.TITLE, runner.record)
     return runner.record
+
+
+def training_text(data: str | Path | None) -> Path:
+    """The text file an experiment trains on: `data`, or the packaged tinyshakespeare."""
+    path = Path(data) if data else tinyshakespeare()
+    if not path.is_file():
+        raise FileNotFoundError(f"no text at {path}: pass --data FILE")
+    return path.resolve()

@@ -29,6 +29,9 @@ from .files import read_json_object
 from .tokenizers import HFTokenizer, read_tokenizer, token_text
 
 GENERIC_CLASS = "PreTrainedTokenizerFast"  # transformers reads its BOS from the post-processor alone
+# Special tokens tokenizer_config.json may name besides BOS and EOS, which transformers reads
+# (pad_token: batches, unk_token): kept as read, written back on save.
+OTHER_SPECIALS = ("pad_token", "unk_token")
 TEMPLATE_SECONDS = 2.0  # a chat template renders in milliseconds; a loop that does not stops here
 TEMPLATE_MIN_OUTPUT = 1 << 20  # characters; or four times the messages' text where that is more
 
@@ -40,11 +43,11 @@ class ChatTokenizer(HFTokenizer):
     def __init__(self, tokenizer: Tokenizer, eos_token: str | None = None,
                  bos_token: str | None = None, chat_template: str | None = None,
                  add_bos: bool = False, end_ids: tuple[int, ...] = (),
-                 pad_token: str | None = None):
+                 specials: dict[str, str] | None = None):
         super().__init__(tokenizer, eos_token, bos_token)
         self.chat_template = chat_template
         self.add_bos = add_bos
-        self.pad_token = pad_token
+        self.specials = dict(specials or {})  # OTHER_SPECIALS the files name, kept for an export
         size = self.vocab_size
         for i in end_ids:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < size:
@@ -89,9 +92,7 @@ class ChatTokenizer(HFTokenizer):
         tokenizer.save(str(path))
         config: dict[str, Any] = {"tokenizer_class": GENERIC_CLASS,
                                   "bos_token": self.bos_token, "eos_token": self.eos_token,
-                                  "add_bos_token": self.add_bos}
-        if self.pad_token is not None:
-            config["pad_token"] = self.pad_token
+                                  "add_bos_token": self.add_bos, **self.specials}
         if self.chat_template:
             config["chat_template"] = self.chat_template
         path.with_name("tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -125,8 +126,10 @@ class ChatTokenizer(HFTokenizer):
         generation = path.with_name("generation_config.json")
         ends = read_json_object(generation).get("eos_token_id") if generation.is_file() else None
         ends = [ends] if isinstance(ends, int) else ends if isinstance(ends, list) else []
+        specials = {name: token_text(config[name]) for name in OTHER_SPECIALS
+                    if isinstance(token_text(config.get(name)), str)}
         return cls(tokenizer, token_text(config.get("eos_token")), bos_token, template, add_bos,
-                   tuple(ends), token_text(config.get("pad_token")))
+                   tuple(ends), specials)
 
 
 def _leading_specials(tokenizer: Tokenizer) -> list[int]:

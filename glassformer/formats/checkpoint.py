@@ -33,6 +33,7 @@ from safetensors import SafetensorError
 from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import build_model
+from ..model.sizes import check_model_fits
 from .chat_tokenizer import ChatTokenizer
 from .files import read_json_object
 from .tokenizers import load_tokenizer
@@ -218,9 +219,13 @@ class Checkpoint:
         folder = resolve(path)
         meta = read_json_object(folder / "config.json")
         if not isinstance(meta.get("model"), dict):
-            raise InputError(folder / "config.json", 'lacks the "model" object of a checkpoint')
+            raise InputError(folder / "config.json", 'has no "model_type", which names the family of a '
+                             'Hugging Face model (llama, gpt2, qwen2, ...), nor the "model" object of a '
+                             'Glassformer checkpoint')
         try:
-            return cls(folder, ModelConfig.from_dict(meta["model"]), meta)
+            config = ModelConfig.from_dict(meta["model"])
+            check_model_fits(config)  # before a model of its sizes is built
+            return cls(folder, config, meta)
         except InputError as error:
             raise InputError(folder / "config.json", str(error)) from None
 

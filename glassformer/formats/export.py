@@ -158,6 +158,9 @@ def export_hf(model: Transformer | EncoderDecoder, tokenizer: Any, folder: str |
         tensors[e.hf] = (t.T if e.transpose else t).detach().to("cpu").contiguous()
     if isinstance(tokenizer, HFTokenizer):
         hf |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+        hf |= {f"{name}_id": vocab[token] for name, token in getattr(tokenizer, "specials", {}).items()
+               if token in vocab}  # pad_token_id, unk_token_id
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
     try:

@@ -81,7 +81,8 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
     specials = [AddedToken(tokens[i], special=types[i] == CONTROL, normalized=False)
                 for i in range(len(tokens)) if types[i] in (CONTROL, USER_DEFINED)]
     tokenizer.add_tokens(specials)
-    ids = {key: _token_id(meta, key, len(tokens)) for key in ("bos", "eos", "eot", "eom", "padding")}
+    ids = {key: _token_id(meta, key, len(tokens))
+           for key in ("bos", "eos", "eot", "eom", "padding", "unknown")}
     ends = {i for key in ("eos", "eot", "eom") if (i := ids[key]) is not None}
     ends |= {i for i, t in enumerate(tokens) if t in END_OF_TURN_TEXTS}
     template = meta.get("tokenizer.chat_template")
@@ -93,7 +94,9 @@ def from_gguf_metadata(meta: dict[str, Any]) -> ChatTokenizer:
         return None if i is None else tokens[i]
 
     return ChatTokenizer(tokenizer, text(ids["eos"]), text(ids["bos"]), template, bool(add_bos),
-                         end_ids=tuple(sorted(ends)), pad_token=text(ids["padding"]))
+                         end_ids=tuple(sorted(ends)), specials={
+                             name: tokens[ids[key]] for name, key in
+                             (("pad_token", "padding"), ("unk_token", "unknown")) if ids[key] is not None})
 
 
 def _byte_level(meta: dict, tokens: list[str], types: list[int]) -> tuple[Tokenizer, bool]:

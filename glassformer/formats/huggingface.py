@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import InputError
 from ..model.config import ModelConfig
-from ..model.encoder_decoder import EncoderDecoder
+from ..model.encoder_decoder import EncoderDecoder, build_model
+from ..model.sizes import check_model_fits
 from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
@@ -32,21 +33,62 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq",
                      ".attention.bias", ".attention.masked_bias")
 
 
-def config_from_hf(hf: dict[str, Any], pooler: bool = False) -> ModelConfig:
+# The keys of config.json that families write each ModelConfig size under (the first one a
+# file holds names it in a message).
+HF_NAMES = {
+    "vocab_size": ("vocab_size",), "context_length": ("max_position_embeddings", "n_positions"),
+    "d_model": ("hidden_size", "n_embd", "d_model"),
+    "n_layers": ("num_hidden_layers", "n_layer", "num_decoder_layers", "num_layers"),
+    "n_heads": ("num_attention_heads", "n_head", "num_heads"), "n_kv_heads": ("num_key_value_heads",),
+    "d_head": ("head_dim", "d_kv"), "d_ff": ("intermediate_size", "n_inner", "d_ff"),
+    "norm_eps": ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"),
+    "n_encoder_layers": ("num_layers",), "n_token_types": ("type_vocab_size",),
+    "rotary_dim": ("partial_rotary_factor", "rotary_pct"), "sliding_window": ("sliding_window",),
+    "relative_buckets": ("relative_attention_num_buckets",),
+    "relative_max_distance": ("relative_attention_max_distance",),
+}
+
+
+def in_file(error: InputError, hf: dict[str, Any], where: str | Path) -> InputError:
+    """`error` about one of our fields, told as the config.json key the user wrote (its field,
+    our name beside it in the message) and the file."""
+    written = next((k for k in HF_NAMES.get(error.field or "", ()) if k in hf), error.field)
+    ours = f"our {error.field}, " if written != error.field else ""
+    return InputError(written, f"{error.detail} ({ours}in {where})", error.code)
+
+
+def config_from_hf(hf: dict[str, Any], pooler: bool = False, where: str | Path = "config.json",
+                   ) -> ModelConfig:
     """A ModelConfig equal to a Hugging Face config.json (as a dict); `pooler`: the weights
-    hold BERT's pooler."""
+    hold BERT's pooler; `where`: the file, which every refusal names with the key it blames."""
     kind = hf.get("model_type")
-    family = family_of(kind)
     try:
+        family = family_of(kind)
         config = family.read(hf)
     except KeyError as error:
-        raise InputError(None, f"config.json lacks {error.args[0]!r} for model_type {kind!r}") from None
-    except InputError:
-        raise
+        raise InputError(None, f"{where} lacks {error.args[0]!r} for model_type {kind!r}") from None
+    except InputError as error:
+        raise in_file(error, hf, where) from None
     except (TypeError, ValueError, ZeroDivisionError, AttributeError) as error:  # a value of another type
-        raise InputError(None, f"config.json: a value this model_type ({kind!r}) cannot take "
+        raise InputError(None, f"{where}: a value this model_type ({kind!r}) cannot take "
                          f"({type(error).__name__}: {error})") from None
     return config.replace(pooler=True) if pooler else config
+
+
+def check_sizes(hf: dict[str, Any], config: ModelConfig, tensors: dict[str, torch.Tensor],
+                where: Path, dtype: torch.dtype = torch.float32) -> None:
+    """Before any weight is allocated: the config's sizes fit the machine and give the shapes
+    the file's tensors have (checked on a model without storage, on the meta device)."""
+    try:
+        check_model_fits(config, dtype=dtype)
+    except InputError as error:
+        raise in_file(error, hf, where) from None
+    with torch.device("meta"):
+        shapes = build_model(config)  # parameters without memory: their shapes alone
+    try:
+        state_dict(config, hf["model_type"], tensors, shapes)
+    except InputError as error:
+        raise InputError(where.parent, f"{error.detail} (as {where.name} describes it)") from None
 
 
 def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
@@ -69,7 +111,7 @@ def read_config(folder: str | Path) -> tuple[dict, ModelConfig]:
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
     hf = read_json_object(config_path)
-    return hf, config_from_hf(hf)
+    return hf, config_from_hf(hf, where=config_path)
 
 
 def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
@@ -80,7 +122,8 @@ def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     hf, config = configs or read_config(folder)
     tensors = read_safetensors(folder)
     if family_of(hf["model_type"]).pooler_key in tensors:  # BERT's pooler, where the file holds one
-        config = config_from_hf(hf, pooler=True)
+        config = config_from_hf(hf, pooler=True, where=folder / "config.json")
+    check_sizes(hf, config, tensors, folder / "config.json", dtype)
     model = empty_model(config, dtype)
     try:
         weights = state_dict(config, hf["model_type"], tensors, model)

@@ -9,6 +9,8 @@ The pool holds `n_blocks` blocks of `block_size` token slots. A sequence owns a 
   every block before it, so equal keys mean equal prefixes (the tokens are checked on a hit).
   A freed block keeps its key until it is reused; the free list is least-recently-freed first,
   so unreferenced cached blocks are evicted in LRU order.
+- Blocks come into being when first taken, in order of their ids: a pool of any size costs
+  nothing until it is used, and never-used blocks are handed out before freed ones.
 - Copy-on-write: before a sequence writes into a block it shares, it gets a private copy.
   Growing counts those copies with the new blocks: it takes every block a step's writes need,
   or none (vLLM's allocate_slots), so a short pool makes a request wait, never fail.
@@ -50,27 +52,32 @@ class BlockManager:
         if n_blocks < 1 or block_size < 1:
             raise InputError("blocks",
                              f"need n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
-        self.block_size, self.prefix_caching = block_size, prefix_caching
-        self.blocks = [Block(i) for i in range(n_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))  # LRU first
+        self.n_blocks, self.block_size, self.prefix_caching = n_blocks, block_size, prefix_caching
+        self.blocks: list[Block] = []  # every block taken so far, by id (the rest never were)
+        self.free: OrderedDict[int, None] = OrderedDict()  # taken once, now unreferenced: LRU first
         self.by_key: dict[int, int] = {}  # prefix key -> block id
         self.hit_tokens = 0  # prompt tokens found in the cache (counter)
         self.query_tokens = 0  # prompt tokens looked up
 
     @property
-    def n_blocks(self) -> int:
-        return len(self.blocks)
+    def free_count(self) -> int:
+        """Blocks available for new tokens: the freed ones and those never taken."""
+        return len(self.free) + self.n_blocks - len(self.blocks)
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
     def stats(self) -> BlockStats:
         cached = sum(1 for b in self.free if self.blocks[b].key is not None)
-        return BlockStats(self.n_blocks - len(self.free), len(self.free), cached,
+        return BlockStats(self.n_blocks - self.free_count, self.free_count, cached,
                           self.hit_tokens, self.query_tokens)
 
     def _take(self) -> Block:
-        """A free block, the least recently freed; it forgets any prefix it held."""
+        """A free block: one never taken, else the least recently freed, which forgets any
+        prefix it held."""
+        if len(self.blocks) < self.n_blocks:
+            self.blocks.append(Block(len(self.blocks), ref_count=1))
+            return self.blocks[-1]
         block = self.blocks[self.free.popitem(last=False)[0]]
         if block.key is not None and self.by_key.get(block.key) == block.id:
             del self.by_key[block.key]
@@ -124,7 +131,7 @@ class BlockManager:
         return new + sum(1 for b in written if self.blocks[b].ref_count > 1)
 
     def can_grow(self, seq: Sequence, n_tokens: int, first: int | None = None) -> bool:
-        return self.blocks_needed(seq, n_tokens, first) <= len(self.free)
+        return self.blocks_needed(seq, n_tokens, first) <= self.free_count
 
     def grow(self, seq: Sequence, n_tokens: int, first: int | None = None) -> list[tuple[int, int]] | None:
         """Extend the block table to hold n_tokens slots and make private every shared block
@@ -150,7 +157,7 @@ class BlockManager:
         block = self.blocks[seq.block_table[index]]
         if block.ref_count == 1:
             return None
-        if not self.free:
+        if not self.free_count:
             raise InputError("blocks", "no free block for a copy-on-write")
         copy = self._take()
         self._unref(block.id)

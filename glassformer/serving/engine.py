@@ -41,7 +41,7 @@ from .beam import BeamGroup
 from .block_manager import BlockManager
 from .capture import new_rows
 from .handle import Event, RequestHandle, Wakeups
-from .kv_pool import KVPool, bytes_per_block
+from .kv_pool import KVPool, pool_blocks
 from .paged_attention import ATTENTION, query_group
 from .requests import NON_FINITE, broken_rows, check_request, logprobs_of, plain_greedy, result_of, too_large
 from .runner import CAPABILITIES, ModelRunner
@@ -83,6 +83,10 @@ class EngineConfig:
             raise InputError("attention", f"choose one of {ATTENTION}, got {self.attention!r}")
         if self.kv_memory_mb <= 0:
             raise InputError("kv_memory_mb", f"must be positive, got {self.kv_memory_mb}")
+        if self.token_budget < self.max_batch:  # the one set away from its default is blamed
+            field = "max_batch" if self.max_batch != EngineConfig.max_batch else "token_budget"
+            raise InputError(field, f"a step of max_batch {self.max_batch} requests needs a token_budget "
+                                    f"of as many tokens, got {self.token_budget}")
         if self.sink is not None and not isinstance(self.sink, SinkPolicy):
             raise InputError("sink", f"a SinkPolicy or None, got {type(self.sink).__name__}")
         if self.sink is not None and self.kv_dtype != "fp32":
@@ -106,14 +110,13 @@ class Engine:
             config.sink.check(model.config)
         self.model, self.tokenizer, self.config, self.threads = model.eval(), tokenizer, config, threads
         mc = model.config
+        device = model.embed.tokens.weight.device
         n_blocks = config.n_blocks
         if n_blocks is None:
-            block_bytes = bytes_per_block(mc, config.block_size, config.kv_dtype)
-            n_blocks = int(config.kv_memory_mb * 2**20) // block_bytes
+            n_blocks = pool_blocks(mc, config.kv_memory_mb, config.block_size, config.kv_dtype, device)
         # a sink request's blocks hold a ring of slots, not a prefix: nothing to share
         prefix_caching = config.prefix_caching and config.sink is None
         self.blocks = BlockManager(n_blocks, config.block_size, prefix_caching)
-        device = model.embed.tokens.weight.device
         fixed_shapes = config.deterministic and device.type == "cuda"
         if fixed_shapes and not torch.are_deterministic_algorithms_enabled():
             raise InputError("deterministic", "on CUDA, call glassformer.accel.precision.use_precision "

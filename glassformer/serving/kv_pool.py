@@ -22,6 +22,8 @@ The graph executor (graph_path.py) takes it whole too, with one scratch block pa
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import InputError
@@ -34,11 +36,28 @@ from ..model.kv_formats import (
     is_scaled,
     quantize_kv,
 )
+from ..model.sizes import MIB, check_fits
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, kv_dtype: str) -> int:
     """Memory of one block across every layer, keys and values."""
     return 2 * config.n_layers * block_size * config.kv_heads * bytes_per_vector(kv_dtype, config.head_dim)
+
+
+def pool_blocks(config: ModelConfig, kv_memory_mb: float, block_size: int, kv_dtype: str,
+                device: torch.device | str) -> int:
+    """How many blocks a pool of kv_memory_mb MiB holds, checked before anything is built:
+    a pool no larger than the device's memory (sizes.check_fits) and one block at least."""
+    block = bytes_per_block(config, block_size, kv_dtype)
+    check_fits(block, device, "block_size", f"one KV block of {block_size} tokens")
+    check_fits(kv_memory_mb * MIB, device, "kv_memory_mb", f"a KV pool of {kv_memory_mb:g} MiB")
+    n_blocks = int(kv_memory_mb * MIB) // block
+    if n_blocks < 1:
+        smallest = math.ceil(block / MIB * 1000) / 1000
+        raise InputError("kv_memory_mb", f"{kv_memory_mb:g} MiB holds no KV block of {block_size} tokens "
+                         f"(block_size), which takes {block / MIB:.3g} MiB for this model: the "
+                         f"smallest pool that works is {smallest:g} MiB, or smaller blocks")
+    return n_blocks
 
 
 class KVPool:

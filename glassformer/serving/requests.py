@@ -56,9 +56,13 @@ def check_request(mc: ModelConfig, prompt: Ids[int], params: RequestParams, wind
     needed = blocks.blocks_for(longest) * params.beams  # every beam may need its own
     if needed > blocks.n_blocks:
         size, beams = blocks.block_size, f"{params.beams} beams x " if params.beams > 1 else ""
-        raise CapacityError("beams" if params.beams > 1 else "prompt",
-                            f"the request needs {needed * size} tokens of cache ({beams}"
-                            f"{len(prompt)} prompt + {longest - len(prompt)} new, in blocks of "
+        new = longest - len(prompt)
+        cut = f" of max_new_tokens {params.max_new_tokens}, cut at the window" \
+            if new < params.max_new_tokens else ""
+        prompt_fits = blocks.blocks_for(len(prompt) + 1) * params.beams <= blocks.n_blocks
+        field = "beams" if params.beams > 1 else "max_new_tokens" if prompt_fits else "prompt"
+        raise CapacityError(field, f"the request needs {needed * size} tokens of cache ({beams}"
+                            f"{len(prompt)} prompt + {new} new{cut}, in blocks of "
                             f"{size}); the engine holds {blocks.n_blocks * size}",
                             "context_length_exceeded")
     return prompt

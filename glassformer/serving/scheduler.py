@@ -163,7 +163,7 @@ class Scheduler:
         if fits and len(unit) > 1:
             whole = sum(self.blocks.blocks_needed(seq, *self._span(seq, seq.num_tokens - seq.num_computed))
                         for seq in unit)
-            fits = whole <= len(self.blocks.free)
+            fits = whole <= self.blocks.free_count
         if fits:
             fits = all(n == 0 or self._reserve(seq, n, plan) for seq, n in zip(unit, chunks, strict=True))
         if not fits:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -31,17 +32,18 @@ from .step import bf16_supported
 
 def train(data, out_dir, model_config: ModelConfig | dict | None, config: TrainConfig,
           resume: bool = False, progress: bool = True, echo=tqdm.write,
-          threads: ThreadPolicy | None = None) -> dict:
+          threads: ThreadPolicy | None = None, announce: Callable[[str], None] | None = None) -> dict:
     """Train on the text at `data` (file(s) or folder) into the run folder `out_dir`.
     With `config.init` the model is the pretrained one: `model_config` may then be None or
     give fields (a dict) that must agree with it (see training/pretrained.py).
     `echo` prints the evaluations and samples; `threads` (the process's policy, if any) is
-    revisited every step. Returns a summary (iters, losses, tokens/s, checkpoint path ...)."""
+    revisited every step; `announce` is told, in a line, of a tokenizer trained (a wait of
+    seconds) before it starts. Returns a summary (iters, losses, tokens/s, checkpoint path ...)."""
     started = time.perf_counter()
     keep_freed_memory()
     process = distributed.setup(config.device)
     try:
-        run = Run.open(data, Path(out_dir), model_config, config, resume, process)
+        run = Run.open(data, Path(out_dir), model_config, config, resume, process, announce)
         return _loop(run, progress, echo, threads, started)
     finally:
         distributed.teardown(process)

@@ -180,8 +180,7 @@ def check_targets(model: ModelConfig, config: LoRAConfig) -> None:
     smallest = min(sizes, key=sizes.get)
     if config.rank > sizes[smallest]:
         raise InputError("lora_rank", f"{config.rank} is above {sizes[smallest]}, min(in, out) of "
-                         f"this model's {smallest} product: give --lora-rank {sizes[smallest]} "
-                         "or less")
+                         f"this model's {smallest} product: a rank of {sizes[smallest]} or less fits")
 
 
 def add_lora(model: nn.Module, config: LoRAConfig) -> None:

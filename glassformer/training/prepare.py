@@ -16,6 +16,7 @@ from ..formats.checkpoint import Checkpoint, resume_source, run_contents
 from ..formats.files import check_location
 from ..formats.tokenizers import train_tokenizer
 from ..model.config import ModelConfig
+from ..model.sizes import check_fits, check_model_fits
 from .chat_data import is_chat_data
 from .config import TrainConfig, resume_conflicts
 from .data import iter_documents, list_sources
@@ -32,8 +33,10 @@ class Prepared(NamedTuple):
     pretrained: Any  # the pretrained model (--init) whose weights the run starts from, if any
 
 
-def prepare_run(data, out: Path, model_config, config: TrainConfig, resume: bool) -> Prepared:
-    """Checks everything that could refuse the run before anything is written."""
+def prepare_run(data, out: Path, model_config, config: TrainConfig, resume: bool,
+                announce=None) -> Prepared:
+    """Checks everything that could refuse the run before anything is written; `announce`
+    is told of a BPE tokenizer trained (seconds on a large text)."""
     objective = get_objective(config.objective)
     sources = list_sources(data)
     if is_chat_data(sources) and (config.init is None or config.objective != "clm"):
@@ -42,6 +45,8 @@ def prepare_run(data, out: Path, model_config, config: TrainConfig, resume: bool
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out}: not a folder (--out names the run folder)")
     check_location(out, makes_folders=True)  # not under a regular file
+    if isinstance(model_config, ModelConfig):
+        check_step_fits(model_config, config)
     if not resume:
         left = run_contents(out)
         if left:
@@ -59,6 +64,8 @@ def prepare_run(data, out: Path, model_config, config: TrainConfig, resume: bool
             return Prepared(sources, tokenizer, model_config, None, pretrained)
         objective.check(model_config)
         docs = iter_documents(sources, config.documents)
+        if announce is not None and config.tokenizer == "bpe":
+            announce(f"training a BPE tokenizer of up to {config.vocab_size} tokens on the text")
         tokenizer = train_tokenizer(config.tokenizer, docs, config.vocab_size)
         tokenizer = objective.prepare_tokenizer(tokenizer, model_config.context_length)
         return Prepared(sources, tokenizer, _for_tokenizer(model_config, tokenizer), None, None)
@@ -76,6 +83,21 @@ def prepare_run(data, out: Path, model_config, config: TrainConfig, resume: bool
         raise InputError(None, f"cannot resume {out}: this run asks for {', '.join(conflicts)}")
     pretrained = load_pretrained(config.init)[0] if config.lora is not None else None  # the base
     return Prepared(sources, tokenizer, model_config, checkpoint, pretrained)
+
+
+def check_step_fits(model_config: ModelConfig, config: TrainConfig) -> None:
+    """Refuse sizes whose step could never fit this machine, before anything is built: the
+    model's weights (sizes.check_model_fits), a step's windows of token ids and their targets
+    (int64), and one micro-batch's residual stream (float32)."""
+    check_model_fits(model_config)
+    sizes = {"batch_size": config.batch_size, "grad_accum": config.grad_accum,
+             "context_length": model_config.context_length, "d_model": model_config.d_model}
+    step, T = config.grad_accum * config.batch_size, model_config.context_length
+    check_fits(16 * step * T, "cpu", max(("batch_size", "grad_accum", "context_length"), key=sizes.get),
+               f"a step of {step:,} windows of {T:,} tokens")
+    check_fits(4 * config.batch_size * T * model_config.d_model, "cpu",
+               max(("batch_size", "context_length", "d_model"), key=sizes.get),
+               f"the residual stream of {config.batch_size:,} windows of {T:,} tokens")
 
 
 def _for_tokenizer(model_config: ModelConfig, tokenizer) -> ModelConfig:

@@ -75,11 +75,12 @@ class Run:
     amp: Any
 
     @classmethod
-    def open(cls, data, out: Path, model_config, config: TrainConfig, resume: bool, process) -> Run:
+    def open(cls, data, out: Path, model_config, config: TrainConfig, resume: bool, process,
+             announce=None) -> Run:
         """Checks the run (nothing written if it is refused), writes its token file, builds the
         model and optimizer, and restores a checkpoint when resuming."""
         sources, tokenizer, model_config, checkpoint, pretrained = prepare_run(
-            data, out, model_config, config, resume)
+            data, out, model_config, config, resume, announce)
         T, main, device = model_config.context_length, process.is_main, process.device
         chat = ChatData.build(sources, tokenizer, T, config.val_fraction) if is_chat_data(sources) else None
         created = not out.exists()

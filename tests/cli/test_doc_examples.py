@@ -1,7 +1,7 @@
 """Every shell and Python example in the README and the guides (docs/guides/*.md) runs.
 
 Each document's examples run in order in a scratch folder that holds what they name: the
-corpus at ../shared/data/tinyshakespeare.txt (an excerpt), corpus/, held_out.txt,
+corpus at glassformer/data/tinyshakespeare.txt (an excerpt), corpus/, held_out.txt,
 CHECKPOINT_FOLDER (a tiny checkpoint), t5-folder/ and bert-folder/ (tiny Hugging Face
 folders). Commands run as written plus the small settings in SMALL (fewer training steps,
 fewer new tokens); those that name SmolLM2 run on the real model, in the slow tests. Every
@@ -22,13 +22,13 @@ import torch
 
 from glassformer import Transformer, get_preset
 from glassformer.cli import build_parser, main
+from glassformer.data import tinyshakespeare
 from glassformer.formats import checkpoint
 from glassformer.formats.tokenizers import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 FENCE = re.compile(r"^```(bash|python)\n(.*?)^```", re.S | re.M)
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 # (the start of an example, why it is not run here and what runs it instead)
 SKIPPED = (
@@ -117,12 +117,9 @@ def test_the_docs_hold_examples_of_every_kind():
 def _scratch(tmp_path: Path, names: str) -> Path:
     """The folder the examples run in, with what `names` (the document) mentions."""
     repo = tmp_path / "repo"
-    data = tmp_path / "shared" / "data"
+    data = repo / "glassformer" / "data"
     data.mkdir(parents=True)
-    repo.mkdir()
-    text = SHAKESPEARE.read_text(encoding="utf-8")[:40_000] if SHAKESPEARE.is_file() else \
-        "".join(f"ROMEO: to be or not to be, line {i}.\nJULIET: the king wears his crown.\n\n"
-                for i in range(600))
+    text = tinyshakespeare().read_text(encoding="utf-8")[:40_000]
     (data / "tinyshakespeare.txt").write_text(text, encoding="utf-8")
     (repo / "held_out.txt").write_text(text[-3000:], encoding="utf-8")
     (repo / "corpus").mkdir()

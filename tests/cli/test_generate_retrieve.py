@@ -51,7 +51,7 @@ def test_retrieve_puts_the_best_chunks_that_fit_before_the_question(run, capsys)
     (["--context", "retrieve"], "--question: give it with --context retrieve"),
     (["--question", "why?"], "--question: give it with --context retrieve"),
     (["--context", "retrieve", "--question", "why?", "-n", "100000"], "limit:"),
-    (["--context", "retrieve", "--question", "why?", "-n", "4"], "chunk_tokens: 256 exceed the"),
+    (["--context", "retrieve", "--question", "why?", "-n", "4"], "--chunk-tokens: 256 exceed the"),
 ])
 def test_mistakes_are_one_line(run, capsys, extra, message):
     folder, _, _, document = run

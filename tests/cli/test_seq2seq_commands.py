@@ -4,12 +4,12 @@ bad input gives one line and exit status 2."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from glassformer.cli import main
+from glassformer.data import tinyshakespeare
 from glassformer.formats.export import export_hf
 from glassformer.formats.huggingface import load_hf
 from glassformer.formats.tokenizers import HFTokenizer
@@ -18,7 +18,6 @@ from glassformer.model.encoder_decoder import EncoderDecoder
 from glassformer.model.presets import get_preset
 
 transformers = pytest.importorskip("transformers")
-SHAKESPEARE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +98,8 @@ def test_bad_t5_files_give_one_line(t5_folder, tmp_path, capsys):
 
 
 def test_train_objective_span(tmp_path, capsys):
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"no corpus at {SHAKESPEARE}")
     data = tmp_path / "head.txt"
-    data.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:5000], encoding="utf-8")
+    data.write_text(tinyshakespeare().read_text(encoding="utf-8")[:5000], encoding="utf-8")
     code = main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--preset", "tiny-t5",
                  "--objective", "span", "--max-iters", "4", "--eval-interval", "4", "--eval-iters", "1",
                  "--batch-size", "4", "--sample-tokens", "4", "--device", "cpu", "--no-progress", "--json"])

@@ -1,9 +1,8 @@
-from pathlib import Path
 
 import pytest
 import torch
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "tinyshakespeare.txt"
+from glassformer.data import tinyshakespeare
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -18,8 +17,6 @@ def _one_thread():
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """The first 40,000 characters of tinyshakespeare (enough for windows of 1024)."""
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"no corpus at {SHAKESPEARE}")
     path = tmp_path_factory.mktemp("data") / "shakespeare-head.txt"
-    path.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    path.write_text(tinyshakespeare().read_text(encoding="utf-8")[:40_000], encoding="utf-8")
     return path

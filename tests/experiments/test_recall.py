@@ -190,9 +190,9 @@ def test_every_reading_runs_past_the_window(corpus, tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["cache", "--models", "tiny"], "--models: applies to the recall experiment only"),
     (["recall", "--models", "gpt-9"], "models: choose among"),
-    (["recall", "--max-length", "100"], "max_length: at least 256 tokens"),
-    (["recall", "--min-length", "4096", "--max-length", "1024"], "min_length: from 256 tokens up to"),
-    (["recall", "--retrieve-tokens", "200"], "retrieve_tokens: at least 256 (two chunks)"),
+    (["recall", "--max-length", "100"], "--max-length: at least 256 tokens"),
+    (["recall", "--min-length", "4096", "--max-length", "1024"], "--min-length: from 256 tokens up to"),
+    (["recall", "--retrieve-tokens", "200"], "--retrieve-tokens: at least 256 (two chunks)"),
     (["cache", "--retrieve-tokens", "512"], "--retrieve-tokens: applies to the recall experiment only"),
     (["length", "--device", "cpu"], "device: the length experiment runs on the CPU"),
 ])

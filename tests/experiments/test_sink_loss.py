@@ -1,16 +1,14 @@
 """sink_loss: the block means against plain per-token losses, and the goal on SmolLM2."""
 
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from glassformer import ModelConfig, Transformer
+from glassformer.data import tinyshakespeare
 from glassformer.experiments.sink_loss import recomputed_losses, sink_loss, streamed_losses
 from glassformer.model.sink import SinkPolicy
-
-SHAKESPEARE = Path(__file__).parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def test_streamed_losses_are_each_tokens_loss_over_the_kept_tokens():
@@ -43,7 +41,8 @@ def test_sinks_keep_smollm2_loss_flat_over_16_windows(smollm2_path):
 
     language_model = load(str(smollm2_path), quantize="none", progress=False)
     window = 64
-    ids = language_model.tokenizer.encode(SHAKESPEARE.read_text()[:20000])[: 16 * window]
+    text = tinyshakespeare().read_text(encoding="utf-8")[:20000]
+    ids = language_model.tokenizer.encode(text)[: 16 * window]
     result = sink_loss(language_model.model, ids, window, sink_tokens=4)
     print(result)
     # the goal: sink + window within 5% of its loss at W (against recompute on the same tokens)

@@ -1,12 +1,12 @@
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from glassformer import ModelConfig, Transformer
+from glassformer.data import tinyshakespeare
 from glassformer.formats.tokenizers import HFTokenizer
 from glassformer.generation.retrieval import (
     EMBED_BATCH,
@@ -19,7 +19,6 @@ from glassformer.generation.retrieval import (
     spans,
 )
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 NEEDLE = "The secret number of Verona is 4821."
 QUESTION = "What is the secret number of Verona?"
 CHUNK = 64  # retrieve's chunks overlap by 16: they start every 48 tokens
@@ -28,9 +27,7 @@ AT = 48 * 40 + 16  # where the needle starts: whole in retrieve's chunk 40 and i
 
 @pytest.fixture(scope="module")
 def text():
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"no corpus at {SHAKESPEARE}")
-    return SHAKESPEARE.read_text(encoding="utf-8")[:16_000]
+    return tinyshakespeare().read_text(encoding="utf-8")[:16_000]
 
 
 @pytest.fixture(scope="module")

@@ -195,12 +195,12 @@ def test_resume_keeps_an_explicit_decay(corpus, tmp_path):
 BAD_TRAIN = [
     (["--lr", "inf"], "lr"), (["--lr", "nan"], "lr"), (["--lr", "-1"], "lr"),
     (["--lr", "abc"], "--lr"), (["--batch-size", "0"], "--batch-size"),
-    (["--max-iters", "-5"], "max_iters"), (["--device", "bogus"], "bogus"),
-    (["--device", "cuda:99"], "cuda"), (["--n-heads", "0"], "n_heads"),
-    (["--d-model", "15"], "d_model"), (["--dropout", "2"], "dropout"),
-    (["--beta1", "1.5"], "beta1"), (["--val-fraction", "0"], "val_fraction"),
-    (["--norm-eps", "nan"], "norm_eps"), (["--rope-theta", "inf"], "rope_theta"),
-    (["--max-time", "-1"], "max_time"), (["--grad-clip=-inf"], "grad_clip"),
+    (["--max-iters", "-5"], "--max-iters"), (["--device", "bogus"], "bogus"),
+    (["--device", "cuda:99"], "cuda"), (["--n-heads", "0"], "--n-heads"),
+    (["--d-model", "15"], "--d-model"), (["--dropout", "2"], "dropout"),
+    (["--beta1", "1.5"], "beta1"), (["--val-fraction", "0"], "--val-fraction"),
+    (["--norm-eps", "nan"], "--norm-eps"), (["--rope-theta", "inf"], "--rope-theta"),
+    (["--max-time", "-1"], "--max-time"), (["--grad-clip=-inf"], "--grad-clip"),
     (["--preset", "nope"], "unknown preset"),
 ]
 
@@ -252,9 +252,9 @@ def test_resume_from_a_checkpoint_with_a_broken_config(finished, corpus, tmp_pat
 
 BAD_LORA = {  # the model: d_model 16, two heads of 8, kv_heads 2, a 64-wide plain feed-forward
     "rank beyond every product": (["--lora-rank", "100000", "--lora-targets", "q,k,v,o,up,down"],
-                                  "--lora-rank 16 or less"),
+                                  "--lora-rank: 100000 is above 16"),
     "rank beyond the smallest target": (["--lora-rank", "17", "--lora-targets", "q,down"],
-                                        "--lora-rank 16 or less"),
+                                        "a rank of 16 or less fits"),
     "targets without a rank": (["--lora-targets", "q"], "give --lora-rank too"),
     "default targets without a rank": (["--lora-targets", "q,k,v,o,gate,up,down"],
                                        "give --lora-rank too"),

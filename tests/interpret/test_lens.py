@@ -1,11 +1,11 @@
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from glassformer import Transformer, get_preset
 from glassformer.cli import main
+from glassformer.data import tinyshakespeare
 from glassformer.errors import InputError
 from glassformer.formats.checkpoint import write_checkpoint
 from glassformer.formats.tokenizers import CharTokenizer
@@ -22,8 +22,7 @@ from glassformer.interpret.lens import (
 from glassformer.interpret.lens_page import lens_data, render_html
 from glassformer.interpret.trace import run_with_cache
 
-SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
-TEXT = SHAKESPEARE.read_text(encoding="utf-8")[:12_000] if SHAKESPEARE.is_file() else None
+TEXT = tinyshakespeare().read_text(encoding="utf-8")[:12_000]
 TOKENIZER = CharTokenizer("".join(chr(c) for c in range(32, 127)) + "\n")
 PROMPT = "First Citizen"
 
@@ -84,7 +83,6 @@ def test_an_untrained_tuned_lens_is_the_logit_lens():
     assert torch.equal(logit_lens(model, ids, 2, tuned).ids, logit_lens(model, ids, 2).ids)
 
 
-@pytest.mark.skipif(TEXT is None, reason="tinyshakespeare.txt is not beside the repository")
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt1"])
 def test_a_trained_tuned_lens_is_closer_to_the_output_at_every_layer(preset):
     # init_std=0.3: peaked distributions that differ from layer to layer (0.02 gives near-uniform
@@ -171,7 +169,6 @@ def test_cli_prints_a_table_and_json_that_agree_with_the_library(checkpoint, cap
     assert torch.equal(got, lens.ids[:, 0])
 
 
-@pytest.mark.skipif(TEXT is None, reason="tinyshakespeare.txt is not beside the repository")
 def test_cli_trains_a_tuned_lens_and_reads_with_it(checkpoint, tmp_path, capsys):
     data = tmp_path / "data.txt"
     data.write_text(TEXT[:3000], encoding="utf-8")

@@ -16,7 +16,7 @@ def _computed(bm: BlockManager, seq: Sequence, n: int) -> None:
 
 
 def _whole(bm: BlockManager) -> None:
-    assert len(bm.free) == bm.n_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.free_count == bm.n_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
 
 def test_grow_and_release_return_every_block():
@@ -121,13 +121,13 @@ def test_growing_counts_the_copy_a_write_into_a_shared_block_needs():
     assert bm.grow(_seq(range(4)), 4) == []  # one block left free
     assert bm.blocks_needed(child, 9) == 1 and bm.can_grow(child, 9)  # without its writes
     assert bm.blocks_needed(child, 9, first=6) == 2  # a new block and a copy of the shared one
-    before = (list(child.block_table), [b.ref_count for b in bm.blocks], list(bm.free))
+    before = (list(child.block_table), [b.ref_count for b in bm.blocks], list(bm.free), bm.free_count)
     assert not bm.can_grow(child, 9, first=6) and bm.grow(child, 9, first=6) is None
-    assert (child.block_table, [b.ref_count for b in bm.blocks], list(bm.free)) == before  # nothing taken
+    assert (child.block_table, [b.ref_count for b in bm.blocks], list(bm.free), bm.free_count) == before
     source = child.block_table[1]
     assert bm.blocks_needed(child, 8, first=6) == 1
     assert bm.grow(child, 8, first=6) == [(source, child.block_table[1])] != [(source, source)]
-    assert bm.blocks[source].ref_count == 1 and not bm.free
+    assert bm.blocks[source].ref_count == 1 and not bm.free_count
     assert bm.blocks_needed(parent, 8, first=6) == 0  # the copy made parent's block private
     assert bm.grow(parent, 8, first=6) == []
 

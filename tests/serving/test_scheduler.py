@@ -63,7 +63,7 @@ def test_the_newest_request_is_preempted_and_recomputed_later():
         preempted += _step(sched).preempted
     assert preempted and preempted[0] is new and new.preemptions >= 1 and old.preemptions == 0
     assert len(old.generated) == len(new.generated) == 6
-    assert len(bm.free) == bm.n_blocks
+    assert bm.free_count == bm.n_blocks
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -89,7 +89,7 @@ def test_random_traffic_never_deadlocks_or_leaks(seed):
         if len(seqs) == 12 and not sched.has_work():
             break
     assert not sched.has_work(), "requests left behind"
-    assert len(bm.free) == bm.n_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.free_count == bm.n_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
 
 def _beams(n_prompt: int, width: int) -> BeamGroup:
@@ -122,7 +122,7 @@ def test_a_forked_beam_short_of_its_copy_on_write_waits_with_its_group():
     old.tokens.append(7)
     _fork(group, sched)
     root, child = group.members
-    assert not bm.free and bm.blocks[root.block_table[1]].ref_count == 2
+    assert not bm.free_count and bm.blocks[root.block_table[1]].ref_count == 2
     plan = sched.schedule()  # old decodes; the root's write would need a copy of block 1
     assert [s for s, _ in plan.scheduled] == [old] and plan.preempted == [root, child]
     assert list(sched.waiting) == [root, child] and sched.running == [old] and not plan.copies

@@ -212,9 +212,9 @@ def plain_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--lora-targets", "gate"], "lora_targets: this model has no 'gate' projection"),
-    (["--lora-targets", "q,bogus"], "lora_targets: 'q,bogus': give distinct names"),
-    (["--lora-rank", "0"], "lora_rank: must be an integer >= 1, got 0"),
+    (["--lora-targets", "gate"], "--lora-targets: this model has no 'gate' projection"),
+    (["--lora-targets", "q,bogus"], "--lora-targets: 'q,bogus': give distinct names"),
+    (["--lora-rank", "0"], "--lora-rank: must be an integer >= 1, got 0"),
 ])
 def test_bad_lora_flags_are_one_line(plain_checkpoint, corpus, tmp_path, capsys, flags, message):
     out = tmp_path / "run"

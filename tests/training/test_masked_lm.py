@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from bert_folder import corpus
 
 from glassformer import Transformer, get_preset
+from glassformer.data import tinyshakespeare
 from glassformer.formats.checkpoint import load_model
 from glassformer.formats.tokenizers import CharTokenizer, load_tokenizer
 from glassformer.training.config import TrainConfig
@@ -112,7 +112,7 @@ def _mlm_config(**changes):
 
 def test_mlm_training_lowers_the_loss(tmp_path):
     data = tmp_path / "shakespeare.txt"
-    data.write_text(corpus().read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    data.write_text(tinyshakespeare().read_text(encoding="utf-8")[:60_000], encoding="utf-8")
     model = get_preset("tiny-bert")
     summary = train(data, tmp_path / "run", model, _mlm_config(), progress=False)
     losses = [r["train_loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "lr" in r]
@@ -125,7 +125,7 @@ def test_mlm_training_lowers_the_loss(tmp_path):
 
 def test_mlm_resumed_equals_uninterrupted(tmp_path):
     data = tmp_path / "text.txt"
-    data.write_text(corpus().read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    data.write_text(tinyshakespeare().read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     model, config = get_preset("tiny-bert"), _mlm_config(max_iters=6, lr_decay_iters=6,
                                                          eval_interval=3)
     train(data, tmp_path / "full", model, config, progress=False)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from glassformer.data import tinyshakespeare
 from glassformer.formats.checkpoint import load_model
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.model.encoder_decoder import EncoderDecoder
@@ -18,17 +19,14 @@ from glassformer.training.metrics import read_metrics
 from glassformer.training.objectives import OBJECTIVES, get_objective
 from glassformer.training.span import sentinel_ids, span_counts
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 SPAN = TrainConfig(objective="span", batch_size=8, max_iters=40, warmup_iters=4, lr=3e-3,
                    eval_interval=20, eval_iters=2, log_interval=1, sample_tokens=8, device="cpu")
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"no corpus at {SHAKESPEARE}")
     path = tmp_path_factory.mktemp("data") / "shakespeare-head.txt"
-    path.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    path.write_text(tinyshakespeare().read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     return path
 
 

@@ -3,6 +3,7 @@ with a 4xx status for anything the client can fix; never a traceback or a file p
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 
@@ -56,6 +57,10 @@ def from_validation(error: ValidationError) -> APIError:
     param = ".".join(loc) or None
     kind = first["type"]
     if kind == "json_invalid":
+        if _lone_surrogate(first.get("input")):
+            return APIError(400, "the body's text holds an unpaired surrogate escape (\\ud800-\\udfff "
+                            "alone): valid JSON, but no Unicode text; send the character's pair",
+                            code="invalid_json")
         return APIError(400, f"the body is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})",
                         code="invalid_json")
     if kind == "model_type" and loc:  # a nested object sent as null, a list, a number...
@@ -103,3 +108,19 @@ def install(app: FastAPI) -> None:
         # the error goes on to the HTTP server, which closes the connection after this answer
         return APIError(500, "internal error; see the server's log", code="internal_error",
                         headers={"Connection": "close"}).response()
+
+
+def _lone_surrogate(body: object) -> bool:
+    """Whether a body that pydantic's parser refused is JSON holding a lone surrogate escape
+    (Python's parser takes it; no UTF-8 text can hold it)."""
+    if not isinstance(body, (bytes, str)):
+        return False
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

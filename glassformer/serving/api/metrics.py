@@ -23,7 +23,7 @@ class EngineCollector:
 
     def collect(self):
         engine, stats = self.engine, self.engine.stats
-        used = engine.blocks.n_blocks - len(engine.blocks.free)  # live: a cancel frees at once
+        used = engine.blocks.n_blocks - engine.blocks.free_count  # live: a cancel frees at once
         yield from (
             GaugeMetricFamily("glassformer_queue_length", "requests waiting to be scheduled",
                               value=stats.waiting),

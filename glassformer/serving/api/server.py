@@ -176,8 +176,9 @@ class Server:
             params = replace(params, steer=self.steering.steers(fields.glassformer.steer))
             handle = self.engine.submit(ids, params)
         except CapacityError as error:
-            message = str(error).replace("the engine holds", "the server holds")
-            raise APIError(400, message, error.field, error.code) from None
+            param = REQUEST_FIELDS.get(error.field, error.field)  # the request's own name for it
+            message = f"{param}: {error.detail}".replace("the engine holds", "the server holds")
+            raise APIError(400, message, param, error.code) from None
         except InputError as error:
             raise errors.from_input(error, REQUEST_FIELDS) from None
         admission = Admission()

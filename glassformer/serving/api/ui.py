@@ -35,6 +35,8 @@ def state(engine: Engine, n_steps: int = 120) -> dict:
         kind = ("shared" if block.ref_count > 1 else "used") if block.ref_count else (
             "cached" if block.key is not None else "free")
         blocks.append({"id": block.id, "state": kind, "owners": users})
+    blocks += [{"id": i, "state": "free", "owners": []}  # never taken yet
+               for i in range(len(blocks), engine.blocks.n_blocks)]
     requests = []
     for seq in sequences:
         generated = len(seq.tokens) - seq.prompt_len

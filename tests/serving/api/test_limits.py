@@ -244,7 +244,8 @@ def test_a_request_larger_than_the_cache_says_so(language_model):
         reply = httpx.post(f"{url}/v1/completions", json=body(prompt="a" * 30, max_tokens=60), timeout=30)
         assert reply.status_code == 400
         error = reply.json()["error"]
-        assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+        # the prompt fits: max_tokens is what does not
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
         assert "needs 96 tokens of cache" in error["message"] and "the server holds 64" in error["message"]
 
 
