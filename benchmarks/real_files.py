@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from glassformer import load  # noqa: E402
+from glassformer.data import tinyshakespeare  # noqa: E402
 from glassformer.formats.gguf_file import GGUFFile  # noqa: E402
 from glassformer.formats.gguf_tokenizer import from_gguf_metadata  # noqa: E402
 
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source, built")
     parser.add_argument("--out", type=Path, default=None, help="keep the files here")
     parser.add_argument("--only", nargs="*", default=["spm", "llama3", "qwen2"])
-    parser.add_argument("--corpus", type=Path, default=REPO.parent / "shared/data/tinyshakespeare.txt",
+    parser.add_argument("--corpus", type=Path, default=tinyshakespeare(),
                         help="text the SentencePiece tokenizer is trained on")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
