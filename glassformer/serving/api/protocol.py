@@ -14,6 +14,9 @@ from ...generation.sampling import SamplingConfig
 from .. import RequestParams
 from ..capture import token_axis
 
+MAX_CHOICES = 16  # the most choices (n) and candidates (best_of) one request may ask for
+Choices = Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)]
+
 
 class Strict(BaseModel):
     """Unknown fields are rejected (OpenAI answers them with 400 too); no silent coercion of
@@ -68,7 +71,7 @@ class SamplingFields(Strict):
     model: str = Field(min_length=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Choices = 1  # choices returned, each its own engine request (choices.py)
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -79,7 +82,23 @@ class SamplingFields(Strict):
     seed: StrictInt | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     user: str | None = None
+    use_beam_search: StrictBool = False  # vLLM's: the n best of a beam search as wide as best_of or n
     glassformer: Glassformer = Glassformer()
+
+    @model_validator(mode="after")
+    def _choices(self):
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None and best_of < self.n:
+            raise InputError("best_of", f"must be at least n ({self.n}), got {best_of}")
+        if self.stream and self.use_beam_search:
+            raise InputError("use_beam_search", "not with stream=true (the beams are ranked at the end)")
+        if self.stream and best_of is not None and best_of > self.n:
+            raise InputError("best_of", "not with stream=true (the best are known only at the end)")
+        several = self.n > 1 or (best_of or 1) > 1
+        extension = self.glassformer
+        if several and (extension.trace or extension.ui or extension.lens is not None):
+            raise InputError("glassformer", "trace, ui and lens need one choice (n and best_of 1)")
+        return self
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", mode="before")
@@ -132,6 +151,7 @@ class CompletionRequest(SamplingFields):
     echo: Literal[False] = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     suffix: None = None
+    best_of: Choices | None = None  # candidates generated; the n of highest log-probability return
 
     @property
     def logprob_count(self) -> int | None:

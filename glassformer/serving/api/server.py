@@ -31,18 +31,19 @@ from ...language_model import LanguageModel
 from .. import Engine, EngineConfig, Event, RequestHandle
 from ..capture import answer_bytes, token_axis
 from ..requests import CapacityError
-from . import errors, responses
+from . import choices, errors, responses
 from .errors import APIError
 from .metrics import ServerMetrics
 from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, SamplingFields, Usage, new_id, now
 from .steering import SteeringVectors
 from .tracing import Tracer
-from .ui_live import Live, Watch, live_sites
+from .ui_live import Live, live_sites
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 # the request's name for a field the engine's RequestParams (or the steering table) names otherwise
-REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "adapter": "model", "capture": "glassformer.trace",
-                  "steer": "glassformer.steer", "ablate": "glassformer.ablate", "lens": "glassformer.lens",
+REQUEST_FIELDS = {"max_new_tokens": "max_tokens", "beams": "use_beam_search", "adapter": "model",
+                  "capture": "glassformer.trace", "steer": "glassformer.steer",
+                  "ablate": "glassformer.ablate", "lens": "glassformer.lens",
                   "lens_layers": "glassformer.lens.layers"}
 
 
@@ -150,8 +151,9 @@ class Server:
         return parsed
 
     def submit(self, ids: list[int], fields: SamplingFields, asked: int | None,
-               request: Request) -> tuple[RequestHandle, Admission]:
-        """Admit a request; returns its handle and what its reader shares with its guard."""
+               request: Request) -> tuple[list[RequestHandle], Admission]:
+        """Admit a request: one engine request per candidate (choices.py); returns their
+        handles and what the reader shares with the guard."""
         context, cap = self.language_model.config.context_length, self.config.max_tokens
         if len(ids) > context:
             raise APIError(400, f"prompt: {len(ids)} tokens; this model's context holds {context}",
@@ -161,11 +163,13 @@ class Server:
                            "invalid_value")
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if len(self.active) >= self.engine.config.max_batch + self.config.max_queue:
+        room = self.engine.config.max_batch + self.config.max_queue - len(self.active)
+        if choices.candidates(fields) > room:
             raise APIError(429, "the server is busy; retry shortly", code="queue_full",
                            headers={"Retry-After": "1"})
         limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
         self.check_capture_size(fields, min(len(ids) + limit, context))
+        handles: list[RequestHandle] = []
         try:
             params = fields.params(limit)
             if fields.glassformer.ui:
@@ -174,19 +178,22 @@ class Server:
             if fields.model != self.config.model_name:  # one of the LoRA adapters (parse)
                 params = replace(params, adapter=fields.model)
             params = replace(params, steer=self.steering.steers(fields.glassformer.steer))
-            handle = self.engine.submit(ids, params)
-        except CapacityError as error:
-            param = REQUEST_FIELDS.get(error.field, error.field)  # the request's own name for it
-            message = f"{param}: {error.detail}".replace("the engine holds", "the server holds")
-            raise APIError(400, message, param, error.code) from None
-        except InputError as error:
+            for each in choices.plan(fields, params):
+                handles.append(self.engine.submit(ids, each))
+        except (CapacityError, InputError) as error:
+            for handle in handles:
+                handle.cancel()
+            if isinstance(error, CapacityError):
+                param = REQUEST_FIELDS.get(error.field, error.field)  # the request's own name for it
+                message = f"{param}: {error.detail}".replace("the engine holds", "the server holds")
+                raise APIError(400, message, param, error.code) from None
             raise errors.from_input(error, REQUEST_FIELDS) from None
         admission = Admission()
-        self.active.add(handle)
-        guard = asyncio.create_task(self._guard(handle, request, admission))
+        self.active.update(handles)
+        guard = asyncio.create_task(self._guard(handles, request, admission))
         self._guards.add(guard)
         guard.add_done_callback(self._guards.discard)
-        return handle, admission
+        return handles, admission
 
     def check_capture_size(self, fields: SamplingFields, tokens: int) -> None:
         """400 for a request whose trace sites and lens would make more than max_capture_mb of
@@ -216,9 +223,9 @@ class Server:
                                    for i in range(self.language_model.config.vocab_size))
         return self._token_json
 
-    async def _guard(self, handle: RequestHandle, request: Request, admission: Admission) -> None:
-        """Holds the request's admission until its reader is done; cancels it in the engine as
-        soon as the client disconnects or its time is up."""
+    async def _guard(self, handles: list[RequestHandle], request: Request, admission: Admission) -> None:
+        """Holds the request's admission until its reader is done; cancels every one of its
+        engine requests as soon as the client disconnects or its time is up."""
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -228,29 +235,16 @@ class Server:
         try:
             finished, _ = await asyncio.wait(waits, timeout=self.config.request_timeout_s,
                                              return_when=asyncio.FIRST_COMPLETED)
-            admission.timed_out = not finished and not handle.finished
+            admission.timed_out = not finished and not all(h.finished for h in handles)
         finally:
             for wait in waits:
                 wait.cancel()
-            if not handle.finished:
-                handle.cancel()
-            self.active.discard(handle)
-            if handle.result is not None and handle.result.stop_reason not in ("cancelled", "error"):
-                self.metrics.observe(handle.result)
-
-    @staticmethod
-    async def events(handle: RequestHandle, admission: Admission, watch: Watch | None = None
-                     ) -> AsyncIterator[list[Event]]:
-        """The request's events, those that arrived together in one list; each shown to its
-        watch on the live page first, if it has one."""
-        try:
-            async for events in handle.batches():
-                if watch is not None:
-                    for event in events:
-                        await asyncio.to_thread(watch.observe, event)
-                yield events
-        finally:
-            admission.done.set()
+            for handle in handles:
+                if not handle.finished:
+                    handle.cancel()
+                self.active.discard(handle)
+                if handle.result is not None and handle.result.stop_reason not in ("cancelled", "error"):
+                    self.metrics.observe(handle.result)
 
     def stopped(self, event: Event, admission: Admission) -> APIError | None:
         """The error to answer for a request that did not finish on its own: past its time
@@ -297,7 +291,8 @@ class Server:
             if body.model != self.config.model_name and any(token_axis(site) is None for site in sites):
                 raise APIError(400, "glassformer.trace: with a LoRA adapter, only sites with a token "
                                "axis (kept inside the engine's steps)", "glassformer.trace", "invalid_value")
-        handle, admission = self.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
+        handles, admission = self.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
+        handle = handles[0]  # the one a trace, a lens and the live page read (they need n = 1)
         head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
         watch = None
         if body.glassformer.ui:
@@ -323,16 +318,22 @@ class Server:
             return {"glassformer": {"trace": trace, **lens}}
 
         def usage() -> dict:
-            generated = len(handle.result.generated_ids) if handle.result is not None else 0
+            """The prompt once, and every token generated for the request (each candidate's)."""
+            generated = sum(len(h.result.generated_ids) for h in handles if h.result is not None)
             return Usage.of(len(ids), generated).model_dump()
 
         decode = self.language_model.tokenizer.decode
         if not body.stream:
-            events = [event async for batch in self.events(handle, admission, watch) for event in batch]
-            error = self.stopped(events[-1], admission)
-            if error is not None:
-                raise error
-            whole = responses.whole(head, chat, events, body.logprob_count, decode)
+            per_choice: list[list[Event]] = [[] for _ in handles]
+            async for index, batch in choices.events(handles, admission.done, watch):
+                per_choice[index] += batch
+            for events in per_choice:
+                error = self.stopped(events[-1], admission)
+                if error is not None:
+                    raise error
+            if len(per_choice) > body.n:  # best_of: the n likeliest candidates
+                per_choice = choices.best(per_choice, body.n)
+            whole = responses.whole(head, chat, per_choice, body.logprob_count, decode)
             return JSONResponse(whole | {"usage": usage(), **(await extra())})
 
         shape = responses.Chunks(head, chat, decode, tuple(sites))
@@ -340,25 +341,31 @@ class Server:
         async def stream() -> AsyncIterator[str]:
             """The events that arrived together go out in one write (one body chunk). A failure
             past the headers ends the stream with an error event (500) and [DONE]."""
-            error, with_usage = None, body.stream_options is not None and body.stream_options.include_usage
+            with_usage = body.stream_options is not None and body.stream_options.include_usage
             if chat:
-                yield shape.chunk("", None, role=True)
+                yield "".join(shape.chunk("", None, role=True, index=i) for i in range(len(handles)))
             try:
-                async for batch in self.events(handle, admission, watch):
-                    out = [shape.token(event) for event in batch if event.logprobs is not None or event.text
-                           or set(event.captured or ()) & set(sites)]
-                    last = batch[-1]
+                running = len(handles)
+                async for index, batch in choices.events(handles, admission.done, watch):
+                    out = [shape.token(event, index) for event in batch if event.logprobs is not None
+                           or event.text or set(event.captured or ()) & set(sites)]
+                    last, error = batch[-1], None
                     if last.finished:
+                        running -= 1
                         error = self.stopped(last, admission)
                         if error is None:
-                            out.append(shape.chunk(None, FINISH[last.stop_reason], more=await extra()))
+                            out.append(shape.chunk(None, FINISH[last.stop_reason], more=await extra(),
+                                                   index=index))
                         else:
                             out.append(responses.sse(error.payload()))
-                        if error is None and with_usage:
+                        if error is None and with_usage and not running:
                             out.append(shape.usage(usage()))
-                        out.append(responses.sse("[DONE]"))
+                        if error is not None or not running:
+                            out.append(responses.sse("[DONE]"))
                     if out:
                         yield "".join(out)
+                    if error is not None:
+                        return  # (the guard cancels the other choices)
             except Exception:
                 errors.log.exception("unexpected error in a stream on %s", request.url.path)
                 failed = APIError(500, "internal error; see the server's log", code="internal_error")
@@ -366,7 +373,6 @@ class Server:
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-
 
     def lens_json(self, result: GenerationResult, layers: list[int] | None) -> dict:
         """The request's lens as `glassformer lens --json` prints one: per residual stream and

@@ -50,7 +50,7 @@ CASES = [  # (route, body, the param named)
     (C, completion(seed="x"), "seed"),
     (C, completion(stop=[""]), "stop"),
     (C, completion(stop=5), "stop"),
-    (C, completion(n=2), "n"),
+    (C, completion(n=17), "n"), (C, completion(n=2, best_of=1), "best_of"),
     (C, completion(stream="yes"), "stream"),
     (C, completion(logprobs=6), "logprobs"),
     (C, completion(echo=True), "echo"),
