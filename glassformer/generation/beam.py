@@ -77,10 +77,15 @@ class BeamRanking:
         return sources
 
     def winner(self) -> Hypothesis:
+        return self.best(1)[0]
+
+    def best(self, count: int) -> list[Hypothesis]:
+        """The `count` best hypotheses by score, best first: the finished ones, with the
+        running ones too while fewer than the width have finished."""
         pool = self.finished
         if len(self.finished) < self.width and self.survivors:
             pool = self.finished + self.survivors
-        return max(pool, key=lambda h: h.score(self.length_penalty))
+        return sorted(pool, key=lambda h: -h.score(self.length_penalty))[:count]
 
 
 def beam_search(

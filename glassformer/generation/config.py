@@ -78,6 +78,7 @@ class RequestParams:
     eos_ids: tuple[int, ...] | None = None  # None: the tokenizer's eos_id
     beams: int = 1  # > 1: beam search (beam.py)
     length_penalty: float = 1.0  # beam score = sum log p / length^length_penalty
+    best_beams: int = 1  # the engine: how many of the best beams the result holds (runners_up)
     logprobs: int | None = None  # the engine: each token's log-probability and the n likeliest
     capture: tuple[str, ...] = ()  # the engine: hook sites kept for this request's rows
     adapter: str | None = None  # the engine: the name of a loaded LoRA adapter (None: the base)
@@ -102,6 +103,7 @@ class RequestParams:
             for token in self.eos_ids:
                 _integer("eos_ids", token, 0)
         _integer("beams", self.beams, 1)
+        _integer("best_beams", self.best_beams, 1, self.beams + 1)
         penalty = self.length_penalty
         if isinstance(penalty, bool) or not isinstance(penalty, int | float) or not math.isfinite(penalty):
             raise InputError("length_penalty", f"must be a finite number, got {penalty!r}")
@@ -243,6 +245,8 @@ class GenerationResult:
     # the engine's lens (RequestParams.lens): token ids and probabilities, each (sites, T, k),
     # sites as interpret.lens.lens_sites (RequestParams.lens_layers), positions as `captured`'s
     lens: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the engine's beam search with best_beams > 1: the next best beams' results, best first
+    runners_up: tuple[GenerationResult, ...] = ()
 
     @property
     def n_generated(self) -> int:

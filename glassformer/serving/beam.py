@@ -6,8 +6,8 @@ generation/beam.py's BeamRanking (the one ranking both searches run). Each survi
 candidate continues its source member; a source chosen twice is forked (its blocks shared,
 copied on the next write), and a member no candidate continues gives its blocks back. With
 stop strings each member carries its own text stream, and a candidate pushes its one token
-onto a fork of its source's: the text is followed token by token, never decoded again. Only
-the winner is reported, at the end.
+onto a fork of its source's: the text is followed token by token, never decoded again. The
+winner is reported at the end (and the next best beams, RequestParams.best_beams).
 
 The group is scheduled as one (scheduler.py): its members are admitted together, only when the
 blocks of all of them are free, and preempted together, so no member waits for the logits of
@@ -104,23 +104,30 @@ class BeamGroup:
         return child
 
     def result(self, prefill_seconds: float, decode_seconds: float) -> GenerationResult:
-        winner, root = self.winner, self.root
+        """The winner's result; with best_beams > 1 the next best beams' under `runners_up`."""
+        best = self.ranking.best(self.root.params.best_beams)
+        first, *rest = (self._result_of(h, prefill_seconds, decode_seconds) for h in best)
+        first.runners_up = tuple(rest)
+        return first
+
+    def _result_of(self, beam: Hypothesis, prefill_seconds: float, decode_seconds: float) -> GenerationResult:
+        root = self.root
         text = stop_string = None
         if self.tokenizer is not None:
             stream = TextStream(self.tokenizer, root.params.stop, root.tokens[: root.prompt_len][-4:])
-            for token in winner.ids:
+            for token in beam.ids:
                 if token in root.eos or stream.stop_string is not None:
                     break
                 stream.push(token)
             stream.flush()
             text, stop_string = stream.text, stream.stop_string
-        if winner.ids[-1] in root.eos:
+        if beam.ids[-1] in root.eos:
             reason = "eos"
         elif stop_string is not None:
             reason = "stop_string"
         else:
             reason = "context_full" if self.ranking.window_full else "max_new_tokens"
         return GenerationResult(
-            prompt_ids=root.tokens[: root.prompt_len], generated_ids=list(winner.ids), text=text,
+            prompt_ids=root.tokens[: root.prompt_len], generated_ids=list(beam.ids), text=text,
             stop_reason=reason, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds,
-            decode_steps=len(winner.ids) - 1, log_prob=winner.log_prob, stop_string=stop_string)
+            decode_steps=len(beam.ids) - 1, log_prob=beam.log_prob, stop_string=stop_string)

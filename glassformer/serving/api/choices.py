@@ -4,7 +4,7 @@ requests to submit, how their events reach the reader, and which of them are ans
 Each choice (and each best_of candidate) is its own engine request. With a `seed`, candidate
 i draws with `derived_seed(seed, i)`: the candidates differ under sampling, and the whole
 answer is the same for the same body. A beam search is one engine request as wide as best_of
-(or n), whose best beam is the answer."""
+(or n), whose n best beams are the choices."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from ...errors import InputError
-from ...generation.config import SEEDS
+from ...generation.config import SEEDS, GenerationResult
 from .. import Event, RequestHandle, RequestParams
 from .protocol import SamplingFields
 from .ui_live import Watch
@@ -36,19 +36,22 @@ def candidates(fields: SamplingFields) -> int:
 def plan(fields: SamplingFields, params: RequestParams) -> list[RequestParams]:
     """Each engine request's parameters, from the body's own (`params`)."""
     if fields.use_beam_search:
-        if fields.n > 1:
-            raise InputError("n", "use_beam_search returns the search's best beam only: ask n = 1 "
-                             "(best_of sets the beams' width)")
         width = getattr(fields, "best_of", None) or fields.n
         if width < 2:
-            raise InputError("use_beam_search", "needs a width of 2 or more: give best_of >= 2")
-        return [replace(params, beams=width)]
+            raise InputError("use_beam_search", "needs a width of 2 or more: give n or best_of >= 2")
+        return [replace(params, beams=width, best_beams=fields.n)]
     count = candidates(fields)
     if count > fields.n and params.logprobs is None:  # to rank them (not answered)
         params = replace(params, logprobs=0)
     if params.seed is None:
         return [params] * count
     return [replace(params, seed=derived_seed(params.seed, i)) for i in range(count)]
+
+
+def beam_choices(result: GenerationResult) -> list[list[Event]]:
+    """A finished beam search's best beams as choices: each one event with its whole text."""
+    return [[Event(f"beam-{rank}", None, beam.text or "", True, beam.stop_reason)]
+            for rank, beam in enumerate((result, *result.runners_up))]
 
 
 def log_prob(events: list[Event]) -> float:

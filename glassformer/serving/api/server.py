@@ -319,7 +319,8 @@ class Server:
 
         def usage() -> dict:
             """The prompt once, and every token generated for the request (each candidate's)."""
-            generated = sum(len(h.result.generated_ids) for h in handles if h.result is not None)
+            generated = sum(len(r.generated_ids) for h in handles if h.result is not None
+                            for r in (h.result, *h.result.runners_up))
             return Usage.of(len(ids), generated).model_dump()
 
         decode = self.language_model.tokenizer.decode
@@ -331,7 +332,9 @@ class Server:
                 error = self.stopped(events[-1], admission)
                 if error is not None:
                     raise error
-            if len(per_choice) > body.n:  # best_of: the n likeliest candidates
+            if body.use_beam_search:
+                per_choice = choices.beam_choices(handle.result)
+            elif len(per_choice) > body.n:  # best_of: the n likeliest candidates
                 per_choice = choices.best(per_choice, body.n)
             whole = responses.whole(head, chat, per_choice, body.logprob_count, decode)
             return JSONResponse(whole | {"usage": usage(), **(await extra())})

@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import torch
 from conftest import serving
 
 from glassformer.generation.config import GenerationConfig
@@ -90,6 +91,28 @@ def test_beam_search_answers_the_engines_best_beam(client, language_model):
     assert [c["text"] for c in reply["choices"]] == [want.text]
     assert reply["choices"][0]["finish_reason"] == "length"
     assert reply["usage"]["completion_tokens"] == 6
+
+
+def test_beam_choices_are_the_n_best_beams(client, language_model):
+    """Over two tokens a beam of width W keeps the W likeliest first tokens, then answers the
+    likeliest of their W x V continuations: computed here from one forward over all of them."""
+    width, n = 16, 5
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "temperature": 0, "n": n,
+            "use_beam_search": True, "best_of": width, "glassformer": {"ignore_eos": True}}
+    reply = client.post("/v1/completions", json=body).json()
+    model, tokenizer = language_model.model, language_model.tokenizer
+    prompt = torch.tensor(tokenizer.encode("hello"))
+    with torch.no_grad():
+        first = model(prompt[None])[0, -1].float().log_softmax(-1)  # (V,)
+        kept = first.topk(width).indices  # (W,)
+        rows = torch.cat((prompt.expand(width, -1), kept[:, None]), dim=1)  # (W, T + 1)
+        second = model(rows)[:, -1].float().log_softmax(-1)  # (W, V)
+    totals = first[kept][:, None] + second  # (W, V)
+    best = totals.flatten().topk(n).indices
+    texts = [tokenizer.decode([int(kept[i // totals.shape[1]]), int(i % totals.shape[1])]) for i in best]
+    assert [c["text"] for c in reply["choices"]] == texts
+    assert [c["index"] for c in reply["choices"]] == list(range(n))
+    assert reply["usage"]["completion_tokens"] == 2 * n
 
 
 def test_a_client_that_leaves_cancels_every_choice(language_model):
