@@ -94,10 +94,11 @@ class SamplingFields(Strict):
             raise InputError("use_beam_search", "not with stream=true (the beams are ranked at the end)")
         if self.stream and best_of is not None and best_of > self.n:
             raise InputError("best_of", "not with stream=true (the best are known only at the end)")
-        several = self.n > 1 or (best_of or 1) > 1
+        several = self.n > 1 or (best_of or 1) > 1 or self.use_beam_search
         extension = self.glassformer
         if several and (extension.trace or extension.ui or extension.lens is not None):
-            raise InputError("glassformer", "trace, ui and lens need one choice (n and best_of 1)")
+            raise InputError("glassformer", "trace, ui and lens read one plain choice: not with n or "
+                             "best_of above 1, nor use_beam_search")
         return self
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
