@@ -1,7 +1,9 @@
 """Beam search as forked sequences sharing blocks, against generation/beam.py (the oracle)."""
 
 import pytest
+import torch
 
+from glassformer.errors import InputError
 from glassformer.formats.tokenizers import CharTokenizer
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
@@ -121,3 +123,26 @@ def test_beams_on_a_pool_with_few_free_blocks_wait_their_turn_and_equal_generate
     assert engine.scheduler.preemptions > 0  # the pool was short: groups had to give way
     _assert_as_generate(model, prompts, handles, want, plain)
     assert engine.blocks.stats().used == 0
+
+
+def test_best_beams_are_the_ranked_beams_with_their_exact_log_probs(tiny, prompts):
+    """With best_beams, the result's runners-up follow the winner, each beam's summed
+    log-probability the model's own over its tokens (one full forward), best first."""
+    model, prompt = tiny(), prompts([7])[0]
+    engine = Engine(model, None, EngineConfig(n_blocks=80, max_batch=8))
+    handle = engine.submit(prompt, RequestParams(max_new_tokens=5, beams=4, best_beams=3, eos_ids=()))
+    engine.run_until_done()
+    result = handle.wait(0)
+    want = generate(model, prompt, GenerationConfig(max_new_tokens=5, beams=4, eos_ids=()))
+    beams = [result, *result.runners_up]
+    assert len(beams) == 3 and result.generated_ids == want.generated_ids
+    assert len({tuple(b.generated_ids) for b in beams}) == 3
+    for beam in beams:
+        ids = torch.tensor([prompt + beam.generated_ids])
+        with torch.no_grad():
+            rows = model(ids)[0, len(prompt) - 1 : -1].float().log_softmax(-1)  # (5, V)
+        oracle = rows.gather(-1, torch.tensor(beam.generated_ids)[:, None]).sum()
+        assert beam.log_prob == pytest.approx(float(oracle), abs=1e-4)
+    assert [b.log_prob for b in beams] == sorted((b.log_prob for b in beams), reverse=True)
+    with pytest.raises(InputError, match="best_beams"):
+        RequestParams(beams=2, best_beams=3)
