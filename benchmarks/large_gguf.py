@@ -76,7 +76,7 @@ def glassformer_run(path: Path, threads: int, n: int) -> dict:
     out = json.loads(done.stdout)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # MB, the largest child so far
     return {"decode": out["decode_tokens_per_second"], "prefill": out["prefill_tokens_per_second"],
-            "load_seconds": out.get("load_seconds"), "wall_seconds": wall, "peak_rss_mb": peak}
+            "load_seconds": out["load_seconds"], "wall_seconds": wall, "peak_rss_mb": peak}
 
 
 def llama_bench(llama_cpp: Path, path: Path, threads: int, n: int) -> dict:

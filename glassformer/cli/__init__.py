@@ -75,8 +75,9 @@ def _warn(message, category, filename, lineno, file=None, line=None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as done:
         return int(done.code or 0)
     with warnings.catch_warnings():
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         except Exception as error:
             if users_mistake(error):
-                print(f"glassformer: error: {error_line(error, vars(args))}", file=sys.stderr)
+                print(f"glassformer: error: {error_line(error, flag_names(parser, args.command))}",
+                      file=sys.stderr)
                 return 2
             report = crash_report(error, args.command)
             if report is None:
@@ -99,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"glassformer: internal error: {type(error).__name__}: {message}; the full report is "
                   f"in {report}", file=sys.stderr)
             return 1
+
+
+def flag_names(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    """The settings `command` takes as --flags (not its positional arguments), by their names."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest for a in commands.choices[command]._actions if a.option_strings}
 
 
 def users_mistake(error: Exception) -> bool:

@@ -152,7 +152,6 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     language_model = load(args.model, quantize=None if convert else quantize, announce=announce)
     args.load_seconds = round(time.perf_counter() - started, 3)
-    print(f"glassformer: loaded {args.model} in {args.load_seconds:.1f} s", file=sys.stderr)
     settle_threads(args)
     model, tokenizer = language_model.model, language_model.tokenizer
     if not model.config.causal:
@@ -198,7 +197,7 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str | None,
         print(
             f"[{result.n_generated} tokens, stop: {result.stop_reason}, "
             f"prefill {result.prefill_tokens_per_second:.1f} tok/s, "
-            f"decode {result.decode_tokens_per_second:.1f} tok/s]",
+            f"decode {result.decode_tokens_per_second:.1f} tok/s, load {args.load_seconds:.1f} s]",
             file=sys.stderr,
         )
         if result.stop_reason == "context_full":
