@@ -262,16 +262,7 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
     from ..accel.quantized_embedding import QuantizedEmbedding
     from ..accel.stacked_linear import StackedLinear
 
-    linear = model.linear_layers()
-    layers: dict[str, list[str]] = {}
-    for name, target in targets.items():
-        layer = target.param.removesuffix(".weight")
-        if layer in linear:
-            layers.setdefault(layer, []).append(name)
-    if model.config.tie_embeddings:  # the head reads the embedding
-        layers["lm_head"] = ["token_embd.weight"]
-    elif file.tensors["token_embd.weight"].qtype.name in KEPT_TYPES:
-        layers["embed.tokens"] = ["token_embd.weight"]  # its own table, built like a head
+    layers = layer_tensors(targets, model.linear_layers(), model.config.tie_embeddings)
     done: set[str] = set()
 
     def rows(n: str) -> tuple[int, int]:
@@ -299,6 +290,18 @@ def _keep_blocks(file: GGUFFile, model: Transformer, targets: dict[str, Target])
         if "token_embd.weight" in names:
             model.embed.tokens = QuantizedEmbedding(table)
     return done
+
+
+def layer_tensors(targets: dict[str, Target], linear, tied: bool) -> dict[str, list[str]]:
+    """The GGUF tensors of each linear layer of `linear` (names), and of the token table: the
+    tied head's (lm_head) or, untied, its own (embed.tokens, built like a head)."""
+    layers: dict[str, list[str]] = {}
+    for name, target in targets.items():
+        layer = target.param.removesuffix(".weight")
+        if layer in linear:
+            layers.setdefault(layer, []).append(name)
+    layers["lm_head" if tied else "embed.tokens"] = ["token_embd.weight"]
+    return layers
 
 
 def _kept_part(file: GGUFFile, targets: dict[str, Target], names: list[str], biases: list[str]):

@@ -20,7 +20,7 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
-from .gguf import check_tensors, config_from_metadata, tensor_map
+from .gguf import check_tensors, config_from_metadata, layer_tensors, tensor_map
 from .gguf_file import GGUFFile, TensorInfo
 from .gguf_rope import ROPE_TENSORS, read_factors
 from .gguf_tokenizer import from_gguf_metadata
@@ -66,31 +66,22 @@ def summarize_gguf(path: str | Path) -> GGUFSummary:
 def block_plan(config: ModelConfig, tensors: dict[str, TensorInfo], arch: str) -> dict[str, str | None]:
     """Per tensor of the file: None where keep_blocks keeps it in its blocks, else why it
     becomes float32."""
-    from ..accel.gguf_blocks import BLOCK_BYTES  # the block types the kernels read
+    from ..accel.gguf_blocks import KEPT_TYPES  # the block types the kernels read
 
     targets = tensor_map(config, arch)
     with torch.device("meta"):  # the layers' names only: nothing allocated
         linear = Transformer(config).linear_layers()
-    layers: dict[str, list[str]] = {}
-    for name, target in targets.items():
-        layer = target.param.removesuffix(".weight")
-        if layer in linear:
-            layers.setdefault(layer, []).append(name)
-    if config.tie_embeddings:  # the head reads the token table
-        layers["lm_head"] = ["token_embd.weight"]
-    else:
-        layers["embed.tokens"] = ["token_embd.weight"]
     plan: dict[str, str | None] = {}
-    for layer, names in layers.items():
-        types = sorted({tensors[n].qtype.name for n in names})
+    for layer, names in layer_tensors(targets, linear, config.tie_embeddings).items():
+        others = sorted({tensors[n].qtype.name for n in names} - set(KEPT_TYPES))
         for name in names:
             kind = tensors[name].qtype.name
             if kind in FLOAT_TYPES:
                 plan[name] = f"{kind} is a float type: no blocks to keep"
-            elif kind not in BLOCK_BYTES:
-                plan[name] = f"no kernel reads {kind} blocks (they read {', '.join(BLOCK_BYTES)})"
-            elif len(types) > 1:
-                plan[name] = f"its layer {layer} mixes {' and '.join(types)}: a kept layer has one block type"
+            elif kind not in KEPT_TYPES:
+                plan[name] = f"no kernel reads {kind} blocks (they read {', '.join(KEPT_TYPES)})"
+            elif others:
+                plan[name] = f"its layer {layer} also holds {' and '.join(others)}, which no kernel reads"
             else:
                 plan[name] = None
     for name in tensors:

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from test_loaders_gguf import CONFIG, Q, hf_weights, write_gguf
 
-from glassformer.accel.gguf_blocks import BLOCK_BYTES
 from glassformer.accel.quantized_embedding import QuantizedEmbedding
 from glassformer.formats.gguf import load_gguf, tensor_map
 from glassformer.formats.gguf_file import GGUFFile
@@ -16,9 +15,10 @@ from glassformer.formats.gguf_summary import FLOAT32, KEPT, summarize_gguf
 from glassformer.model.transformer import Transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore::glassformer.formats.validate.WeightWarning")  # random Q6_K
-# Q8_0 matrices, except: a layer mixing two block types, a K-quant, a float head, a Q4_1 table
-OVERRIDES = {"blk.0.attn_k.weight": Q.Q4_0, "blk.1.ffn_down.weight": Q.Q6_K,
-             "output.weight": Q.F16, "token_embd.weight": Q.Q4_1}
+# Q8_0 matrices, except: a layer with a type no kernel reads (Q2_K), a layer mixing two kept
+# types (kept part by part), a K-quant, a float head, a Q4_1 table
+OVERRIDES = {"blk.0.attn_k.weight": Q.Q2_K, "blk.1.attn_v.weight": Q.Q4_0,
+             "blk.1.ffn_down.weight": Q.Q6_K, "output.weight": Q.F16, "token_embd.weight": Q.Q4_1}
 
 
 @pytest.fixture(scope="module")
@@ -30,31 +30,33 @@ def mixed(tmp_path_factory):
 
 def test_each_tensor_as_keep_blocks_takes_it(mixed):
     from glassformer.accel import QuantizedLinear
+    from glassformer.accel.stacked_linear import StackedLinear
 
     summary = summarize_gguf(mixed)
     model, _ = load_gguf(mixed, keep_blocks=True)  # the oracle: what the loader does
     targets = tensor_map(model.config)
     kept = {name for name, target in targets.items()
-            if isinstance(model.get_submodule(target.param.rsplit(".", 1)[0]), QuantizedLinear)}
+            if isinstance(model.get_submodule(target.param.rsplit(".", 1)[0]),
+                          (QuantizedLinear, StackedLinear))}
     if isinstance(model.embed.tokens, QuantizedEmbedding):
         kept.add("token_embd.weight")
     by_name = {t["name"]: t for t in summary.tensors}
     assert set(by_name) == set(targets)
     assert {n for n, t in by_name.items() if t["quantize_gguf"] == KEPT} == kept
-    assert kept >= {"blk.0.attn_output.weight", "blk.1.attn_q.weight"}  # a test that can fail
+    assert kept >= {"blk.0.attn_output.weight", "blk.1.attn_q.weight", "blk.1.attn_v.weight",
+                    "blk.1.ffn_down.weight"}  # a test that can fail
     with GGUFFile(mixed) as file:
         for name, tensor in by_name.items():
             info = file.tensors[name]
             assert (tensor["type"], tuple(tensor["shape"]), tensor["bytes"]) == (
                 info.qtype.name, info.shape, info.n_bytes)
     why = {n: t["why"] for n, t in by_name.items() if t["quantize_gguf"] == FLOAT32}
-    assert why["blk.0.attn_q.weight"] == why["blk.0.attn_k.weight"] == (
-        "its layer blocks.0.attn.qkv mixes Q4_0 and Q8_0: a kept layer has one block type")
+    assert why["blk.0.attn_q.weight"] == why["blk.0.attn_v.weight"] == (
+        "its layer blocks.0.attn.qkv also holds Q2_K, which no kernel reads")
+    assert why["blk.0.attn_k.weight"].startswith("no kernel reads Q2_K blocks")
     assert why["output.weight"] == "F16 is a float type: no blocks to keep"
     assert why["blk.0.attn_norm.weight"] == "a vector (norm or bias): float32 on every path"
-    if "Q6_K" not in BLOCK_BYTES:
-        assert why["blk.1.ffn_down.weight"].startswith("no kernel reads Q6_K blocks")
-    assert "Q4_1" not in BLOCK_BYTES or "token_embd.weight" in kept
+    assert "token_embd.weight" in kept
 
 
 def test_tokenizer_and_config_from_the_header(mixed):
