@@ -3,9 +3,9 @@ gigabytes): the configuration and tokenizer it describes, and each tensor's type
 what each way of loading does with it.
 
 - The default load dequantizes every tensor to float32.
-- keep_blocks (`--quantize gguf`) keeps a matrix in its blocks where the kernels read that
-  block type (accel/gguf_blocks.BLOCK_BYTES) and every tensor of its layer shares it (q, k
-  and v are one layer, gate and up another; a tied head reads the token table), as
+- keep_blocks (`--quantize gguf`) keeps a matrix in its blocks where the kernels read the
+  block type of every tensor of its layer (accel/gguf_blocks.KEPT_TYPES; q, k and v are one
+  layer, gate and up another, a tied head reads the token table: gguf.layer_tensors), as
   gguf._keep_blocks decides; the rest become float32, each for a reason said here.
 """
 
