@@ -103,6 +103,13 @@ def run(command: list[str], **env: str) -> str:
     return done.stdout
 
 
+def compare_ok(model: Path) -> bool:
+    """Whether `glassformer compare` finds every place within tolerance (it exits 1 where not)."""
+    done = subprocess.run([sys.executable, "-m", "glassformer", "compare", "--model", str(model),
+                           "--json", PROMPT], capture_output=True, text=True)
+    return json.loads(done.stdout)["ok"]
+
+
 def llama_cpp_ids(tool: Path, gguf: Path, text: str) -> list[int]:
     out = run([str(tool), "-m", str(gguf), "-p", text, "--ids", "--log-disable"])
     return json.loads(out.strip().splitlines()[-1])
@@ -139,9 +146,7 @@ def check_family(name: str, folder: Path, llama_cpp: Path, out: Path) -> dict:
     tool = llama_cpp / "build/bin/llama-tokenize"
     ours = load(str(f32)).tokenizer
     token_errors = [text for text in HARD if ours.encode(text) != llama_cpp_ids(tool, f32, text)]
-    compare = {source: json.loads(run([sys.executable, "-m", "glassformer", "compare", "--model",
-                                       str(path), "--json", PROMPT]))["ok"]
-               for source, path in (("folder", folder), ("f32_gguf", f32))}
+    compare = {source: compare_ok(path) for source, path in (("folder", folder), ("f32_gguf", f32))}
     reference = transformers_greedy(folder)
     report = {"tokenizer_mismatches": token_errors, "compare_ok": compare, "transformers": reference,
               "glassformer_folder": greedy(folder), "glassformer_f32_gguf": greedy(f32),
