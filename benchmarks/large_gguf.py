@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -70,21 +69,31 @@ def glassformer_run(path: Path, threads: int, n: int) -> dict:
     command = [sys.executable, "-m", "glassformer", "generate", "--model", str(path),
                "--quantize", "gguf", "-n", str(n), "--ignore-eos", "--json", PROMPT]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=True,
-                          env=os.environ | {"GLASSFORMER_THREADS": str(threads)})
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env=os.environ | {"GLASSFORMER_THREADS": str(threads)})
+    stdout = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)  # this child's own peak, not the largest so far
+    child.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
-    out = json.loads(done.stdout)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # MB, the largest child so far
+    if child.returncode != 0:
+        raise RuntimeError(f"glassformer generate exited {child.returncode}")
+    out = json.loads(stdout)
+    peak = usage.ru_maxrss / 1024  # MB
     return {"decode": out["decode_tokens_per_second"], "prefill": out["prefill_tokens_per_second"],
             "load_seconds": out["load_seconds"], "wall_seconds": wall, "peak_rss_mb": peak}
 
 
-def llama_bench(llama_cpp: Path, path: Path, threads: int, n: int) -> dict:
-    done = subprocess.run([str(llama_cpp / "build/bin/llama-bench"), "-m", str(path), "-t", str(threads),
-                           "-p", "64", "-n", str(n), "-r", "2", "-o", "json"],
-                          capture_output=True, text=True, check=True)
-    rows = json.loads(done.stdout)
-    speed = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
+def llama_bench(llama_cpp: Path, path: Path, threads: int, n: int, repack: int) -> dict:
+    """llama-bench's decode (tg) and prefill (pp64) speeds. `repack` 1: its fastest decode on
+    CPUs with AMX, whose batched products die with SIGILL under some hypervisors; so prefill
+    runs with repack 0 (as llama-server's LLAMA_ARG_REPACK=0)."""
+    speed = {}
+    for kind, counts in (("decode", ["-p", "0", "-n", str(n), "--repack", str(repack)]),
+                         ("prefill", ["-p", "64", "-n", "0", "--repack", "0"])):
+        done = subprocess.run([str(llama_cpp / "build/bin/llama-bench"), "-m", str(path), "-t",
+                               str(threads), *counts, "-r", "2", "-o", "json"],
+                              capture_output=True, text=True, check=True)
+        speed[kind] = json.loads(done.stdout)[0]["avg_ts"]
     return speed
 
 
@@ -95,13 +104,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repack", type=int, choices=(0, 1), default=1,
+                        help="llama-bench's --repack for its decode")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     path = make(args.llama_cpp, args.dir / "llama-3.2-1b-shaped")
     rounds = []
     for _ in range(args.rounds):
         ours = glassformer_run(path, args.threads, args.tokens)
-        theirs = llama_bench(args.llama_cpp, path, args.threads, args.tokens)
+        theirs = llama_bench(args.llama_cpp, path, args.threads, args.tokens, args.repack)
         rounds.append({"glassformer": ours, "llama.cpp": theirs,
                        "decode_ratio": ours["decode"] / theirs["decode"]})
     result = {"file": str(path), "file_mb": path.stat().st_size / 2**20, "rounds": rounds}
