@@ -11,8 +11,6 @@ from .options import (
     SAMPLING,
     add,
     add_computing,
-    announce,
-    announce_compile,
     checked_text,
     inference_precision,
     or_default,
@@ -21,6 +19,7 @@ from .options import (
     settle_threads,
     sink_policy,
 )
+from .waits import announce, announce_compile
 
 MODEL, MAX_NEW_TOKENS = "smollm2-135m-instruct", 512
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"

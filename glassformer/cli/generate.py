@@ -27,9 +27,6 @@ from .options import (
     add,
     add_computing,
     add_prompt,
-    announce,
-    announce_compile,
-    announce_engine,
     engine_config,
     finite,
     inference_precision,
@@ -40,6 +37,7 @@ from .options import (
     settle_threads,
     sink_policy,
 )
+from .waits import announce, announce_compile, announce_engine
 
 MAX_NEW_TOKENS, ROPE_FACTOR = 64, 2.0
 # A --prompts-file line may use OpenAI's names for the request's settings.

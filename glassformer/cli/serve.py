@@ -15,8 +15,6 @@ from .options import (
     ENGINE,
     add,
     add_computing,
-    announce,
-    announce_engine,
     engine_config,
     inference_precision,
     non_negative,
@@ -26,6 +24,7 @@ from .options import (
     positive_int,
     settle_threads,
 )
+from .waits import announce, announce_engine
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette", "h11")  # and theirs
 

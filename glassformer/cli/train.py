@@ -18,7 +18,8 @@ from ..formats.files import read_json_object
 from ..model.config import ModelConfig
 from ..model.presets import PRESETS
 from ..training.config import RECIPES, TrainConfig
-from .options import FLAGS, add, add_threads, announce
+from .options import FLAGS, add, add_threads
+from .waits import announce
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ from hostile_helpers import CHARS
 
 from glassformer import ModelConfig, Transformer
 from glassformer.cli import main
-from glassformer.cli.options import announce_engine
+from glassformer.cli.waits import announce_engine
 from glassformer.formats.checkpoint import write_checkpoint
 from glassformer.formats.tokenizers import CharTokenizer
 from glassformer.language_model import ANNOUNCED_PARAMETERS, load
