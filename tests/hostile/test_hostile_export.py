@@ -49,3 +49,24 @@ def test_export_keeps_pad_and_unk_as_transformers_reads_them(tmp_path, capsys):
     (tok_a, config_a), (tok_b, config_b) = read.values()
     assert (config_a.bos_token_id, config_a.eos_token_id) == (config_b.bos_token_id, config_b.eos_token_id)
     assert tok_a("the lazy fox").input_ids == tok_b("the lazy fox").input_ids
+
+
+def test_export_of_a_tokenizer_that_adds_bos_says_so_and_transformers_agrees(tmp_path):
+    """A folder whose post-processor adds BOS (as Gemma's): the export writes add_bos_token true
+    and adds it the same way, once."""
+    from tokenizers import processors
+
+    source, out = tmp_path / "source", tmp_path / "out"
+    _source(source)
+    table = Tokenizer.from_file(str(source / "tokenizer.json"))
+    bos = table.token_to_id("<|endoftext|>")
+    table.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B",
+        special_tokens=[("<|endoftext|>", bos)])
+    table.save(str(source / "tokenizer.json"))
+    side = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps(side | {"bos_token": "<|endoftext|>"}))
+    assert main(["export", "--model", str(source), str(out)]) == 0
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    ids = [transformers.AutoTokenizer.from_pretrained(f)("the lazy fox").input_ids for f in (source, out)]
+    assert ids[0] == ids[1] and ids[1][0] == bos and ids[1].count(bos) == 1
