@@ -140,7 +140,7 @@ def test_cli_refuses_a_bad_sampling_flag_in_one_line(chat_model, tmp_path, capsy
     folder = export_hf(*chat_model, tmp_path / "hf")
     assert main(["chat", "--model", str(folder), "--top-p", "0"]) != 0
     err = capsys.readouterr().err
-    assert err.startswith("glassformer: error: top_p:") and err.count("\n") == 1
+    assert err.startswith("glassformer: error: --top-p:") and err.count("\n") == 1
 
 
 @pytest.mark.slow

@@ -118,7 +118,7 @@ def test_cli_init_trains_and_refuses_contradictions(hf, corpus, tmp_path, capsys
             "--sample-tokens", "0", "--no-progress"]
     assert main([*args, "--n-layers", "4", "--max-iters", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "n_layers=4 (it has 2)" in err[0]
+    assert len(err) == 1 and "--n-layers=4 (it has 2)" in err[0]
     assert not out.exists()  # nothing written
     assert main([*args, "--preset", "shakespeare-char", "--max-iters", "1"]) == 2
     assert "fixes the model" in capsys.readouterr().err
