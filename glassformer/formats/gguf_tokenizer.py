@@ -105,7 +105,8 @@ def _byte_level(meta: dict, tokens: list[str], types: list[int]) -> tuple[Tokeni
         raise InputError(None, f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
                          f"{', '.join(sorted(PRE_SPLITS))}")
     llama3 = pre in _LLAMA3_NAMES
-    tokenizer = Tokenizer(models.BPE(_vocab(tokens), _merges(meta, tokens), fuse_unk=False,
+    vocab = _vocab(tokens)
+    tokenizer = Tokenizer(models.BPE(vocab, _merges(meta, vocab), fuse_unk=False,
                                      ignore_merges=llama3))
     if pre in _NFC:
         tokenizer.normalizer = normalizers.NFC()
@@ -136,7 +137,8 @@ def _serialized(pre: str) -> str:
 
 
 def _gemma4(meta: dict, tokens: list[str], types: list[int]) -> tuple[Tokenizer, bool]:
-    tokenizer = Tokenizer(models.BPE(_vocab(tokens), _merges(meta, tokens), fuse_unk=False,
+    vocab = _vocab(tokens)
+    tokenizer = Tokenizer(models.BPE(vocab, _merges(meta, vocab), fuse_unk=False,
                                      byte_fallback=True))
     tokenizer.normalizer = normalizers.Replace(" ", SPACE)
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
@@ -150,8 +152,9 @@ def _sentencepiece(meta: dict, tokens: list[str], types: list[int]) -> tuple[Tok
         raise InputError(None, "GGUF SentencePiece vocabulary lacks tokenizer.ggml.scores")
     unk = _token_id(meta, "unknown", len(tokens))
     has_bytes = any(t == BYTE for t in types)
+    vocab = _vocab(tokens)
     tokenizer = Tokenizer(models.BPE(
-        _vocab(tokens), score_merges(tokens, scores, types), byte_fallback=has_bytes,
+        vocab, score_merges(tokens, scores, types, vocab), byte_fallback=has_bytes,
         unk_token=None if unk is None else tokens[unk], fuse_unk=False))
     prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
     spaces = normalizers.Replace(" ", SPACE)
@@ -161,10 +164,10 @@ def _sentencepiece(meta: dict, tokens: list[str], types: list[int]) -> tuple[Tok
     return tokenizer, True
 
 
-def score_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+def score_merges(tokens: list[str], scores: list[float], types: list[int],
+                 vocab: dict[str, int]) -> list[tuple[str, str]]:
     """SentencePiece's scores as BPE merges: each cut of a token into two tokens, the cuts of
-    higher-scoring tokens first (ties: the lower id)."""
-    vocab = _vocab(tokens)
+    higher-scoring tokens first (ties: the lower id). `vocab`: token -> id."""
     ranked = sorted((i for i, t in enumerate(types) if t in (NORMAL, USER_DEFINED, UNUSED)),
                     key=lambda i: (-scores[i], i))
     merges = []
@@ -184,12 +187,11 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
     return {token: i for i, token in enumerate(tokens)}
 
 
-def _merges(meta: dict, tokens: list[str]) -> list[tuple[str, str]]:
+def _merges(meta: dict, vocab: dict[str, int]) -> list[tuple[str, str]]:
     merges = _list(meta, "tokenizer.ggml.merges", str)
     if not all(" " in m for m in merges):
         raise InputError(None, "GGUF tokenizer.ggml.merges: expected strings of two tokens")
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    vocab = _vocab(tokens)
     for a, b in pairs:  # the tokenizers library panics on a merge outside the vocabulary
         if a not in vocab or b not in vocab or a + b not in vocab:
             raise InputError(None, f"GGUF tokenizer.ggml.merges: {a!r} + {b!r} is not in the vocabulary")
