@@ -12,6 +12,7 @@ quantized products' own table: they multiply whatever matrices a config gives a 
 from __future__ import annotations
 
 from torch import nn
+from tqdm import tqdm
 
 from ..errors import InputError
 from ..model.transformer import Transformer
@@ -61,14 +62,17 @@ def quantize_format(choice: WeightFormat | str) -> WeightFormat:
 
 def quantize_model(model: Transformer, mode: WeightFormat | str) -> Transformer:
     """Convert `model`'s nn.Linear layers in place for inference (no training afterwards) and
-    return it; layers converted before (e.g. kept in GGUF blocks) stay as they are."""
+    return it; layers converted before (e.g. kept in GGUF blocks) stay as they are. A bar on
+    stderr counts the layers where stderr is a terminal."""
     mode = WeightFormat.parse(mode, field="quantize")
     reason = CAPABILITIES.why_not(model.config)
     if reason is not None:
         raise InputError("quantize", f"{reason}")
     model.eval().requires_grad_(False)
     layers = model.linear_layers()
-    for name in list(layers):  # popped: each float weight is freed once converted
+    names = tqdm(list(layers), desc=f"converting layers to {mode.value}", unit="layer",
+                 disable=None, leave=False)  # disable=None: no bar where stderr is not a terminal
+    for name in names:  # popped: each float weight is freed once converted
         layer = layers.pop(name)
         if isinstance(layer, nn.Linear):
             model.set_submodule(name, QuantizedLinear.from_linear(layer, mode))

@@ -248,3 +248,34 @@ def test_max_capture_mb_bounds_the_body(stream, lm):
                 assert len(reply.content) <= most * 2**20, (ask, tokens, len(reply.content))
                 answered += 1
         assert answered and refused_count
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"n": 17}, "n", "16"),
+    ({"n": 0}, "n", "1"),
+    ({"n": 3, "best_of": 2}, "best_of", "at least n"),
+    ({"best_of": 17}, "best_of", "16"),
+    ({"n": 2, "stream": True, "use_beam_search": True}, "use_beam_search", "stream"),
+    ({"n": 2, "best_of": 4, "stream": True}, "best_of", "stream"),
+    ({"use_beam_search": True}, "use_beam_search", "width of 2"),
+    ({"n": "3"}, "n", "integer"),
+])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_choices_past_their_bounds_are_refused_by_field(fields, param, says, route, lm):
+    body = {"model": "m", "max_tokens": 2, **fields}
+    body |= {"messages": [{"role": "user", "content": "ab"}]} if "chat" in route else {"prompt": "ab"}
+    if "chat" in route and "best_of" in fields:
+        param, says = "best_of", ""  # the chat route has no best_of, as OpenAI's: an unknown field
+    with client(lm) as http:
+        reply = http.post(route, json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_n_choices_within_the_bound_are_answered(lm):
+    body = {"model": "m", "prompt": "ab", "max_tokens": 2, "n": 16, "temperature": 1.0, "seed": 3}
+    with client(lm) as http:
+        reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert [c["index"] for c in reply.json()["choices"]] == list(range(16))

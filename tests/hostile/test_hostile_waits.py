@@ -4,10 +4,14 @@ a refusal stays one line."""
 
 from __future__ import annotations
 
+import io
+import sys
+
 import torch
 from hostile_helpers import CHARS
 
 from glassformer import ModelConfig, Transformer
+from glassformer.accel.quantize import quantize_model
 from glassformer.cli import main
 from glassformer.cli.waits import announce_engine
 from glassformer.formats.checkpoint import write_checkpoint
@@ -51,3 +55,17 @@ def test_a_pool_taken_whole_and_a_compile_are_announced(capsys):
         "it first comes: the first steps wait for it"]
     announce_engine(EngineConfig(kv_memory_mb=64), "cuda:0")
     assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_conversion_counts_its_layers_on_a_terminal_and_stays_quiet_elsewhere(monkeypatch):
+    config = ModelConfig(vocab_size=96, context_length=32, d_model=32, n_layers=2, n_heads=2)
+    for stderr, bar in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        quantize_model(Transformer(config), "int8")
+        layers = len(Transformer(config).linear_layers())
+        assert (f"converting layers to int8:   0%|          | 0/{layers} [" in stderr.getvalue()) is bar

@@ -129,7 +129,9 @@ def test_a_client_that_leaves_cancels_every_choice(language_model):
         body = SAMPLED | {"n": 3, "max_tokens": 100, "stream": True}
         with httpx.Client(base_url=url, timeout=30) as http:
             with http.stream("POST", "/v1/completions", json=body) as reply:
-                assert next(reply.iter_lines()).startswith("data: ")
+                lines = reply.iter_lines()  # kept: a line iterator collected closes the connection
+                assert next(lines).startswith("data: ")
+                assert len(server.active) == 3  # every choice runs while the client reads
             deadline = time.monotonic() + 5
             while (server.active or server.engine.blocks.free_count < 64) and time.monotonic() < deadline:
                 time.sleep(0.02)
