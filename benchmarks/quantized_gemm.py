@@ -37,10 +37,10 @@ def load_build(path: Path):
 
 
 def products(ext, fmt: str, weight: torch.Tensor):
-    """x -> x @ weightᵀ through `ext`'s kernel for `fmt`, the blocks in the order it reads (a
-    build from before tile order has no `tile_order` and reads block order)."""
+    """x -> x @ weightᵀ through `ext`'s kernel for `fmt`, the blocks in the order it reads
+    (tile order; older builds said which with `tile_order()`: their AVX2 build read block order)."""
     blocks = quant.quantize_int8(weight) if fmt == "int8" else quant.quantize_int4(weight)
-    if getattr(ext, "tile_order", lambda: False)():
+    if getattr(ext, "tile_order", lambda: True)():
         blocks = [to_tile_order(t, unit) for t, unit in zip(blocks, (4, 1, 1), strict=False)]
     if fmt == "int8":
         return lambda x: ext.linear_q8(x, *blocks, None)

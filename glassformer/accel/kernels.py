@@ -80,11 +80,6 @@ def try_q4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: Tenso
     return extension().try_q4(x, qweight, scales, mins, bias, in_features)
 
 
-def tile_order() -> bool:
-    """Whether the int8 / int4 products above read weights, scales and minimums in tile order
-    (tile_order.py), as the AVX-512 VNNI builds do, rather than in block order."""
-    return extension().tile_order()
-
 
 def dequantize(qweight: Tensor, scales: Tensor, mins: Tensor | None, in_features: int) -> Tensor:
     """The (N, in_features) float32 weight of int8 (mins None) or int4 blocks in block order."""

@@ -109,7 +109,7 @@ def linear_bf16(x, weight, bias=None, backend="auto", any_rows=False):
 def linear_int8(x, qweight, scales, bias=None, backend="auto", tiled=False):
     """qweight (N, nb·32) int8, scales (N, nb) fp16 (see quant.quantize_int8)."""
     if _kernels(x, backend, any_rows=True):
-        return kernels.linear_q8(x, *in_order(kernels.tile_order(), tiled, qweight=qweight, scales=scales),
+        return kernels.linear_q8(x, *in_order(True, tiled, qweight=qweight, scales=scales),
                                  bias)
     qweight, scales = in_order(False, tiled, qweight=qweight, scales=scales)
     if _straight_through(x):
@@ -123,7 +123,7 @@ def linear_int8(x, qweight, scales, bias=None, backend="auto", tiled=False):
 def linear_int4(x, qweight, scales, mins, bias=None, backend="auto", tiled=False):
     """qweight (N, nb·16) uint8 nibbles, scales and mins (N, nb) fp16 (quant.quantize_int4)."""
     if _kernels(x, backend, any_rows=True):
-        tensors = in_order(kernels.tile_order(), tiled, qweight=qweight, scales=scales, mins=mins)
+        tensors = in_order(True, tiled, qweight=qweight, scales=scales, mins=mins)
         return kernels.linear_q4(x, *tensors, bias)
     qweight, scales, mins = in_order(False, tiled, qweight=qweight, scales=scales, mins=mins)
     if _straight_through(x):

@@ -26,8 +26,8 @@ class QuantizedLinear(TileOrdered):
     `weight` (N, K) bfloat16; int8 `qweight` (N, nb·32) int8 + `scales` (N, nb) fp16;
     int4 `qweight` (N, nb·16) uint8 + `scales`, `mins` (N, nb) fp16; GGUF's K-quant and Q5_x
     blocks (GGUF_FORMATS, only from a file: `from_gguf`) `qweight` (N, row bytes) uint8, the
-    file's bytes (kquants.py); and `bias` (N,) float32 or None. Where the kernels read tile
-    order (AVX-512 VNNI builds), an int8 / int4 layer holds its block tensors in it (`tiled`,
+    file's bytes (kquants.py); and `bias` (N,) float32 or None. Where the C++ kernels run (they
+    read tile order), an int8 / int4 layer holds its block tensors in it (`tiled`,
     tile_order.py) instead of block order, and gives block order to its state dict, `blocks()`
     and everything that reads the blocks themselves. No gradients flow to the weight. A block
     layer (int8, int4, GGUF's) gives each row the same bits whatever shares its call; a float
@@ -65,7 +65,7 @@ class QuantizedLinear(TileOrdered):
                 )
             self.register_buffer(name, t.contiguous())
         self.tiled = (mode in (WeightFormat.INT8, WeightFormat.INT4) and backend != "torch"
-                      and kernels.available() and kernels.tile_order())
+                      and kernels.available())
         if self.tiled:  # the block-order tensors are replaced, not kept beside
             for name in BLOCK_NAMES[mode]:
                 setattr(self, name, to_tile_order(getattr(self, name), BLOCK_TENSORS[name]))

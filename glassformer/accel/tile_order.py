@@ -1,14 +1,15 @@
-"""The order in which the AVX-512 VNNI kernels read int8 / int4 weights, scales and minimums.
+"""The order in which the C++ kernels read int8 / int4 weights, scales and minimums.
 
 Block order (GGUF's, weight_formats.py) keeps each row's blocks of 32 weights together. The
-AVX-512 kernels (csrc/quantized.cpp) compute TILE output rows at once, one per 32-bit lane, so
+kernels (csrc/quantized.cpp) compute TILE output rows at once, one per 32-bit lane (AVX2: two
+halves of 8), so
 in tile order a tile's rows are interleaved unit by unit: for each of a row's units (a dword of
 `qweight`, a block's scale or minimum), the tile's rows side by side. One plain load then
 gives every lane its row's next 4 bytes (or its block's scale), with no regrouping per call. A
 last tile of R < TILE rows is interleaved the same way, R rows a unit. A tensor in tile order
 keeps its shape (N, C) and its bytes; only the order of the values within each tile changes.
 
-A layer whose kernels read tile order (`kernels.tile_order()`) holds its blocks so (made once,
+A layer multiplied by the kernels holds its blocks so (made once,
 when the layer is built or loaded) and writes block order to its state dict (`TileOrdered`):
 checkpoints are the same on every CPU.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-TILE = 16  # rows a tile: one per 32-bit lane of a 512-bit register
+TILE = 16  # rows a tile: one per 32-bit lane of a 512-bit register (two 256-bit ones)
 BLOCK_TENSORS = {"qweight": 4, "scales": 1, "mins": 1}  # each one's unit: bytes or values
 
 

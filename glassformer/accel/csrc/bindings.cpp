@@ -84,7 +84,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("step_paged", &gf::DecodeStep::step_paged, NoGil(),
            "one token of each of B sequences through every layer, caches in a paged pool, "
            "each row with its LoRA adapter or none");
-  module.def("tile_order", &gf::tile_order, "whether linear_q8 / linear_q4 read weights in tile order");
   module.def("dequantize", &gf::dequantize, "q8 (mins None) or q4 blocks -> (N, K) float32");
   module.def("linear_gguf", &gf::linear_gguf, NoGil(),
              "y = x @ W^T (+ bias), W rows of GGUF blocks (q4_k, q5_k, q6_k, q5_0, q5_1)");

@@ -375,9 +375,6 @@ c10::optional<torch::Tensor> try_q8(const torch::Tensor& x, const torch::Tensor&
 c10::optional<torch::Tensor> try_q4(const torch::Tensor& x, const torch::Tensor& qs,
                                     const torch::Tensor& d, const torch::Tensor& m,
                                     const Bias& bias, int64_t K);
-// Whether linear_q8 / linear_q4 (and their try_*) read weights, scales and minimums in tile
-// order (AVX-512 VNNI builds; accel/tile_order.py) rather than block order.
-bool tile_order();
 // Each row of x (M, K) quantized per block of 32 (nb blocks, the tail past K zero) into
 // q (M, nb * 32) int8, d = amax / 127 and s = d * sum(q) (M, nb), and, where c is not null,
 // c = -128 sum(q) (M, nb) (quantized.cpp).

@@ -13,18 +13,17 @@
 //
 // Many rows (a batched decode step, a prefill) are one GEMM whose weight blocks are each loaded
 // and unpacked once for a tile of activation rows, so a call reads the weights from memory
-// once whatever the number of rows.
-//   AVX-512 VNNI: weight rows go in tiles of 16, one per 32-bit lane, stored in tile order
-//     (tile_order.py to_tile_order, done once when a layer is built): for each block, its
-//     dword t of the tile's rows side by side (one plain load puts row r's in lane r), and
-//     the scales (and minimums) of the tile's rows side by side per block. Each activation
-//     row's block takes 8 vpdpbusd against its dwords broadcast, then one conversion, one
-//     scale multiply and FMA (q4: one more for the minimum) into 16 outputs at once: no sum
-//     across lanes and no partial tail, whatever K. Tiles of 8 activation rows (then 4, 2, 1)
-//     share each weight load.
-//   AVX2: weight rows in block order (GGUF's), walked in groups of kRows as in matvec.cpp
-//     (for_row_groups), kTileRows activation rows a tile, the group's scales widened to float
-//     once, maddubs/madd per block (q4: per pair of blocks).
+// once whatever the number of rows. Weight rows go in tiles of 16, stored in tile order
+// (tile_order.py to_tile_order, done once when a layer is built): for each block, its dword t
+// of the tile's rows side by side (one plain load puts row r's in lane r), and the scales (and
+// minimums) of the tile's rows side by side per block. Each output row is a lane: no sum
+// across lanes and no partial tail, whatever K.
+//   AVX-512 VNNI: each activation row's block takes 8 vpdpbusd against its dwords broadcast,
+//     then one conversion, one scale multiply and FMA (q4: one more for the minimum) into 16
+//     outputs at once. Tiles of 8 activation rows (then 4, 2, 1) share each weight load.
+//   AVX2: the tile in two halves of 8 lanes; maddubs (q4: summed in int16 over the block) and
+//     one madd per block instead of vpdpbusd, then the same float operations. Tiles of 4
+//     activation rows (then 2, 1): a half's unpacked weights take 8 of the 16 registers.
 // Each row's float operations are the same in any tile and at any place in it (the integer
 // sums are exact whatever their order), so its result is bitwise the same whatever the
 // number of rows and its place among them.
@@ -101,49 +100,34 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t nb, int8
 
 namespace {
 
-// n blocks of 32 from p reordered as [elements 0..15 of each block][elements 16..31 of each].
-inline void interleave_halves(int8_t* p, int n) {
-  alignas(32) int8_t tmp[2 * 32];
-  for (int i = 0; i < n; ++i) {
-    std::memcpy(tmp + i * 16, p + i * 32, 16);
-    std::memcpy(tmp + (n + i) * 16, p + i * 32 + 16, 16);
-  }
-  std::memcpy(p, tmp, n * 32);
-}
-
-// Quantized activations: q (M, nb * 32) in block order (AVX2, for q4 weights: pairs of blocks
-// interleaved), d and s (M, nb), and for the AVX-512 q8 kernel c = -128 sum(q) (M, nb).
+// Quantized activations: q (M, nb * 32) in block order, d and s (M, nb), and for the AVX-512
+// q8 kernel c = -128 sum(q) (M, nb).
 struct Activations {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<int32_t> c;
 };
 
-// Quantized activations in buffers reused across calls (no allocation per call). With
-// `paired` (for q4 weights, AVX2), blocks are interleaved in pairs ([elements 0..15 of each
-// block][elements 16..31 of each block], the order in which one load of q4 nibbles unpacks).
-const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64_t nb,
-                             bool paired) {
+// Quantized activations in buffers reused across calls (no allocation per call), for q4 or q8
+// weights.
+const Activations& quantized(const torch::Tensor& x, int64_t M, int64_t K, int64_t nb, bool q4) {
   thread_local Activations a;
   a.q.resize(M * nb * 32);
   a.d.resize(M * nb);
   a.s.resize(M * nb);
-  const bool sums = kWide && !paired;  // c: the AVX-512 q8 kernel's start (q4 weights need none)
+  const bool sums = kWide && !q4;  // c: the AVX-512 q8 kernel's start (q4 weights need none)
   a.c.resize(sums ? M * nb : 0);
   quantize_activations(x.data_ptr<float>(), M, K, nb, a.q.data(), a.d.data(), a.s.data(),
                        sums ? a.c.data() : nullptr);
-  if (paired && !kWide) {
-    for (int64_t m = 0; m < M; ++m) {
-      int8_t* row = a.q.data() + m * nb * 32;
-      for (int64_t b = 0; b + 2 <= nb; b += 2) interleave_halves(row + b * 32, 2);
-    }
-  }
   return a;
 }
 
-#ifdef GLASSFORMER_WIDE
-constexpr int64_t kTile = 16;  // weight rows a tile: one per 32-bit lane (accel/tile_order.py)
+constexpr int64_t kTile = 16;  // weight rows a tile (accel/tile_order.py)
+// Activation rows sharing each unpacked weight block: AVX-512 has 32 vector registers, AVX2 16
+// (a half tile's 8 weight vectors take half of them).
+constexpr int kActivationRows = kWide ? 8 : 4;
 
+#ifdef GLASSFORMER_WIDE
 // y[m, r] = sum_b dw[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
 // mw[r, b] sx[m, b]) for the R <= 16 weight rows of a tile, lane r each, and MB activation
 // rows from m0, block by block. In tile order a block's dword t of the R rows is 4 R bytes
@@ -203,10 +187,92 @@ inline void tile_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, 
   for (int m = 0; m < MB; ++m)
     _mm512_mask_storeu_ps(y + m * ldy, lanes, bias ? _mm512_add_ps(acc[m], add) : acc[m]);
 }
+#else
+// The same for AVX2 without VNNI: a tile's 16 rows in two halves of 8, one per 32-bit lane of
+// a 256-bit register (rows 0-7 are a unit's first 32 bytes in tile order, rows 8-15 the next).
+// For each block, the half's weight bytes meeting activation dword u (q4: dword u's low
+// nibbles for u < 4, dword u - 4's high nibbles after) are unpacked once for the MB rows; each
+// row then takes, per dword, one maddubs against that dword broadcast: q4 nibbles (0..15) times
+// int8 sum in int16 without saturation over the whole block (8 · 2 · 15 · 127 < 2^15), then one
+// madd widens them; q8 weights go through the sign trick (|w| times x with w's sign), each
+// dword's pairs widened by its own madd. Then, as on AVX-512, one conversion, one scale
+// multiply and FMA (q4: one more for the minimum) per block, in block order.
+// The first `lanes` <= 8 fp16 values at p as floats, zeros after.
+inline __m256 scales_of(const uint16_t* p, int lanes) {
+  if (lanes == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t v[8] = {};
+  for (int i = 0; i < lanes; ++i) v[i] = p[i];
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(v)));
+}
+
+template <bool Q4, int MB>
+inline void half_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int R, int h,
+                      int64_t nb, const Activations& a, int64_t m0, float* y, int64_t ldy,
+                      const float* bias) {
+  constexpr int kDwords = Q4 ? 4 : 8;  // weight dwords per row and block
+  const int lanes = std::min(8, R - 8 * h);  // this half's rows
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * kDwords * R * 4 + 32 * h;
+    prefetch(wb);
+    __m256i wv[8];  // the weight bytes meeting activation dword u (q4: low nibbles, then high)
+    for (int t = 0; t < kDwords; ++t) {
+      const __m256i raw = _mm256_maskload_epi32(reinterpret_cast<const int*>(wb + t * R * 4), mask);
+      if constexpr (Q4) {
+        wv[t] = _mm256_and_si256(raw, low4);
+        wv[t + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      } else {
+        wv[t] = raw;
+      }
+    }
+    const __m256 wd = scales_of(dw + b * R + 8 * h, lanes);
+    const __m256 wm = Q4 ? scales_of(mw + b * R + 8 * h, lanes) : wd;
+    for (int m = 0; m < MB; ++m) {
+      const int64_t at = (m0 + m) * nb + b;
+      const int8_t* xb = a.q.data() + at * 32;
+      __m256i sum;
+      if constexpr (Q4) {
+        __m256i pairs = _mm256_setzero_si256();
+        for (int u = 0; u < 8; ++u) {
+          int32_t xd;  // dword u of row m's block b
+          std::memcpy(&xd, xb + 4 * u, 4);
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[u], _mm256_set1_epi32(xd)));
+        }
+        sum = _mm256_madd_epi16(pairs, ones);
+      } else {
+        sum = _mm256_setzero_si256();
+        for (int u = 0; u < 8; ++u) {
+          int32_t xd;
+          std::memcpy(&xd, xb + 4 * u, 4);
+          const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv[u], wv[u]),
+                                                 _mm256_sign_epi8(_mm256_set1_epi32(xd), wv[u]));
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones));
+        }
+      }
+      const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(a.d[at]));
+      acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), acc[m]);
+      if constexpr (Q4) acc[m] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.s[at]), acc[m]);
+    }
+  }
+  const __m256 add = bias ? _mm256_maskload_ps(bias + 8 * h, mask) : _mm256_setzero_ps();
+  for (int m = 0; m < MB; ++m)
+    _mm256_maskstore_ps(y + m * ldy + 8 * h, mask, bias ? _mm256_add_ps(acc[m], add) : acc[m]);
+}
+
+template <bool Q4, int MB>
+inline void tile_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int R,
+                      int64_t nb, const Activations& a, int64_t m0, float* y, int64_t ldy,
+                      const float* bias) {
+  for (int h = 0; h * 8 < R; ++h) half_rows<Q4, MB>(w, dw, mw, R, h, nb, a, m0, y, ldy, bias);
+}
+#endif
 
 // y (M, N) for weights in tile order: tile by tile (threads take tiles), each tile's blocks,
-// while in the L1 cache, meeting every activation row in tiles of 8 rows, then 4, 2 and 1. A
-// call reads the weights from memory once whatever the number of rows.
+// while in the L1 cache, meeting every activation row in tiles of kActivationRows rows, then
+// halves down to 1. A call reads the weights from memory once whatever the number of rows.
 template <bool Q4>
 void linear_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
                   const Activations& a, const float* bias, float* y, int64_t M, int64_t N,
@@ -220,8 +286,9 @@ void linear_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
     const uint16_t* mt = Q4 ? mw + n0 * nb : nullptr;
     const float* bt = bias ? bias + n0 : nullptr;
     int64_t m = 0;
-    for (; m + 8 <= M; m += 8) tile_rows<Q4, 8>(wt, dt, mt, R, nb, a, m, y + m * N + n0, N, bt);
-    if (M - m >= 4) {
+    for (; m + kActivationRows <= M; m += kActivationRows)
+      tile_rows<Q4, kActivationRows>(wt, dt, mt, R, nb, a, m, y + m * N + n0, N, bt);
+    if (kActivationRows > 4 && M - m >= 4) {
       tile_rows<Q4, 4>(wt, dt, mt, R, nb, a, m, y + m * N + n0, N, bt);
       m += 4;
     }
@@ -242,215 +309,6 @@ void linear_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
 #pragma omp parallel for schedule(dynamic, run_length) if (threads > 1) num_threads(threads)
   for (int64_t i = 0; i < tiles; ++i) run(i);
 }
-#else
-// Sum over 8 int32 lanes of the 32 products of signed int8 w and x, as float.
-inline __m256 dot_q8(__m256i w, __m256i x) {
-  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-
-// The first len <= 8 values from p as floats, zeros after: an element-wise copy (copying
-// through memcpy costs a call and a stalled load).
-inline __m256 load_floats(const float* p, int len) {
-  if (len == 8) return _mm256_loadu_ps(p);
-  alignas(32) float v[8] = {};
-  for (int i = 0; i < len; ++i) v[i] = p[i];
-  return _mm256_load_ps(v);
-}
-
-inline __m256 load_halves(const uint16_t* p, int len) {  // fp16 values
-  if (len == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  alignas(16) uint16_t v[8] = {};
-  for (int i = 0; i < len; ++i) v[i] = p[i];
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(v)));
-}
-
-// Scales as stored (fp16) or widened once per weight group (float): the same values.
-inline __m256 load_scales(const uint16_t* p, int len) { return load_halves(p, len); }
-inline __m256 load_scales(const float* p, int len) { return load_floats(p, len); }
-
-// For the `len` <= 8 blocks b = b0 + j: s[m][r][j] = dw[r, b] dx[m, b], the scale of each
-// integer block product, computed 8 at a time instead of once per block; for q4 also
-// add(m, r, mw[r, b] sx[m, b] over the 8 lanes), the minimum's term (sx = dx * sum of the
-// block's qx). Weight row r's scales and minimums start at r * stride.
-template <bool Q4, int R, int MB, typename S, typename Add>
-inline void block_scales(const S* dw, const S* mw, int64_t stride, const float* dx,
-                         const float* sx, int64_t nb, int64_t b0, int len, float (&s)[MB][R][8],
-                         Add&& add) {
-  __m256 wd[R], wm[R];
-  for (int r = 0; r < R; ++r) {
-    wd[r] = load_scales(dw + r * stride + b0, len);
-    wm[r] = Q4 ? load_scales(mw + r * stride + b0, len) : wd[r];
-  }
-  for (int m = 0; m < MB; ++m) {
-    const __m256 xd = load_floats(dx + m * nb + b0, len);
-    const __m256 xs = Q4 ? load_floats(sx + m * nb + b0, len) : xd;
-    for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(s[m][r], _mm256_mul_ps(wd[r], xd));
-      if constexpr (Q4) add(m, r, _mm256_mul_ps(wm[r], xs));
-    }
-  }
-}
-
-// ------------------------------------------------------------- quantized weights (q8, q4)
-
-// acc[m][r] += s[m][r][j] * (q8 block b of row r · activation block b of row m).
-template <int R, int MB>
-inline void step_q8(__m256 (&acc)[MB][R], const int8_t* w, const int8_t* xq, int64_t nb,
-                    int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
-  __m256i xv[MB];
-  for (int m = 0; m < MB; ++m)
-    xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * 32));
-  for (int r = 0; r < R; ++r) {
-    prefetch(w + (r * ld * nb + b) * 32);
-    const __m256i wv =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r * ld * nb + b) * 32));
-    for (int m = 0; m < MB; ++m)
-      acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&s[m][r][j]), dot_q8(wv, xv[m]), acc[m][r]);
-  }
-}
-
-// The same for the q4 blocks b and b + 1 (chunk positions j, j + 1) at once: one 32-byte load
-// holds both blocks' nibbles, and the paired activation layout puts their low and high halves
-// where the masked nibbles land, so each half needs a single maddubs.
-template <int R, int MB>
-inline void step_q4_pair(__m256 (&acc)[MB][R], const uint8_t* w, const int8_t* xq, int64_t nb,
-                         int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256i xlo[MB], xhi[MB];
-  for (int m = 0; m < MB; ++m) {
-    const int8_t* xb = xq + (m * nb + b) * 32;
-    xlo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-    xhi[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32));
-  }
-  for (int r = 0; r < R; ++r) {
-    prefetch(w + (r * ld * nb + b) * 16);
-    const __m256i raw =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r * ld * nb + b) * 16));
-    const __m256i lo = _mm256_and_si256(raw, low4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-    for (int m = 0; m < MB; ++m) {
-      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo[m]),
-                                         _mm256_maddubs_epi16(hi, xhi[m]));
-      const __m256 scale = _mm256_blend_ps(_mm256_broadcast_ss(&s[m][r][j]),
-                                           _mm256_broadcast_ss(&s[m][r][j + 1]), 0xF0);
-      acc[m][r] =
-          _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), acc[m][r]);
-    }
-  }
-}
-
-// One unpaired q4 block (the last of an odd count).
-template <int R, int MB>
-inline void step_q4_single(__m256 (&acc)[MB][R], const uint8_t* w, const int8_t* xq, int64_t nb,
-                           int64_t ld, int64_t b, const float (&s)[MB][R][8], int j) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) {
-    const __m128i raw =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (r * ld * nb + b) * 16));
-    const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-    for (int m = 0; m < MB; ++m) {
-      const __m256i xv =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m * nb + b) * 32));
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
-      acc[m][r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&s[m][r][j]), dot, acc[m][r]);
-    }
-  }
-}
-
-// y[m, r] = sum_b d[r, b] dx[m, b] (q[r, b] · qx[m, b]) (+ for q4 the minimum term
-// sum_b m[r, b] dx[m, b] sum(qx[m, b])) for R weight rows ld rows apart and MB activation rows
-// from m0; the scales and minimums of weight row r start at r * stride. Blocks go in chunks
-// of 8 so that their scales are multiplied 8 at a time.
-template <bool Q4, int R, int MB, typename S>
-inline void tile_quant(const uint8_t* w, const S* dw, const S* mw, int64_t stride, int64_t nb,
-                       int64_t ld, const Activations& a, int64_t m0, float* y, int64_t ldy,
-                       const float* bias) {
-  const int8_t* xq = a.q.data() + m0 * nb * 32;
-  const float* dx = a.d.data() + m0 * nb;
-  const float* sx = a.s.data() + m0 * nb;
-  const int8_t* wq = reinterpret_cast<const int8_t*>(w);
-  __m256 acc[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-  alignas(32) float s[MB][R][8];
-  auto add = [&](int m, int r, __m256 term) { acc[m][r] = _mm256_add_ps(acc[m][r], term); };
-  int64_t b0 = 0;
-  for (; b0 + 8 <= nb; b0 += 8) {
-    block_scales<Q4, R, MB>(dw, mw, stride, dx, sx, nb, b0, 8, s, add);
-    for (int j = 0; j < 8; j += Q4 ? 2 : 1) {
-      if constexpr (Q4) step_q4_pair<R, MB>(acc, w, xq, nb, ld, b0 + j, s, j);
-      else step_q8<R, MB>(acc, wq, xq, nb, ld, b0 + j, s, j);
-    }
-  }
-  if (b0 < nb) {  // the last chunk of fewer than 8 blocks
-    const int len = static_cast<int>(nb - b0);
-    block_scales<Q4, R, MB>(dw, mw, stride, dx, sx, nb, b0, len, s, add);
-    int j = 0;
-    for (; Q4 && j + 2 <= len; j += 2) step_q4_pair<R, MB>(acc, w, xq, nb, ld, b0 + j, s, j);
-    for (; j < len; ++j) {
-      if constexpr (Q4) step_q4_single<R, MB>(acc, w, xq, nb, ld, b0 + j, s, j);
-      else step_q8<R, MB>(acc, wq, xq, nb, ld, b0 + j, s, j);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) y[m * ldy + r * ld] = hsum(acc[m][r]) + (bias ? bias[r * ld] : 0.0f);
-}
-
-// The M activation rows from m0 against R weight rows ld rows apart (y: output row m0): tiles
-// of kTileRows rows, then the rest one row at a time. Where there is a tile, the group's fp16
-// scales (and minimums) are widened to float once for all of them (exactly: the same values).
-template <bool Q4, int R>
-inline void rows_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
-                       int64_t ld, const Activations& a, int64_t m0, int64_t M, float* y,
-                       int64_t N, const float* bias) {
-  if (M < kTileRows) {
-    for (int64_t m = 0; m < M; ++m)
-      tile_quant<Q4, R, 1>(w, dw, mw, ld * nb, nb, ld, a, m0 + m, y + m * N, N, bias);
-    return;
-  }
-  const int64_t stride = (nb + 7) / 8 * 8;
-  thread_local std::vector<float> widened;
-  widened.resize(2 * R * stride);
-  float* dwf = widened.data();     // (R, stride) scales
-  float* mwf = dwf + R * stride;   // (R, stride) minimums (q4)
-  for (int r = 0; r < R; ++r)
-    for (int64_t b = 0; b < nb; b += 8) {
-      const int len = static_cast<int>(std::min<int64_t>(8, nb - b));
-      _mm256_storeu_ps(dwf + r * stride + b, load_halves(dw + r * ld * nb + b, len));
-      if constexpr (Q4)
-        _mm256_storeu_ps(mwf + r * stride + b, load_halves(mw + r * ld * nb + b, len));
-    }
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows)
-    tile_quant<Q4, R, kTileRows>(w, dwf, mwf, stride, nb, ld, a, m0 + m, y + m * N, N, bias);
-  for (; m < M; ++m)
-    tile_quant<Q4, R, 1>(w, dwf, mwf, stride, nb, ld, a, m0 + m, y + m * N, N, bias);
-}
-
-// The rows go in panels of kPanel, each a pass over the weights (for_row_groups).
-template <bool Q4>
-void linear_quant(const uint8_t* w, const uint16_t* dw, const uint16_t* mw,
-                  const Activations& a, const float* bias, float* y, int64_t M, int64_t N,
-                  int64_t nb) {
-  const int64_t row_bytes = nb * (Q4 ? 16 : 32);
-  for (int64_t p0 = 0; p0 < M; p0 += kPanel) {
-    const int64_t rows = std::min(kPanel, M - p0);
-    float* yp = y + p0 * N;
-    for_row_groups(N, row_bytes * std::max<int64_t>(rows / kTileRows, 1),
-                   [&](int64_t n0, int64_t group, int64_t ld) {
-      const float* b = bias ? bias + n0 : nullptr;
-      const uint16_t* m0 = Q4 ? mw + n0 * nb : nullptr;
-      if (group == kRows)
-        rows_quant<Q4, kRows>(w + n0 * row_bytes, dw + n0 * nb, m0, nb, ld, a, p0, rows,
-                              yp + n0, N, b);
-      else
-        rows_quant<Q4, 1>(w + n0 * row_bytes, dw + n0 * nb, m0, nb, 1, a, p0, rows, yp + n0,
-                          N, b);
-    });
-  }
-}
-#endif
 
 // ---------------------------------------------------------- dequantization (large batches)
 
@@ -485,8 +343,6 @@ void dequantize_row(const uint8_t* q, const uint16_t* d, const uint16_t* m, int6
 }  // namespace
 
 // ------------------------------------------------------------------------ entry points
-
-bool tile_order() { return kWide; }
 
 torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qs,
                         const torch::Tensor& d, const c10::optional<torch::Tensor>& bias) {
