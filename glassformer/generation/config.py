@@ -133,6 +133,24 @@ class Decoding:
         if self.beams > 1 and (not self.sampling.greedy or self.sampling.uses_counts):
             raise InputError("beams", "beam search ranks raw log-probabilities; drop sampling and penalties")
 
+    @classmethod
+    def from_fields(cls, **fields: Any) -> Decoding:
+        """From flat settings (a JSON line, keyword arguments): this type's fields and
+        SamplingConfig's side by side; `stop` may be one string."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"sampling"}
+        sampling = {f.name for f in dataclasses.fields(SamplingConfig)}
+        unknown = sorted(set(fields) - own - sampling)
+        if unknown:
+            raise InputError(unknown[0], f"unknown setting; use {sorted(own | sampling)}")
+        if isinstance(fields.get("stop"), str):
+            fields["stop"] = (fields["stop"],)
+        for name in ("stop", "eos_ids", "ablate", "lens_layers"):
+            if isinstance(fields.get(name), list):
+                fields[name] = tuple(fields[name])
+        fields.setdefault("temperature", 0.0)
+        return cls(sampling=SamplingConfig(**{k: v for k, v in fields.items() if k in sampling}),
+                   **{k: v for k, v in fields.items() if k in own})
+
 
 @dataclass(frozen=True)
 class RequestParams(Decoding):
@@ -216,24 +234,6 @@ class RequestParams(Decoding):
         asked = {"capture": bool(self.capture), "lens": self.lens is not None,
                  "steer": any(s.alpha != 0 for s in self.steer), "ablate": bool(self.ablate)}
         return frozenset(kind for kind, wanted in asked.items() if wanted)
-
-    @classmethod
-    def from_fields(cls, **fields: Any) -> RequestParams:
-        """From flat settings (a JSON line, keyword arguments): this type's fields and
-        SamplingConfig's side by side; `stop` may be one string."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"sampling"}
-        sampling = {f.name for f in dataclasses.fields(SamplingConfig)}
-        unknown = sorted(set(fields) - own - sampling)
-        if unknown:
-            raise InputError(unknown[0], f"unknown setting; use {sorted(own | sampling)}")
-        if isinstance(fields.get("stop"), str):
-            fields["stop"] = (fields["stop"],)
-        for name in ("stop", "eos_ids", "ablate", "lens_layers"):
-            if isinstance(fields.get(name), list):
-                fields[name] = tuple(fields[name])
-        fields.setdefault("temperature", 0.0)
-        return cls(sampling=SamplingConfig(**{k: v for k, v in fields.items() if k in sampling}),
-                   **{k: v for k, v in fields.items() if k in own})
 
 
 @dataclass(frozen=True)
