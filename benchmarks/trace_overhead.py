@@ -27,7 +27,6 @@ import harness
 import torch
 
 from glassformer import Transformer, get_preset
-from glassformer.interpret.trace import site_names
 from glassformer.model.layers.attention import Attention
 from glassformer.model.layers.block import Block
 from glassformer.model.layers.embedding import Embedding
@@ -119,7 +118,7 @@ def main() -> None:
         times = timings(model, plain_model, ids, args.repeats)
         hooked, plain = times["hooked"].median, times["hook-free"].median
         ratio, best = hooked / plain, times["hooked"].min / times["hook-free"].min
-        sites = len(site_names(model.config))
+        sites = len(model.hooks.sites)
         idle = sites * idle_site_seconds(model)
         print(f"{preset:>14} {T:>5} {sites:>6} {1e3 * hooked:>10.2f} {1e3 * plain:>13.2f} {ratio:>7.3f}"
               f" {best:>11.3f} {1e3 * idle:>14.3f} {idle / plain:>7.2%}")

@@ -1,20 +1,35 @@
-"""What a generation is asked for and what it gives back: the request (RequestParams, shared
-by every decode loop and the serving engine; GenerationConfig adds what only `generate` reads),
-GenerationResult and the Piece a stream yields per token. Plain values, validated whole at
-construction: every field's type, range and finiteness, the error naming the field."""
+"""What a generation is asked for and what it gives back: the decoding (Decoding: length,
+sampling, seed, stops, beams), which `generate` reads as a GenerationConfig (with its cache and
+window settings) and the serving engine as a RequestParams (with what only it does: its
+log-probabilities, adapters and the sites a request reads or changes, parsed, and checked
+against a model by `check`), GenerationResult and the Piece a stream yields per token. Plain
+values, validated whole at construction: every field's type, range and finiteness, the error
+naming the field."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 
 from ..errors import InputError
+from ..model.config import ModelConfig
 from ..model.kv_formats import check_kv_dtype, is_scaled
 from ..model.sink import SinkPolicy
+from ..model.sites import (
+    Head,
+    Site,
+    check_residual_layers,
+    model_head,
+    model_site,
+    parse_head,
+    parse_site,
+    residual_site,
+)
 from .sampling import SamplingConfig
 
 # "cancelled" and "error" end engine requests only: cancelled by its caller or a shutdown, or
@@ -43,14 +58,14 @@ class Steer:
     """α × a vector (d_model,) added at a hook site to every row of the request that steers;
     |α| · max|vector| at most MAX_STEER."""
 
-    site: str  # a residual-width site with a token axis, e.g. blocks.3.resid_post
+    site: Site  # a residual-width site with a token axis, e.g. blocks.3.resid_post (a name is parsed)
     vector: torch.Tensor  # (d_model,)
     alpha: float
     name: str = ""  # what the vector is called (a server's registry name, a file)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.site, str) or not self.site:
-            raise InputError("steer", f"site must be a hook site name, got {self.site!r}")
+        if not isinstance(self.site, Site):
+            object.__setattr__(self, "site", parse_site(self.site, "steer"))
         vector = self.vector
         if not isinstance(vector, torch.Tensor) or vector.ndim != 1 or not vector.is_floating_point():
             raise InputError("steer", "vector must be a 1-D float tensor (d_model,)")
@@ -65,11 +80,28 @@ class Steer:
                              f"({float(vector.abs().max()):g}) adds {peak:g} to an activation, over "
                              f"{MAX_STEER:g}: its activations would overflow")
 
+    def check(self, config: ModelConfig, sites: Mapping[str, Site]) -> None:
+        """InputError naming `steer` unless the model (`sites`: its Hooks.sites) has the site,
+        d_model wide along a token axis, and the vector is d_model wide."""
+        residual_site(sites, self.site, "steer")
+        if self.vector.shape != (config.d_model,):
+            raise InputError("steer", f"vector {self.name!r} has width {self.vector.shape[0]}, "
+                             f"the model's d_model is {config.d_model}")
+
+
+def kept_in_step(site: Site) -> bool:
+    """Whether the serving engine keeps a site's rows inside its steps (RequestParams.capture):
+    a decoder-only model's embedding and block sites with a token axis, not the attention
+    weights (query × key), nor the final norm, head and logits (read out after the blocks)."""
+    return not site.stack and (site.layer is not None or site.name.startswith("embed.")) \
+        and site.token_axis is not None
+
 
 @dataclass(frozen=True)
-class RequestParams:
-    """How one prompt is continued, in `generate` and in the serving engine alike. The default
-    is greedy decoding of up to 64 tokens."""
+class Decoding:
+    """How one prompt is continued, in `generate` and in the serving engine alike: what a
+    GenerationConfig and a RequestParams share. The default is greedy decoding of up to 64
+    tokens."""
 
     max_new_tokens: int = 64
     sampling: SamplingConfig = SamplingConfig(temperature=0.0)
@@ -78,14 +110,6 @@ class RequestParams:
     eos_ids: tuple[int, ...] | None = None  # None: the tokenizer's eos_id
     beams: int = 1  # > 1: beam search (beam.py)
     length_penalty: float = 1.0  # beam score = sum log p / length^length_penalty
-    best_beams: int = 1  # the engine: how many of the best beams the result holds (runners_up)
-    logprobs: int | None = None  # the engine: each token's log-probability and the n likeliest
-    capture: tuple[str, ...] = ()  # the engine: hook sites kept for this request's rows
-    adapter: str | None = None  # the engine: the name of a loaded LoRA adapter (None: the base)
-    steer: tuple[Steer, ...] = ()  # the engine: vectors added at sites, this request's rows only
-    ablate: tuple[str, ...] = ()  # the engine: heads zeroed for this request ("blocks.3.attn.head.2")
-    lens: int | None = None  # the engine: the logit lens's top-k per residual and position
-    lens_layers: tuple[int, ...] | None = None  # the engine: the lens's layers (i: after i blocks); None: all
 
     def __post_init__(self) -> None:
         _integer("max_new_tokens", self.max_new_tokens, 1)
@@ -103,54 +127,14 @@ class RequestParams:
             for token in self.eos_ids:
                 _integer("eos_ids", token, 0)
         _integer("beams", self.beams, 1)
-        _integer("best_beams", self.best_beams, 1, self.beams + 1)
         penalty = self.length_penalty
         if isinstance(penalty, bool) or not isinstance(penalty, int | float) or not math.isfinite(penalty):
             raise InputError("length_penalty", f"must be a finite number, got {penalty!r}")
         if self.beams > 1 and (not self.sampling.greedy or self.sampling.uses_counts):
             raise InputError("beams", "beam search ranks raw log-probabilities; drop sampling and penalties")
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, 0)
-            if self.beams > 1:
-                raise InputError("logprobs", "not with beams (only the winner is reported)")
-        if not isinstance(self.capture, tuple) or any(not isinstance(s, str) for s in self.capture):
-            raise InputError("capture", f"a tuple of hook site names, got {self.capture!r}")
-        if self.capture and self.beams > 1:
-            raise InputError("capture", "not with beams (each beam computes other rows)")
-        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
-            raise InputError("adapter", f"the name of a loaded LoRA adapter or None, got {self.adapter!r}")
-        if not isinstance(self.steer, tuple) or any(not isinstance(s, Steer) for s in self.steer):
-            raise InputError("steer", f"a tuple of Steer, got {self.steer!r}")
-        if not isinstance(self.ablate, tuple) or any(not isinstance(s, str) for s in self.ablate):
-            raise InputError("ablate", f"a tuple of head names (blocks.3.attn.head.2), got {self.ablate!r}")
-        if self.lens is not None:
-            _integer("lens", self.lens, 1)
-        if self.lens_layers is not None:
-            if self.lens is None or not isinstance(self.lens_layers, tuple) or not self.lens_layers:
-                raise InputError("lens_layers", "a non-empty tuple of layers, with lens; "
-                                 f"got {self.lens_layers!r}")
-            for layer in self.lens_layers:
-                _integer("lens_layers", layer, 0)
-        for name in ("steer", "ablate", "lens"):
-            if getattr(self, name) not in ((), None) and self.beams > 1:
-                raise InputError(name, "not with beams (each beam computes other rows)")
-
-    @property
-    def changes_model(self) -> bool:
-        """Whether the engine computes something else for this request: a steer with α ≠ 0 (one
-        with α = 0 is left out entirely) or an ablated head."""
-        return bool(self.ablate) or any(s.alpha != 0 for s in self.steer)
-
-    @property
-    def inspects(self) -> frozenset[str]:
-        """What the request looks at or changes inside the engine's step ("capture", "lens",
-        "steer", "ablate"): its rows then need the step's hook sites."""
-        asked = {"capture": bool(self.capture), "lens": self.lens is not None,
-                 "steer": any(s.alpha != 0 for s in self.steer), "ablate": bool(self.ablate)}
-        return frozenset(kind for kind, wanted in asked.items() if wanted)
 
     @classmethod
-    def from_fields(cls, **fields: Any) -> RequestParams:
+    def from_fields(cls, **fields: Any) -> Decoding:
         """From flat settings (a JSON line, keyword arguments): this type's fields and
         SamplingConfig's side by side; `stop` may be one string."""
         own = {f.name for f in dataclasses.fields(cls)} - {"sampling"}
@@ -169,9 +153,95 @@ class RequestParams:
 
 
 @dataclass(frozen=True)
-class GenerationConfig(RequestParams):
-    """A request as `generate` runs it on one model: with or without the KV cache, and what to
-    do with a prompt or a text longer than the window."""
+class RequestParams(Decoding):
+    """One request to the serving engine: the decoding and what only the engine does (several
+    beams reported, log-probabilities, adapters by name, and looking inside its own rows)."""
+
+    best_beams: int = 1  # the engine: how many of the best beams the result holds (runners_up)
+    logprobs: int | None = None  # the engine: each token's log-probability and the n likeliest
+    capture: tuple[Site, ...] = ()  # the engine: hook sites kept for this request's rows (names parsed)
+    adapter: str | None = None  # the engine: the name of a loaded LoRA adapter (None: the base)
+    steer: tuple[Steer, ...] = ()  # the engine: vectors added at sites, this request's rows only
+    ablate: tuple[Head, ...] = ()  # the engine: heads zeroed for this request ("blocks.3.attn.head.2")
+    lens: int | None = None  # the engine: the logit lens's top-k per residual and position
+    lens_layers: tuple[int, ...] | None = None  # the engine: the lens's layers (i: after i blocks); None: all
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _integer("best_beams", self.best_beams, 1, self.beams + 1)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0)
+            if self.beams > 1:
+                raise InputError("logprobs", "not with beams (only the winner is reported)")
+        if not isinstance(self.capture, tuple) or any(not isinstance(s, str | Site) for s in self.capture):
+            raise InputError("capture", f"a tuple of hook site names, got {self.capture!r}")
+        object.__setattr__(self, "capture", tuple(
+            s if isinstance(s, Site) else parse_site(s, "capture") for s in self.capture))
+        if self.capture and self.beams > 1:
+            raise InputError("capture", "not with beams (each beam computes other rows)")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise InputError("adapter", f"the name of a loaded LoRA adapter or None, got {self.adapter!r}")
+        if not isinstance(self.steer, tuple) or any(not isinstance(s, Steer) for s in self.steer):
+            raise InputError("steer", f"a tuple of Steer, got {self.steer!r}")
+        if not isinstance(self.ablate, tuple) or any(not isinstance(s, str | Head) for s in self.ablate):
+            raise InputError("ablate", f"a tuple of head names (blocks.3.attn.head.2), got {self.ablate!r}")
+        object.__setattr__(self, "ablate", tuple(
+            s if isinstance(s, Head) else parse_head(s, "ablate") for s in self.ablate))
+        if self.lens is not None:
+            _integer("lens", self.lens, 1)
+        if self.lens_layers is not None:
+            if self.lens is None or not isinstance(self.lens_layers, tuple) or not self.lens_layers:
+                raise InputError("lens_layers", "a non-empty tuple of layers, with lens; "
+                                 f"got {self.lens_layers!r}")
+            for layer in self.lens_layers:
+                _integer("lens_layers", layer, 0)
+        for name in ("steer", "ablate", "lens"):
+            if getattr(self, name) not in ((), None) and self.beams > 1:
+                raise InputError(name, "not with beams (each beam computes other rows)")
+
+    def check(self, config: ModelConfig, sites: Mapping[str, Site]) -> None:
+        """InputError naming the field for what a model of `config` cannot take (`sites`: the
+        model's own, Hooks.sites): its captured sites, steers, ablated heads, lens layers and
+        number of log-probabilities."""
+        for site in self.capture:
+            model_site(sites, site, "capture")
+            if not kept_in_step(site):
+                raise InputError("capture", f"{site.full!r} has no token axis in the engine's steps; it "
+                                 "keeps the embedding's and the blocks' sites with one (attention "
+                                 "weights, the final norm and the logits are not kept)")
+        for steer in self.steer:
+            steer.check(config, sites)
+            if not kept_in_step(steer.site):
+                raise InputError("steer", f"{steer.site.full!r} is read out after the engine's blocks; "
+                                 "it steers the embedding's and the blocks' sites")
+        for head in self.ablate:
+            model_head(config, head)
+        if self.lens_layers is not None:
+            check_residual_layers(config, self.lens_layers)
+        if self.logprobs is not None and self.logprobs > config.vocab_size:
+            raise InputError("logprobs", f"at most the vocabulary's {config.vocab_size}, got {self.logprobs}")
+
+    @property
+    def changes_model(self) -> bool:
+        """Whether the engine computes something else for this request: a steer with α ≠ 0 (one
+        with α = 0 is left out entirely) or an ablated head."""
+        return bool(self.ablate) or any(s.alpha != 0 for s in self.steer)
+
+    @property
+    def inspects(self) -> frozenset[str]:
+        """What the request looks at or changes inside the engine's step ("capture", "lens",
+        "steer", "ablate"): its rows then need the step's hook sites."""
+        asked = {"capture": bool(self.capture), "lens": self.lens is not None,
+                 "steer": any(s.alpha != 0 for s in self.steer), "ablate": bool(self.ablate)}
+        return frozenset(kind for kind, wanted in asked.items() if wanted)
+
+
+@dataclass(frozen=True)
+class GenerationConfig(Decoding):
+    """The decoding as `generate` runs it on one model: with or without the KV cache, and what
+    to do with a prompt or a text longer than the window. What only the serving engine does
+    (RequestParams' own fields) is no field of it; generate's sites are glassformer.trace's
+    and its steering glassformer.interpret.steer.steered's (the whole batch)."""
 
     use_cache: bool = True
     truncate: bool = False  # a prompt longer than the window is cut from the left
@@ -199,17 +269,6 @@ class GenerationConfig(RequestParams):
                 raise InputError("sink", f"the sink cache keeps float32 keys, not kv_dtype={self.kv_dtype!r}")
         if self.compile:
             refuse_compile(self)
-        if self.logprobs is not None:
-            raise InputError("logprobs", "only the serving engine reports log-probabilities")
-        if self.adapter is not None:
-            raise InputError("adapter", "only the serving engine picks adapters by name; apply one "
-                             "to the model (training.lora.apply_adapter)")
-        if self.capture:
-            raise InputError("capture", "the serving engine's; generate's sites are glassformer.trace's")
-        for name in ("steer", "ablate", "lens", "lens_layers"):
-            if getattr(self, name) not in ((), None):
-                raise InputError(name, "the serving engine's; generate steers with "
-                                 "glassformer.interpret.steer.steered (the whole batch)")
 
 
 def refuse_compile(config: GenerationConfig) -> None:

@@ -30,7 +30,7 @@ from ..model.sink import SinkKVCache
 from ..model.transformer import Transformer
 from .batching import left_pad, select_rows
 from .compiled import CompiledStep, compiled_room
-from .config import GenerationConfig, GenerationResult, Piece, RequestParams, StopReason
+from .config import Decoding, GenerationConfig, GenerationResult, Piece, StopReason
 from .paths import FUSED, Asks, choose_path
 from .sampling import SamplingConfig, greedy, process_logits, sample_rows, token_counts
 from .stopping import Decoder, TextStream
@@ -91,7 +91,7 @@ def fit_prompt(prompt: Sequence[int], context_length: int, config: GenerationCon
     return prompt[-keep:]
 
 
-def eos_ids(params: RequestParams, tokenizer: Decoder | None) -> set[int]:
+def eos_ids(params: Decoding, tokenizer: Decoder | None) -> set[int]:
     """The tokens that end a text: params.eos_ids, else the tokenizer's end_ids (EOS and any
     end-of-turn token), else its eos_id."""
     if params.eos_ids is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..accel.fast_decode import why_not
-from ..model.sites import layer_site
+from ..model.sites import Site, parse_site
 from ..model.transformer import Transformer
 from .config import RequestParams
 
@@ -140,17 +140,17 @@ def graph_reason(model: Transformer, asks: Asks) -> str | None:
     return None
 
 
-def fused_source(site: str) -> tuple[str, int] | None:
+def fused_source(site: str | Site) -> tuple[str, int] | None:
     """Where the fused decode step's emitted rows hold a site (FastDecoder.rows): in its
     residuals, 0 the embedding's output (= blocks.0.resid_pre) and i + 1 the stream after block
     i (blocks.{i}.resid_post = blocks.{i+1}.resid_pre); in its writes, 2 i block i's attn.out
     and 2 i + 1 its mlp.out. None for a site it does not emit."""
-    if site == "embed.out":
+    site = site if isinstance(site, Site) else parse_site(site)
+    layer, name = site.layer, site.name
+    if not site.stack and name == "embed.out":
         return "residuals", 0
-    found = layer_site(site)
-    if found is None:
+    if site.stack or layer is None:
         return None
-    layer, name = found
     if name in ("resid_pre", "resid_post"):
         return "residuals", layer + (name == "resid_post")
     if name in ("attn.out", "mlp.out"):

@@ -34,6 +34,7 @@ from ..errors import InputError
 from ..formats.files import read_json_object, write_atomic
 from ..model.config import ModelConfig
 from ..model.encoder_decoder import EncoderDecoder
+from ..model.sites import check_residual_layers
 from ..model.transformer import Transformer, final_hidden
 from .trace import run_with_cache
 
@@ -54,12 +55,7 @@ def lens_sites(config: ModelConfig, layers: tuple[int, ...] | None = None) -> li
     sites = residual_sites(config)
     if layers is None:
         return sites
-    for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(sites):
-            raise InputError("lens_layers",
-                             f"layers are 0 (the embedding) to {len(sites) - 1}, got {layer!r}")
-    if len(set(layers)) != len(layers):
-        raise InputError("lens_layers", f"each layer once, got {list(layers)}")
+    check_residual_layers(config, layers)
     return [sites[layer] for layer in layers]
 
 

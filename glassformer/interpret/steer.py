@@ -13,13 +13,12 @@ vector as float32 safetensors with metadata: the site, the model it was built on
 
 Head ablation zeroes one head's output: its slice of `blocks.{i}.attn.context`
 (batch, head, pos, d_head), before the heads are merged by W_O. It is named
-`blocks.{i}.attn.head.{h}`.
+`blocks.{i}.attn.head.{h}` (model/sites.py's Head, parsed there with every site name).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,45 +31,9 @@ from safetensors.torch import save as safetensors_bytes
 from ..errors import InputError
 from ..formats.files import write_atomic
 from ..generation.config import Steer
-from ..model.config import ModelConfig
+from ..model.sites import model_head, residual_site
 from ..model.transformer import Transformer
-from .trace import intervene, run_with_cache, site_dims, site_names
-
-HEAD = re.compile(r"blocks\.(\d+)\.attn\.head\.(\d+)")
-RESIDUAL_DIMS = ("batch", "pos", "d_model")
-
-
-def check_site(config: ModelConfig, site: str) -> None:
-    """Raises ValueError naming `steer` unless the model has `site` and it is d_model wide
-    along a token axis (a residual stream, a norm's output, a sublayer's output)."""
-    if site not in site_names(config):
-        raise InputError("steer", f"the model has no site {site!r} (glassformer.trace lists them)")
-    if site_dims(site) != RESIDUAL_DIMS:
-        raise InputError("steer", f"{site!r} is {site_dims(site)}; a vector is added where the "
-                         "tensor is (batch, pos, d_model), e.g. blocks.3.resid_post")
-
-
-def check_steer(config: ModelConfig, steers: Iterable[Steer]) -> None:
-    """Each steer's site and width against the model."""
-    for steer in steers:
-        check_site(config, steer.site)
-        if steer.vector.shape != (config.d_model,):
-            raise InputError("steer", f"vector {steer.name!r} has width {steer.vector.shape[0]}, "
-                             f"the model's d_model is {config.d_model}")
-
-
-def parse_head(config: ModelConfig, name: str) -> tuple[str, int]:
-    """`blocks.{i}.attn.head.{h}` -> (the site holding the heads' outputs, h); ValueError
-    naming `ablate` for a name that is not one of this model's heads."""
-    match = HEAD.fullmatch(name) if isinstance(name, str) else None
-    if match is None:
-        raise InputError("ablate", f"{name!r} is not a head name like blocks.3.attn.head.2")
-    layer, head = int(match[1]), int(match[2])
-    if config.n_encoder_layers or layer >= config.n_layers:
-        raise InputError("ablate", f"the model has no block {layer} (n_layers={config.n_layers})")
-    if head >= config.n_heads:
-        raise InputError("ablate", f"block {layer} has no head {head} (n_heads={config.n_heads})")
-    return f"blocks.{layer}.attn.context", head
+from .trace import intervene, run_with_cache
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,7 +91,7 @@ def mean_activation(model: Transformer, prompts: Sequence[Sequence[int]], site: 
 def build_vector(model: Transformer, site: str, positive: Sequence[Sequence[int]],
                  negative: Sequence[Sequence[int]], source: str = "") -> SteeringVector:
     """The mean difference of `site`'s activations, positive minus negative (token id prompts)."""
-    check_site(model.config, site)
+    residual_site(model.hooks.sites, site, "steer")
     vector = mean_activation(model, positive, site) - mean_activation(model, negative, site)
     return SteeringVector(vector.cpu(), site, source)
 
@@ -137,12 +100,13 @@ def build_vector(model: Transformer, site: str, positive: Sequence[Sequence[int]
 def steered(model: Transformer, steers: Sequence[Steer] = (), ablate: Sequence[str] = ()) -> Iterator[None]:
     """Every row the model computes inside the block is steered and ablated (a whole batch;
     the serving engine does the same for one request's rows: RequestParams.steer / ablate)."""
-    check_steer(model.config, steers)
-    heads = [parse_head(model.config, name) for name in ablate]
+    for steer in steers:
+        steer.check(model.config, model.hooks.sites)
+    heads = [model_head(model.config, name) for name in ablate]
     hooks = {}
-    for site in {s.site for s in steers if s.alpha != 0} | {site for site, _ in heads}:
-        adds = [s for s in steers if s.site == site and s.alpha != 0]
-        zeros = [h for head_site, h in heads if head_site == site]
+    for site in {s.site.full for s in steers if s.alpha != 0} | {head.site.full for head in heads}:
+        adds = [s for s in steers if s.site.full == site and s.alpha != 0]
+        zeros = [head.index for head in heads if head.site.full == site]
 
         def edit(tensor: torch.Tensor, site: str, adds=adds, zeros=zeros) -> torch.Tensor:
             out = tensor.clone()

@@ -2,7 +2,8 @@
 
 Every site, in the order the forward pass reaches it, with the tensor's dimensions (the names
 and dimensions are the table in glassformer/model/sites.py, which the modules name their sites
-from; what each holds is written here)
+from; what each holds is written here; a model's own sites are those its modules registered
+when built, model.hooks.sites, and each name's Site gives its dimensions: parse_site(name).dims)
 (T: tokens in this call; S: keys seen, = cache length + T when decoding with a KVCache):
 
     embed.tokens               (batch, pos, d_model)            E_token[ids]
@@ -53,78 +54,22 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import InputError
-from ..model.config import ModelConfig
 from ..model.hooks import HookFn
 from ..model.kv_cache import KVCache
-from ..model.sites import CROSS_SITES, EMBED_SITES, HEAD_DIMS, LAYER_SITES, OUTPUT_SITES, STACK_SITES
+from ..model.sites import parse_site
 from ..model.transformer import Transformer
 
 Names = Iterable[str] | Callable[[str], bool] | None
 
 
-def site_names(config: ModelConfig) -> list[str]:
-    """Every site this configuration has, in the order the forward pass reaches it."""
-    names = ["embed.tokens"]
-    if config.position in ("learned", "sinusoidal"):
-        names.append("embed.positions")
-    if config.n_token_types:
-        names.append("embed.token_types")
-    names.append("embed.out")
-    absent = {"attn.q_norm", "attn.k_norm"} if config.qk_norm == "none" else set()
-    if config.norm_placement == "out":  # output norms instead of input norms
-        absent |= {"norm1", "norm2"}
-    elif config.norm_placement != "sandwich":  # input norms only
-        absent |= {"attn_out_norm", "mlp_out_norm"}
-    layer = [site for site in LAYER_SITES if site not in absent]
-    if config.norm_placement == "post":  # each norm follows its residual add
-        for norm, before in (("norm1", "resid_mid"), ("norm2", "resid_post")):
-            layer.remove(norm)
-            layer.insert(layer.index(before), norm)
-    if not config.n_encoder_layers:
-        names += [f"blocks.{i}.{site}" for i in range(config.n_layers) for site in layer]
-        names += ["final_norm"] if config.final_norm else []
-        return names + (["head_transform"] if config.head == "mlm" else []) + ["logits"]
-    cross = [site for site in CROSS_SITES if config.norm_placement == "pre" or site != "resid_self"]
-    at = layer.index("norm2" if config.norm_placement == "pre" else "resid_mid")
-    decoder_layer = layer[:at] + cross + layer[at:]
-    for stack, n, sites in (("encoder", config.n_encoder_layers, layer),
-                            ("decoder", config.n_layers, decoder_layer)):
-        names += [f"{stack}.relative_bias"] if config.position == "relative" else []
-        names += [f"{stack}.blocks.{i}.{site}" for i in range(n) for site in sites]
-        names += [f"{stack}.final_norm"] if config.final_norm else []
-    return names + ["logits"]
-
-
-def site_dims(name: str) -> tuple[str, ...]:
-    """The named dimensions of a site's tensor, e.g. ("batch", "head", "pos", "d_head")."""
-    if name in EMBED_SITES:
-        return EMBED_SITES[name]
-    if name in OUTPUT_SITES:
-        return OUTPUT_SITES[name]
-    stack, _, rest = name.partition(".")
-    if stack in ("encoder", "decoder"):
-        if rest in STACK_SITES:
-            return STACK_SITES[rest]
-        name = rest
-    parts = name.split(".", 2)
-    layer_sites = LAYER_SITES | (CROSS_SITES if stack == "decoder" else {})
-    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in layer_sites:
-        return layer_sites[parts[2]]
-    raise InputError(None, f"unknown hook site {name!r}; see glassformer.trace for the names")
-
-
-def resolve_names(config: ModelConfig, names: Names) -> list[str]:
-    """Exact site names from None (all), a predicate, or an iterable (checked to exist)."""
-    known = site_names(config)
+def resolve_names(model: Transformer, names: Names) -> list[str]:
+    """Site names from None (all of the model's, model.hooks.sites, in forward order), a
+    predicate over them, or an iterable (which the registry checks when they are installed)."""
     if names is None:
-        return known
+        return list(model.hooks.sites)
     if callable(names):
-        return [name for name in known if names(name)]
-    names = [names] if isinstance(names, str) else list(names)
-    missing = sorted(set(names) - set(known))
-    if missing:
-        raise InputError(None, f"unknown hook site(s) for this model: {', '.join(missing)}")
-    return names
+        return [name for name in model.hooks.sites if names(name)]
+    return [names] if isinstance(names, str) else list(names)
 
 
 @contextmanager
@@ -135,7 +80,7 @@ def capture(model: Transformer, names: Names = None) -> Iterator[dict[str, torch
     def record(tensor: torch.Tensor, site: str) -> None:
         store[site] = tensor.detach()
 
-    with model.hooks.installed({name: record for name in resolve_names(model.config, names)}):
+    with model.hooks.installed({name: record for name in resolve_names(model, names)}):
         yield store
 
 
@@ -159,8 +104,8 @@ def run_with_cache(
 
 @contextmanager
 def intervene(model: Transformer, hooks: Mapping[str, HookFn]) -> Iterator[None]:
-    """Install arbitrary hooks {site: fn(tensor, site) -> tensor | None} after checking names."""
-    resolve_names(model.config, hooks.keys())
+    """Install arbitrary hooks {site: fn(tensor, site) -> tensor | None}; the registry refuses
+    a name that is no site of the model."""
     with model.hooks.installed(hooks):
         yield
 
@@ -173,7 +118,7 @@ def ablate(
     sites = [sites] if isinstance(sites, str) else list(sites)
     if heads is not None:
         for site in sites:
-            if site_dims(site)[1] not in HEAD_DIMS:
+            if parse_site(site, "sites").head_axis != 1:
                 raise InputError("heads", f"site {site!r} has no head dimension")
 
     def zero(tensor: torch.Tensor, site: str) -> torch.Tensor:

@@ -36,6 +36,9 @@ class Stack(nn.Module):
         super().__init__()
         n_layers = config.n_layers if decoder else config.n_encoder_layers
         self.causal = decoder
+        self.at = names(name, STACK_SITES)  # its site names, registered in forward order
+        if config.position == "relative":
+            hooks.register(self.at["relative_bias"])
         self.blocks = nn.ModuleList(
             Block(config, hooks, i, cross=decoder, prefix=name + ".") for i in range(n_layers)
         )
@@ -43,7 +46,9 @@ class Stack(nn.Module):
         if config.position == "relative":
             self.relative_bias = RelativeBias(config, bidirectional=not decoder)
         self.final_norm = make_norm(config) if config.final_norm else None
-        self.hooks, self.at = hooks, names(name, STACK_SITES)  # its site names
+        if self.final_norm is not None:
+            hooks.register(self.at["final_norm"])
+        self.hooks = hooks
 
     def forward(
         self,
@@ -91,6 +96,7 @@ class EncoderDecoder(nn.Module):
         self.encoder = Stack(config, self.hooks, "encoder", decoder=False)
         self.decoder = Stack(config, self.hooks, "decoder", decoder=True)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        self.hooks.register(OUTPUT["logits"])
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.tokens.weight  # W_head = E_token
         init_weights(self, config.init_std, [*self.encoder.blocks, *self.decoder.blocks])

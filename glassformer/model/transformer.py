@@ -51,6 +51,8 @@ class Transformer(nn.Module):
         self.head_transform = transform(config) if transform is not None else None
         self.pooler = Pooler(config) if config.pooler else None
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        present = {"final_norm": self.final_norm, "head_transform": self.head_transform}
+        self.hooks.register(*(site for name, site in OUTPUT.items() if present.get(name, True) is not None))
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.tokens.weight  # W_head = E_token
         self.rope_attention_factor = 1.0

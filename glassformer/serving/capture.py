@@ -27,46 +27,21 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InputError
+from ..generation.config import kept_in_step
 from ..interpret.lens import lens_sites, top_of
-from ..interpret.trace import site_dims, site_names
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
-from ..model.sites import EMBED_SITES, LAYER_SITES, layer_site
+from ..model.sites import Site
 from .sequence import Sequence
-
-
-def token_axis(site: str) -> int | None:
-    """Where a site's tensor keeps its tokens (batch first), or None for a site the engine
-    does not capture."""
-    layer = layer_site(site)
-    dims = EMBED_SITES.get(site) if layer is None else LAYER_SITES[layer[1]]
-    return dims.index("pos") if dims is not None and "pos" in dims else None
-
-
-def check_capture(config: ModelConfig, sites: tuple[str, ...]) -> None:
-    """Raises ValueError naming `capture` for a site this model lacks or the engine cannot keep."""
-    known = set(site_names(config))
-    for site in sites:
-        if site not in known:
-            raise InputError("capture", f"the model has no site {site!r} (glassformer.trace lists them)")
-        if token_axis(site) is None:
-            raise InputError("capture", f"{site!r} has no token axis; the engine keeps sites with one "
-                             "(attention weights, the final norm and the logits are not kept)")
-
-
-def check_lens(config: ModelConfig, layers: tuple[int, ...] | None) -> None:
-    """Raises ValueError naming `lens_layers` for a layer this model lacks or one named twice."""
-    lens_sites(config, layers)
 
 
 def capture_hooks(parts: list[tuple[Sequence, int, int, int]]) -> dict[str, HookFn]:
     """Hooks that store, for each (request, first row, rows, first position) of the step that
     asked for sites, those rows of every site it named."""
-    sites = {site for seq, *_ in parts for site in seq.params.capture}
+    sites = {site.full: site for seq, *_ in parts for site in seq.params.capture}
 
     def keep(tensor: torch.Tensor, site: str) -> None:
-        axis = token_axis(site)
+        axis = sites[site].token_axis
         for seq, start, n, position in parts:
             if site in seq.captured:
                 rows = tensor.narrow(axis, start, n)[0].clone()  # one copy of the request's rows
@@ -82,7 +57,8 @@ def captured(seq: Sequence) -> dict[str, torch.Tensor] | None:
     the layout glassformer.trace gives the same site for the request's tokens."""
     if not seq.params.capture:
         return None
-    return {site: _stacked(site, rows, sorted(rows)) for site, rows in seq.captured.items()}
+    return {site.full: _stacked(site, seq.captured[site.full], sorted(seq.captured[site.full]))
+            for site in seq.params.capture}
 
 
 def new_rows(seq: Sequence) -> dict[str, torch.Tensor] | None:
@@ -93,12 +69,13 @@ def new_rows(seq: Sequence) -> dict[str, torch.Tensor] | None:
         return None
     end = seq.num_tokens - 1  # the newest token's own row is computed in the next step
     first = 0 if len(seq.generated) == 1 else end - 1
-    return {site: _stacked(site, rows, range(first, end)) for site, rows in seq.captured.items()}
+    return {site.full: _stacked(site, seq.captured[site.full], range(first, end))
+            for site in seq.params.capture}
 
 
-def _stacked(site: str, rows: dict[int, torch.Tensor], positions) -> torch.Tensor:
+def _stacked(site: Site, rows: dict[int, torch.Tensor], positions) -> torch.Tensor:
     """The rows at `positions` on the site's token axis, with a batch of 1."""
-    return torch.stack([rows[p] for p in positions], dim=token_axis(site) - 1)[None]
+    return torch.stack([rows[p] for p in positions], dim=site.token_axis - 1)[None]
 class LensRows:
     """The residual rows of the step's requests that read the lens, kept while the blocks run
     (`hooks`: one copy per site of every lens request's rows), then read out with every other
@@ -178,13 +155,13 @@ def lens_of(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
     return torch.stack([ids for ids, _ in rows], dim=1), torch.stack([probs for _, probs in rows], dim=1)
 
 
-def _elements(config: ModelConfig, site: str, tokens: int) -> int:
+def _elements(config: ModelConfig, site: Site, tokens: int) -> int:
     """How many numbers a site's tensor holds over `tokens` positions (batch 1)."""
     sizes = {"batch": 1, "pos": tokens, "query": tokens, "key": tokens, "head": config.n_heads,
              "kv_head": config.kv_heads, "d_head": config.head_dim, "d_model": config.d_model,
              "d_ff": config.ff_dim, "vocab": config.vocab_size}
     elements = 1
-    for dim in site_dims(site):
+    for dim in site.dims:
         elements *= sizes[dim]
     return elements
 
@@ -193,7 +170,7 @@ def _lens_sites(config: ModelConfig, lens_layers: tuple[int, ...] | None) -> int
     return config.n_layers + 1 if lens_layers is None else len(lens_layers)
 
 
-def capture_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None, tokens: int,
+def capture_bytes(config: ModelConfig, sites: tuple[Site, ...], lens: int | None, tokens: int,
                   lens_layers: tuple[int, ...] | None = None) -> int:
     """An upper bound on what a request's capture and lens hold over `tokens` positions, as
     float32 (token ids as int64): every site's tensor at full length."""
@@ -212,7 +189,7 @@ FLOAT_JSON = 32
 LENS_ENTRY_JSON = 44
 
 
-def answer_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None, tokens: int,
+def answer_bytes(config: ModelConfig, sites: tuple[Site, ...], lens: int | None, tokens: int,
                  lens_layers: tuple[int, ...] | None = None, token_json: int = 0,
                  streamed: bool = False) -> int:
     """An upper bound on the JSON an answer carries for a request's trace sites and lens over
@@ -222,9 +199,9 @@ def answer_bytes(config: ModelConfig, sites: tuple[str, ...], lens: int | None, 
     rows in each token's chunk (with that chunk's wrapping) and the whole in the last."""
     total = 0
     for site in sites:
-        copies = 2 if streamed and token_axis(site) is not None else 1
+        copies = 2 if streamed and kept_in_step(site) else 1
         total += FLOAT_JSON * _elements(config, site, tokens) * copies
-        if streamed and token_axis(site) is not None:
+        if streamed and kept_in_step(site):
             total += 64 * tokens  # {"glassformer": {"trace": {"<site>": ...}}} in each chunk
     if lens is not None:
         digits = len(str(config.vocab_size))

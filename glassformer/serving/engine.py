@@ -152,7 +152,7 @@ class Engine:
         mc, params = self.model.config, params or RequestParams()
         if self._error is not None:
             raise RuntimeError(f"engine: stopped after an error ({self._error!r})")
-        prompt = check_request(mc, prompt, params, self.window, self.config.sink, self.blocks,
+        prompt = check_request(self.model, prompt, params, self.window, self.config.sink, self.blocks,
                                self.tokenizer is not None)
         eos = eos_ids(params, self.tokenizer)
         seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id, self.runner.device)

@@ -82,7 +82,7 @@ class Inspection:
 
     def __init__(self, config: ModelConfig, parts: list[tuple]) -> None:
         self.lens = LensRows(config, parts)
-        self.hooks: list[dict[str, HookFn]] = [edit_hooks(config, parts), capture_hooks(parts),
+        self.hooks: list[dict[str, HookFn]] = [edit_hooks(parts), capture_hooks(parts),
                                                self.lens.hooks()]
 
     @classmethod

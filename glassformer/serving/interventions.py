@@ -1,7 +1,7 @@
 """Steering and head ablation for chosen requests, inside the engine's batched step.
 
 A request adds α × a vector at sites (`RequestParams.steer`) or zeroes heads
-(`RequestParams.ablate`, interpret/steer.py names them). The step runs every request's new
+(`RequestParams.ablate`, named as model/sites.py's Head). The step runs every request's new
 rows as one sequence (step.py); the hooks installed for the step copy a site's tensor and
 change, in the copy, that request's own rows only, so every other row keeps its exact bits.
 A request that changes something (`RequestParams.changes_model`) runs on the module path
@@ -14,42 +14,29 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InputError
-from ..generation.config import RequestParams
-from ..interpret.steer import check_steer, parse_head
-from ..model.config import ModelConfig
 from ..model.hooks import HookFn
-from .capture import token_axis
 from .sequence import Sequence
 
 Part = tuple[Sequence, int, int, int]  # (request, first row, rows, first position)
 
 
-def check_edits(config: ModelConfig, params: RequestParams) -> None:
-    """ValueError naming `steer` or `ablate` for what this model cannot take."""
-    check_steer(config, params.steer)
-    for steer in params.steer:
-        if token_axis(steer.site) is None:
-            raise InputError("steer", f"{steer.site!r} has no token axis")
-    for name in params.ablate:
-        parse_head(config, name)
-
-
-def edit_hooks(config: ModelConfig, parts: list[Part]) -> dict[str, HookFn]:
+def edit_hooks(parts: list[Part]) -> dict[str, HookFn]:
     """Hooks that steer and ablate, for each (request, first row, rows, first position) of the
     step, its own rows of the sites it named."""
     edits: dict[str, list[tuple[int, int, torch.Tensor | None, int | None]]] = {}
+    axes: dict[str, int] = {}  # each edited site's token axis
     for seq, start, n, _ in parts:
         for steer in seq.params.steer:
             if steer.alpha != 0:
-                edits.setdefault(steer.site, []).append((start, n, steer.alpha * steer.vector, None))
-        for name in seq.params.ablate:
-            site, head = parse_head(config, name)
-            edits.setdefault(site, []).append((start, n, None, head))
+                edits.setdefault(steer.site.full, []).append((start, n, steer.alpha * steer.vector, None))
+                axes[steer.site.full] = steer.site.token_axis
+        for head in seq.params.ablate:
+            edits.setdefault(head.site.full, []).append((start, n, None, head.index))
+            axes[head.site.full] = head.site.token_axis
 
     def edit(tensor: torch.Tensor, site: str) -> torch.Tensor:
         out = tensor.clone()
-        axis = token_axis(site)
+        axis = axes[site]
         for start, n, add, head in edits[site]:
             rows = out.narrow(axis, start, n)  # a view: the request's rows of the copy
             if add is not None:

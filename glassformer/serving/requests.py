@@ -10,13 +10,12 @@ import torch
 
 from ..errors import InputError
 from ..generation.config import GenerationResult, RequestParams
-from ..model.config import ModelConfig
 from ..model.sink import SinkPolicy
+from ..model.transformer import Transformer
 from .beam import BeamGroup
 from .block_manager import BlockManager
-from .capture import captured, check_capture, check_lens, lens_of
+from .capture import captured, lens_of
 from .handle import TokenLogprobs
-from .interventions import check_edits
 from .sequence import Sequence
 
 NON_FINITE = ("its logits hold NaN or Inf: its activations overflowed (a steer's alpha, an adapter's "
@@ -28,13 +27,15 @@ class CapacityError(InputError):
     (naming `beams` where its beams are what make it too large, else `prompt`)."""
 
 
-def check_request(mc: ModelConfig, prompt: Ids[int], params: RequestParams, window: float,
+def check_request(model: Transformer, prompt: Ids[int], params: RequestParams, window: float,
                   sink: SinkPolicy | None, blocks: BlockManager, decodes: bool) -> list[int]:
     """The prompt as a list, once the request is one the engine can run: InputError naming the
     field otherwise (CapacityError where the whole pool could not hold it). `window`: how many
-    tokens a request may reach; `decodes`: whether the engine has a tokenizer."""
+    tokens a request may reach; `decodes`: whether the engine has a tokenizer. What the request
+    asks of the model is its params' own check, against the model's config and sites."""
     if not isinstance(params, RequestParams):
         raise InputError("params", f"a RequestParams, got {type(params).__name__}")
+    mc = model.config
     prompt = list(prompt)
     if not prompt:
         raise InputError("prompt", "empty; give at least one token")
@@ -46,11 +47,7 @@ def check_request(mc: ModelConfig, prompt: Ids[int], params: RequestParams, wind
         raise InputError("stop", "stop strings need a tokenizer to decode the text")
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mc.vocab_size for t in prompt):
         raise InputError("prompt", f"token ids must be integers in 0..{mc.vocab_size - 1}")
-    check_capture(mc, params.capture)
-    check_lens(mc, params.lens_layers)
-    check_edits(mc, params)
-    if params.logprobs is not None and params.logprobs > mc.vocab_size:
-        raise InputError("logprobs", f"at most the vocabulary's {mc.vocab_size}, got {params.logprobs}")
+    params.check(mc, model.hooks.sites)
     slots = sink.capacity if sink else mc.context_length
     longest = min(len(prompt) + params.max_new_tokens, slots)
     needed = blocks.blocks_for(longest) * params.beams  # every beam may need its own

@@ -54,7 +54,7 @@ class Sequence:
         self.preemptions = 0
         self.group = None  # the BeamGroup this sequence is a member of
         # capture: site -> position -> the site's tensor for that row (its token axis removed)
-        self.captured: dict[str, dict[int, torch.Tensor]] = {site: {} for site in params.capture}
+        self.captured: dict[str, dict[int, torch.Tensor]] = {site.full: {} for site in params.capture}
         # lens: position -> the top-k token ids and probabilities there, (sites, k) each
         self.lens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -16,7 +16,7 @@ from glassformer.formats.export import export_hf
 from glassformer.formats.huggingface import config_from_hf, load_hf
 from glassformer.formats.tokenizers import HFTokenizer
 from glassformer.generation.generate import GenerationConfig, generate
-from glassformer.interpret.trace import capture, site_names
+from glassformer.interpret.trace import capture
 from glassformer.serving import Engine, EngineConfig, RequestParams
 
 transformers = pytest.importorskip("transformers")
@@ -124,7 +124,7 @@ def test_every_site_fires_in_order(pair):
     _, _, model, _, _ = pair
     with capture(model) as cache:
         model(torch.tensor([[1, 2, 3, 4]]))
-    assert list(cache) == site_names(model.config)
+    assert list(cache) == list(model.hooks.sites)
     c = model.config
     assert cache["blocks.1.attn.q_norm"].shape == (1, c.n_heads, 4, c.head_dim)
     assert cache["blocks.1.attn.k_norm"].shape == (1, c.kv_heads, 4, c.head_dim)
@@ -290,10 +290,10 @@ def test_the_journey_shows_the_query_key_and_output_norms(pair):
 
     _, _, model, tokenizer, _ = pair
     data = collect_journey(model, tokenizer, "the quick brown fox", top_k=3, ig_steps=2)
-    assert [s["name"] for s in data["sites"]] == site_names(model.config)
+    assert [s["name"] for s in data["sites"]] == list(model.hooks.sites)
     steps = [step["site"] for step in data["steps"]["layer"]]
     assert [f"blocks.0.{site}" for site in steps] == [
-        name for name in site_names(model.config) if name.startswith("blocks.0.")
+        name for name in list(model.hooks.sites) if name.startswith("blocks.0.")
         and name.removeprefix("blocks.0.") in steps]
     out = model.config.norm_placement == "out"
     assert {"attn.q_norm", "attn.k_norm"} <= set(steps)

@@ -9,7 +9,7 @@ from glassformer.cli import main
 from glassformer.formats.checkpoint import write_checkpoint
 from glassformer.formats.tokenizers import CharTokenizer
 from glassformer.interpret.journey import collect_journey, render_html, summary
-from glassformer.interpret.trace import run_with_cache, site_names
+from glassformer.interpret.trace import run_with_cache
 
 TEXT = "The cat sat"
 TOKENIZER = CharTokenizer("".join(chr(c) for c in range(32, 127)))
@@ -30,7 +30,7 @@ def test_sites_cover_the_whole_pass_with_shapes_and_stats(journey):
     model, data = journey
     T = len(TEXT)
     assert data["tokens"] == list(TEXT)
-    assert [s["name"] for s in data["sites"]] == site_names(model.config)
+    assert [s["name"] for s in data["sites"]] == list(model.hooks.sites)
     q = next(s for s in data["sites"] if s["name"] == "blocks.1.attn.q")
     assert q["shape"] == [1, 4, T, 8] and q["dims"] == ["batch", "head", "pos", "d_head"]
     k = next(s for s in data["sites"] if s["name"] == "blocks.1.attn.k")
@@ -100,7 +100,7 @@ def test_attribution_is_complete_and_rollout_is_a_distribution(journey):
 def test_other_architectures(name):
     model = make(name)
     data = collect_journey(model, TOKENIZER, TEXT, top_k=3, ig_steps=2)
-    assert [s["name"] for s in data["sites"]] == site_names(model.config)
+    assert [s["name"] for s in data["sites"]] == list(model.hooks.sites)
     assert (data["decode_step"] is None) == (not model.config.causal)
     has_positions = "embed.positions" in {s["site"] for s in data["steps"]["input"]}
     assert has_positions == (model.config.position in ("learned", "sinusoidal"))

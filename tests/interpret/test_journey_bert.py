@@ -10,7 +10,6 @@ from bert_folder import save_bert
 from glassformer import load
 from glassformer.cli import main
 from glassformer.interpret.journey import collect_journey, render_html
-from glassformer.interpret.trace import site_names
 
 pytest.importorskip("transformers")
 TEXT = "to be or [MASK] to be"
@@ -31,7 +30,7 @@ def test_encoder_journey(folder):
     assert data["prediction"] == {"position": fill.position, "title": "Masked-token probabilities"}
     assert [t["id"] for t in data["next_tokens"]] == [c.token_id for c in fill.candidates]
     assert data["decode_step"] is None
-    assert [s["name"] for s in data["sites"]] == site_names(lm.config)
+    assert [s["name"] for s in data["sites"]] == list(lm.model.hooks.sites)
     T = len(data["ids"])
     for layer in data["attention"]:
         for head in layer:

@@ -21,7 +21,8 @@ def _config(model_type: str, **changes):
 
 
 def _steps(config) -> dict[str, dict]:
-    return {step["site"]: step for step in input_steps(config) + layer_steps(config) + output_steps(config)}
+    layer = layer_steps(config, build_model(config).hooks.sites)
+    return {step["site"]: step for step in input_steps(config) + layer + output_steps(config)}
 
 
 def _run(config):

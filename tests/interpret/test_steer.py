@@ -11,8 +11,9 @@ from glassformer.cli import main
 from glassformer.formats.checkpoint import write_checkpoint
 from glassformer.formats.tokenizers import CharTokenizer
 from glassformer.generation.config import Steer
-from glassformer.interpret.steer import SteeringVector, build_vector, parse_head, steered
+from glassformer.interpret.steer import SteeringVector, build_vector, steered
 from glassformer.interpret.trace import run_with_cache
+from glassformer.model.sites import parse_head
 
 TOKENIZER = CharTokenizer("".join(chr(c) for c in range(32, 127)) + "\n")
 POSITIVE = ["what a lovely day", "great work, thanks"]
@@ -58,7 +59,9 @@ def test_steered_adds_alpha_v_and_ablation_zeroes_one_head():
     model = make()
     ids = torch.tensor([TOKENIZER.encode("hello there")])
     v = torch.randn(model.config.d_model, generator=torch.Generator().manual_seed(1))
-    site, head = parse_head(model.config, "blocks.0.attn.head.1")
+    site, head = "blocks.0.attn.context", 1  # where blocks.0.attn.head.1 is, and which
+    named = parse_head("blocks.0.attn.head.1")
+    assert (named.site.full, named.index) == (site, head)
     _, plain = run_with_cache(model, ids, names=[SITE, site])
     with steered(model, [Steer(SITE, v, 2.0)]):
         _, cache = run_with_cache(model, ids, names=[SITE])

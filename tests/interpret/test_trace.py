@@ -2,9 +2,10 @@ import pytest
 import torch
 
 from glassformer import PRESETS, KVCache, Transformer, get_preset
-from glassformer.interpret.trace import ablate, capture, patch, run_with_cache, site_dims, site_names
+from glassformer.interpret.trace import ablate, capture, patch, run_with_cache
 from glassformer.model.layers import attention
 from glassformer.model.layers.attention_backends import repeat_kv
+from glassformer.model.sites import parse_site
 
 TINY = sorted(name for name in PRESETS if name.startswith("tiny-") and not PRESETS[name].n_encoder_layers)
 T = 6
@@ -32,10 +33,10 @@ def expected_sizes(model: Transformer, T: int, S: int) -> dict[str, int]:
 def test_every_site_has_its_documented_shape(name):
     model = make(name)
     logits, cache = run_with_cache(model, ids_for(model))
-    assert list(cache) == site_names(model.config)  # every site, in forward order
+    assert list(cache) == list(model.hooks.sites)  # every site, in forward order
     sizes = expected_sizes(model, T, T)
     for site, tensor in cache.items():
-        assert tuple(tensor.shape) == tuple(sizes[d] for d in site_dims(site)), site
+        assert tuple(tensor.shape) == tuple(sizes[d] for d in parse_site(site).dims), site
     torch.testing.assert_close(cache["logits"], logits)
 
 
@@ -178,7 +179,7 @@ def test_unknown_sites_and_bad_patches_are_rejected():
         model(ids_for(model))
     assert not model.hooks
     with pytest.raises(ValueError, match="unknown hook site"):
-        site_dims("blocks.0.attn.weights")
+        parse_site("blocks.0.attn.weights")
 
 
 def test_capture_records_every_forward_inside_the_block():

@@ -143,7 +143,7 @@ def test_steering_and_ablation_are_refused_by_name(tiny):
             Steer("blocks.0.resid_post", torch.ones(d), alpha)
     with pytest.raises(ValueError, match="^lens: "):
         RequestParams(lens=0)
-    with pytest.raises(ValueError, match="^steer: "):
+    with pytest.raises(TypeError, match="'steer'"):  # generate steers with interpret.steer.steered
         GenerationConfig(steer=(Steer("blocks.0.resid_post", torch.ones(d), 1.0),))
 
 

@@ -14,10 +14,11 @@ import torch
 from ...errors import InputError
 from ...model.encoder_decoder import EncoderDecoder
 from ...model.kv_cache import KVCache
+from ...model.sites import parse_site
 from ...model.transformer import Transformer
 from ..attribution import TENTHS, attention_rollout, integrated_gradients, token_baseline
 from ..lens import residual_sites, top_tokens
-from ..trace import capture, run_with_cache, site_dims
+from ..trace import capture, run_with_cache
 from .steps import DIM_SYMBOLS, input_steps, layer_steps, output_steps
 
 ROWS, COLS = 6, 8  # the corner of each tensor shown in the report
@@ -49,7 +50,7 @@ def _stats(t: torch.Tensor) -> dict:
 
 
 def _site(name: str, tensor: torch.Tensor) -> dict:
-    dims = site_dims(name)
+    dims = parse_site(name).dims
     t = tensor.float().cpu()
     corner = t[0, :, :ROWS, :COLS] if dims[1] in ("head", "kv_head") else t[0, :ROWS, :COLS]
     site = {"name": name, "shape": list(tensor.shape), "dims": list(dims), "stats": _stats(t)}
@@ -159,7 +160,7 @@ def collect_journey(
         "sizes": {"H": config.n_heads, "KV": config.kv_heads, "d_head": config.head_dim,
                   "d": config.d_model, "d_ff": config.ff_dim, "v": config.vocab_size, "L": L},
         "dim_symbols": DIM_SYMBOLS,
-        "steps": {"input": input_steps(config), "layer": layer_steps(config),
+        "steps": {"input": input_steps(config), "layer": layer_steps(config, model.hooks.sites),
                   "output": output_steps(config)},
         "sites": [_site(name, tensor) for name, tensor in acts.items()],
         "attention": [
@@ -227,7 +228,7 @@ def collect_seq2seq_journey(model: EncoderDecoder, tokenizer, text: str, top_k: 
         "sizes": {"H": H, "KV": config.kv_heads, "d_head": config.head_dim, "d": config.d_model,
                   "d_ff": config.ff_dim, "v": config.vocab_size, "L": L, "S": len(source)},
         "dim_symbols": DIM_SYMBOLS,
-        "steps": {"input": input_steps(config), "layer": layer_steps(config),
+        "steps": {"input": input_steps(config), "layer": layer_steps(config, model.hooks.sites),
                   "output": output_steps(config)},
         "sites": [_site(name, tensor) for name, tensor in acts.items()],
         "attention": maps("decoder", "attn.pattern", L),  # U × U, causal

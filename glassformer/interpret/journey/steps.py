@@ -11,8 +11,10 @@ the final soft-cap (logits).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ...model.config import ModelConfig
-from ..trace import site_names
+from ...model.sites import Site
 
 # How a named dimension is written in the equations (c: tokens in the context).
 DIM_SYMBOLS = {
@@ -133,7 +135,8 @@ def _residuals(config: ModelConfig) -> dict[str, tuple[str, str]]:
     return {"resid_mid": mid, "resid_post": (f"x ← x + {ffn}", "the input of the next layer")}
 
 
-def layer_steps(config: ModelConfig) -> list[dict]:
+def layer_steps(config: ModelConfig, sites: Mapping[str, Site]) -> list[dict]:
+    """The steps of one block, those whose sites the model has (`sites`: its Hooks.sites)."""
     inputs = config.norm_placement in ("pre", "sandwich")  # a norm before each sublayer
     x_in = "x̂" if inputs else "x"
     q, k = f"{x_in} W_Q", f"{x_in} W_K"
@@ -205,8 +208,7 @@ def layer_steps(config: ModelConfig) -> list[dict]:
         at = next(i for i, step in enumerate(steps) if step["site"] == ("norm2" if pre else "resid_mid"))
         steps[at:at] = cross_steps(pre, " / √d_head" if config.scale_scores else "")
     prefix = "decoder." if config.n_encoder_layers else ""  # an encoder-decoder shows its decoder
-    present = set(site_names(config))
-    return [step for step in steps if f"{prefix}blocks.0.{step['site']}" in present]
+    return [step for step in steps if f"{prefix}blocks.0.{step['site']}" in sites]
 
 
 def cross_steps(pre: bool, scale: str) -> list[dict]:

@@ -62,6 +62,9 @@ class Attention(nn.Module):
         self.narrows = config.layer_windows is not None and self.window is not None
         self.dropout = config.dropout
         self.hooks, self.at = hooks, names(block, LAYER_SITES, "attn")  # its site names: at["q"]
+        # the sites it has, in the order it reaches them (its block registers them)
+        self.sites = [site for name, site in self.at.items()
+                      if self.q_norm is not None or name not in ("q_norm", "k_norm")]
 
     def forward(
         self,

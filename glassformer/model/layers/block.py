@@ -54,6 +54,7 @@ class Block(nn.Module):
         self.mlp_out_norm = make_norm(config) if outputs else None
         self.dropout = nn.Dropout(config.dropout)
         self.hooks, self.at = hooks, names(site, LAYER_SITES | CROSS_SITES)  # its own sites
+        hooks.register(*self._sites())
 
     def forward(
         self,
@@ -83,6 +84,21 @@ class Block(nn.Module):
         fed = self._norm("norm2", block_input if self.parallel else x)
         x = x + self.dropout(self._norm("mlp_out_norm", self.mlp(fed)))
         return hook(at["resid_post"], x)
+
+    def _sites(self) -> list[str]:
+        """Its sites and its sublayers', in the order forward reaches them."""
+        at, attn, mlp = self.at, self.attn.sites, self.mlp.sites
+        cross = [] if self.cross is None else self.cross.sites
+
+        def norm(name: str) -> list[str]:  # a norm's site, where the block has that norm
+            return [at[name]] if getattr(self, name) is not None else []
+
+        if self.post_norm:  # each norm after its residual add
+            return [at["resid_pre"], *attn, *norm("norm1"), *cross, *norm("norm_cross"),
+                    at["resid_mid"], *mlp, *norm("norm2"), at["resid_post"]]
+        crossing = [] if self.cross is None else [at["resid_self"], *norm("norm_cross"), *cross]
+        return [at["resid_pre"], *norm("norm1"), *attn, *norm("attn_out_norm"), *crossing,
+                at["resid_mid"], *norm("norm2"), *mlp, *norm("mlp_out_norm"), at["resid_post"]]
 
     def _norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The block's norm `name` of x, shown at its site; x itself where the block has none."""

@@ -32,6 +32,7 @@ class CrossAttention(nn.Module):
         self.scale = None if config.scale_scores else 1.0
         self.dropout = config.dropout
         self.hooks, self.at = hooks, names(block, CROSS_SITES, "cross")  # its site names
+        self.sites = list(self.at.values())  # in the order it reaches them (its block registers them)
 
     def project(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder output m (B, S, d) as keys and values, each (B, KV, S, d_head)."""

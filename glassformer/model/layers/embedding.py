@@ -49,6 +49,8 @@ class Embedding(nn.Module):
         self.norm = make_norm(config) if config.embed_norm else None
         self.scale = config.d_model**0.5 if config.embed_scale else None  # Gemma: × √d_model
         self.hooks, self.at = hooks, names("", EMBED_SITES, "embed")  # its site names
+        present = {"positions": self.positions, "token_types": self.token_types}
+        hooks.register(*(site for name, site in self.at.items() if present.get(name, True) is not None))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 token_types: torch.Tensor | None = None) -> torch.Tensor:

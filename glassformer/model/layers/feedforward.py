@@ -50,6 +50,7 @@ class FeedForward(nn.Module):
         self.activation = Activation(config.activation, config.gated)
         self.down = nn.Linear(config.ff_dim, config.d_model, bias=config.mlp_bias)
         self.hooks, self.at = hooks, names(block, LAYER_SITES, "mlp")  # its site names
+        self.sites = list(self.at.values())  # in the order it reaches them (its block registers them)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up(x)  # (B, T, d_ff) or (B, T, 2 d_ff)

@@ -10,9 +10,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from ...errors import InputError
+from ...generation.config import kept_in_step
 from ...generation.sampling import SamplingConfig
+from ...model.sites import Site
 from .. import RequestParams
-from ..capture import token_axis
 
 MAX_CHOICES = 16  # the most choices (n) and candidates (best_of) one request may ask for
 Choices = Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)]
@@ -117,7 +118,9 @@ class SamplingFields(Strict):
             raise InputError(None, "stop strings must not be empty")
         return value
 
-    def params(self, max_new_tokens: int) -> RequestParams:
+    def params(self, max_new_tokens: int, traced: tuple[Site, ...] = ()) -> RequestParams:
+        """The engine's request; `traced`: the trace's sites, parsed (the engine keeps those
+        its steps compute; the server traces the rest)."""
         stop = self.stop if self.stop is not None else ()
         return RequestParams(
             max_new_tokens=max_new_tokens,
@@ -129,7 +132,7 @@ class SamplingFields(Strict):
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             eos_ids=() if self.glassformer.ignore_eos else None,  # None: the tokenizer's end ids
             logprobs=self.logprob_count,
-            capture=tuple(site for site in self.glassformer.trace if token_axis(site) is not None),
+            capture=tuple(site for site in traced if kept_in_step(site)),
             ablate=tuple(self.glassformer.ablate),
             lens=None if self.glassformer.lens is None else self.glassformer.lens.top_k,
             lens_layers=None if self.glassformer.lens is None or self.glassformer.lens.layers is None

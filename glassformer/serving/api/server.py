@@ -23,13 +23,14 @@ from starlette.requests import ClientDisconnect
 
 from ...accel.threads import ThreadPolicy
 from ...errors import InputError
-from ...generation.config import GenerationResult
+from ...generation.config import GenerationResult, kept_in_step
 from ...interpret.lens import Lens, lens_sites
 from ...interpret.lens_page import lens_data
 from ...interpret.steer import SteeringVector
 from ...language_model import LanguageModel
+from ...model.sites import Site, model_site
 from .. import Engine, EngineConfig, Event, RequestHandle
-from ..capture import answer_bytes, token_axis
+from ..capture import answer_bytes
 from ..requests import CapacityError
 from . import choices, errors, responses
 from .errors import APIError
@@ -99,7 +100,7 @@ class Server:
                  threads: ThreadPolicy | None = None,
                  steering: Mapping[str, SteeringVector] | None = None) -> None:
         self.language_model, self.config = language_model, config
-        self.steering = SteeringVectors(language_model.config, steering)
+        self.steering = SteeringVectors(language_model.model, steering)
         self.engine = Engine(language_model.model, language_model.tokenizer, engine, threads,
                              language_model.source or None)
         self.metrics = ServerMetrics(self.engine)
@@ -150,10 +151,10 @@ class Server:
                            "model", "model_not_found")
         return parsed
 
-    def submit(self, ids: list[int], fields: SamplingFields, asked: int | None,
-               request: Request) -> tuple[list[RequestHandle], Admission]:
+    def submit(self, ids: list[int], fields: SamplingFields, asked: int | None, request: Request,
+               traced: tuple[Site, ...] = ()) -> tuple[list[RequestHandle], Admission]:
         """Admit a request: one engine request per candidate (choices.py); returns their
-        handles and what the reader shares with the guard."""
+        handles and what the reader shares with the guard. `traced`: its trace's sites."""
         context, cap = self.language_model.config.context_length, self.config.max_tokens
         if len(ids) > context:
             raise APIError(400, f"prompt: {len(ids)} tokens; this model's context holds {context}",
@@ -168,10 +169,10 @@ class Server:
             raise APIError(429, "the server is busy; retry shortly", code="queue_full",
                            headers={"Retry-After": "1"})
         limit = asked if asked is not None else max(1, min(cap, context - len(ids)))
-        self.check_capture_size(fields, min(len(ids) + limit, context))
+        self.check_capture_size(fields, traced, min(len(ids) + limit, context))
         handles: list[RequestHandle] = []
         try:
-            params = fields.params(limit)
+            params = fields.params(limit, traced)
             if fields.glassformer.ui:
                 watched = live_sites(self.language_model.config)
                 params = replace(params, capture=tuple(dict.fromkeys(params.capture + watched)))
@@ -195,12 +196,12 @@ class Server:
         guard.add_done_callback(self._guards.discard)
         return handles, admission
 
-    def check_capture_size(self, fields: SamplingFields, tokens: int) -> None:
+    def check_capture_size(self, fields: SamplingFields, traced: tuple[Site, ...], tokens: int) -> None:
         """400 for a request whose trace sites and lens would make more than max_capture_mb of
         its answer's JSON (capture.answer_bytes; at 0, any trace or lens)."""
         asked = fields.glassformer
         lens, layers = (None, None) if asked.lens is None else (asked.lens.top_k, asked.lens.layers)
-        size = answer_bytes(self.language_model.config, tuple(asked.trace), lens, tokens,
+        size = answer_bytes(self.language_model.config, traced, lens, tokens,
                             None if layers is None else tuple(layers),
                             0 if lens is None else self.token_json(),
                             bool(getattr(fields, "stream", False)))
@@ -281,17 +282,17 @@ class Server:
                      chat: bool) -> Response:
         """Run one request: its whole answer, or its stream (see responses.py for the shapes)."""
         ids = self.prompt(body)
-        sites = body.glassformer.trace
-        if sites:
-            try:
-                self.tracer.check(sites)
-            except InputError as error:
-                raise APIError(400, f"glassformer.trace: {error}", "glassformer.trace",
-                               "invalid_value") from None
-            if body.model != self.config.model_name and any(token_axis(site) is None for site in sites):
-                raise APIError(400, "glassformer.trace: with a LoRA adapter, only sites with a token "
-                               "axis (kept inside the engine's steps)", "glassformer.trace", "invalid_value")
-        handles, admission = self.submit(ids, body, body.token_limit if chat else body.max_tokens, request)
+        try:  # the trace's names parsed, and checked against the model, once
+            traced = tuple(model_site(self.language_model.model.hooks.sites, name, "glassformer.trace")
+                           for name in body.glassformer.trace)
+        except InputError as error:
+            raise errors.from_input(error) from None
+        if body.model != self.config.model_name and not all(map(kept_in_step, traced)):
+            raise APIError(400, "glassformer.trace: with a LoRA adapter, only sites with a token "
+                           "axis (kept inside the engine's steps)", "glassformer.trace", "invalid_value")
+        sites = [site.full for site in traced]
+        handles, admission = self.submit(ids, body, body.token_limit if chat else body.max_tokens,
+                                         request, traced)
         handle = handles[0]  # the one a trace, a lens and the live page read (they need n = 1)
         head = {"id": new_id("chatcmpl" if chat else "cmpl"), "created": now(), "model": body.model}
         watch = None

@@ -12,8 +12,9 @@ import torch
 
 from ...errors import InputError
 from ...generation.config import Steer
-from ...interpret.steer import SteeringVector, check_site
-from ...model.config import ModelConfig
+from ...interpret.steer import SteeringVector
+from ...model.sites import residual_site
+from ...model.transformer import Transformer
 from ..adapters import NAME
 from .protocol import SteerField
 
@@ -21,8 +22,8 @@ MOST = 256  # vectors one server keeps
 
 
 class SteeringVectors:
-    def __init__(self, config: ModelConfig, vectors: Mapping[str, SteeringVector] | None = None) -> None:
-        self.config = config
+    def __init__(self, model: Transformer, vectors: Mapping[str, SteeringVector] | None = None) -> None:
+        self.config, self.sites = model.config, model.hooks.sites
         self._vectors: dict[str, SteeringVector] = {}
         self._lock = threading.Lock()
         for name, vector in (vectors or {}).items():
@@ -36,7 +37,7 @@ class SteeringVectors:
         if not bool(torch.isfinite(vector.vector).all()):
             raise InputError("vector", f"{name!r} holds non-finite values (NaN or Inf)")
         try:  # named by the upload's fields: a vector's site, its numbers
-            check_site(self.config, vector.site)
+            residual_site(self.sites, vector.site, "steer")
         except InputError as error:
             raise InputError("site", f"{error.detail} (vector {name!r})") from None
         if vector.vector.shape != (self.config.d_model,):

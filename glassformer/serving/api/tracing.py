@@ -6,9 +6,9 @@ Sites with a token axis are kept by the engine inside the steps that computed th
 attention weights, the final norm, the logits) come from a run of the request's tokens (the
 prompt and every generated token the model read) through `run_with_cache` alone, once it has
 finished, on a twin of the model that shares its weights but has its own hooks (a registry
-made empty, never a copy of the model's, where the engine's capture hooks may sit mid-step; no
-fused step, which a converted model's weights cannot copy), so
-the engine's batched steps never see them and it never sees theirs."""
+of the same sites made empty, never a copy of the model's, where the engine's capture hooks
+may sit mid-step; no fused step, which a converted model's weights cannot copy), so the
+engine's batched steps never see them and it never sees theirs."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ import threading
 
 import torch
 
-from ...interpret.trace import resolve_names, run_with_cache
-from ...model.hooks import Hooks
+from ...interpret.trace import run_with_cache
 from ...model.transformer import Transformer
 
 
@@ -29,10 +28,6 @@ class Tracer:
         self._twin: Transformer | None = None
         self._lock = threading.Lock()  # one trace at a time on the twin's hooks
 
-    def check(self, names: list[str]) -> list[str]:
-        """The names, if every one is a site of this model; ValueError naming the unknown ones."""
-        return resolve_names(self.source.config, names)
-
     def run(self, ids: list[int], names: list[str]) -> dict[str, list]:
         """{site: nested lists} for one sequence of token ids, batch dimension dropped."""
         with self._lock:
@@ -40,7 +35,7 @@ class Tracer:
                 shared = {id(t): t for t in itertools.chain(self.source.parameters(), self.source.buffers())}
                 # a registry of its own, empty: the engine may be mid-step with its capture hooks
                 # on the model's, and a copy of those would hand this run's tensors to them
-                shared[id(self.source.hooks)] = Hooks()
+                shared[id(self.source.hooks)] = self.source.hooks.unhooked()
                 # no fused step (a converted model's cannot be copied): hooked runs take the
                 # module path anyway
                 shared.update({id(self.source._step): None, id(self.source._step_builder): None})

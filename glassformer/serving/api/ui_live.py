@@ -28,6 +28,7 @@ from ...interpret.lens import residual_sites, top_tokens
 from ...language_model import LanguageModel
 from ...model.config import ModelConfig
 from ...model.layers.attention_backends import reference_attention
+from ...model.sites import Site, parse_site
 from ..handle import Event, RequestHandle
 from .errors import APIError
 
@@ -35,10 +36,10 @@ WINDOW = 32  # lens columns kept per request: its most recent positions
 KEEP = 8  # finished requests still listed
 
 
-def live_sites(config: ModelConfig) -> tuple[str, ...]:
+def live_sites(config: ModelConfig) -> tuple[Site, ...]:
     """The sites a ui request captures: its residual streams, then each layer's q and k."""
-    return tuple(residual_sites(config)) + tuple(
-        f"blocks.{i}.attn.{name}" for i in range(config.n_layers) for name in ("q", "k"))
+    return tuple(map(parse_site, residual_sites(config))) + tuple(
+        Site("", i, f"attn.{name}") for i in range(config.n_layers) for name in ("q", "k"))
 
 
 class Watch:
