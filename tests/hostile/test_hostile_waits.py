@@ -11,8 +11,9 @@ from glassformer import ModelConfig, Transformer
 from glassformer.cli import main
 from glassformer.cli.waits import announce_engine
 from glassformer.formats.checkpoint import write_checkpoint
+from glassformer.formats.sources import ANNOUNCED_PARAMETERS
 from glassformer.formats.tokenizers import CharTokenizer
-from glassformer.language_model import ANNOUNCED_PARAMETERS, load
+from glassformer.language_model import load
 from glassformer.serving import EngineConfig
 
 
