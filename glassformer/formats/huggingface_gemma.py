@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..model.config import ModelConfig
+from .refusals import require
 from .tensor_map import Entry
 
 # Hugging Face activation names -> ours; Gemma's "gelu" is read as transformers reads it
@@ -158,10 +159,7 @@ def gemma_hf_config(config: ModelConfig, rope_scaling: dict | None) -> dict[str,
     if not second:
         expected |= {"norm_placement": "pre", "attn_softcap": None, "final_softcap": None,
                      "attn_scale": None, "layer_windows": None}
-    for field, value in expected.items():
-        if getattr(config, field) != value:
-            raise InputError(field, f"{getattr(config, field)!r} cannot be exported as {kind} "
-                             f"(needs {value!r})")
+    require(config, kind, **expected)
     if config.activation != "gelu_tanh":
         raise InputError("activation", f"{config.activation!r} cannot be exported as Gemma (gelu_tanh)")
     out = {"model_type": kind,

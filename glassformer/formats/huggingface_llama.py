@@ -53,18 +53,24 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
 
 def llama_keys(c: ModelConfig) -> list[Entry]:
     """Every tensor of a Llama-block model (llama, mistral, qwen2, qwen3, olmo2: the config says
-    which norms and biases it has) with where it goes in Glassformer."""
+    which norms and biases it has; a LayerNorm's bias beside its weight) with where it goes in
+    Glassformer."""
     H, KV, ff = c.n_heads * c.head_dim, c.kv_heads * c.head_dim, c.ff_dim
+    norm_kinds = ("weight", "bias") if c.norm == "layernorm" and c.norm_bias else ("weight",)
+
+    def norms(*pairs: tuple[str, str]) -> list[Entry]:
+        return [Entry(f"{theirs}.{k}", f"{ours}.{k}") for theirs, ours in pairs for k in norm_kinds]
+
     entries = [Entry("model.embed_tokens.weight", "embed.tokens.weight"),
-               Entry("model.norm.weight", "final_norm.weight")]
+               *norms(("model.norm", "final_norm"))]
     for i in range(c.n_layers):
         h, b = f"model.layers.{i}.", f"blocks.{i}."
         if c.norm_placement == "out":  # OLMo 2: each sublayer's output normed
-            entries += [Entry(h + "post_attention_layernorm.weight", b + "attn_out_norm.weight"),
-                        Entry(h + "post_feedforward_layernorm.weight", b + "mlp_out_norm.weight")]
+            entries += norms((h + "post_attention_layernorm", b + "attn_out_norm"),
+                             (h + "post_feedforward_layernorm", b + "mlp_out_norm"))
         else:
-            entries += [Entry(h + "input_layernorm.weight", b + "norm1.weight"),
-                        Entry(h + "post_attention_layernorm.weight", b + "norm2.weight")]
+            entries += norms((h + "input_layernorm", b + "norm1"),
+                             (h + "post_attention_layernorm", b + "norm2"))
         if c.qk_norm != "none":
             entries += [Entry(f"{h}self_attn.{n}_norm.weight", f"{b}attn.{n}_norm.weight") for n in "qk"]
         kinds = [("weight", True), ("bias", c.attn_bias)]
