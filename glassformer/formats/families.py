@@ -14,23 +14,25 @@ family that claims it (`written_as`), so Llama, which claims any decoder, comes 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InputError
 from ..model.config import ModelConfig
-from .gguf_arch import Architecture, llama_like
+from .gguf_arch import Architecture, Metadata, block_tensors, llama_like
 from .gguf_gemma import gemma_architecture
 from .gguf_neox import GPTNEOX, PHI3
 from .huggingface_bert import POOLER_KEY, TIED_COPIES, bert_config, bert_hf_config, bert_keys
 from .huggingface_gemma import gemma3_rope, gemma_config, gemma_hf_config, gemma_keys, is_gemma
 from .huggingface_gpt2 import gpt2_config, gpt2_hf_config, gpt2_keys
 from .huggingface_llama import (
+    head_dim,
     llama_config,
     llama_hf,
     llama_hf_config,
     llama_keys,
+    llama_sizes,
     mistral_hf,
     qwen2_hf,
 )
@@ -39,7 +41,7 @@ from .huggingface_phi3 import phi3_config, phi3_hf_config, phi3_keys
 from .huggingface_qk import family_fields, qk_hf_config, with_defaults
 from .huggingface_rope import rope_fields, rope_scaling_entry
 from .huggingface_t5 import T5_TIED_COPIES, t5_config, t5_hf_config, t5_keys
-from .refusals import plain_decoder
+from .refusals import plain_decoder, require
 from .tensor_map import Entry
 
 ConfigReader = Callable[[dict[str, Any]], ModelConfig]
@@ -122,6 +124,55 @@ def _phi3_write(config: ModelConfig) -> dict[str, Any]:
     return phi3_hf_config(config, rope_scaling_entry(config))
 
 
+def _stablelm_config(hf: dict[str, Any]) -> ModelConfig:
+    """StableLM: Llama's block and tensors with LayerNorms (and their biases), RoPE on the first
+    partial_rotary_factor of each head (a quarter by default), optional q/k/v biases."""
+    for flag in ("qk_layernorm", "use_parallel_residual"):
+        if hf.get(flag):
+            raise InputError(flag, f"StableLM's {flag} is not computed")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise InputError("hidden_act", f"unsupported StableLM hidden_act {hf['hidden_act']!r} (silu only)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    d_head = head_dim(hf)
+    rotary = int(d_head * float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))))
+    return ModelConfig(
+        **llama_sizes(hf), position="rope", **rope_fields(hf),
+        rotary_dim=None if rotary == d_head else rotary, norm="layernorm",
+        norm_eps=hf.get("layer_norm_eps", 1e-5), activation="silu", gated=True,
+        attn_bias=bool(hf.get("use_qkv_bias", False)), attn_out_bias=False, mlp_bias=False,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def _stablelm_write(c: ModelConfig) -> dict[str, Any]:
+    plain_decoder(c)
+    require(c, "StableLM", norm_bias=True, parallel_block=False, activation="silu", qk_norm="none",
+            attn_out_bias=False, mlp_bias=False, sliding_window=None, head_dim=c.d_model // c.n_heads)
+    if c.rope_scaling not in ("none", "linear"):
+        raise InputError("rope_scaling", f"{c.rope_scaling!r} cannot be exported as StableLM (none, linear)")
+    rope = rope_scaling_entry(c) or {"rope_type": "default"}
+    return {"model_type": "stablelm", "architectures": ["StableLmForCausalLM"],
+            "vocab_size": c.vocab_size, "max_position_embeddings": c.context_length,
+            "hidden_size": c.d_model, "intermediate_size": c.ff_dim, "num_hidden_layers": c.n_layers,
+            "num_attention_heads": c.n_heads, "num_key_value_heads": c.kv_heads,
+            "hidden_act": "silu", "layer_norm_eps": c.norm_eps, "use_qkv_bias": c.attn_bias,
+            "qk_layernorm": False, "use_parallel_residual": False,
+            "rope_parameters": rope | {"rope_theta": c.rope_theta,
+                                       "partial_rotary_factor": c.rotated_dim / c.head_dim},
+            "tie_word_embeddings": c.tie_embeddings, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+
+
+def _stablelm_gguf(m: Metadata, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    return {"norm": "layernorm", "norm_eps": m.number("attention.layer_norm_epsilon"),
+            "activation": "silu", "gated": True, "attn_bias": "blk.0.attn_q.bias" in tensors,
+            "attn_out_bias": False, "mlp_bias": False}
+
+
+# llama.cpp's stablelm: Llama's names, no row permuted, each norm's bias beside its weight
+STABLELM = Architecture("stablelm", _stablelm_gguf,
+                        lambda c: {"attention.layer_norm_epsilon": c.norm_eps}, block_tensors,
+                        partial_rotary=True)
+
+
 def _t5_keys(config: ModelConfig) -> list[Entry]:
     return [Entry(hf, ours, rows) for hf, ours, rows in t5_keys(config)]
 
@@ -167,6 +218,10 @@ FAMILIES: tuple[Family, ...] = (
            lambda c: _rope(c) and (c.norm == "layernorm" or c.parallel_block),
            {"model_type": "gpt_neox", **_SIZES}, Layout("gpt_neox", "layers", "attention",
                                                          "final_layer_norm"), copies=_neox_copies),
+    Family("StableLM", "stablelm", STABLELM, "Llama's tensors with LayerNorm biases; q/k/v "
+           "biases where use_qkv_bias", _stablelm_config, llama_keys, _stablelm_write,
+           lambda c: _rope(c) and c.norm == "layernorm" and c.gated,
+           {"model_type": "stablelm", **_LLAMA}),
     Family("GPT-2", "gpt2", None, "Conv1D weights stored (in, out), transposed; c_attn fused",
            gpt2_config, gpt2_keys, gpt2_hf_config, lambda c: c.position == "learned",
            {"model_type": "gpt2", "vocab_size": 64, "n_positions": 64, "n_embd": 32, "n_layer": 2,
