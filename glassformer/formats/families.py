@@ -199,9 +199,10 @@ def _rope(config: ModelConfig) -> bool:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("Llama", "llama", llama_like("llama"), "q/k/v_proj and gate/up_proj stacked; W_Q, W_K "
-           "rows permuted back from llama.cpp's pairs in GGUF", llama_config, llama_keys, llama_hf,
-           lambda c: True, {"model_type": "llama", **_LLAMA}),
+    Family("Llama", "llama", llama_like("llama", permuted=True, rope_freqs=True),
+           "q/k/v_proj and gate/up_proj stacked; W_Q, W_K rows permuted back from llama.cpp's "
+           "pairs in GGUF", llama_config, llama_keys, llama_hf, lambda c: True,
+           {"model_type": "llama", **_LLAMA}),
     Family("Mistral", "mistral", None, "Llama's tensors; llama.cpp writes it as a llama GGUF "
            "without its window, which loads as Llama", llama_config, llama_keys, mistral_hf,
            lambda c: c.sliding_window is not None,

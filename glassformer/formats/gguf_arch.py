@@ -82,6 +82,7 @@ class Architecture:
     metadata: Callable[[ModelConfig], dict[str, Any]]
     tensors: Callable[[ModelConfig], dict[str, Target]]
     partial_rotary: bool = False  # rope.dimension_count may be less than the head
+    rope_freqs: bool = False  # Llama 3.1's bands read from rope_freqs.weight (gguf_rope.py)
     claims: Callable[[ModelConfig], bool] | None = None  # what export writes as it; None: its family's
 
 
@@ -146,8 +147,9 @@ def rms_epsilon(c: ModelConfig) -> dict[str, Any]:
     return {"attention.layer_norm_rms_epsilon": c.norm_eps}
 
 
-def llama_like(name: str, **extra: Any) -> Architecture:
-    """An architecture of Llama's block with `extra` ModelConfig fields, named alike (the
-    rows of W_Q and W_K permuted in `llama` alone)."""
+def llama_like(name: str, permuted: bool = False, rope_freqs: bool = False,
+               **extra: Any) -> Architecture:
+    """An architecture of Llama's block with `extra` ModelConfig fields, named alike
+    (`permuted`, `rope_freqs`: as llama.cpp's `llama` has them)."""
     return Architecture(name, llama_block(**extra), rms_epsilon,
-                        lambda c: block_tensors(c, permuted=name == "llama"))
+                        lambda c: block_tensors(c, permuted=permuted), rope_freqs=rope_freqs)
