@@ -105,13 +105,15 @@ def _gemma3_config(hf: dict[str, Any]) -> ModelConfig:
     return gemma_config(hf, {**rope_fields(hf | {"rope_parameters": full}), "rope_local_theta": local_theta})
 
 
-def _qk_write(config: ModelConfig) -> dict[str, Any]:
-    plain_decoder(config, pre=False)
-    return qk_hf_config(config, llama_hf_config(config))
+def _qk_write(kind: str) -> Writer:
+    def write(config: ModelConfig) -> dict[str, Any]:
+        plain_decoder(config, pre=False)
+        return qk_hf_config(config, llama_hf_config(config), kind)
+    return write
 
 
-def _gemma_write(config: ModelConfig) -> dict[str, Any]:
-    return gemma_hf_config(config, rope_scaling_entry(config))
+def _gemma_write(kind: str) -> Writer:
+    return lambda config: gemma_hf_config(config, rope_scaling_entry(config), kind)
 
 
 def _neox_write(config: ModelConfig) -> dict[str, Any]:
@@ -228,22 +230,23 @@ FAMILIES: tuple[Family, ...] = (
            {"model_type": "gpt2", "vocab_size": 64, "n_positions": 64, "n_embd": 32, "n_layer": 2,
             "n_head": 4}, Layout("transformer", "h", "attn", "ln_f"), prefix="transformer."),
     Family("Qwen3", "qwen3", llama_like("qwen3", qk_norm="head"), "Llama's tensors with q_norm / "
-           "k_norm", _qk_config, llama_keys, _qk_write, lambda c: c.qk_norm != "none",
+           "k_norm", _qk_config, llama_keys, _qk_write("qwen3"), lambda c: c.qk_norm != "none",
            {"model_type": "qwen3", **_LLAMA, "head_dim": 8}),
     Family("OLMo 2", "olmo2", llama_like("olmo2", qk_norm="all", norm_placement="out"),
            "Llama's tensors, output norms in place of input norms", _qk_config, llama_keys,
-           _qk_write, lambda c: c.norm_placement == "out" or c.qk_norm == "all",
+           _qk_write("olmo2"),  # norms over all heads, or output norms without Qwen3's per head
+           lambda c: c.qk_norm == "all" or (c.norm_placement == "out" and c.qk_norm == "none"),
            {"model_type": "olmo2", **_LLAMA}),
     Family("Gemma", "gemma", gemma_architecture("gemma"), "Llama's tensors; GGUF stores norms as "
-           "1 + w", _gemma_config, gemma_keys, _gemma_write, is_gemma,
+           "1 + w", _gemma_config, gemma_keys, _gemma_write("gemma"), is_gemma,
            {"model_type": "gemma", **_LLAMA, "head_dim": 8}),
     Family("Gemma 2", "gemma2", gemma_architecture("gemma2"), "Gemma's tensors with four norms "
-           "per block", _gemma_config, gemma_keys, _gemma_write,
+           "per block", _gemma_config, gemma_keys, _gemma_write("gemma2"),
            lambda c: is_gemma(c) and c.norm_placement == "sandwich",
            {"model_type": "gemma2", **_LLAMA, "head_dim": 8, "sliding_window": 16}),
     Family("Gemma 3", "gemma3_text", gemma_architecture("gemma3"), "Gemma 2's tensors with "
            "q_norm / k_norm; GGUF stores every norm as 1 + w", _gemma3_config, gemma_keys,
-           _gemma_write, lambda c: is_gemma(c) and c.qk_norm != "none",
+           _gemma_write("gemma3_text"), lambda c: is_gemma(c) and c.qk_norm != "none",
            {"model_type": "gemma3_text", **_LLAMA, "head_dim": 8, "sliding_window": 16}),
     Family("BERT", "bert", None, "BertForMaskedLM: query / key / value stacked; the pooler "
            "where the file has one", bert_config, bert_keys, bert_hf_config,
