@@ -59,7 +59,7 @@ def supported_models_markdown() -> str:
         config = family.read(family.example)
         cells, reasons = path_cells(config)
         names = ", ".join(name for name, _ in pieces(config))
-        rows.append([family.name, f"`{family.model_type}`", f"`{family.gguf}`" if family.gguf else "—",
+        rows.append([family.name, f"`{family.model_type}`", f"`{family.gguf.name}`" if family.gguf else "—",
                      names, *cells])
         notes += [f"- {family.name}: {reason}" for reason in reasons]
     table = "\n".join(f"| {' | '.join(row)} |" for row in rows)

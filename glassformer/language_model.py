@@ -1,11 +1,6 @@
-"""`glassformer.load(source)`: any model Glassformer can read, as a LanguageModel (model + tokenizer).
-
-A source is one of
-- a known model name (`glassformer.hub.MODELS`, e.g. smollm2-135m-instruct), pulled on first use;
-- a .gguf file (llama.cpp);
-- a Hugging Face model folder (config.json with a `model_type`, *.safetensors, tokenizer.json);
-- a Glassformer checkpoint folder (config.json with a `model` section) or a training run folder.
-"""
+"""`glassformer.load(source)`: any model Glassformer can read (a known name, a .gguf file, a
+Hugging Face or a Glassformer folder: formats/sources.py), as a LanguageModel that generates,
+serves many prompts, fills masks, gives logits and traces."""
 
 from __future__ import annotations
 
@@ -16,29 +11,21 @@ from typing import Any
 
 import torch
 
-from .accel.quantize import quantize_format, quantize_model
 from .errors import InputError
-from .formats import checkpoint, hub
-from .formats.files import read_json_object
+from .formats import sources
+from .formats.sources import Loaded
 from .generation.fill_mask import MaskFill, fill_mask
 from .generation.generate import GenerationConfig, GenerationResult, generate
 from .generation.sampling import SamplingConfig
 from .interpret.trace import Names, capture, run_with_cache
-from .model.transformer import Transformer
 from .serving import Engine, EngineConfig, RequestParams
 
 Prompt = str | Sequence[int]
 
 
 @dataclass
-class LanguageModel:
-    model: Transformer
-    tokenizer: Any  # encode / decode / eos_id / bos_id; ChatTokenizer adds the chat template
-    source: str = ""
-
-    @property
-    def config(self):
-        return self.model.config
+class LanguageModel(Loaded):
+    """A loaded model (formats/sources.py) with what a caller does with it."""
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text, or a sequence of ids checked against the vocabulary."""
@@ -133,63 +120,9 @@ class LanguageModel:
         return self
 
 
-# A conversion of this many parameters or more takes seconds: `load` announces it.
-ANNOUNCED_PARAMETERS = 10_000_000
-
-
 def load(source: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
          quantize: str | None = None, announce: Callable[[str], None] | None = None) -> LanguageModel:
-    """Read a model from a known name, a .gguf file, a Hugging Face or a Glassformer folder.
-
-    quantize=None keeps plain nn.Linear layers (trainable; the reference path). Otherwise the
-    weights are converted once for fast inference (glassformer.quantize): "none" keeps them
-    in float32, "bf16" / "int8" / "int4" store them smaller, and "gguf" keeps a GGUF file's
-    Q8_0 / Q4_x, K-quant (Q3_K to Q6_K) and Q5_x blocks as they are (no requantization;
-    see formats/gguf.py). The converted model decodes one sequence with the fused C++ step
-    (`model.fused_step()`). `announce` is told, in a line, of a conversion long enough to wait
-    for (ANNOUNCED_PARAMETERS)."""
-    from .formats.gguf import load_gguf  # the loaders import numpy, gguf and safetensors
-
-    fmt = None if quantize is None else quantize_format(quantize)
-    keep_blocks = quantize == "gguf"
-
-    text = str(source)
-    path = Path(source).expanduser()
-    if not path.exists() and text in hub.MODELS:
-        model, tokenizer = load_gguf(hub.model_path(text, progress=progress), dtype, keep_blocks)
-    elif path.is_file():
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise InputError(path, "not a GGUF file; give a .gguf file or a model folder")
-        model, tokenizer = load_gguf(path, dtype, keep_blocks)
-    elif path.is_dir():
-        if keep_blocks:
-            raise InputError(None, "quantize='gguf' applies to GGUF files only")
-        model, tokenizer = _load_folder(path, dtype)
-    elif path.exists():
-        raise InputError(path, "not a regular file or folder (a device or a pipe?)")
-    else:
-        raise FileNotFoundError(
-            f"no model at {text!r}: give a checkpoint folder, a .gguf file, a Hugging Face folder "
-            f"or a known name ({', '.join(sorted(hub.MODELS))})"
-        )
-    if fmt is not None:  # layers kept in GGUF blocks stay; the others get fmt's kernels
-        if announce is not None and sum(p.numel() for p in model.parameters()) >= ANNOUNCED_PARAMETERS:
-            announce(f"converting the weights of {text} ({quantize}) for the fused decode step")
-        quantize_model(model, fmt)
-    return LanguageModel(model, tokenizer, text)
-
-
-def _load_folder(path: Path, dtype: torch.dtype):
-    from .formats.chat_tokenizer import ChatTokenizer
-    from .formats.huggingface import load_hf
-
-    config_path = path / "config.json"
-    meta = read_json_object(config_path) if config_path.exists() else {}
-    if "model_type" in meta:
-        return load_hf(path, dtype)
-    folder = checkpoint.resolve(path)
-    model, tokenizer, _ = checkpoint.load_model(folder)
-    if (folder / "tokenizer_config.json").is_file():  # written by export or by a loader
-        tokenizer = ChatTokenizer.load(folder)
-    return model.to(dtype).eval(), tokenizer
+    """Read a model from a known name, a .gguf file, a Hugging Face or a Glassformer folder
+    (formats/sources.py, where `quantize` and `announce` are told)."""
+    loaded = sources.load(source, dtype, progress, quantize, announce)
+    return LanguageModel(loaded.model, loaded.tokenizer, loaded.source)

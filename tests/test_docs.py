@@ -14,7 +14,7 @@ from pathlib import Path
 
 from glassformer.accel import fast_decode
 from glassformer.accel.capabilities import only
-from glassformer.formats.families import FAMILIES
+from glassformer.formats.families import BY_MODEL_TYPE, FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +70,8 @@ def test_the_table_follows_the_capability_tables_and_the_registry(monkeypatch):
     rules = fast_decode.CAPABILITIES.rules | {"rope_local_theta": only(None, reason="one base")}
     table = dataclasses.replace(fast_decode.CAPABILITIES, rules=rules)
     monkeypatch.setattr(fast_decode, "CAPABILITIES", table)
-    monkeypatch.setattr(generator, "FAMILIES", (*FAMILIES, dataclasses.replace(FAMILIES[1], name="Llama 3")))
+    llama3 = dataclasses.replace(BY_MODEL_TYPE["llama"], name="Llama 3")
+    monkeypatch.setattr(generator, "FAMILIES", (*FAMILIES, llama3))
     after = generator.supported_models_markdown()
     assert _row(after, "Gemma 3")[fused] == "no: `rope_local_theta`"
     assert "Gemma 3: fused decode step" not in before

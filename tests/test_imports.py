@@ -1,6 +1,7 @@
 """The package's import graph, read from the source (imports inside functions included): no
 chain of imports comes back to where it began (imports for annotations only included), no
-module imports another module's private names, and the package's top level stays a facade."""
+module imports another module's private names, no area imports one above it (ARCHITECTURE.md's
+arrows), and the package's top level stays a facade."""
 
 from __future__ import annotations
 
@@ -71,6 +72,31 @@ def _first_cycle(modules: dict[str, Path]) -> list[str] | None:
 def test_the_import_graph_has_no_cycle():
     first = _first_cycle(_modules())
     assert first is None, " -> ".join(first)
+
+
+# The areas from the top down (ARCHITECTURE.md, "The arrows"): each imports only those below
+# it; errors, home and data are everyone's.
+LAYERS = ("cli", "experiments", "language_model", "serving", "training", "interpret", "formats",
+          "generation", "accel", "model")
+SHARED = ("errors", "home", "data")
+
+
+def _area(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else "glassformer"
+
+
+def test_no_area_imports_one_above_it():
+    modules = _modules()
+    upward = sorted(f"{name} imports {module}" for name, path in modules.items()
+                    for module, _ in _imports(name, path, modules)
+                    if _area(name) in LAYERS and _area(module) not in SHARED
+                    and LAYERS.index(_area(module)) < LAYERS.index(_area(name)))
+    assert upward == []
+
+
+def test_every_area_has_its_layer():
+    areas = {_area(name) for name in _modules()} - {"glassformer", "__main__"}
+    assert areas == set(LAYERS) | set(SHARED)
 
 
 def test_the_top_level_is_a_facade():

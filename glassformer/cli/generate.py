@@ -12,12 +12,13 @@ import time
 from ..accel.quantize import quantize_format, quantize_model
 from ..errors import InputError
 from ..formats.files import read_text
+from ..formats.sources import ANNOUNCED_PARAMETERS
 from ..generation.config import Steer
 from ..generation.context_extension import extend_context
 from ..generation.generate import GenerationConfig, generate, stream
 from ..generation.retrieval import RANKINGS, retrieve
 from ..interpret.steer import SteeringVector, steered
-from ..language_model import ANNOUNCED_PARAMETERS, LanguageModel, load
+from ..language_model import LanguageModel, load
 from ..serving import RequestParams
 from ..training.lora import apply_adapter, merge_lora
 from .options import (

@@ -201,7 +201,8 @@ def describe_family(config: ModelConfig, file: dict | None) -> dict | None:
             found, source = BY_MODEL_TYPE.get(hf_config(config)["model_type"]), "export"
         except InputError:  # no family's config.json can say it
             return None
-    return {"name": found.name, "model_type": found.model_type, "gguf": found.gguf, "from": source}
+    return {"name": found.name, "model_type": found.model_type,
+            "gguf": found.gguf and found.gguf.name, "from": source}
 
 
 def describe_tokenizer(tokenizer) -> dict:

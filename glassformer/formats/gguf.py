@@ -5,23 +5,14 @@ straight into the model's parameters, so memory never holds a second copy of the
 tensor's pages of the file are dropped once it is read. With keep_blocks the blocks the
 kernels read are copied as they are (no float32 copy of any of them, the token table included).
 
-Architectures (`general.architecture`, llama.cpp's names): llama, and three Llama blocks with a
-difference each (`ARCHITECTURES`): qwen2 (biases on q, k, v: attn_q.bias ...), qwen3 (RMSNorm
-per head on queries and keys: attn_q_norm, attn_k_norm) and olmo2 (those norms over all heads,
-and output norms in place of input norms: post_attention_norm, post_ffw_norm); Gemma,
-Gemma 2 and Gemma 3 (gguf_gemma.py), whose files keep their norms as 1 + w; GPT-NeoX and Phi-3 (`gptneox`,
-`phi3`: their own fields and tensor names are in gguf_neox.py).
-
-For llama, llama.cpp rotates adjacent pairs (x_2i, x_2i+1) with RoPE, while Glassformer (like
-Hugging Face Llama) rotates halves (x_i, x_i+d/2). Its converter therefore permutes the rows of
-W_Q and W_K within each head: row (half, i) of the original is stored at (i, half).
-`unpermute_rows` puts them back, so the model computes exactly what the original checkpoint
-computes. The others rotate halves in llama.cpp too (its NEOX RoPE): their rows are as is.
+Each architecture (`general.architecture`, llama.cpp's names) is one family's entry in the
+registry (families.py: gguf_arch.Architecture): the fields its metadata gives beyond the sizes
+and RoPE read here, and its tensors' names, with where each goes (gguf_arch.Target: rows of a
+fused product, llama's W_Q and W_K rows to un-permute, Gemma's norms stored as 1 + w).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,39 +26,14 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .chat_tokenizer import ChatTokenizer
 from .empty_model import empty_model
+from .families import gguf_family, written_as
+from .gguf_arch import Metadata, Target
 from .gguf_file import GGUFFile
-from .gguf_gemma import GEMMA_ARCHITECTURES, NORM_SHIFT, gemma_fields
-from .gguf_neox import NEOX_ARCHITECTURES, family_names, family_of, neox_fields
 from .gguf_rope import ROPE_TENSORS, read_factors, rope_scaling_fields
 from .gguf_tokenizer import from_gguf_metadata
-from .huggingface_gemma import is_gemma
 from .validate import check_model, check_tensor
 
-# What each Llama-block architecture computes beyond llama's, as ModelConfig fields (Gemma's:
-# gguf_gemma.py)
-ARCHITECTURES = {
-    "llama": {},
-    "qwen2": {"attn_bias": True},
-    "qwen3": {"qk_norm": "head"},
-    "olmo2": {"qk_norm": "all", "norm_placement": "out"},
-}
-SUPPORTED_ARCHITECTURES = (*ARCHITECTURES, *GEMMA_ARCHITECTURES, *NEOX_ARCHITECTURES)
-# llama.cpp's names of the norms after attention and the feed-forward (OLMo 2, Gemma 2)
-OUTPUT_NORMS = {"post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm"}
-# The Llama block's fields that `<arch>.*` metadata does not state
-_LLAMA = {"norm": "rmsnorm", "activation": "silu", "gated": True, "attn_bias": False,
-          "attn_out_bias": False, "mlp_bias": False}
 _CHUNK_ELEMENTS = 1 << 20  # dequantize at most this many values at once
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where one GGUF tensor goes: a parameter, a block of its rows, and the heads to un-permute."""
-
-    param: str
-    rows: tuple[int, int] | None = None  # [start, stop) of the parameter's rows; None: all
-    heads: int | None = None  # set for W_Q / W_K stored in llama.cpp's RoPE layout
-    shift: float = 0.0  # the file stores the parameter plus this (Gemma's norms: 1)
 
 
 def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any],
@@ -75,119 +41,42 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any],
     """The architecture described by `{arch}.*` metadata (and, where the metadata is silent,
     by which tensors the file holds); `factors`: the values of its RoPE tensors (LongRoPE's
     factors, Llama 3.1's rope_freqs: gguf_rope.read_factors)."""
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise InputError(None, f"unsupported GGUF architecture {arch!r} "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise InputError(None, f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    def count(key: str, default: Any = None) -> int:
-        value = get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 31:
-            raise InputError(None, f"GGUF metadata {arch}.{key} = {value!r}: expected a positive integer")
-        return value
-
-    def number(key: str, default: Any = None) -> float:
-        value = get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
-            raise InputError(None, f"GGUF metadata {arch}.{key} = {value!r}: expected a positive number")
-        return float(value)
-
-    n_heads = count("attention.head_count")
-    d_model = count("embedding_length")
-    d_head = count("attention.key_length", d_model // n_heads)
-    rotary = count("rope.dimension_count", d_head)
-    if rotary != d_head and arch not in NEOX_ARCHITECTURES:
+    arch = gguf_family(meta.get("general.architecture")).gguf
+    m = Metadata(arch.name, meta)
+    n_heads = m.count("attention.head_count")
+    d_model = m.count("embedding_length")
+    d_head = m.count("attention.key_length", d_model // n_heads)
+    rotary = m.count("rope.dimension_count", d_head)
+    if rotary != d_head and not arch.partial_rotary:
         raise InputError(None, f"unsupported GGUF: RoPE on {rotary} of {d_head} head dimensions")
     if "token_embd.weight" not in tensors:
         raise InputError(None, "GGUF lacks the tensor token_embd.weight")
-    n_layers = count("block_count")
-    theta = number("rope.freq_base", 10000.0)
-    if arch in NEOX_ARCHITECTURES:
-        fields = neox_fields(arch, get, tensors)
-    else:
-        fields = {**_LLAMA, "norm_eps": number("attention.layer_norm_rms_epsilon"),
-                  **ARCHITECTURES.get(arch, {})}
-    if arch in GEMMA_ARCHITECTURES:
-        fields |= gemma_fields(arch, meta, n_layers, d_model, n_heads, d_head)
+    n_layers = m.count("block_count")
+    theta = m.number("rope.freq_base", 10000.0)
+    context = m.count("context_length")
     return ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[0]),
-        context_length=count("context_length"),
+        context_length=context,
         d_model=d_model,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=count("attention.head_count_kv", n_heads),
+        n_kv_heads=m.count("attention.head_count_kv", n_heads),
         d_head=d_head if d_head * n_heads != d_model else None,
-        d_ff=count("feed_forward_length"),
+        d_ff=m.count("feed_forward_length"),
         position="rope",
         rope_theta=theta,
-        **rope_scaling_fields(arch, meta, count("context_length"), factors or {}, theta, rotary),
+        **rope_scaling_fields(arch.name, meta, context, factors or {}, theta, rotary, arch.rope_freqs),
         rotary_dim=rotary if rotary != d_head else None,
         tie_embeddings="output.weight" not in tensors,
-        **fields,
+        **arch.fields(m, tensors),
     )
 
 
-def architecture(config: ModelConfig) -> str:
-    """The llama.cpp architecture whose blocks `config` describes (the GGUF export checks that
-    the file's metadata reads back as `config`)."""
-    if is_gemma(config):
-        if config.qk_norm != "none":
-            return "gemma3"
-        return "gemma2" if config.norm_placement == "sandwich" else "gemma"
-    if config.norm_placement == "out" or config.qk_norm == "all":
-        return "olmo2"
-    if config.qk_norm == "head":
-        return "qwen3"
-    if family_of(config) != "llama":
-        return family_of(config)
-    return "qwen2" if config.attn_bias and not config.attn_out_bias else "llama"
-
-
 def tensor_map(config: ModelConfig, arch: str | None = None) -> dict[str, Target]:
-    """GGUF tensor name -> Target, for every tensor an `arch` file (by default the one
-    `architecture(config)` names) of `config` must hold."""
-    arch = arch or architecture(config)
-    if arch in NEOX_ARCHITECTURES:
-        return {name: Target(param, rows) for name, (param, rows) in family_names(arch, config).items()}
-    H, KV, dh, ff = config.n_heads, config.kv_heads, config.head_dim, config.ff_dim
-    permuted = arch == "llama"  # see the module's docstring
-    qkv_rows = {"q": ((0, H * dh), H), "k": ((H * dh, (H + KV) * dh), KV),
-                "v": (((H + KV) * dh, (H + 2 * KV) * dh), None)}
-    shift = NORM_SHIFT if is_gemma(config) else 0.0  # a Gemma file's norms are 1 + w
-    names = {
-        "token_embd.weight": Target("embed.tokens.weight"),
-        "output_norm.weight": Target("final_norm.weight", shift=shift),
-    }
-    if not config.tie_embeddings:
-        names["output.weight"] = Target("lm_head.weight")
-    for i in range(config.n_layers):
-        b = f"blocks.{i}"
-        norms = {} if config.norm_placement == "out" else {"attn_norm": "norm1", "ffn_norm": "norm2"}
-        if config.norm_placement in ("out", "sandwich"):
-            norms |= OUTPUT_NORMS
-        names.update({f"blk.{i}.{theirs}.weight": Target(f"{b}.{ours}.weight", shift=shift)
-                      for theirs, ours in norms.items()})
-        for x, (rows, heads) in qkv_rows.items():
-            names[f"blk.{i}.attn_{x}.weight"] = Target(f"{b}.attn.qkv.weight", rows,
-                                                        heads if permuted else None)
-            if config.attn_bias:
-                names[f"blk.{i}.attn_{x}.bias"] = Target(f"{b}.attn.qkv.bias", rows)
-        if config.qk_norm != "none":
-            names |= {f"blk.{i}.attn_{x}_norm.weight": Target(f"{b}.attn.{x}_norm.weight", shift=shift)
-                      for x in "qk"}
-        names.update({
-            f"blk.{i}.attn_output.weight": Target(f"{b}.attn.out.weight"),
-            f"blk.{i}.ffn_gate.weight": Target(f"{b}.mlp.up.weight", (0, ff)),
-            f"blk.{i}.ffn_up.weight": Target(f"{b}.mlp.up.weight", (ff, 2 * ff)),
-            f"blk.{i}.ffn_down.weight": Target(f"{b}.mlp.down.weight"),
-        })
-    return names
+    """GGUF tensor name -> Target, for every tensor an `arch` file (by default the one export
+    writes: families.written_as) of `config` must hold."""
+    family = written_as(config, gguf=True) if arch is None else gguf_family(arch)
+    return family.gguf.tensors(config)
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -333,7 +222,7 @@ def check_tensors(file: GGUFFile, config: ModelConfig, targets: dict[str, Target
     unknown = sorted(set(file.tensors) - set(targets) - set(ROPE_TENSORS))  # RoPE's: in the config
     if unknown:
         raise InputError(file.path, f"unexpected tensor {unknown[0]} for a "
-                         f"{config.n_layers}-layer {architecture(config)} model")
+                         f"{config.n_layers}-layer {written_as(config, gguf=True).gguf.name} model")
     shapes = param_shapes(config)
     for name, target in targets.items():
         info = file.tensors[name]

@@ -1,8 +1,8 @@
 """Glassformer -> a GGUF file that llama.cpp-based tools read (the inverse of gguf.py).
 
 The file is written by the `gguf` library's GGUFWriter with llama.cpp's `<arch>.*` metadata
-(llama, or qwen2 / qwen3 / olmo2 / gemma / gemma2 / gemma3 / gptneox / phi3 where the config has their
-pieces: `gguf.architecture`; gguf_gemma.py, gguf_neox.py), its tensor names (token_embd,
+(the architecture of the family the registry writes the config as: families.written_as; its
+own keys from its gguf_arch.Architecture), its tensor names (token_embd,
 blk.N.attn_q ..., output_norm, output) and the tokenizer as
 `tokenizer.ggml.*` (byte-level BPE: tokens, token types, merges, special ids) with the chat
 template. For llama, W_Q and W_K rows are permuted into llama.cpp's RoPE layout (adjacent
@@ -34,9 +34,8 @@ from gguf.quants import GGMLQuantizationType, quantize
 from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
-from .gguf import architecture, config_from_metadata, tensor_map
-from .gguf_gemma import gemma_metadata
-from .gguf_neox import NEOX_ARCHITECTURES, family_metadata
+from .families import written_as
+from .gguf import config_from_metadata, tensor_map
 from .gguf_rope import LLAMA3_FIELDS, attention_factor, factor_tensors, rope_scaling_metadata
 from .gguf_tokenizer import pre_name
 from .validate import check_model_finite
@@ -60,9 +59,10 @@ def permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_metadata(config: ModelConfig) -> dict:
-    """The `<arch>.*` values (`gguf.architecture` names the architecture), checked to read back
-    as `config`."""
-    arch = architecture(config)
+    """The `<arch>.*` values (the architecture: families.written_as), checked to read back as
+    `config`."""
+    architecture = written_as(config, gguf=True).gguf
+    arch = architecture.name
     meta = {"general.architecture": arch} | {f"{arch}.{key}": value for key, value in {
         "context_length": config.context_length,
         "embedding_length": config.d_model,
@@ -75,13 +75,8 @@ def gguf_metadata(config: ModelConfig) -> dict:
         "rope.dimension_count": config.rotated_dim,
         "rope.freq_base": _f32(config.rope_theta),
     }.items()}
-    if arch in NEOX_ARCHITECTURES:
-        meta |= {key: _f32(v) if isinstance(v, float) else v
-                 for key, v in family_metadata(arch, config).items()}
-    else:
-        meta[f"{arch}.attention.layer_norm_rms_epsilon"] = _f32(config.norm_eps)
-        meta |= {key: _f32(v) if isinstance(v, float) else v
-                 for key, v in gemma_metadata(arch, config).items()}
+    meta |= {f"{arch}.{key}": _f32(v) if isinstance(v, float) else v
+             for key, v in architecture.metadata(config).items()}
     meta |= {key: _f32(v) if isinstance(v, float) else v
              for key, v in rope_scaling_metadata(arch, config).items()}
     # the tensors the file will hold, as far as the reading looks (names, the table's shape)

@@ -17,9 +17,12 @@ every layer is global.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+from ..model.config import ModelConfig
+from .gguf_arch import Architecture, Metadata, block_tensors, llama_block, rms_epsilon
+
 NORM_SHIFT = 1.0  # stored = ours + 1 for every norm of a Gemma file
 # llama.cpp's defaults where a Gemma 2 file leaves a key out
 _DEFAULTS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
@@ -30,39 +33,50 @@ _GEMMA3_PATTERN = 6  # layer i is global where i + 1 is a multiple of it
 _GEMMA3_LOCAL_THETA = 10000.0  # the sliding layers' RoPE base
 
 
-def gemma_fields(arch: str, meta: dict[str, Any], n_layers: int, d_model: int, n_heads: int,
-                 d_head: int) -> dict[str, Any]:
-    """The ModelConfig fields a Gemma / Gemma 2 file adds to Llama's."""
+def gemma_fields(m: Metadata) -> dict[str, Any]:
+    """The ModelConfig fields a Gemma / Gemma 2 / Gemma 3 file adds to Llama's."""
     fields: dict[str, Any] = {"norm_weight_offset": 1.0, "embed_scale": True,
                               "activation": "gelu_tanh"}
-    if arch == "gemma":
+    if m.arch == "gemma":
         return fields
-    scale = d_model // n_heads if n_layers == _WIDE_SCALE_LAYERS[arch] else d_head
+    n_layers, d_model = m.count("block_count"), m.count("embedding_length")
+    n_heads = m.count("attention.head_count")
+    d_head = m.count("attention.key_length", d_model // n_heads)
+    scale = d_model // n_heads if n_layers == _WIDE_SCALE_LAYERS[m.arch] else d_head
     fields |= {"norm_placement": "sandwich", "attn_scale": float(scale)}
-    if arch == "gemma2":
+    if m.arch == "gemma2":
         def value(key: str) -> Any:
-            return meta.get(f"gemma2.{key}", _DEFAULTS[key])
+            return m.get(key, _DEFAULTS[key])
 
         window = int(value("attention.sliding_window"))
         return fields | {"attn_softcap": float(value("attn_logit_softcapping")),
                          "final_softcap": float(value("final_logit_softcapping")),
                          "layer_windows": tuple(None if i % 2 else window for i in range(n_layers))}
-    final_cap = meta.get("gemma3.final_logit_softcapping")
+    final_cap = m.optional("final_logit_softcapping")
     fields |= {"qk_norm": "head", "final_softcap": float(final_cap) if final_cap else None}
-    window = meta.get("gemma3.attention.sliding_window")
+    window = m.optional("attention.sliding_window")
     if window:
         fields |= {"rope_local_theta": _GEMMA3_LOCAL_THETA, "layer_windows": tuple(
             None if (i + 1) % _GEMMA3_PATTERN == 0 else int(window) for i in range(n_layers))}
     return fields
 
 
-def gemma_metadata(arch: str, config) -> dict[str, Any]:
+def gemma_metadata(arch: str, config: ModelConfig) -> dict[str, Any]:
     """Gemma 2 and 3's own keys for a config (gemma_fields reversed); Gemma has none."""
     if arch == "gemma":
         return {}
     windows = {w for w in config.layer_windows or () if w is not None}
-    meta = {f"{arch}.final_logit_softcapping": config.final_softcap,
-            f"{arch}.attention.sliding_window": min(windows, default=None)}
+    meta = {"final_logit_softcapping": config.final_softcap,
+            "attention.sliding_window": min(windows, default=None)}
     if arch == "gemma2":
-        meta["gemma2.attn_logit_softcapping"] = config.attn_softcap
+        meta["attn_logit_softcapping"] = config.attn_softcap
     return {key: value for key, value in meta.items() if value is not None}  # None: unsayable
+
+
+def gemma_architecture(name: str) -> Architecture:
+    """llama.cpp's `gemma`, `gemma2` or `gemma3`: Llama's block and names, the norms shifted."""
+    def fields(m: Metadata, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        return llama_block()(m, tensors) | gemma_fields(m)
+
+    return Architecture(name, fields, lambda c: rms_epsilon(c) | gemma_metadata(name, c),
+                        lambda c: block_tensors(c, shift=NORM_SHIFT))

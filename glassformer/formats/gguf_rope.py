@@ -47,13 +47,14 @@ def read_factors(file: GGUFFile) -> dict[str, tuple[float, ...]]:
 
 def rope_scaling_fields(arch: str, meta: dict[str, Any], context_length: int,
                         factors: dict[str, tuple[float, ...]], theta: float,
-                        rotated: int) -> dict[str, Any]:
+                        rotated: int, bands: bool = False) -> dict[str, Any]:
     """The ModelConfig's RoPE scaling fields of an `arch` file's metadata and RoPE tensors
-    (`theta` and `rotated`: its base and turning dimensions, which rope_freqs.weight needs)."""
+    (`theta` and `rotated`: its base and turning dimensions, which rope_freqs.weight needs;
+    `bands`: whether llama.cpp reads Llama 3.1's bands from that tensor in `arch` files)."""
     if ROPE_FREQS in factors:
-        if arch != "llama":
+        if not bands:
             raise InputError(None, f"unexpected GGUF tensor {ROPE_FREQS} in a {arch} file "
-                             "(llama.cpp reads it in llama files only)")
+                             "(llama.cpp does not read it there)")
         if meta.get(f"{arch}.rope.scaling.type", "none") != "none" or len(factors) > 1:
             raise InputError(None, f"GGUF tensor {ROPE_FREQS} with another RoPE scaling "
                              f"({meta.get(f'{arch}.rope.scaling.type') or sorted(factors)})")

@@ -1,8 +1,7 @@
 """Hugging Face model folders (config.json, *.safetensors [+ index], tokenizer.json) -> Glassformer.
 
-A folder's `model_type` names its family (families.py: GPT-2, Llama, Mistral, Qwen2, Qwen3,
-OLMo 2, Gemma, Gemma 2, Gemma 3, GPT-NeoX / Pythia, Phi-3, T5, BERT), whose reader turns config.json into
-a ModelConfig and whose key map (`key_map`) pairs each Hugging Face tensor with ours: stacked
+A folder's `model_type` names its family (the registry, families.py), whose reader turns
+config.json into a ModelConfig and whose key map pairs each Hugging Face tensor with ours: stacked
 into our fused `qkv` and `mlp.up`, transposed (GPT-2's Conv1D), reordered (NeoX's per-head
 query_key_value). Every key and shape is checked, then the weights load with
 `load_state_dict(strict=True)`.
@@ -89,11 +88,6 @@ def check_sizes(hf: dict[str, Any], config: ModelConfig, tensors: dict[str, torc
         state_dict(config, hf["model_type"], tensors, shapes)
     except InputError as error:
         raise InputError(where.parent, f"{error.detail} (as {where.name} describes it)") from None
-
-
-def key_map(config: ModelConfig, model_type: str) -> list[Entry]:
-    """Every Hugging Face tensor of the family with where it goes in Glassformer."""
-    return family_of(model_type).keys(config)
 
 
 def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32,

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..model.config import ModelConfig
+from .refusals import require
 from .tensor_map import Entry
 
 BERT_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -81,10 +82,7 @@ def bert_hf_config(config: ModelConfig) -> dict[str, Any]:
                     attn_bias=True, attn_out_bias=True, mlp_bias=True, norm_bias=True,
                     kv_heads=config.n_heads, head_dim=config.d_model // config.n_heads,
                     sliding_window=None)
-    for field, value in expected.items():
-        if getattr(config, field) != value:
-            raise InputError(field, f"{getattr(config, field)!r} cannot be exported as BERT "
-                             f"(needs {value!r})")
+    require(config, "BERT", **expected)
     if config.n_token_types < 1:
         raise InputError("n_token_types", "0 cannot be exported as BERT (needs at least 1)")
     names = {ours: theirs for theirs, ours in BERT_ACTIVATIONS.items()

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..model.config import ModelConfig
+from .refusals import require
 from .tensor_map import Entry
 
 # Hugging Face activation names -> ours; Gemma's "gelu" is read as transformers reads it
@@ -141,12 +142,10 @@ def is_gemma(config: ModelConfig) -> bool:
     return config.norm_weight_offset == 1.0 and config.embed_scale
 
 
-def gemma_hf_config(config: ModelConfig, rope_scaling: dict | None) -> dict[str, Any]:
-    """The config.json of a Gemma-family config (gemma_config reversed): gemma3_text where it
-    has query/key norms, gemma2 where it has sandwich norms, gemma otherwise; a field none of
-    them can express is refused by name."""
-    second, third = config.norm_placement == "sandwich", config.qk_norm != "none"
-    kind = "gemma3_text" if third else "gemma2" if second else "gemma"
+def gemma_hf_config(config: ModelConfig, rope_scaling: dict | None, kind: str) -> dict[str, Any]:
+    """The config.json of a `kind` config (gemma, gemma2 or gemma3_text: gemma_config reversed);
+    a field it cannot express is refused by name."""
+    second, third = kind != "gemma", kind == "gemma3_text"  # Gemma 2's pieces; Gemma 3's
     expected = {"position": "rope", "norm": "rmsnorm", "gated": True, "mlp_bias": False,
                 "final_norm": True, "causal": True, "lm_head_bias": False, "scale_scores": True,
                 "scale_head_input": False, "sliding_window": None, "attn_out_bias": config.attn_bias,
@@ -158,10 +157,7 @@ def gemma_hf_config(config: ModelConfig, rope_scaling: dict | None) -> dict[str,
     if not second:
         expected |= {"norm_placement": "pre", "attn_softcap": None, "final_softcap": None,
                      "attn_scale": None, "layer_windows": None}
-    for field, value in expected.items():
-        if getattr(config, field) != value:
-            raise InputError(field, f"{getattr(config, field)!r} cannot be exported as {kind} "
-                             f"(needs {value!r})")
+    require(config, kind, **expected)
     if config.activation != "gelu_tanh":
         raise InputError("activation", f"{config.activation!r} cannot be exported as Gemma (gelu_tanh)")
     out = {"model_type": kind,

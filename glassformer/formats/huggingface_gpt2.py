@@ -1,4 +1,4 @@
-"""GPT-2 (`model_type` gpt2) -> Glassformer: the config and the key map.
+"""GPT-2 (`model_type` gpt2) <-> Glassformer: the config and the key map, both ways.
 
 Learned positions, LayerNorm, GELU (tanh), a fused c_attn and a tied head. Its Conv1D layers
 store weights as (in, out), so they are transposed.
@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..model.config import ModelConfig
+from .refusals import plain_decoder, require
 from .tensor_map import Entry
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
@@ -50,3 +51,20 @@ def gpt2_keys(c: ModelConfig) -> list[Entry]:
     if not c.tie_embeddings:
         entries.append(Entry("lm_head.weight", "lm_head.weight"))
     return entries
+
+
+def gpt2_hf_config(config: ModelConfig) -> dict[str, Any]:
+    """The config.json of a GPT2LMHeadModel equal to `config` (refused field by field)."""
+    plain_decoder(config)
+    require(config, "GPT-2", norm="layernorm", gated=False, parallel_block=False,
+            attn_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True,
+            kv_heads=config.n_heads, head_dim=config.d_model // config.n_heads, sliding_window=None)
+    names = {ours: theirs for theirs, ours in GPT2_ACTIVATIONS.items() if theirs != "gelu_pytorch_tanh"}
+    if config.activation not in names:
+        raise InputError("activation", f"{config.activation!r} cannot be exported as GPT-2")
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+            "vocab_size": config.vocab_size, "n_positions": config.context_length,
+            "n_embd": config.d_model, "n_layer": config.n_layers, "n_head": config.n_heads,
+            "n_inner": config.ff_dim, "activation_function": names[config.activation],
+            "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": True,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}

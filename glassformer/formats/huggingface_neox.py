@@ -16,6 +16,7 @@ import torch
 
 from ..errors import InputError
 from ..model.config import ModelConfig
+from .refusals import require
 from .tensor_map import Entry
 
 # A transformers hidden_act -> ours (not gated)
@@ -82,10 +83,7 @@ def neox_hf_config(c: ModelConfig) -> dict[str, Any]:
     expected = dict(position="rope", norm="layernorm", norm_bias=True, gated=False, mlp_bias=True,
                     attn_out_bias=c.attn_bias, kv_heads=c.n_heads,
                     head_dim=c.d_model // c.n_heads, sliding_window=None, rope_scaling="none")
-    for field, value in expected.items():
-        if getattr(c, field) != value:
-            raise InputError(field, f"{getattr(c, field)!r} cannot be exported as GPT-NeoX "
-                             f"(needs {value!r})")
+    require(c, "GPT-NeoX", **expected)
     names = {ours: theirs for theirs, ours in NEOX_ACTIVATIONS.items() if theirs != "gelu_pytorch_tanh"}
     return {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"],
             "vocab_size": c.vocab_size, "max_position_embeddings": c.context_length,

@@ -18,6 +18,7 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from .huggingface_llama import head_dim, llama_sizes
 from .huggingface_rope import rope_fields
+from .refusals import require
 from .tensor_map import Entry
 
 
@@ -66,10 +67,7 @@ def phi3_hf_config(c: ModelConfig, rope_scaling: dict[str, Any] | None) -> dict[
     export.py's `rope_scaling` entry (None, or LongRoPE's)."""
     expected = dict(position="rope", norm="rmsnorm", activation="silu", gated=True,
                     attn_bias=False, attn_out_bias=False, mlp_bias=False, parallel_block=False)
-    for field, value in expected.items():
-        if getattr(c, field) != value:
-            raise InputError(field, f"{getattr(c, field)!r} cannot be exported as Phi-3 "
-                             f"(needs {value!r})")
+    require(c, "Phi-3", **expected)
     if c.rope_scaling not in ("none", "longrope"):
         raise InputError("rope_scaling", f"{c.rope_scaling!r} cannot be exported as Phi-3 "
                          "(none or longrope)")

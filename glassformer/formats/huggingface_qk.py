@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..model.config import ModelConfig
+from .refusals import require
 
 # Values the config classes take when config.json leaves a field out.
 DEFAULTS = {"qwen3": {"head_dim": 128, "rms_norm_eps": 1e-6}, "olmo2": {"rms_norm_eps": 1e-5}}
@@ -58,16 +59,10 @@ def qwen_window(hf: dict[str, Any]) -> int | None:
     return window if sliding == {True} else None
 
 
-def qk_hf_config(config: ModelConfig, llama: dict[str, Any]) -> dict[str, Any]:
-    """The config.json of a model with query/key norms or output norms, from the Llama
-    config.json `llama` of the same model (export.py): Qwen3 or OLMo 2, or refused by field."""
-    kind = next((k for k, fields in FAMILY_FIELDS.items()
-                 if all(getattr(config, f) == v for f, v in fields.items())), None)
-    if kind is None:
-        field = "qk_norm" if config.qk_norm == "none" else "norm_placement"
-        raise InputError(field, f"qk_norm={config.qk_norm!r} with norm_placement="
-                         f"{config.norm_placement!r} is neither Qwen3 ('head', 'pre') nor "
-                         "OLMo 2 ('all', 'out')")
+def qk_hf_config(config: ModelConfig, llama: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The config.json of a `kind` model (qwen3 or olmo2) from the Llama config.json `llama` of
+    the same model, refused by field where it is not one."""
+    require(config, {"qwen3": "Qwen3", "olmo2": "OLMo 2"}[kind], **FAMILY_FIELDS[kind])
     if config.attn_bias != config.attn_out_bias:
         raise InputError("attn_bias", f"{kind} has biases on all of q, k, v, o or none")
     if config.mlp_bias:

@@ -1,11 +1,12 @@
 """RoPE as a Hugging Face config.json states it (rope_theta, rope_parameters / rope_scaling) ->
-the ModelConfig's RoPE fields; export.py writes them back."""
+the ModelConfig's RoPE fields (rope_fields), and back (rope_scaling_entry, for export)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..errors import InputError
+from ..model.config import ModelConfig
 
 # A Hugging Face rope_type -> the ModelConfig's rope_scaling
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn",
@@ -60,3 +61,24 @@ def rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise InputError(None, f"unsupported rope type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     return {"rope_theta": float(theta), **_rope_scaling(rope_type, rope, hf)}
+
+
+def rope_scaling_entry(config: ModelConfig) -> dict | None:
+    """The Hugging Face rope_scaling entry of a config (`_rope_scaling` reversed)."""
+    if config.rope_scaling == "none":
+        return None
+    entry = {"rope_type": config.rope_scaling, "factor": config.rope_factor}
+    if config.rope_scaling in ("llama3", "yarn", "longrope"):
+        entry["original_max_position_embeddings"] = config.original_context
+    if config.rope_scaling == "llama3":
+        entry |= {"low_freq_factor": config.rope_low_freq_factor,
+                  "high_freq_factor": config.rope_high_freq_factor}
+    if config.rope_scaling == "yarn":
+        entry |= {"beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow,
+                  "truncate": config.rope_truncate}
+    if config.rope_scaling == "longrope":
+        entry |= {"short_factor": list(config.rope_short_factors),
+                  "long_factor": list(config.rope_long_factors)}
+    if config.rope_attention_factor is not None:
+        entry["attention_factor"] = config.rope_attention_factor
+    return entry

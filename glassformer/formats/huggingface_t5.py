@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..model.config import ModelConfig
+from .refusals import require
 
 # feed_forward_proj -> (activation, gated); transformers maps "gated-gelu" to the tanh GELU.
 FEED_FORWARD = {"relu": ("relu", False), "gelu": ("gelu", False), "gated-gelu": ("gelu_tanh", True),
@@ -89,9 +90,7 @@ def t5_hf_config(c: ModelConfig) -> dict[str, Any]:
     expected = dict(position="relative", norm="rmsnorm", norm_placement="pre", final_norm=True,
                     attn_bias=False, attn_out_bias=False, mlp_bias=False, lm_head_bias=False,
                     scale_scores=False, scale_head_input=c.tie_embeddings, kv_heads=c.n_heads)
-    for field, value in expected.items():
-        if getattr(c, field) != value:
-            raise InputError(field, f"{getattr(c, field)!r} cannot be exported as T5 (needs {value!r})")
+    require(c, "T5", **expected)
     names = {spec: proj for proj, spec in FEED_FORWARD.items()}
     if (c.activation, c.gated) not in names:
         raise InputError("activation", f"{c.activation!r} (gated={c.gated}) cannot be exported as T5")

@@ -23,25 +23,11 @@ import torch
 
 from ..errors import InputError
 from ..formats import hub
+from ..formats.families import BY_MODEL_TYPE
 from ..formats.files import read_json_object
 from ..model.encoder_decoder import EncoderDecoder
 from ..model.transformer import Transformer
 from .trace import capture
-
-# model_type -> (base model, its layer list, a layer's attention output W_O, the final norm),
-# as submodule paths; BERT has no final norm but its masked-LM transform (from the model's root).
-LAYOUTS = {
-    "gpt2": ("transformer", "h", "attn", "ln_f"),
-    "llama": ("model", "layers", "self_attn", "norm"),
-    "mistral": ("model", "layers", "self_attn", "norm"),
-    "qwen2": ("model", "layers", "self_attn", "norm"),
-    "qwen3": ("model", "layers", "self_attn", "norm"),
-    "olmo2": ("model", "layers", "self_attn", "norm"),  # self_attn's output before its norm
-    **{kind: ("model", "layers", "self_attn", "norm")  # before Gemma 2 / 3's output norm too
-       for kind in ("gemma", "gemma2", "gemma3_text")},
-    "bert": ("bert", "encoder.layer", "attention.output.dense", None),
-}
-HEAD_TRANSFORMS = {"bert": "cls.predictions.transform"}
 
 
 @dataclass(frozen=True)
@@ -115,11 +101,12 @@ def compare(model: Transformer | EncoderDecoder, reference: torch.nn.Module, ids
 def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The reference's tensors at our sites, from output_hidden_states and forward hooks."""
     kind = reference.config.model_type
-    if kind not in LAYOUTS:
+    family = BY_MODEL_TYPE.get(kind)
+    layout = None if family is None else family.compare  # where its model keeps each place
+    if layout is None:
         raise InputError("compare", f"no layout for reference model_type {kind!r}")
-    base_name, layers_name, attn_name, norm_name = LAYOUTS[kind]
-    base = reference.get_submodule(base_name)
-    layers = base.get_submodule(layers_name)
+    base = reference.get_submodule(layout.base)
+    layers = base.get_submodule(layout.layers)
     found: dict[str, torch.Tensor] = {}
 
     def keep(site: str):
@@ -129,14 +116,14 @@ def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict
 
     handles = []
     for i, layer in enumerate(layers):
-        handles.append(layer.get_submodule(attn_name).register_forward_hook(keep(f"blocks.{i}.attn.out")))
+        handles.append(layer.get_submodule(layout.attention).register_forward_hook(keep(f"blocks.{i}.attn.out")))
         handles.append(layer.register_forward_hook(keep(f"blocks.{i}.resid_post")))
-    if norm_name is not None:
-        handles.append(base.get_submodule(norm_name).register_forward_hook(keep("final_norm")))
-    if kind in HEAD_TRANSFORMS:
-        transform = reference.get_submodule(HEAD_TRANSFORMS[kind])
+    if layout.final_norm is not None:
+        handles.append(base.get_submodule(layout.final_norm).register_forward_hook(keep("final_norm")))
+    if layout.head_transform is not None:
+        transform = reference.get_submodule(layout.head_transform)
         handles.append(transform.register_forward_hook(keep("head_transform")))
-    options = {"use_cache": False} if norm_name is not None else {}  # an encoder has no cache
+    options = {"use_cache": False} if layout.final_norm is not None else {}  # an encoder has no cache
     try:
         with torch.no_grad():
             out = reference(ids, output_hidden_states=True, **options)
@@ -145,8 +132,8 @@ def reference_activations(reference: torch.nn.Module, ids: torch.Tensor) -> dict
             handle.remove()
     found["embed.out"] = out.hidden_states[0]
     found["logits"] = out.logits
-    return {site: found[site] for site in sites(len(layers), norm_name is not None,
-                                                kind in HEAD_TRANSFORMS)}
+    return {site: found[site] for site in sites(len(layers), layout.final_norm is not None,
+                                                layout.head_transform is not None)}
 
 
 def seq2seq_activations(reference: torch.nn.Module, ids: torch.Tensor,

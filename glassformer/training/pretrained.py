@@ -25,7 +25,7 @@ ADJUSTABLE = ("dropout", "attention_kernel", "context_length")
 
 def load_pretrained(source: str):
     """(model, tokenizer) of `source` in float32, every layer a plain trainable module."""
-    from ..language_model import load  # the one place that knows every source kind
+    from ..formats.sources import load  # the one place that knows every source kind
 
     loaded = load(source, dtype=torch.float32, progress=False)
     return loaded.model, loaded.tokenizer

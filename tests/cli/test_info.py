@@ -51,7 +51,7 @@ def test_the_text_names_the_family_and_each_piece(model_type, tmp_path, capsys):
     path.write_text(json.dumps({"model": config.to_dict()}))
     assert main(["info", "--config", str(path)]) == 0
     text = capsys.readouterr().out
-    assert f"family  {family.name} (model_type {model_type}, GGUF {family.gguf})" in text
+    assert f"family  {family.name} (model_type {model_type}, GGUF {family.gguf.name})" in text
     for name, values in pieces(config):
         assert f"  {name}: {values}\n" in text if values else f"  {name}\n" in text
 

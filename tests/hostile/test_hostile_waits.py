@@ -15,8 +15,9 @@ from glassformer.accel.quantize import quantize_model
 from glassformer.cli import main
 from glassformer.cli.waits import announce_engine
 from glassformer.formats.checkpoint import write_checkpoint
+from glassformer.formats.sources import ANNOUNCED_PARAMETERS
 from glassformer.formats.tokenizers import CharTokenizer
-from glassformer.language_model import ANNOUNCED_PARAMETERS, load
+from glassformer.language_model import load
 from glassformer.serving import EngineConfig
 
 

@@ -21,6 +21,11 @@ FAMILIES = {
     "llama": dict(position="rope", norm="rmsnorm", activation="silu", gated=True, attn_bias=False,
                   attn_out_bias=False, mlp_bias=False, n_kv_heads=2),
     "gpt2": dict(position="learned", norm="layernorm", activation="gelu_tanh"),
+    # the layouts of GPT-NeoX (a parallel block) and Phi-3 (fused products), half of each head turning
+    "gpt_neox": dict(position="rope", norm="layernorm", activation="gelu", parallel_block=True,
+                     rotary_dim=4),
+    "phi3": dict(position="rope", norm="rmsnorm", activation="silu", gated=True, attn_bias=False,
+                 attn_out_bias=False, mlp_bias=False, n_kv_heads=2, rotary_dim=4),
 }
 
 

@@ -20,8 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ...accel.threads import ThreadPolicy
 from ...errors import InputError
+from ...formats.sources import Loaded
 from ...interpret.steer import SteeringVector
-from ...language_model import LanguageModel
 from .. import EngineConfig
 from . import errors, lora, ui, ui_live
 from .errors import APIError
@@ -38,7 +38,7 @@ __all__ = ["ServerConfig", "create_app"]
 SWITCH_INTERVAL_S = 5e-4
 
 
-def create_app(language_model: LanguageModel, config: ServerConfig, engine: EngineConfig | None = None,
+def create_app(language_model: Loaded, config: ServerConfig, engine: EngineConfig | None = None,
                threads: ThreadPolicy | None = None,
                steering: Mapping[str, SteeringVector] | None = None) -> FastAPI:
     """`threads`: the process's thread policy, revisited by the engine's loop (none: torch's

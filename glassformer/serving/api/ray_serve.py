@@ -20,7 +20,7 @@ def application(model: str, quantize: str, config: ServerConfig, engine: EngineC
     from ray import serve
 
     def build_app():
-        from ...language_model import load
+        from ...formats.sources import load
 
         return create_app(load(model, quantize=quantize), config, engine)
 

@@ -23,11 +23,11 @@ from starlette.requests import ClientDisconnect
 
 from ...accel.threads import ThreadPolicy
 from ...errors import InputError
+from ...formats.sources import Loaded
 from ...generation.config import GenerationResult, kept_in_step
 from ...interpret.lens import Lens, lens_sites
 from ...interpret.lens_page import lens_data
 from ...interpret.steer import SteeringVector
-from ...language_model import LanguageModel
 from ...model.sites import Site, model_site
 from .. import Engine, EngineConfig, Event, RequestHandle
 from ..capture import answer_bytes
@@ -96,7 +96,7 @@ class Admission:
 class Server:
     """The app's state: the engine, the limits and the requests admitted."""
 
-    def __init__(self, language_model: LanguageModel, engine: EngineConfig, config: ServerConfig,
+    def __init__(self, language_model: Loaded, engine: EngineConfig, config: ServerConfig,
                  threads: ThreadPolicy | None = None,
                  steering: Mapping[str, SteeringVector] | None = None) -> None:
         self.language_model, self.config = language_model, config

@@ -24,8 +24,8 @@ from collections import deque
 import torch
 from fastapi import FastAPI, Request
 
+from ...formats.sources import Loaded
 from ...interpret.lens import residual_sites, top_tokens
-from ...language_model import LanguageModel
 from ...model.config import ModelConfig
 from ...model.layers.attention_backends import reference_attention
 from ...model.sites import Site, parse_site
@@ -46,7 +46,7 @@ class Watch:
     """One request as the page sees it; `observe` runs on a worker thread per event, `view`
     on the event loop, both under the watch's lock."""
 
-    def __init__(self, handle: RequestHandle, language_model: LanguageModel, prompt: list[int],
+    def __init__(self, handle: RequestHandle, language_model: Loaded, prompt: list[int],
                  params: dict) -> None:
         self.handle, self.model = handle, language_model.model
         self.decode = language_model.tokenizer.decode
@@ -121,7 +121,7 @@ class Watch:
 class Live:
     """The watched requests: every running one and the last KEEP finished."""
 
-    def __init__(self, language_model: LanguageModel) -> None:
+    def __init__(self, language_model: Loaded) -> None:
         self.language_model = language_model
         self._watches: dict[str, Watch] = {}
         self._lock = threading.Lock()
