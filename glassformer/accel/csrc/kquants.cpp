@@ -353,9 +353,9 @@ struct Activations {  // quantize_activations' q (M, nb · 32), d and s (M, nb)
 // part. The integer scales go into the float factors: lane l's is d sc · d_x of its block, one
 // of the group's 8 (F::kHalves false: sc per block of 32) or 16 (true: per 16 quants) picked by
 // a permutation. A last odd block (Q5_x) goes through a 256-bit step.
-template <typename F, int MB>
-inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a, int64_t m0, float* y,
-                     int64_t ldy, float bias) {
+template <typename F, int MB>  // inlined: a row's few blocks would not pay for a call
+__attribute__((always_inline)) inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a,
+                                                    int64_t m0, float* y, int64_t ldy, float bias) {
   __m512 acc[MB][2];
   __m256 rest[MB];  // the offsets' terms and an odd last block
   for (int m = 0; m < MB; ++m) {
@@ -433,9 +433,9 @@ void offset_sums(Activations& a, int64_t M, int64_t nb) {
 #else
 // acc[m] (two accumulators) += weight row `row` (its groups) times activation rows m0 + m,
 // m < MB. Each row's operations are those of MB = 1 (see the top of the file).
-template <typename F, int MB>
-inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a, int64_t m0, float* y,
-                     int64_t ldy, float bias) {
+template <typename F, int MB>  // inlined: a row's few blocks would not pay for a call
+__attribute__((always_inline)) inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a,
+                                                    int64_t m0, float* y, int64_t ldy, float bias) {
   __m256 acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m256i offset = _mm256_set1_epi8(F::kOffset);
