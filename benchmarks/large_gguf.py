@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import llama_binaries
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
@@ -55,14 +57,8 @@ def make(llama_cpp: Path, folder: Path) -> Path:
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     del model
-    f16 = folder.with_name(folder.name + ".f16.gguf")
-    env = os.environ | {"PYTHONPATH": str(llama_cpp / "gguf-py")}
-    subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder),
-                    "--outtype", "f16", "--outfile", str(f16)], check=True, env=env,
-                   capture_output=True)
-    subprocess.run([str(llama_cpp / "build/bin/llama-quantize"), str(f16), str(quantized), "Q4_K_M"],
-                   check=True, capture_output=True)
-    return quantized
+    f16 = llama_binaries.convert_hf(llama_cpp, folder, folder.with_name(folder.name + ".f16.gguf"), "f16")
+    return llama_binaries.quantize(llama_cpp / "build/bin", f16, quantized, "Q4_K_M")
 
 
 def glassformer_run(path: Path, threads: int, n: int) -> dict:

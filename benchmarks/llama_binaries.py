@@ -2,6 +2,10 @@
 `llama-server` for many streams over HTTP. They are found in the folder that `--llama-cpp DIR`
 or $LLAMA_CPP_DIR names (a build's `bin/` folder; ../shared/ANCHORS.md builds one from the
 source on PyPI, without network). Without them a benchmark says so and leaves their rows out.
+
+Files as users download them are made by llama.cpp's own tools: `convert_hf` (its
+`convert_hf_to_gguf.py`, from the source folder above the build) and `quantize`
+(`llama-quantize`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,39 @@ def find(folder: Path | None, name: str) -> Path | None:
         print(f"llama.cpp: {path} is not an executable file: its rows are left out", file=sys.stderr)
         return None
     return path
+
+
+def source_folder(binaries: Path) -> Path | None:
+    """llama.cpp's source folder (convert_hf_to_gguf.py and gguf-py/) above the build folder
+    `binaries`, or None (with a line on stderr)."""
+    for folder in Path(binaries).resolve().parents:
+        if (folder / "convert_hf_to_gguf.py").is_file():
+            return folder
+    print(f"llama.cpp: no convert_hf_to_gguf.py above {binaries}: its rows are left out", file=sys.stderr)
+    return None
+
+
+def run(command: list[str], **env: str) -> str:
+    """The command's stdout (env added to the environment); raises with its stderr's end where
+    it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ | env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} ... failed:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def convert_hf(source: Path, folder: Path, out: Path, outtype: str) -> Path:
+    """The Hugging Face folder written as the GGUF file `out` (outtype f32, f16, ...) by the
+    converter of llama.cpp's source folder `source`."""
+    run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype,
+          "--outfile", str(out)], PYTHONPATH=str(source / "gguf-py"))
+    return out
+
+
+def quantize(binaries: Path, gguf: Path, out: Path, kind: str) -> Path:
+    """`gguf` quantized to `kind` (Q4_K_M, Q8_0, ...) by the `llama-quantize` in `binaries`."""
+    run([str(Path(binaries) / "llama-quantize"), str(gguf), str(out), kind])
+    return out
 
 
 def gguf_file(model: str) -> Path | None:

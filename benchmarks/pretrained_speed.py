@@ -17,6 +17,12 @@ dependency of Glassformer, and without it the llama.cpp row is left out. llama.c
 `llama-bench` (tg128, no prompt) runs before and after the other rows where its folder is given
 (--llama-cpp DIR or $LLAMA_CPP_DIR, benchmarks/llama_binaries.py).
 
+The Q4_K_M row: the same model as most GGUF files are published, made by llama.cpp's own
+tools where its folder is given: the Q4_1 file exported to a Hugging Face folder (`glassformer
+export`, float32), converted to f16 by llama.cpp's `convert_hf_to_gguf.py` and quantized by
+`llama-quantize` to Q4_K_M (made once, under <home>/benchmarks/); `glassformer gguf Q4_K_M`
+decodes it with its K-quant blocks kept, and llama-bench runs on the same file beside it.
+
 The roofline: a decode token reads every product's weights once (in their stored format: the
 fp32, bf16, int8 / int4 or GGUF blocks, each tensor once; the token table's one row, the norms
 and the KV cache left out), so the machine's read bandwidth (`torch.sum` over 1 GiB on the same
@@ -36,6 +42,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import harness
 import llama_binaries
@@ -175,8 +182,32 @@ def _measure(load_s, load_cpu, load_peak, run, forward, encode, repeats: int) ->
 
 RUNS = {**{f"glassformer {mode}": (glassformer_worker, mode)
            for mode in ("reference", "none", "bf16", "int8", "int4", "gguf")},
+        "glassformer gguf Q4_K_M": (glassformer_worker, "gguf"),  # the Q4_K_M file, where made
         "transformers": (transformers_worker, "fp32"),
         "llama.cpp": (llama_cpp_worker, "gguf")}
+
+
+def q4_k_m_file(model: Path, binaries: Path | None) -> Path | None:
+    """SmolLM2 in Q4_K_M made by llama.cpp's tools from `model` (see the top), once; None (with
+    a line saying why) where llama.cpp's folder is not given."""
+    from glassformer.home import home
+
+    source = llama_binaries.source_folder(binaries) if binaries is not None else None
+    if source is None:
+        print("no llama.cpp build and source: the Q4_K_M row is left out", file=sys.stderr)
+        return None
+    folder = home() / "benchmarks" / "smollm2-135m-instruct"
+    quantized = folder.with_name(folder.name + ".Q4_K_M.gguf")
+    if quantized.is_file():
+        return quantized
+    if not (folder / "config.json").is_file():
+        llama_binaries.run([sys.executable, "-m", "glassformer", "export", "--model", str(model),
+                            "--to", "hf", "--output", str(folder)])
+    f16 = llama_binaries.convert_hf(source, folder, folder.with_name(folder.name + ".f16.gguf"), "f16")
+    partial = quantized.with_suffix(".partial")
+    llama_binaries.quantize(binaries, f16, partial, "Q4_K_M")
+    partial.rename(quantized)
+    return quantized
 
 
 def main() -> None:
@@ -211,15 +242,20 @@ def main() -> None:
 
     threads = args.threads or torch.get_num_threads()
     bench = llama_binaries.find(args.llama_cpp, "llama-bench")
+    k_quants = q4_k_m_file(Path(path), bench.parent if bench is not None else None)
+    files = {name: path for name in RUNS} | {"glassformer gguf Q4_K_M": k_quants and str(k_quants)}
     def read_bandwidth_alone() -> float:
         command = [sys.executable, __file__, "--worker", "bandwidth", "--threads", str(threads)]
         return json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
 
-    bandwidth, bench_rates = [read_bandwidth_alone()], []
+    bandwidth, bench_rates, bench_k_rates = [read_bandwidth_alone()], [], []
 
     def llama_bench() -> None:
         if bench is not None:
             bench_rates.extend(llama_binaries.bench_decode(bench, path, threads, NEW_TOKENS, args.repeats))
+        if k_quants is not None:
+            bench_k_rates.extend(llama_binaries.bench_decode(bench, k_quants, threads, NEW_TOKENS,
+                                                             args.repeats))
 
     llama_bench()
     results = {}
@@ -229,7 +265,10 @@ def main() -> None:
         if name == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
             print("llama-cpp-python is not installed: the llama.cpp row is left out")
             continue
-        command = [sys.executable, __file__, "--worker", name, "--path", path, "--repeats", str(args.repeats)]
+        if files[name] is None:
+            continue
+        command = [sys.executable, __file__, "--worker", name, "--path", files[name],
+                   "--repeats", str(args.repeats)]
         if args.threads:
             command += ["--threads", str(args.threads)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -269,6 +308,11 @@ def main() -> None:
         for name in ("glassformer gguf", "glassformer int4"):
             if name in rates:
                 record.ratio(f"{name} / llama-bench decode rate", rates[name][0].median / tg.median)
+    if bench_k_rates and "glassformer gguf Q4_K_M" in rates:
+        tg = harness.Timing(tuple(bench_k_rates))
+        record.figure(f"llama.cpp llama-bench tg{NEW_TOKENS}, Q4_K_M (before and after)", tg, "tokens/s")
+        record.ratio("glassformer gguf Q4_K_M / llama-bench Q4_K_M decode rate",
+                     rates["glassformer gguf Q4_K_M"][0].median / tg.median)
     record.write()
     if args.json:
         print(json.dumps(results))
@@ -298,8 +342,10 @@ def main() -> None:
     print(f"{'':<20}{'MB a token':>12}{'roofline tok/s':>16}{'decode tok/s':>14}{'of roofline':>13}")
     for name, (mb, ceiling, decode) in roofline.items():
         print(f"{name:<20}{mb:>12.1f}{ceiling:>16.1f}{decode:>14.1f}{decode / ceiling:>13.0%}")
-    if bench_rates:
-        print(f"llama-bench tg{NEW_TOKENS}: {', '.join(f'{v:.1f}' for v in bench_rates)} tokens/s")
+    for label, values in (("", bench_rates), (" Q4_K_M", bench_k_rates)):
+        if values:
+            print(f"llama-bench tg{NEW_TOKENS}{label}: {', '.join(f'{v:.1f}' for v in values)} tokens/s")
+    if bench_rates or bench_k_rates:
         for name, value in record.ratios.items():
             if "llama-bench" in name:
                 print(f"{name}: {value:.2f}x")

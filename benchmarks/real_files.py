@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import llama_binaries
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,13 +96,6 @@ def _model(folder: Path, config, kind) -> None:
     model.save_pretrained(folder)
 
 
-def run(command: list[str], **env: str) -> str:
-    done = subprocess.run(command, capture_output=True, text=True, env=os.environ | env)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:3])} ... failed:\n{done.stderr[-2000:]}")
-    return done.stdout
-
-
 def compare_ok(model: Path) -> bool:
     """Whether `glassformer compare` finds every place within tolerance (it exits 1 where not)."""
     done = subprocess.run([sys.executable, "-m", "glassformer", "compare", "--model", str(model),
@@ -111,7 +104,7 @@ def compare_ok(model: Path) -> bool:
 
 
 def llama_cpp_ids(tool: Path, gguf: Path, text: str) -> list[int]:
-    out = run([str(tool), "-m", str(gguf), "-p", text, "--ids", "--log-disable"])
+    out = llama_binaries.run([str(tool), "-m", str(gguf), "-p", text, "--ids", "--log-disable"])
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -135,14 +128,11 @@ def transformers_greedy(folder: Path, n: int = 16) -> list[int]:
 
 
 def check_family(name: str, folder: Path, llama_cpp: Path, out: Path) -> dict:
-    env = {"PYTHONPATH": str(llama_cpp / "gguf-py")}
-    f32 = out / f"{name}.f32.gguf"
-    run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-         "--outfile", str(f32)], **env)
+    f32 = llama_binaries.convert_hf(llama_cpp, folder, out / f"{name}.f32.gguf", "f32")
     files = {"f32": f32}
     for quant in QUANTS:
-        files[quant] = out / f"{name}.{quant}.gguf"
-        run([str(llama_cpp / "build/bin/llama-quantize"), str(f32), str(files[quant]), quant])
+        files[quant] = llama_binaries.quantize(llama_cpp / "build/bin", f32,
+                                               out / f"{name}.{quant}.gguf", quant)
     tool = llama_cpp / "build/bin/llama-tokenize"
     ours = load(str(f32)).tokenizer
     token_errors = [text for text in HARD if ours.encode(text) != llama_cpp_ids(tool, f32, text)]

@@ -226,11 +226,17 @@ def _kernel_options() -> dict[str, Callable[[], object]]:
     weight = torch.randn(1536, 576, generator=generator)  # a small model's feed-forward
     qweight, scales = quantize_int8(weight)
     rows = torch.randn(8, 576, generator=generator)  # (8, 576): a decode step's rows
+    # (1536, 2 super-blocks of 144 bytes) Q4_K rows of random quants and scales, d = dmin = 2^-7
+    q4_k = torch.randint(0, 256, (1536, 2, 144), dtype=torch.uint8, generator=generator)
+    q4_k[:, :, 0:4] = torch.tensor([0x00, 0x20, 0x00, 0x20], dtype=torch.uint8)
+    q4_k = q4_k.reshape(1536, 288)
+    row = torch.randn(1, 512, generator=generator)  # (1, 512): one decode row for the Q4_K rows
 
     def run(target: str) -> None:
         kernels = build.extension(target)
         for _ in range(16):  # a few milliseconds: long enough that one preemption shows as such
             kernels.linear_q8(rows, qweight, scales, None)
             kernels.linear_f32(rows[:1], weight, None)
+            kernels.linear_gguf(row, q4_k, kernels.WeightFormat.q4_k, None)
 
     return {target: functools.partial(run, target) for target in build.TARGETS}

@@ -21,8 +21,14 @@
 // Q5_0's offset of 16 quants goes into the float part as -16 d · s_j (no second maddubs).
 // Every row's float operations are the same in any tile of activation rows and at any place in
 // it, so each row's result is bitwise the same whatever the number of rows; the integer sums
-// are exact on every target. AVX-512 builds take two blocks a step (512-bit registers), so
-// their float sums go in another order than the AVX2 build's.
+// are exact on every target.
+//
+// AVX-512 builds take two blocks a step in 512-bit registers, with a decoder's pair(j) (the 64
+// quants of blocks j, j + 1, unpacked from the file's bytes in a few whole-register steps) and
+// scales() (d times each integer scale, exact): integer part vpdpbusd(quants, x_q) (maddubs
+// and madd without VNNI), started from -kOffset · sum(x_q) for Q6_K and Q3_K; float part
+// acc += (d sc · d_x) · float(integer part), the integer scales in the float factor. So their
+// float sums go in another order than the AVX2 build's.
 
 #include <cstring>
 #include <type_traits>
@@ -38,6 +44,7 @@ namespace {
 #define GLASSFORMER_KQ_WIDE 1
 #endif
 
+
 inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -47,6 +54,44 @@ inline float half(const uint8_t* p) {
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 inline __m256i low4() { return _mm256_set1_epi8(0x0F); }
+
+#ifdef GLASSFORMER_KQ_WIDE
+// acc + the sums of each 4 products of unsigned bytes u and signed bytes s (vpdpbusd; without
+// VNNI, maddubs then madd: exact, as u <= 63 and |s| <= 127 cannot saturate the pairs).
+inline __m512i dot4(__m512i acc, __m512i u, __m512i s) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// 32 bytes in both halves of a 512-bit register.
+inline __m512i twice(const uint8_t* p) { return _mm512_broadcast_i64x4(load32(p)); }
+
+// Each 16-bit lane of v shifted right (negative: left) by `low` in the low 256 bits, by `high`
+// in the high 256 bits.
+inline __m512i shift_halves(__m512i v, int low, int high) {
+  const __m512i right = _mm512_inserti64x4(_mm512_set1_epi16(std::max(low, 0)), _mm256_set1_epi16(std::max(high, 0)), 1);
+  const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(std::max(-low, 0)), _mm256_set1_epi16(std::max(-high, 0)), 1);
+  return _mm512_sllv_epi16(_mm512_srlv_epi16(v, right), left);
+}
+
+// a | (b & mask), bytewise.
+inline __m512i or_masked(__m512i a, __m512i b, int mask) {
+  return _mm512_ternarylogic_epi32(a, b, _mm512_set1_epi8(static_cast<char>(mask)), 0xF8);
+}
+
+inline __m512i low4_512() { return _mm512_set1_epi8(0x0F); }
+#endif
 
 // The 8 six-bit scales and 8 six-bit minimums packed in 12 bytes (Q4_K, Q5_K): bytes 0-3 hold
 // scales 0-3 in their low 6 bits, bytes 4-7 minimums 0-3; bytes 8-11 hold the low 4 bits of
@@ -89,9 +134,14 @@ struct Q4K {
   }
   __m256i multipliers(int j) const { return _mm256_set1_epi16(sc[j]); }
 #ifdef GLASSFORMER_KQ_WIDE
-  __m512i units() const {  // sub-block j's scale for its two runs of 16
-    const __m128i s16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
-    return _mm512_castsi256_si512(_mm256_set_m128i(_mm_unpackhi_epi16(s16, s16), _mm_unpacklo_epi16(s16, s16)));
+  static constexpr bool kHalves = false;  // an integer scale per block of 32
+  __m512 scales() const {  // lane j: d sc_j (exact)
+    return _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_set1_ps(d), bytes_to_floats(sc)));
+  }
+  __m512i pair(int j) const {  // blocks j, j + 1 (j even): the low and high nibbles of 32 bytes
+    const __m256i raw = load32(qs + 16 * j);
+    return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1),
+                            low4_512());
   }
 #endif
 };
@@ -110,6 +160,11 @@ struct Q5K : Q4K {
     if (j > 4) bit = _mm256_srli_epi16(bit, j - 4);
     return _mm256_or_si256(Q4K::quants(j), bit);
   }
+#ifdef GLASSFORMER_KQ_WIDE
+  __m512i pair(int j) const {  // bits j and j + 1 of the high bytes to bit 4 of each half
+    return or_masked(Q4K::pair(j), shift_halves(_mm512_broadcast_i64x4(high), j - 4, j - 3), 0x10);
+  }
+#endif
 };
 
 // Q6_K (210 bytes): 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales, fp16
@@ -142,8 +197,17 @@ struct Q6K {
     return _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
   }
 #ifdef GLASSFORMER_KQ_WIDE
-  __m512i units() const {
-    return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+  static constexpr bool kHalves = true;  // an integer scale per 16 quants
+  __m512 scales() const {  // lane i: d sc_i (exact)
+    return _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+  }
+  __m512i pair(int j) const {  // blocks j, j + 1 = 4 h + k, k 0 or 2
+    const int h = j / 4, k = j % 4;
+    const __m512i low = _mm512_loadu_si512(ql + 64 * h);  // blocks 4 h, 4 h + 1 low, the next two high
+    const __m512i nibble = _mm512_and_si512(k ? _mm512_srli_epi16(low, 4) : low, low4_512());
+    // bits 2 k, 2 k + 1 (low half) and 2 k + 2, 2 k + 3 (high half) to bits 4, 5
+    return or_masked(nibble, shift_halves(twice(qh + 32 * h), 2 * k - 4, 2 * k - 2), 0x30);
   }
 #endif
 };
@@ -184,11 +248,29 @@ struct Q3K {
     return _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
   }
 #ifdef GLASSFORMER_KQ_WIDE
-  __m512i units() const {
-    return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sc))));
+  static constexpr bool kHalves = true;
+  __m512 scales() const {
+    return _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                _mm_load_si128(reinterpret_cast<const __m128i*>(sc)))));
+  }
+  __m512i pair(int j) const {  // blocks j, j + 1 = 4 h + k, k 0 or 2: two bits to bits 0, 1, one to 2
+    const int h = j / 4, k = j % 4;
+    const __m512i two = _mm512_and_si512(shift_halves(twice(g + 32 + 32 * h), 2 * k, 2 * k + 2),
+                                         _mm512_set1_epi8(3));
+    return or_masked(two, shift_halves(twice(g), j - 2, j - 1), 0x04);
   }
 #endif
 };
+
+// All ones in the first len <= 8 32-bit lanes, zeros after.
+inline __m256i first_lanes(int len) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(len), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 8 fp16 values, one in the low 16 bits of each 32-bit lane (the high bits zero), as floats.
+inline __m256 halves(__m256i v) {
+  return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
 
 // 32 bits as 32 bytes: byte i is 0xFF where bit i is set, else 0.
 inline __m256i bits_to_bytes(uint32_t bits) {
@@ -211,16 +293,18 @@ struct Q5 {
   static constexpr bool kOffsets = true;
   const uint8_t* g;
   int len;
-  alignas(32) float d[8] = {}, m[8] = {};
+  __m256 d, m;  // lane j: block j's d, and m (Q5_0: -16 d, exact); zero past len
 
   Q5(const uint8_t* group, int blocks) : g(group), len(blocks) {
-    for (int j = 0; j < len; ++j) {
-      d[j] = half(g + j * kBlockBytes);
-      m[j] = kMin ? half(g + j * kBlockBytes + 2) : -16.f * d[j];  // -16 d: exact
-    }
+    constexpr int64_t s = kBlockBytes;  // each block's first 4 bytes: d (and Q5_1's m)
+    const __m256i head = _mm256_mask_i32gather_epi32(
+        _mm256_setzero_si256(), reinterpret_cast<const int*>(group),
+        _mm256_setr_epi32(0, s, 2 * s, 3 * s, 4 * s, 5 * s, 6 * s, 7 * s), first_lanes(len), 1);
+    d = halves(_mm256_and_si256(head, _mm256_set1_epi32(0xFFFF)));
+    m = kMin ? halves(_mm256_srli_epi32(head, 16)) : _mm256_mul_ps(_mm256_set1_ps(-16.f), d);
   }
-  __m256 factors() const { return _mm256_load_ps(d); }
-  __m256 offsets() const { return _mm256_load_ps(m); }
+  __m256 factors() const { return d; }
+  __m256 offsets() const { return m; }
   __m256i quants(int j) const {
     const uint8_t* block = g + j * kBlockBytes + (kMin ? 4 : 2);
     uint32_t bits;
@@ -231,78 +315,98 @@ struct Q5 {
   }
   __m256i multipliers(int) const { return _mm256_set1_epi16(1); }
 #ifdef GLASSFORMER_KQ_WIDE
-  __m512i units() const { return _mm512_set1_epi16(1); }
+  static constexpr bool kHalves = false;
+  __m512 scales() const { return _mm512_zextps256_ps512(d); }
+  __m512i pair(int j) const {  // blocks j, j + 1: 128-bit lanes of nibbles, the fifth bits by mask
+    const uint8_t* first = g + j * kBlockBytes + (kMin ? 4 : 2);
+    const uint8_t* second = first + kBlockBytes;
+    const __m256i raw = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first + 4))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(second + 4)), 1);
+    // lanes [first, second, first >> 4, second >> 4] -> [first, first >> 4, second, second >> 4]
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    const __m512i nibbles = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), low4_512());
+    uint32_t low, high;
+    std::memcpy(&low, first, 4);
+    std::memcpy(&high, second, 4);
+    const __mmask64 fifth = static_cast<__mmask64>(low) | static_cast<__mmask64>(high) << 32;
+    return _mm512_mask_add_epi8(nibbles, fifth, nibbles, _mm512_set1_epi8(16));
+  }
 #endif
 };
 
 // The first len <= 8 floats from p, zeros after.
 inline __m256 load_part(const float* p, int len) {
-  if (len == 8) return _mm256_loadu_ps(p);
-  alignas(32) float v[8] = {};
-  for (int i = 0; i < len; ++i) v[i] = p[i];
-  return _mm256_load_ps(v);
+  return len == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes(len));
 }
 
 struct Activations {  // quantize_activations' q (M, nb · 32), d and s (M, nb)
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> c;  // (AVX-512, Q6_K and Q3_K) -kOffset · each 4 q's sum (M, nb · 8)
 };
 
 #ifdef GLASSFORMER_KQ_WIDE
 // The same products two blocks at a time in 512-bit registers (AVX-512 builds): each pair's 64
-// quants against the activations' two blocks (64 contiguous bytes), the integer scales of its
-// four runs of 16 quants taken from the group's 16 by one permutation, the float scales of its
-// two blocks likewise. A last odd block (Q5_x) goes through the 256-bit step.
-template <typename F, int MB>
-inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a, int64_t m0, float* y,
-                     int64_t ldy, float bias) {
+// quants (F::pair) against the activations' two blocks (64 contiguous bytes) by vpdpbusd, 16
+// int32 sums of 4 products each, exact; for Q6_K and Q3_K started from a.c, the offset's
+// part. The integer scales go into the float factors: lane l's is d sc · d_x of its block, one
+// of the group's 8 (F::kHalves false: sc per block of 32) or 16 (true: per 16 quants) picked by
+// a permutation. A last odd block (Q5_x) goes through a 256-bit step.
+template <typename F, int MB>  // inlined: a row's few blocks would not pay for a call
+__attribute__((always_inline)) inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a,
+                                                    int64_t m0, float* y, int64_t ldy, float bias) {
   __m512 acc[MB][2];
   __m256 rest[MB];  // the offsets' terms and an odd last block
   for (int m = 0; m < MB; ++m) {
     acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     rest[m] = _mm256_setzero_ps();
   }
-  const __m512i offset = _mm512_set1_epi8(F::kOffset);
-  constexpr bool kFold = F::kOffsets;
-  const __m512i eighths = _mm512_srli_epi16(  // int16 lane l: l / 8
-      _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
-                       15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
-  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  constexpr bool kFold = F::kOffsets, kCounts = !F::kOffsets && F::kOffset != 0;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i unit_of = _mm512_srli_epi32(lane, F::kHalves ? 2 : 3);  // a pair's lane -> its scale
+  const __m512i block_of = _mm512_srli_epi32(lane, 1);  // run of 16 -> its block
   for (int64_t b0 = 0, g = 0; b0 < nb; b0 += F::kBlocks, ++g) {
     const int len = static_cast<int>(std::min<int64_t>(F::kBlocks, nb - b0));
     const uint8_t* at = row + g * F::kGroupBytes;
-    prefetch(at);
+    for (int64_t line = 0; line < F::kGroupBytes; line += 64) prefetch(at + line);
     const F f(at, len);
-    const __m256 factors = f.factors();
-    const __m512i units = f.units();  // int16 lane u < 16: the integer scale of quants 16 u ..
+    const __m512 scales = f.scales();
     __m512 scale[MB];
     for (int m = 0; m < MB; ++m) {
       const int64_t first = (m0 + m) * nb + b0;
-      scale[m] = _mm512_castps256_ps512(_mm256_mul_ps(factors, load_part(a.d.data() + first, len)));
+      const __m512 dx = _mm512_zextps256_ps512(load_part(a.d.data() + first, len));
+      scale[m] = _mm512_mul_ps(scales, F::kHalves ? _mm512_permutexvar_ps(block_of, dx) : dx);
       if constexpr (kFold)
         rest[m] = _mm256_fmadd_ps(f.offsets(), load_part(a.s.data() + first, len), rest[m]);
     }
-    int j = 0;
-    for (; j + 2 <= len; j += 2) {
-      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(f.quants(j)), f.quants(j + 1), 1);
-      const __m512i mult = _mm512_permutexvar_epi16(_mm512_add_epi16(eighths, _mm512_set1_epi16(2 * j)), units);
-      const __m512i pick = _mm512_add_epi32(halves, _mm512_set1_epi32(j));
+    const auto pair = [&](int j, int k) {  // blocks j, j + 1 into accumulators k
+      const __m512i q = f.pair(j);
+      const __m512i pick = _mm512_add_epi32(unit_of, _mm512_set1_epi32(F::kHalves ? 2 * j : j));
       for (int m = 0; m < MB; ++m) {
-        const __m512i x = _mm512_loadu_si512(a.q.data() + ((m0 + m) * nb + b0 + j) * 32);
-        __m512i p = _mm512_maddubs_epi16(q, x);
-        if constexpr (!kFold && F::kOffset != 0) p = _mm512_sub_epi16(p, _mm512_maddubs_epi16(offset, x));
-        const __m512 sums = _mm512_cvtepi32_ps(_mm512_madd_epi16(p, mult));
-        acc[m][j / 2 % 2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, scale[m]), sums, acc[m][j / 2 % 2]);
+        const int64_t block = (m0 + m) * nb + b0 + j;
+        const __m512i x = _mm512_loadu_si512(a.q.data() + block * 32);
+        const __m512i start = kCounts ? _mm512_loadu_si512(a.c.data() + block * 8) : _mm512_setzero_si512();
+        const __m512 sums = _mm512_cvtepi32_ps(dot4(start, q, x));
+        acc[m][k] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, scale[m]), sums, acc[m][k]);
       }
+    };
+    int j = 0;
+    if (len == F::kBlocks) {  // a whole group: unrolled, the pairs alternating accumulators
+      for (; j < F::kBlocks; j += 4) {
+        pair(j, 0);
+        pair(j + 2, 1);
+      }
+    } else {  // (Q5_x) a row's last group
+      for (; j + 2 <= len; j += 2) pair(j, 0);
     }
-    if (j < len) {  // (Q5_x only: one multiplier for all, so no offset to subtract)
+    if (j < len) {  // (Q5_x only: a scale per block, no offset in the integers)
       const __m256i q = f.quants(j);
       for (int m = 0; m < MB; ++m) {
         const __m256i x = load32(reinterpret_cast<const uint8_t*>(a.q.data() + ((m0 + m) * nb + b0 + j) * 32));
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, x), f.multipliers(j)));
-        alignas(32) float s[8];
-        _mm256_store_ps(s, _mm512_castps512_ps256(scale[m]));
-        rest[m] = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), sums, rest[m]);
+        const __m256 sums = _mm256_cvtepi32_ps(dot4(_mm256_setzero_si256(), q, x));
+        const __m512 factor = _mm512_permutexvar_ps(_mm512_set1_epi32(j), scale[m]);
+        rest[m] = _mm256_fmadd_ps(_mm512_castps512_ps256(factor), sums, rest[m]);
       }
     }
   }
@@ -312,12 +416,26 @@ inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a, int64
     y[m * ldy] = hsum(_mm256_add_ps(folded, rest[m])) + bias;
   }
 }
+
+// a.c for F where its offset stays in the integer sums (Q6_K, Q3_K; nb a multiple of 8).
+template <typename F>
+void offset_sums(Activations& a, int64_t M, int64_t nb) {
+  if constexpr (!F::kOffsets && F::kOffset != 0) {
+    a.c.resize(M * nb * 8);
+    const __m512i offset = _mm512_set1_epi8(F::kOffset);
+    for (int64_t b = 0; b < M * nb; b += 2) {
+      const __m512i x = _mm512_loadu_si512(a.q.data() + b * 32);
+      _mm512_storeu_si512(a.c.data() + b * 8,
+                          _mm512_sub_epi32(_mm512_setzero_si512(), dot4(_mm512_setzero_si512(), offset, x)));
+    }
+  }
+}
 #else
 // acc[m] (two accumulators) += weight row `row` (its groups) times activation rows m0 + m,
 // m < MB. Each row's operations are those of MB = 1 (see the top of the file).
-template <typename F, int MB>
-inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a, int64_t m0, float* y,
-                     int64_t ldy, float bias) {
+template <typename F, int MB>  // inlined: a row's few blocks would not pay for a call
+__attribute__((always_inline)) inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a,
+                                                    int64_t m0, float* y, int64_t ldy, float bias) {
   __m256 acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const __m256i offset = _mm256_set1_epi8(F::kOffset);
@@ -325,7 +443,7 @@ inline void row_tile(const uint8_t* row, int64_t nb, const Activations& a, int64
   for (int64_t b0 = 0, g = 0; b0 < nb; b0 += F::kBlocks, ++g) {
     const int len = static_cast<int>(std::min<int64_t>(F::kBlocks, nb - b0));
     const uint8_t* at = row + g * F::kGroupBytes;
-    prefetch(at);
+    for (int64_t line = 0; line < F::kGroupBytes; line += 64) prefetch(at + line);
     const F f(at, len);
     const __m256 factors = f.factors();
     alignas(32) float scale[MB][8];
@@ -443,6 +561,9 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& qs, Weigh
   auto y = output_like(x, N);  // (..., N)
   with_format(format, [&](auto* type) {
     using F = std::remove_pointer_t<decltype(type)>;
+#ifdef GLASSFORMER_KQ_WIDE
+    offset_sums<F>(a, M, nb);
+#endif
     linear_blocks<F>(qs.data_ptr<uint8_t>(), qs.size(1), a, bias_ptr(bias, N), y.data_ptr<float>(),
                      M, N, nb);
   });
