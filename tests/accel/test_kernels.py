@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from glassformer.accel import QuantizedLinear, build, ops
 from glassformer.accel import kernels as accel_kernels
 from glassformer.accel import weight_formats as quant
+from glassformer.accel.tile_order import to_tile_order
 
 U = 2.0**-24
 # (M, N, K): one row and several; N and K not multiples of 4, 8 or 32 included
@@ -105,8 +106,9 @@ def test_avx2_build_matches_the_dequantized_product(avx2_kernels, mode):
     for shape in SHAPES:
         x, w, b = make(shape, seed=SHAPES.index(shape), with_bias=True)
         tensors, w_float = quantized(w, mode)
-        y = getattr(avx2_kernels, FUNCTIONS[mode])(x, *tensors, b)
         exact = mode in ("fp32", "bf16")
+        held = tensors if exact else [to_tile_order(t, unit) for t, unit in zip(tensors, (4, 1, 1), strict=False)]
+        y = getattr(avx2_kernels, FUNCTIONS[mode])(x, *held, b)  # the int kernels read tile order
         bound = float_bound(x, w_float) if exact else activation_bound(x, w_float)
         check_within(y, F.linear(x, w_float, b), bound + 2 * U * b.abs())
         y_torch = KERNELS[mode](x, *tensors, b, backend="torch")
