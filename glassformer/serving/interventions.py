@@ -12,6 +12,8 @@ out entirely (no hook, no change of path), so it is bit-identical to no steer at
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..errors import InputError
@@ -20,10 +22,9 @@ from ..interpret.steer import check_steer, parse_head
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
 from .capture import token_axis
-from .sequence import Sequence
 
-Part = tuple[Sequence, int, int, int]  # (request, first row, rows, first position)
-
+if TYPE_CHECKING:
+    from .step import RequestRows
 
 def check_edits(config: ModelConfig, params: RequestParams) -> None:
     """ValueError naming `steer` or `ablate` for what this model cannot take."""
@@ -35,17 +36,17 @@ def check_edits(config: ModelConfig, params: RequestParams) -> None:
         parse_head(config, name)
 
 
-def edit_hooks(config: ModelConfig, parts: list[Part]) -> dict[str, HookFn]:
-    """Hooks that steer and ablate, for each (request, first row, rows, first position) of the
-    step, its own rows of the sites it named."""
+def edit_hooks(config: ModelConfig, parts: list[RequestRows]) -> dict[str, HookFn]:
+    """Hooks that steer and ablate, for each request's rows of the step, its own rows of the
+    sites it named."""
     edits: dict[str, list[tuple[int, int, torch.Tensor | None, int | None]]] = {}
-    for seq, start, n, _ in parts:
-        for steer in seq.params.steer:
+    for r in parts:
+        for steer in r.seq.params.steer:
             if steer.alpha != 0:
-                edits.setdefault(steer.site, []).append((start, n, steer.alpha * steer.vector, None))
-        for name in seq.params.ablate:
+                edits.setdefault(steer.site, []).append((r.first, r.n, steer.alpha * steer.vector, None))
+        for name in r.seq.params.ablate:
             site, head = parse_head(config, name)
-            edits.setdefault(site, []).append((start, n, None, head))
+            edits.setdefault(site, []).append((r.first, r.n, None, head))
 
     def edit(tensor: torch.Tensor, site: str) -> torch.Tensor:
         out = tensor.clone()

@@ -1,12 +1,9 @@
 """A request's bookkeeping outside the step: what `Engine.submit` checks before queueing it,
-and what the engine answers from a finished or failed one (its result, its log-probabilities,
-why its logits or its size ended it)."""
+and what the engine answers from a finished or failed one (its result, why its size ended it)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Ids
-
-import torch
 
 from ..errors import InputError
 from ..generation.config import GenerationResult, RequestParams
@@ -15,12 +12,8 @@ from ..model.sink import SinkPolicy
 from .beam import BeamGroup
 from .block_manager import BlockManager
 from .capture import captured, check_capture, check_lens, lens_of
-from .handle import TokenLogprobs
 from .interventions import check_edits
 from .sequence import Sequence
-
-NON_FINITE = ("its logits hold NaN or Inf: its activations overflowed (a steer's alpha, an adapter's "
-              "weights?); no token was picked")
 
 
 class CapacityError(InputError):
@@ -70,35 +63,12 @@ def check_request(mc: ModelConfig, prompt: Ids[int], params: RequestParams, wind
 
 def too_large(unit: Sequence | BeamGroup, blocks: BlockManager) -> InputError:
     """Why a request that could not start on an empty pool is refused."""
-    members = unit.members if isinstance(unit, BeamGroup) else [unit]
+    members = unit.members
     longest, size = max(seq.num_tokens for seq in members), blocks.block_size
     return InputError("beams" if len(members) > 1 else "prompt",
                       f"{len(members)} sequence(s) of up to {longest} tokens need more KV cache than "
                       f"the engine's {blocks.n_blocks * size} tokens (blocks of {size})",
                       "context_length_exceeded")
-
-
-def broken_rows(logits: torch.Tensor) -> set[int]:
-    """The rows of (R, V) logits holding NaN or Inf, listed only if any: a row's largest and
-    smallest value are finite exactly when all of its are (both carry a NaN; +Inf shows in the
-    largest, -Inf in the smallest), two reductions without a (R, V) mask."""
-    finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))  # (R,)
-    return set() if bool(finite.all()) else set((~finite).nonzero().flatten().tolist())
-
-
-def plain_greedy(seq: Sequence) -> bool:
-    """Whether a request's next token is its logits' argmax, whatever came before."""
-    sampling = seq.params.sampling
-    return sampling.greedy and not sampling.uses_counts
-
-
-def logprobs_of(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs | None:
-    """The chosen token's log-probability and the `top` likeliest tokens' from one row (V,)."""
-    if top is None:
-        return None
-    logprobs = torch.log_softmax(row.float(), dim=-1)
-    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
-    return TokenLogprobs(float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
 
 
 def result_of(seq: Sequence) -> GenerationResult:

@@ -52,7 +52,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.preemptions = 0
-        self.group = None  # the BeamGroup this sequence is a member of
+        self.unit = self  # what is scheduled, answered and ended as one: itself, or its BeamGroup
         # capture: site -> position -> the site's tensor for that row (its token axis removed)
         self.captured: dict[str, dict[int, torch.Tensor]] = {site: {} for site in params.capture}
         # lens: position -> the top-k token ids and probabilities there, (sites, k) each
@@ -65,6 +65,18 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    # a request of one sequence, as a BeamGroup is one of several (beam.py)
+    @property
+    def members(self) -> list[Sequence]:
+        return [self]
+
+    @property
+    def root(self) -> Sequence:
+        return self
+
+    def forget(self, seq: Sequence) -> None:
+        """A member was preempted: one sequence keeps nothing of its pick between steps."""
 
     def turn_long(self) -> None:
         """From now on its keys turn by LongRoPE's long set (runner.py): its blocks match only
