@@ -1,17 +1,18 @@
 """The engine: requests submitted at any time, run together step after step.
 
-    step:  plan = scheduler.schedule()       who runs, how many tokens each (scheduler.py)
-           batch = runner.batch(plan)         the step as a value: rows, slots, paths (step.py)
-           logits = runner.run(batch)         each path's executor, one read-out (runner.py)
-           for each request that caught up:   pick its next token with its own generator,
-               stream it, stop it or go on
+    plan     = scheduler.schedule()     who runs, how many tokens each (scheduler.py)
+    batch    = runner.batch(plan)       the step as a value: rows, slots, paths (step.py)
+    logits   = runner.run(batch)        each path's executor, one read-out (runner.py)
+    outcomes = pick(ready, logits)      each request that caught up: its token or its error
+                                        (sampler.py)
+    deliver                             tokens streamed, beam groups ranked, errors ended
 
 A request whose own work fails inside a step (its pick, its text, its beams, its logits
 turned NaN or Inf) ends alone with an error event; only a failed forward pass, which every
-request shares, stops the engine. `step()` can be driven by hand (tests, offline batches);
-`start()` runs it on a background thread that sleeps while nothing waits. `submit` and `cancel`
-are safe from any thread: they only queue work that the stepping thread picks up at the start
-of its next step.
+request shares, stops the engine (EngineStopped for later requests: errors.py). `step()` can
+be driven by hand (tests, offline batches); `start()` runs it on a background thread that
+sleeps while nothing waits. `submit` and `cancel` are safe from any thread: they only queue
+work that the stepping thread picks up at the start of its next step.
 """
 
 from __future__ import annotations
@@ -36,21 +37,19 @@ from .beam import BeamGroup
 from .block_manager import BlockManager
 from .capture import new_rows
 from .config import EngineConfig
+from .errors import AdapterInUse, EngineStopped, UnknownAdapter
 from .executors import CAPABILITIES
 from .handle import Event, RequestHandle, Wakeups
 from .kv_pool import KVPool, pool_blocks
 from .requests import check_request, result_of, too_large
 from .runner import ModelRunner
 from .sampler import Outcome, Picked, pick
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .stats import EngineStats, StepTrace
+from .step import StepBatch
 
 log = logging.getLogger("glassformer.serving.engine")
-
-
-class AdapterInUse(ValueError):
-    """An adapter that running requests still use cannot be unloaded."""
 
 
 class Engine:
@@ -108,7 +107,7 @@ class Engine:
         """Queue a request (prompt token ids); returns its handle at once."""
         mc, params = self.model.config, params or RequestParams()
         if self._error is not None:
-            raise RuntimeError(f"engine: stopped after an error ({self._error!r})")
+            raise EngineStopped(f"engine: stopped after an error ({self._error!r})")
         prompt = check_request(mc, prompt, params, self.window, self.config.sink, self.blocks,
                                self.tokenizer is not None)
         eos = eos_ids(params, self.tokenizer)
@@ -117,12 +116,12 @@ class Engine:
         handle = RequestHandle(seq.id, self.cancel)
         with self._wake:
             if self._closed:
-                raise RuntimeError("engine: closed; submit to a new Engine")
+                raise EngineStopped("engine: closed; submit to a new Engine")
             if seq.id in self._handles:
                 raise InputError("request_id", f"{seq.id!r} is already in use")
             if params.adapter is not None:
                 if params.adapter not in self.adapters:
-                    raise InputError("adapter", f"no LoRA adapter named {params.adapter!r} is loaded "
+                    raise UnknownAdapter("adapter", f"no LoRA adapter named {params.adapter!r} is loaded "
                                      f"(loaded: {', '.join(self.adapters.names()) or 'none'})")
                 seq.prefix_root = self.adapters[params.adapter].key
             self._handles[seq.id] = (unit, handle)
@@ -138,13 +137,14 @@ class Engine:
             self.adapters.add(adapter)
 
     def unload_adapter(self, name: str) -> None:
-        """Stop serving adapter `name`, from any thread: KeyError when none is loaded by that
-        name, AdapterInUse while requests that name it are unfinished."""
+        """Stop serving adapter `name`, from any thread: UnknownAdapter when none is loaded by
+        that name, AdapterInUse while requests that name it are unfinished."""
         with self._wake:
-            users = [unit for unit, _ in self._handles.values()
-                     if unit.root.params.adapter == name]
-            if users and name in self.adapters:
-                raise AdapterInUse(f"lora_name: {name!r} is in use by {len(users)} unfinished "
+            if name not in self.adapters:
+                raise UnknownAdapter("lora_name", f"no adapter named {name!r} is loaded")
+            users = [unit for unit, _ in self._handles.values() if unit.root.params.adapter == name]
+            if users:
+                raise AdapterInUse("lora_name", f"{name!r} is in use by {len(users)} unfinished "
                                    "request(s); unload it once they end")
             self.adapters.remove(name)
 
@@ -156,7 +156,7 @@ class Engine:
     def start(self) -> Engine:
         """Run steps on a background thread until `close()`."""
         if self._closed:
-            raise RuntimeError("engine: closed; start a new Engine")
+            raise EngineStopped("engine: closed; start a new Engine")
         if self._thread is None:
             self._stopping = False
             hand_over_cores()  # the caller's OpenMP threads would make the engine's sleep
@@ -242,21 +242,15 @@ class Engine:
         self._intake()
         plan = self.scheduler.schedule()
         for seq in plan.refused:  # alone on the pool it could not start (submit's check forestalls it)
-            self._fail(seq.unit, too_large(seq.unit, self.blocks))
+            self._fail(seq.unit, too_large(seq.unit.members, self.blocks))
         if not plan.scheduled:
             self._wakeups.send()
             return None
-        start = time.perf_counter()
-        batch = self.runner.batch(plan)
+        start, batch = time.perf_counter(), self.runner.batch(plan)
         logits = self.runner.run(batch)  # (R, V)
         ready = self.scheduler.advance(plan)
         self._deliver(ready, pick(ready, logits))
-        trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
-                          [(r.seq.id, r.n) for r in batch.requests], [s.id for s in plan.preempted],
-                          [(r.path.name, r.path.reason) for r in batch.requests])
-        self.trace.append(trace)
-        self.stats.record(plan, len(ready), self.scheduler, self.blocks)
-        return trace
+        return self._record(plan, batch, len(ready), start)
 
     def _deliver(self, ready: list[Sequence], outcomes: list[Outcome]) -> None:
         """Each ready sequence's outcome (sampler.py) to its request: a token streamed, a beam
@@ -274,6 +268,14 @@ class Engine:
             except Exception as error:
                 self._fail(seq.unit, error)
         self._wakeups.send()  # one wake-up per event loop for the step's events
+
+    def _record(self, plan: StepPlan, batch: StepBatch, generated: int, start: float) -> StepTrace:
+        trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
+                          [(r.seq.id, r.n) for r in batch.requests], [s.id for s in plan.preempted],
+                          [(r.path.name, r.path.reason) for r in batch.requests])
+        self.trace.append(trace)
+        self.stats.record(plan, generated, self.scheduler, self.blocks)
+        return trace
 
     def _advance_beams(self, group: BeamGroup) -> None:
         children, dropped = group.advance(self.blocks)

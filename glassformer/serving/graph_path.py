@@ -106,7 +106,8 @@ class GraphPath:
         if pool.scratch_block is None:
             raise ValueError("the graph path needs a pool with a scratch block (KVPool(scratch=True))")
         self.model, self.pool = model, pool
-        self.fixed = bucket_of(min(config.max_batch, BUCKETS[-1])) if deterministic else None
+        # deterministic: every step at max_batch's bucket (None: the smallest that holds its rows)
+        self.deterministic_bucket = bucket_of(min(config.max_batch, BUCKETS[-1])) if deterministic else None
         self.rope = None if rope is None else rope.short
         self.device = model.embed.tokens.weight.device
         self.refused = pool_refusal("the graph executor", config) or CAPABILITIES.why_not(model.config)
@@ -150,7 +151,7 @@ class GraphPath:
     def _run(self, batch: StepBatch, start: int) -> torch.Tensor:
         """The residual streams (B, d) of the batch's requests start.. (at most a bucket's)."""
         requests = batch.requests[start : start + BUCKETS[-1]]
-        rows = bucket_of(len(requests)) if self.fixed is None else max(self.fixed, bucket_of(len(requests)))
+        rows = max(self.deterministic_bucket or 1, bucket_of(len(requests)))
         bs, scratch = self.pool.block_size, self.pool.scratch_block
         ids = torch.zeros(rows, dtype=torch.long)  # (B,) on the host, as every index below
         positions = torch.zeros(rows, dtype=torch.long)  # (B,)

@@ -9,7 +9,6 @@ from ..errors import InputError
 from ..generation.config import GenerationResult, RequestParams
 from ..model.config import ModelConfig
 from ..model.sink import SinkPolicy
-from .beam import BeamGroup
 from .block_manager import BlockManager
 from .capture import captured, check_capture, check_lens, lens_of
 from .interventions import check_edits
@@ -56,19 +55,16 @@ def check_request(mc: ModelConfig, prompt: Ids[int], params: RequestParams, wind
         field = "beams" if params.beams > 1 else "max_new_tokens" if prompt_fits else "prompt"
         raise CapacityError(field, f"the request needs {needed * size} tokens of cache ({beams}"
                             f"{len(prompt)} prompt + {new} new{cut}, in blocks of "
-                            f"{size}); the engine holds {blocks.n_blocks * size}",
-                            "context_length_exceeded")
+                            f"{size}); the engine holds {blocks.n_blocks * size}")
     return prompt
 
 
-def too_large(unit: Sequence | BeamGroup, blocks: BlockManager) -> InputError:
-    """Why a request that could not start on an empty pool is refused."""
-    members = unit.members
+def too_large(members: list[Sequence], blocks: BlockManager) -> CapacityError:
+    """Why a request (its sequences) that could not start on an empty pool is refused."""
     longest, size = max(seq.num_tokens for seq in members), blocks.block_size
-    return InputError("beams" if len(members) > 1 else "prompt",
-                      f"{len(members)} sequence(s) of up to {longest} tokens need more KV cache than "
-                      f"the engine's {blocks.n_blocks * size} tokens (blocks of {size})",
-                      "context_length_exceeded")
+    return CapacityError("beams" if len(members) > 1 else "prompt",
+                         f"{len(members)} sequence(s) of up to {longest} tokens need more KV cache than "
+                         f"the engine's {blocks.n_blocks * size} tokens (blocks of {size})")
 
 
 def result_of(seq: Sequence) -> GenerationResult:
