@@ -214,15 +214,15 @@ class FusedPath:
 
     def refuses(self, rows: RequestRows) -> str | None:
         params = rows.seq.params
-        unseen = [site for site in params.capture if fused_source(site) is None]
         if self.refused is not None:
             return self.refused
         if rows.prompt > FUSED_PROMPT_TOKENS:
             return f"a prompt over {FUSED_PROMPT_TOKENS} tokens (one attention product per chunk)"
         if params.changes_model:
             return "it steers or ablates (the fused step has no hook sites)"
-        if unseen:
-            return f"it captures {unseen[0]}, a site the fused step does not emit"
+        unseen = next((site for site in params.capture if fused_source(site) is None), None)
+        if unseen is not None:
+            return f"it captures {unseen}, a site the fused step does not emit"
         if params.adapter is not None and self.adapters[params.adapter].fused is None:
             return f"its adapter {params.adapter!r} is not built for the fused step"
         if not self.model.has_fused_step:

@@ -1,27 +1,19 @@
 """Runs a step: the scheduler's plan as one StepBatch (step.py) whose every request takes the
 path of the first executor that does not refuse its rows (step.py `route`), each path's share
-through its executor (executors.py, graph_path.py), then one read-out of every wanted row
-(read_out.py).
+through its executor, then one read-out of every wanted row (read_out.py).
 
     batch  = runner.batch(plan)                       ids, positions; per request rows, slots, path
     hidden = executor.execute(batch.on(path))         the fused C++ step or the graph; the modules
     logits = step_logits(model, batch, hidden, lens)  final norm, head and lens, once
 
-The executors, in the order they are asked: a converted model's fused step (glassformer.quantize),
-or with `graph` (serve / generate --prompts-file `--compile`) the graph executor; then the
-module path, which takes every row. Batch invariance: every product computes each row on its
-own (row_tiles.py), the head included, so a token's numbers agree whatever shares its step (on
-the fused step bit for bit; on the module path within the float32 rounding of its attention
-kernel). The price is prefill speed for float weights; `batch_invariant=False` sends all rows to
-each product at once instead.
-
-On a GPU a norm's or a decoding row's attention call, and the graph's bucket, follow the step's
-size, and its kernels split their sums by it; `deterministic` (EngineConfig.deterministic on
-CUDA) fixes every shape by the request alone: norms in row tiles too, one attention call per
-decoding row, the graph at one bucket (docs/guides/serving.md says what it costs).
-
-A request may name a LoRA adapter (RequestParams.adapter): its rows add that adapter's update to
-each product it targets, on those rows alone (adapters.py), on the fused and module paths.
+The executors, in the order they are asked: a converted model's fused step (executors.py), or
+with `compile` the graph executor (graph_path.py); then the module path, which takes every row.
+Every product of the runner's view of the model computes each row on its own (row_tiles.py),
+the head included, so a token's numbers agree whatever shares its step; `batch_invariant=False`
+sends all rows to each product at once instead (faster prefill for float weights).
+`deterministic` (EngineConfig.deterministic on CUDA) fixes every call's shape by the request
+alone: norms in row tiles too, one attention call per decoding row, the graph at one bucket.
+A request's LoRA adapter adds its update to its own rows of each product it targets (adapters.py).
 """
 
 from __future__ import annotations

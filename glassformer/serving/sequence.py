@@ -40,7 +40,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix keys of the full blocks, in order
         self.prefix_root = None  # the first block's parent key: its adapter's (Engine.submit)
-        self.rope_long = False  # LongRoPE: its keys are turned by the long set (Engine.submit)
+        self.rope_long = False  # LongRoPE: its keys turn by the long set (scheduler.py)
         self.generator = torch.Generator(device=device or "cpu")
         self.generator.manual_seed(params.seed) if params.seed is not None else self.generator.seed()
         self.counts = None
@@ -79,8 +79,8 @@ class Sequence:
         """A member was preempted: one sequence keeps nothing of its pick between steps."""
 
     def turn_long(self) -> None:
-        """From now on its keys turn by LongRoPE's long set (runner.py): its blocks match only
-        other long texts' in the prefix cache."""
+        """From now on its keys turn by LongRoPE's long set (executors.py RopeTables): its blocks
+        match only other long texts' in the prefix cache."""
         self.rope_long = True
         self.prefix_root = (self.prefix_root, "longrope long factors")
 
