@@ -47,14 +47,13 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FLEX_CUDA_HEAD_DIM = 16
 
 # What the graph executor computes: the module path's table, but for what its FlexAttention
-# mask (causal, one window) and its one RoPE table leave out.
+# mask (causal, one window) leaves out (and LongRoPE: `refused`).
 CAPABILITIES = CapabilityTable("graph executor", {
     **MODULE_CAPABILITIES.rules,
     "position": only("rope", "learned", "sinusoidal", "none",
                      reason="ALiBi and T5's bias add to the scores; its mask is causal and a window"),
     "attn_softcap": only(None, reason="its attention's scores are plain"),
     "layer_windows": only(None, reason="its mask has one window"),
-    "rope_long_factors": only(None, reason="LongRoPE turns a request by one of two sets; it reads one table"),
 })
 
 
@@ -111,6 +110,8 @@ class GraphPath:
         self.rope = None if rope is None else rope.short
         self.device = model.embed.tokens.weight.device
         self.refused = pool_refusal("the graph executor", config) or CAPABILITIES.why_not(model.config)
+        if self.refused is None and model.config.rope_scaling == "longrope":
+            self.refused = "LongRoPE turns a request by one of two sets (the graph executor reads one table)"
         if self.refused is None and self.device.type == "cuda" and model.config.head_dim < FLEX_CUDA_HEAD_DIM:
             self.refused = (f"heads of {model.config.head_dim} dimensions (the graph executor's "
                             f"FlexAttention needs {FLEX_CUDA_HEAD_DIM} on CUDA)")
