@@ -179,6 +179,12 @@ class ModulePath:
         self.layers, self.model, self.pool, self.config = layers, model, pool, config
         self.rope, self.group, self.adapters, self.deterministic = rope, group, adapters, deterministic
 
+    def refuses(self, rows: RequestRows) -> None:
+        """None: the model's own modules compute every row."""
+
+    def takes(self, rows: RequestRows) -> str:
+        return "the model's own modules compute every row"
+
     def execute(self, batch: StepBatch) -> Executed:
         rotation = None if self.rope is None else self.rope.short[0]  # the sink policy's (one kind)
         view = PagedView(self.pool, batch.requests, self.config.attention == "fast", self.model,

@@ -116,14 +116,16 @@ class Executor(Protocol):
 
 
 def route(executors: Listed[Executor], rows: RequestRows) -> Path:
-    """The path of the first executor that does not refuse the rows: its reason, or where it
-    is the last (the module path, which takes every row), why the one before refused them."""
-    reason = ""
-    for executor in executors[:-1]:
+    """The path of the first executor that does not refuse the rows, with the reason: why the
+    one before it refused them, or, for the first, why it takes them. The engine's last, the
+    module path, takes every row."""
+    declined = None
+    for executor in executors:
         reason = executor.refuses(rows)
         if reason is None:
-            return Path(executor.name, executor.takes(rows))
-    return Path(executors[-1].name, reason)
+            return Path(executor.name, declined or executor.takes(rows))
+        declined = reason
+    raise ValueError(f"no executor takes the rows of {rows.seq.id}: {declined}")
 
 
 def step_batch(plan: StepPlan, path_of: Callable[[RequestRows], Path], block_size: int,
