@@ -164,7 +164,7 @@ def engine(folder: Path, device: torch.device, requests: int) -> dict:
         spare), and a few."""
         blocks = requests * (-(-(16 + NEW_TOKENS) // block_size) + 1) + 8
         return EngineConfig(max_batch=requests, token_budget=max(256, 16 * requests), block_size=block_size,
-                            n_blocks=blocks, graph=graph)
+                            n_blocks=blocks, compile=graph)
 
     # the module path in blocks of 16; the graph executor (serve --compile) in FlexAttention's
     config, graph = sized(16, False), sized(FLEX_BLOCK, True)

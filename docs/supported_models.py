@@ -15,13 +15,13 @@ from pathlib import Path
 from glassformer.accel import fast_decode, fast_training, quantize
 from glassformer.formats.families import FAMILIES
 from glassformer.model.pieces import pieces
-from glassformer.serving import runner
+from glassformer.serving import executors
 
 PAGE = Path(__file__).resolve().parent / "guides" / "supported-models.md"
 # Each path a model can take, and the module holding the capability table it answers with
 # (read when the page is made); the module path computes every configuration.
 PATHS = {"module path": None, "fused decode step": fast_decode, "int8": quantize, "int4": quantize,
-         "engine": runner, "fused training": fast_training}
+         "engine": executors, "fused training": fast_training}
 
 INTRO = """\
 # Supported models

@@ -44,9 +44,6 @@ def run(args: argparse.Namespace) -> int:
     from ..language_model import load
 
     model = or_default(args.model, MODEL)
-    if args.compile and args.quantize is not None:
-        raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
-                         "(a fused C++ step)")
     device, precision = inference_precision(args)
     language_model = load(model, quantize=precision.quantize, announce=announce)
     announce_compile(args.compile)

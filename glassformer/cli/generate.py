@@ -140,9 +140,6 @@ def run(args: argparse.Namespace) -> int:
         compile=args.compile,
     )
     extend = args.rope_scaling not in (None, "none")  # a new window first, then the weights converted
-    if args.compile and args.quantize is not None:
-        raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
-                         "(a fused C++ step)")
     device, precision = inference_precision(args)
     quantize = precision.quantize
     if args.lora is not None and len(args.lora) > 1:

@@ -312,7 +312,7 @@ def engine_config(args: argparse.Namespace, device: str = "cpu") -> EngineConfig
         settings["block_size"] = FLEX_BLOCK
         print(f"glassformer: KV blocks of {FLEX_BLOCK} tokens (the graph executor's FlexAttention on "
               "CUDA)", file=sys.stderr)
-    return EngineConfig(**settings, sink=sink_policy(args), graph=graph,
+    return EngineConfig(**settings, sink=sink_policy(args), compile=graph,
                         deterministic=getattr(args, "deterministic", False))
 
 

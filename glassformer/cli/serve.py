@@ -116,9 +116,6 @@ def run(args: argparse.Namespace) -> int:
                           max_capture_mb=args.max_capture_mb,
                           lora_dirs=tuple(os.path.realpath(d) for d in args.lora_dir or ()))
     vectors = _steering_vectors(args.steer or [])
-    if args.compile and args.quantize is not None:
-        raise InputError("--compile", "compiles the plain PyTorch weights; not with --quantize "
-                         "(a fused C++ step)")
     if args.ray:
         if args.lora:
             raise InputError("--lora", "not with --ray (each replica would need its own copy)")

@@ -15,9 +15,9 @@ def announce(message: str) -> None:
 def announce_engine(engine: EngineConfig, device: str) -> None:
     """The engine's long waits before its first token: a pool taken whole (off the CPU or for
     the graph executor), and the graph executor's compiled steps."""
-    if engine.graph or not device.startswith("cpu"):
+    if engine.compile or not device.startswith("cpu"):
         announce(f"taking the KV pool's {engine.kv_memory_mb:g} MiB on {device} at once")
-    if engine.graph:
+    if engine.compile:
         announce("compiling the engine's decode step (torch.compile), once for each batch size "
                  "as it first comes: the first steps wait for it")
 

@@ -52,8 +52,8 @@ def check_compilable(model: Transformer) -> None:
         raise InputError("compile", "hooks are installed on the model (steering, capture, "
                          "tracing): they run Python per site; generate without --compile")
     if model.has_fused_step:
-        raise InputError("compile", "the model runs a fused C++ decode step (a --quantize "
-                         "conversion); compile the plain weights instead")
+        raise InputError("compile", "compiles the plain PyTorch weights; not with --quantize "
+                         "(a fused C++ step)")
 
 
 class SlotCache:

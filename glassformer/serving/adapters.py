@@ -158,8 +158,6 @@ class Adapters:
         self._by_name[adapter.name] = adapter
 
     def remove(self, name: str) -> None:
-        if name not in self._by_name:
-            raise KeyError(f"lora_name: no adapter named {name!r} is loaded")
         del self._by_name[name]
 
     def install(self, view: Transformer, wrap: Callable[[nn.Module], nn.Module],

@@ -39,7 +39,7 @@ class BeamGroup:
         self.logits: dict[Sequence, torch.Tensor] = {}
         self.winner: Hypothesis | None = None
         self._forks = itertools.count(1)
-        seq.group = self
+        seq.unit = self
         if not params.stop:
             seq.text = None  # nothing to watch during the search; the winner's text is decoded once
 

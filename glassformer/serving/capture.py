@@ -25,6 +25,8 @@ site's rows of those copies to the same hooks (`Inspection`) as the module path'
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..generation.config import kept_in_step
@@ -34,19 +36,22 @@ from ..model.hooks import HookFn
 from ..model.sites import Site
 from .sequence import Sequence
 
+if TYPE_CHECKING:
+    from .step import RequestRows
 
-def capture_hooks(parts: list[tuple[Sequence, int, int, int]]) -> dict[str, HookFn]:
-    """Hooks that store, for each (request, first row, rows, first position) of the step that
-    asked for sites, those rows of every site it named."""
-    sites = {site.full: site for seq, *_ in parts for site in seq.params.capture}
+
+def capture_hooks(parts: list[RequestRows]) -> dict[str, HookFn]:
+    """Hooks that store, for each request's rows of the step that asked for sites, those rows
+    of every site it named."""
+    sites = {site.full: site for r in parts for site in r.seq.params.capture}
 
     def keep(tensor: torch.Tensor, site: str) -> None:
         axis = sites[site].token_axis
-        for seq, start, n, position in parts:
-            if site in seq.captured:
-                rows = tensor.narrow(axis, start, n)[0].clone()  # one copy of the request's rows
+        for r in parts:
+            if site in r.seq.captured:
+                rows = tensor.narrow(axis, r.first, r.n)[0].clone()  # one copy of the request's rows
                 for i, row in enumerate(rows.unbind(axis - 1)):
-                    seq.captured[site][position + i] = row
+                    r.seq.captured[site][r.position + i] = row
         return None
 
     return dict.fromkeys(sites, keep)
@@ -81,12 +86,12 @@ class LensRows:
     (`hooks`: one copy per site of every lens request's rows), then read out with every other
     row of the step (read_out.py: `rows`, `take`, `store`)."""
 
-    def __init__(self, config: ModelConfig, parts: list[tuple[Sequence, int, int, int]]) -> None:
-        self.parts = [part for part in parts if part[0].params.lens is not None]
-        self.sites = [lens_sites(config, seq.params.lens_layers) for seq, *_ in self.parts]
+    def __init__(self, config: ModelConfig, parts: list[RequestRows]) -> None:
+        self.parts = [r for r in parts if r.seq.params.lens is not None]
+        self.sites = [lens_sites(config, r.seq.params.lens_layers) for r in self.parts]
         self.last = lens_sites(config)[-1]  # the residual the final norm and head read
         self.vocab_size = config.vocab_size
-        rows = [torch.arange(start, start + n) for _, start, n, _ in self.parts]
+        rows = [torch.arange(r.first, r.first + r.n) for r in self.parts]
         self.index = torch.cat(rows) if rows else None  # (M,) the lens requests' rows in the step
         self.kept: dict[str, torch.Tensor] = {}  # site -> (M, d)
         self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request: ids, probabilities
@@ -106,10 +111,11 @@ class LensRows:
         if not self.parts:
             return None
         chunks, offset = [], 0
-        for (seq, _, n, _), sites in zip(self.parts, self.sites, strict=True):
+        for r, sites in zip(self.parts, self.sites, strict=True):
+            n = r.n
             chunks += [self.kept[site][offset : offset + n] for site in sites]  # (n, d) each
             offset += n
-            k = min(seq.params.lens, self.vocab_size)
+            k = min(r.seq.params.lens, self.vocab_size)
             self.tops.append((torch.empty(len(sites) * n, k, dtype=torch.long),
                               torch.empty(len(sites) * n, k)))  # (sites × n, k): ids, probabilities
         self.kept.clear()
@@ -119,8 +125,9 @@ class LensRows:
         """The row of `rows` that holds seq's output: its last residual at its last position,
         where it reads that one and reaches its end in this step; else None."""
         first = 0
-        for (other, _, n, _), sites in zip(self.parts, self.sites, strict=True):
-            if other is seq:
+        for r, sites in zip(self.parts, self.sites, strict=True):
+            n = r.n
+            if r.seq is seq:
                 ends = seq.num_computed + n == seq.num_tokens
                 return first + sites.index(self.last) * n + n - 1 if ends and self.last in sites else None
             first += len(sites) * n
@@ -139,10 +146,10 @@ class LensRows:
     def store(self) -> None:
         """Each request's top-k per site of its layers, kept on it by position (a request
         recomputed after preemption overwrites its own)."""
-        for (seq, _, n, position), sites, (ids, probs) in zip(self.parts, self.sites, self.tops, strict=True):
-            ids, probs = ids.view(len(sites), n, -1), probs.view(len(sites), n, -1)  # (sites, n, k)
-            for i in range(n):
-                seq.lens[position + i] = (ids[:, i], probs[:, i])  # (sites, k) each
+        for r, sites, (ids, probs) in zip(self.parts, self.sites, self.tops, strict=True):
+            ids, probs = ids.view(len(sites), r.n, -1), probs.view(len(sites), r.n, -1)  # (sites, n, k)
+            for i in range(r.n):
+                r.seq.lens[r.position + i] = (ids[:, i], probs[:, i])  # (sites, k) each
         self.tops.clear()
 
 

@@ -1,7 +1,9 @@
 """The executors of a step: each runs its path's share of a StepBatch (step.py) and returns
-the residual streams after the last block, one row per token, `execute(batch) -> Executed`.
-What a request inspects (capture, lens, steering, ablation) is handed to the same hooks on
-every path (`Inspection`); the read-out (read_out.py) is not an executor's.
+the residual streams after the last block, one row per token, `execute(batch) -> Executed`;
+each says which rows it refuses and why (`refuses(rows)`, asked by step.py's `route` in the
+engine's order: the fused step or the graph executor, then the module path, which takes
+every row). What a request inspects (capture, lens, steering, ablation) is handed to the same
+hooks on every path (`Inspection`); the read-out (read_out.py) is not an executor's.
 
 ModulePath: the model's own embedding and blocks over the batch's rows as one sequence;
 attention alone looks across rows, per request, over its slots, through the paged view of the
@@ -9,38 +11,98 @@ pool handed to each block as its cache (paged_attention.py). Each weight is read
 panel of rows for all requests together; with batch invariance every product computes each
 row on its own (row_tiles.py), so a row's numbers do not depend on what shares its step
 (attention, the model's PyTorch kernel, within float32 rounding: paged_attention.py). The
-hooks the blocks call steer, ablate, capture and keep the lens rows.
+hooks the blocks call steer, ablate, capture and keep the lens rows. Its capability table is
+the engine's (`CAPABILITIES`, checked when the engine is made).
 
-FusedPath: a converted model's fused C++ step (accel/fast_decode.py `FastDecoder.rows`): one
-call runs every layer for every row, each at its own position, attending over its own
-request's slots in the pool (a chunk's keys are all written before any of its rows attends,
-each row to its own position). A row's numbers are those of the fused step for that token
-alone, bit for bit, whatever shares the step or however its prompt was cut. A request that
-captures residual sites, attn.out or mlp.out only and/or reads the lens stays here: the step
-copies out its rows' residual stream after the embedding and each layer (and what each
-layer's attention and feed-forward add to it), and those copies are handed to the hooks the
-blocks would call. A LoRA adapter built for the step (ServedAdapter.fused) is added per row.
+FusedPath: a converted model's fused C++ step (accel/fast_decode.py `FastDecoder.rows`, its
+table `fast_decode.CAPABILITIES`): one call runs every layer for every row, each at its own
+position, attending over its own request's slots in the pool (a chunk's keys are all written
+before any of its rows attends, each row to its own position). A row's numbers are those of
+the fused step for that token alone, bit for bit, whatever shares the step or however its
+prompt was cut. A request that captures residual sites, attn.out or mlp.out only and/or reads
+the lens stays here: the step copies out its rows' residual stream after the embedding and
+each layer (and what each layer's attention and feed-forward add to it), and those copies are
+handed to the hooks the blocks would call. A LoRA adapter built for the step
+(ServedAdapter.fused) is added per row. It refuses other pools than float32 at text
+positions, the reference attention, prompts over FUSED_PROMPT_TOKENS, steering, ablation,
+sites it does not emit and adapters not built for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from ..generation.paths import fused_source
+from ..accel.capabilities import CapabilityTable, any_value, only
+from ..accel.fast_decode import why_not
+from ..generation.paths import FUSED, MODULES, fused_source
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
 from ..model.layers.positions import RopeAngles
-from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .adapters import Adapters
 from .capture import LensRows, capture_hooks
+from .config import EngineConfig
 from .interventions import edit_hooks
 from .kv_pool import KVPool
-from .paged_attention import PagedView, Part
+from .paged_attention import PagedView
 from .step import RequestRows, StepBatch
+
+# Prompts up to this many tokens take the fused step; a longer one's prompt rows keep the
+# module path, whose attention over a chunk is one product for all its rows, while the fused
+# step's goes row by row (int4 SmolLM2 on 2 cores: 1.25x faster at 1,024 tokens, even at
+# 2,048, 0.73x at 4,096). A prompt's length is the request's own, so each of its tokens still
+# takes one path whatever shares its steps.
+FUSED_PROMPT_TOKENS = 2048
+
+_MODULES = "the model's own modules compute it"
+_ANGLES = "angles from the model's own inverse frequencies and attention factor"
+
+# What the engine computes, field by field: it runs the model's embedding, blocks, final norm
+# and head; only the RoPE angles (a table over the context) and the flat batch's positions are
+# its own, and the masks come from `Transformer.attention_mask`. The module path's table.
+CAPABILITIES = CapabilityTable("serving engine", {
+    **{name: any_value(_MODULES) for name in (
+        "vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head",
+        "d_ff", "norm", "norm_placement", "qk_norm", "parallel_block", "norm_eps", "norm_bias",
+        "activation", "gated",
+        "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "final_norm", "tie_embeddings",
+        "dropout", "attention_kernel", "init_std", "n_token_types", "embed_norm", "head",
+        "scale_scores", "scale_head_input", "norm_weight_offset", "embed_scale", "attn_softcap",
+        "final_softcap", "attn_scale")},
+    **{name: any_value(_ANGLES) for name in (
+        "rope_theta", "rope_scaling", "rope_factor", "rope_original_context", "rope_low_freq_factor",
+        "rope_high_freq_factor", "rope_local_theta", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
+        "rope_attention_factor", "rope_short_factors", "rope_long_factors", "rotary_dim")},
+    "position": any_value("RoPE from the table; ALiBi and T5's bias through the model's masks"),
+    **{name: any_value("through the model's masks") for name in (
+        "sliding_window", "relative_buckets", "relative_max_distance")},
+    "causal": only(True, reason="the serving engine runs causal models; an encoder (bidirectional "
+                                "attention) does not continue text: glassformer fill-mask"),
+    "n_encoder_layers": only(0, reason="the serving engine runs decoder-only models; an "
+                                       "encoder-decoder generates one source at a time: "
+                                       "glassformer generate"),
+    "layer_windows": any_value("each layer narrows the model's masks to its own window "
+                               "(Attention.context, called by the paged view)"),
+    "pooler": any_value("not part of generating"),
+    "decoder_start_id": any_value("an encoder-decoder's field"),
+})
+
+
+def pool_refusal(executor: str, config: EngineConfig) -> str | None:
+    """Why an executor that reads float32 keys at their text positions with the fast attention
+    refuses every row of an engine so configured, or None."""
+    if config.kv_dtype != "fp32":
+        return f"{config.kv_dtype} keys and values ({executor} reads float32)"
+    if config.sink is not None:
+        return f"the sink policy moves keys ({executor} keeps each at its text position)"
+    if config.attention != "fast":
+        return f"{config.attention} attention asked ({executor} runs the fast one)"
+    return None
 
 
 class RopeTables:
@@ -77,48 +139,56 @@ class Executed:
 
 
 class Inspection:
-    """The hooks of a share's inspecting requests, (request, first row, rows, first position)
-    each: edits first, so a site's capture and lens keep what the next module reads."""
+    """The hooks of a share's inspecting requests: the edits first, so that a site's reads
+    (capture, lens rows) keep what the next module reads."""
 
-    def __init__(self, config: ModelConfig, parts: list[tuple]) -> None:
+    def __init__(self, config: ModelConfig, parts: list[RequestRows]) -> None:
         self.lens = LensRows(config, parts)
-        self.hooks: list[dict[str, HookFn]] = [edit_hooks(parts), capture_hooks(parts),
-                                               self.lens.hooks()]
+        self.edits = edit_hooks(parts)
+        self.reads: list[dict[str, HookFn]] = [capture_hooks(parts), self.lens.hooks()]
 
     @classmethod
     def of(cls, config: ModelConfig, batch: StepBatch, rows_of_inspecting: bool = False) -> Inspection:
         """For the batch's requests that inspect; their first rows counted over the batch, or
         over the inspecting requests' rows alone (the fused step's emitted copies)."""
-        parts, first = [], 0
-        for r in batch.requests:
-            if r.inspects:
-                parts.append((r.seq, first if rows_of_inspecting else r.first, r.n, r.seq.num_computed))
-                first += r.n
+        parts = [r for r in batch.requests if r.inspects]
+        if rows_of_inspecting:
+            firsts = itertools.accumulate((r.n for r in parts), initial=0)  # one more than parts
+            parts = [dataclasses.replace(r, first=first) for r, first in zip(parts, firsts, strict=False)]
         return cls(config, parts)
 
     def feed(self, emitted: dict[str, torch.Tensor | None]) -> None:
         """Hand each asked site's rows of the fused step's copies (fused_source's name ->
-        (M, sites, d)) to the hooks, as the blocks would call them."""
-        for hooks in self.hooks[1:]:  # the fused step's requests change nothing
+        (M, sites, d)) to the reads, as the blocks would call them (the fused step's requests
+        edit nothing: it refuses them)."""
+        for hooks in self.reads:
             for site, keep in hooks.items():
                 source, index = fused_source(site)
                 keep(emitted[source][:, index][None], site)  # (1, M, d): the site's tensor
 
 
 class ModulePath:
-    def __init__(self, layers: Transformer, model: Transformer, pool: KVPool, fast: bool,
-                 sink: SinkPolicy | None, rope: RopeTables | None, group: int,
-                 adapters: Adapters | None, alone: bool = False) -> None:
+    name = MODULES
+
+    def __init__(self, layers: Transformer, model: Transformer, pool: KVPool, config: EngineConfig,
+                 rope: RopeTables | None, group: int, adapters: Adapters | None,
+                 deterministic: bool = False) -> None:
         """`layers`: the model's modules as the engine runs them (a view with row-invariant or
         adapter-wrapped products); `model`: the model (its masks, for the paged view);
-        `alone`: each decoding row's attention in a call of its own (PagedView)."""
-        self.layers, self.model, self.pool, self.fast, self.sink = layers, model, pool, fast, sink
-        self.rope, self.group, self.adapters, self.alone = rope, group, adapters, alone
+        `deterministic`: each decoding row's attention in a call of its own (PagedView)."""
+        self.layers, self.model, self.pool, self.config = layers, model, pool, config
+        self.rope, self.group, self.adapters, self.deterministic = rope, group, adapters, deterministic
+
+    def refuses(self, rows: RequestRows) -> None:
+        """None: the model's own modules compute every row."""
+
+    def takes(self, rows: RequestRows) -> str:
+        return "the model's own modules compute every row"
 
     def execute(self, batch: StepBatch) -> Executed:
-        parts = [Part(r.first, r.n, r.slots, r.past_window) for r in batch.requests]
         rotation = None if self.rope is None else self.rope.short[0]  # the sink policy's (one kind)
-        view = PagedView(self.pool, parts, self.fast, self.model, self.sink, rotation, self.group, self.alone)
+        view = PagedView(self.pool, batch.requests, self.config.attention == "fast", self.model,
+                         self.config.sink, rotation, self.group, self.deterministic)
         ids, positions = batch.ids[None], batch.positions[None]  # (1, N) each
         rope = None
         if self.rope is not None:  # per kind of layer, (1, 1, N, rotated) each
@@ -130,7 +200,7 @@ class ModulePath:
                 adapted.setdefault(r.adapter, []).extend(range(r.first, r.first + r.n))
         inspection = Inspection.of(self.model.config, batch)
         with contextlib.ExitStack() as stack:
-            for hooks in inspection.hooks:
+            for hooks in (inspection.edits, *inspection.reads):  # edits first
                 stack.enter_context(self.layers.hooks.installed(hooks))
             if adapted:
                 stack.enter_context(self.adapters.rows(adapted, ids.device))
@@ -141,9 +211,42 @@ class ModulePath:
 
 
 class FusedPath:
-    def __init__(self, model: Transformer, pool: KVPool, rope: RopeTables | None,
+    name = FUSED
+
+    def __init__(self, model: Transformer, pool: KVPool, config: EngineConfig, rope: RopeTables | None,
                  adapters: Adapters | None) -> None:
         self.model, self.pool, self.rope, self.adapters = model, pool, rope, adapters
+        self.refused = pool_refusal("the fused step", config)  # every row's, or None
+
+    def refuses(self, rows: RequestRows) -> str | None:
+        params = rows.seq.params
+        if self.refused is not None:
+            return self.refused
+        if rows.prompt > FUSED_PROMPT_TOKENS:
+            return f"a prompt over {FUSED_PROMPT_TOKENS} tokens (one attention product per chunk)"
+        if params.changes_model:
+            return "it steers or ablates (the fused step has no hook sites)"
+        unseen = next((site for site in params.capture if fused_source(site) is None), None)
+        if unseen is not None:
+            return f"it captures {unseen}, a site the fused step does not emit"
+        if params.adapter is not None and self.adapters[params.adapter].fused is None:
+            return f"its adapter {params.adapter!r} is not built for the fused step"
+        if not self.model.has_fused_step:
+            return "the model has no fused step (glassformer.quantize gives one)"
+        step = self.model.fused_step()
+        if step is None:
+            return why_not(self.model) or "the fused step declines the model as it is now"
+        if not hasattr(step, "rows"):
+            return "the installed fused step decodes one dense cache only"
+        return None
+
+    def takes(self, rows: RequestRows) -> str:
+        params = rows.seq.params
+        if params.capture:
+            return "it captures only sites the fused step emits (residuals, attn.out, mlp.out)"
+        if params.lens is not None:
+            return "its lens reads the residuals the fused step emits"
+        return "the fused step computes every row it asks"
 
     def execute(self, batch: StepBatch) -> Executed:
         fused, requests = self.model.fused_step(), batch.requests

@@ -13,7 +13,7 @@ Every tensor here has a shape fixed by the batch bucket and the pool, so the ste
 once per bucket (graph_path.py) and on CUDA is recorded as a graph. The reference it must
 match is the paged view (paged_attention.py) over the same pool; the attention module's own
 function is not called, so the model must be one whose attention is plain scaled dot-product
-under those masks (`graph_reason`, generation/paths.py).
+under those masks (graph_path.py: its table and `refuses`).
 """
 
 from __future__ import annotations

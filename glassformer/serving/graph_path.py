@@ -15,24 +15,46 @@ A row's numbers depend on its own request alone: padding rows write nowhere a re
 and no row sees another's blocks. The products run over the bucket's rows at once (not the
 module path's row tiles, row_tiles.py), so they agree with the module path within float32
 rounding, not bit for bit; and a GPU's kernels, chosen by shape, may round a row otherwise in
-another bucket. With a fixed batch (EngineConfig.deterministic on CUDA) every step is padded
-to one bucket, so every kernel sees one shape. Prompt chunks, and rows that inspect, steer or name an adapter,
-take the module path (generation/paths.py says why, row by row).
+another bucket. Deterministic (EngineConfig.deterministic on CUDA), every step is padded to
+max_batch's bucket, so every kernel sees one shape.
+
+It refuses (`refuses`, the trace's reason) what its table (`CAPABILITIES`: the masks are causal
+and one window, the scores plain, one RoPE table) or its fixed shapes do not compute: prompt
+chunks, rows that inspect, steer or name an adapter, other pools than float32 at text
+positions, the reference attention; those rows take the module path.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..accel.capabilities import CapabilityTable, only
 from ..errors import InputError
 from ..model.transformer import Transformer
 from .capture import LensRows
-from .executors import Executed, RopeTables
+from .config import EngineConfig
+from .executors import CAPABILITIES as MODULE_CAPABILITIES
+from .executors import Executed, RopeTables, pool_refusal
 from .flex_paged import FLEX_BLOCK, FlexPagedCache, paged_block_mask
 from .kv_pool import KVPool
-from .step import StepBatch
+from .step import RequestRows, StepBatch
 
+GRAPH = "graph"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# FlexAttention's kernels on CUDA (Triton, PyTorch 2.11) take heads of at least this many
+# dimensions; the CPU's take any.
+FLEX_CUDA_HEAD_DIM = 16
+
+# What the graph executor computes: the module path's table, but for what its FlexAttention
+# mask (causal, one window) leaves out (and LongRoPE: `refused`).
+CAPABILITIES = CapabilityTable("graph executor", {
+    **MODULE_CAPABILITIES.rules,
+    "position": only("rope", "learned", "sinusoidal", "none",
+                     reason="ALiBi and T5's bias add to the scores; its mask is causal and a window"),
+    "attn_softcap": only(None, reason="its attention's scores are plain"),
+    "layer_windows": only(None, reason="its mask has one window"),
+})
 
 
 def bucket_of(rows: int) -> int:
@@ -73,17 +95,26 @@ class DecodeBuffers:
 
 
 class GraphPath:
-    def __init__(self, model: Transformer, pool: KVPool, rope: RopeTables | None,
-                 fixed_batch: int | None = None) -> None:
-        """`pool`: taken whole, with its scratch block (KVPool(scratch=True)); `fixed_batch`:
-        every step padded to that batch's bucket, whatever its number of rows (one shape for
-        every kernel: deterministic), else to the smallest bucket that holds them."""
+    name = GRAPH
+
+    def __init__(self, model: Transformer, pool: KVPool, config: EngineConfig, rope: RopeTables | None,
+                 deterministic: bool = False) -> None:
+        """`pool`: taken whole, with its scratch block (KVPool(scratch=True)); `deterministic`:
+        every step padded to max_batch's bucket, whatever its number of rows (one shape for
+        every kernel), else to the smallest bucket that holds them."""
         if pool.scratch_block is None:
             raise ValueError("the graph path needs a pool with a scratch block (KVPool(scratch=True))")
         self.model, self.pool = model, pool
-        self.fixed = None if fixed_batch is None else bucket_of(min(fixed_batch, BUCKETS[-1]))
+        # deterministic: every step at max_batch's bucket (None: the smallest that holds its rows)
+        self.deterministic_bucket = bucket_of(min(config.max_batch, BUCKETS[-1])) if deterministic else None
         self.rope = None if rope is None else rope.short
         self.device = model.embed.tokens.weight.device
+        self.refused = pool_refusal("the graph executor", config) or CAPABILITIES.why_not(model.config)
+        if self.refused is None and model.config.rope_scaling == "longrope":
+            self.refused = "LongRoPE turns a request by one of two sets (the graph executor reads one table)"
+        if self.refused is None and self.device.type == "cuda" and model.config.head_dim < FLEX_CUDA_HEAD_DIM:
+            self.refused = (f"heads of {model.config.head_dim} dimensions (the graph executor's "
+                            f"FlexAttention needs {FLEX_CUDA_HEAD_DIM} on CUDA)")
         blocks = pool.n_blocks + 1  # the scratch block last
         # a row's table as wide as the pool: FlexAttention's mask spans every key it is given
         self.width = blocks
@@ -98,6 +129,21 @@ class GraphPath:
         self.step = torch.compile(graph_step, fullgraph=True, dynamic=False,
                                   mode="reduce-overhead" if cuda else None)
 
+    def refuses(self, rows: RequestRows) -> str | None:
+        params = rows.seq.params
+        if self.refused is not None:
+            return self.refused
+        if rows.prompt or rows.n > 1:
+            return "a prompt's chunk (the graph executor runs one new token per row)"
+        if params.inspects:
+            return "it captures, steers or reads the lens (the graph executor has no hook sites)"
+        if params.adapter is not None:
+            return f"its adapter {params.adapter!r} runs on the module path (not in the graph executor)"
+        return None
+
+    def takes(self, rows: RequestRows) -> str:
+        return "a plain decoding row, in the bucket's graph"
+
     def execute(self, batch: StepBatch) -> Executed:
         hidden = [self._run(batch, start) for start in range(0, len(batch.requests), BUCKETS[-1])]
         return Executed(torch.cat(hidden) if len(hidden) > 1 else hidden[0],
@@ -106,7 +152,7 @@ class GraphPath:
     def _run(self, batch: StepBatch, start: int) -> torch.Tensor:
         """The residual streams (B, d) of the batch's requests start.. (at most a bucket's)."""
         requests = batch.requests[start : start + BUCKETS[-1]]
-        rows = bucket_of(len(requests)) if self.fixed is None else max(self.fixed, bucket_of(len(requests)))
+        rows = max(self.deterministic_bucket or 1, bucket_of(len(requests)))
         bs, scratch = self.pool.block_size, self.pool.scratch_block
         ids = torch.zeros(rows, dtype=torch.long)  # (B,) on the host, as every index below
         positions = torch.zeros(rows, dtype=torch.long)  # (B,)

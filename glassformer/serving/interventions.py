@@ -12,26 +12,28 @@ out entirely (no hook, no change of path), so it is bit-identical to no steer at
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..model.hooks import HookFn
-from .sequence import Sequence
 
-Part = tuple[Sequence, int, int, int]  # (request, first row, rows, first position)
+if TYPE_CHECKING:
+    from .step import RequestRows
 
 
-def edit_hooks(parts: list[Part]) -> dict[str, HookFn]:
-    """Hooks that steer and ablate, for each (request, first row, rows, first position) of the
-    step, its own rows of the sites it named."""
+def edit_hooks(parts: list[RequestRows]) -> dict[str, HookFn]:
+    """Hooks that steer and ablate, for each request's rows of the step, its own rows of the
+    sites it named."""
     edits: dict[str, list[tuple[int, int, torch.Tensor | None, int | None]]] = {}
     axes: dict[str, int] = {}  # each edited site's token axis
-    for seq, start, n, _ in parts:
-        for steer in seq.params.steer:
+    for r in parts:
+        for steer in r.seq.params.steer:
             if steer.alpha != 0:
-                edits.setdefault(steer.site.full, []).append((start, n, steer.alpha * steer.vector, None))
+                edits.setdefault(steer.site.full, []).append((r.first, r.n, steer.alpha * steer.vector, None))
                 axes[steer.site.full] = steer.site.token_axis
-        for head in seq.params.ablate:
-            edits.setdefault(head.site.full, []).append((start, n, None, head.index))
+        for head in r.seq.params.ablate:
+            edits.setdefault(head.site.full, []).append((r.first, r.n, None, head.index))
             axes[head.site.full] = head.site.token_axis
 
     def edit(tensor: torch.Tensor, site: str) -> torch.Tensor:

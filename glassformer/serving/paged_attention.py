@@ -23,7 +23,7 @@ takes its head or the alignment of its buffers: MKL does on AMD EPYC. So a reque
 numbers here are the same whatever shares the step within float32 rounding; bit for bit
 only where its rows run on the fused step (runner.py), row by row in Glassformer's kernels.
 Queries, keys and values of request r are at positions 0..S_r-1 of its own sequence; under a
-sink policy those are cache positions (`Part.slots` lists the kept slots in cache order), and
+sink policy those are cache positions (`RequestRows.slots` lists the kept slots in cache order), and
 the view rotates the keys, stored unrotated, at them (model/sink.py). A chunk past the sink
 policy's window reads the keys it sees before its own overwrite the oldest, and attends as
 the dense sink cache does (model/sink_chunk.py), whichever attention the engine runs.
@@ -32,7 +32,7 @@ the dense sink cache does (model/sink_chunk.py), whichever attention the engine 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,8 +43,8 @@ from ..model.sink_chunk import ChunkMask, window_positions
 from ..model.transformer import Transformer
 from .kv_pool import KVPool
 
-ATTENTION = ("reference", "fast")
-
+if TYPE_CHECKING:
+    from .step import RequestRows
 
 def query_group(block_size: int, token_budget: int) -> int:
     """How many of a prompt's queries one fast attention call takes together: the largest
@@ -59,45 +59,28 @@ def slots_of(block_table: list[int], length: int, block_size: int) -> torch.Tens
     return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
 
 
-@dataclass
-class Part:
-    """One request's share of a step: rows start..start+n of the flat batch."""
-
-    start: int
-    n: int
-    slots: torch.Tensor  # (S,) every slot the request's queries see, in position order, new ones last
-    past_window: bool = False  # a chunk past the sink policy's window (model/sink_chunk.py)
-
-    @property
-    def context(self) -> int:
-        return self.slots.shape[0]
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.start, self.start + self.n)
-
-
 class PagedView:
     """One step's view of the pool: where each request's keys are and what each query sees.
     Built once per step; every layer reuses its gather indices and masks."""
 
-    def __init__(self, pool: KVPool, parts: list[Part], fast: bool, model: Transformer,
+    def __init__(self, pool: KVPool, parts: tuple[RequestRows, ...], fast: bool, model: Transformer,
                  sink: SinkPolicy | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None, group: int = 1,
-                 alone: bool = False) -> None:
+                 deterministic: bool = False) -> None:
         """`sink`: the engine's sink policy, whose keys are stored unrotated, with `rope`, the
         model's cos and sin (P, d_head) at positions 0..P-1 to rotate them; None: the layers
-        rotated them. `group`: the fast calls' query group (`query_group`). `alone`: each
-        single query in a call of its own, not side by side (a GPU kernel may split a row's
+        rotated them. `group`: the fast calls' query group (`query_group`). `deterministic`:
+        each single query in a call of its own, not side by side (a GPU kernel may split a row's
         keys by how many rows share its call)."""
-        self.pool, self.fast, self.sink, self.model, self.alone = pool, fast, sink, model, alone
+        self.pool, self.fast, self.sink, self.model = pool, fast, sink, model
+        self.deterministic = deterministic
         self.rotation = rope if sink is not None else None
         self.rotates_keys = sink is not None
         device = pool.device
         self.new_slots = torch.cat([p.slots[p.context - p.n :] for p in parts]).to(device)  # (N,)
         self.past_window = [p for p in parts if p.past_window]
         single: list[tuple[int, torch.Tensor]] = []  # fast: (flat row, slots seen) of each single-query call
-        self.chunks: list[tuple[Part, list[tuple[int, int, int]]]] = []  # each part's other calls
+        self.chunks: list[tuple[RequestRows, list[tuple[int, int, int]]]] = []  # each part's other calls
         for part in parts:
             if part.past_window:
                 continue
@@ -118,12 +101,12 @@ class PagedView:
 
     def _single_calls(self, single: list[tuple[int, torch.Tensor]]):
         """The single-query calls side by side, one call per padded length L (each row's keys
-        padded to whole blocks; `alone`: one call per row): (rows (B,), slots (B, L), mask) each."""
+        padded to whole blocks; deterministic: one call per row): (rows (B,), slots (B, L), mask) each."""
         device, block = self.pool.device, self.pool.block_size
-        by_length: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}  # (L, row alone or 0)
+        by_length: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}  # (L, row if alone, else 0)
         for row, slots in single:
             length = -(-slots.shape[0] // block) * block
-            by_length.setdefault((length, row if self.alone else 0), []).append((row, slots))
+            by_length.setdefault((length, row if self.deterministic else 0), []).append((row, slots))
         calls = []
         for (length, _), rows in by_length.items():
             B = len(rows)
@@ -145,13 +128,13 @@ class PagedView:
         mask = self.model.attention_mask(q_pos, window_positions(S, W, n).to(q.device)[None])
         return past_window_mask(self.model.config, self.sink, mask, q.shape[1], q.dtype)
 
-    def _calls(self, part: Part, group: int) -> list[tuple[int, int, int]]:
+    def _calls(self, part: RequestRows, group: int) -> list[tuple[int, int, int]]:
         """(first flat row, keys seen, queries) of each attention call over a part's queries,
         in order: fast, its queries in groups at multiples of `group` positions; reference,
         one by one."""
         first, size = part.context - part.n, group if self.fast else 1
         edges = [first, *range((first // size + 1) * size, part.context, size), part.context]
-        return [(part.start + a - first, b, b - a) for a, b in itertools.pairwise(edges)]
+        return [(part.first + a - first, b, b - a) for a, b in itertools.pairwise(edges)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:

@@ -1,25 +1,17 @@
 """A request's bookkeeping outside the step: what `Engine.submit` checks before queueing it,
-and what the engine answers from a finished or failed one (its result, its log-probabilities,
-why its logits or its size ended it)."""
+and what the engine answers from a finished or failed one (its result, why its size ended it)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Ids
 
-import torch
-
 from ..errors import InputError
 from ..generation.config import GenerationResult, RequestParams
 from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
-from .beam import BeamGroup
 from .block_manager import BlockManager
 from .capture import captured, lens_of
-from .handle import TokenLogprobs
 from .sequence import Sequence
-
-NON_FINITE = ("its logits hold NaN or Inf: its activations overflowed (a steer's alpha, an adapter's "
-              "weights?); no token was picked")
 
 
 class CapacityError(InputError):
@@ -60,42 +52,16 @@ def check_request(model: Transformer, prompt: Ids[int], params: RequestParams, w
         field = "beams" if params.beams > 1 else "max_new_tokens" if prompt_fits else "prompt"
         raise CapacityError(field, f"the request needs {needed * size} tokens of cache ({beams}"
                             f"{len(prompt)} prompt + {new} new{cut}, in blocks of "
-                            f"{size}); the engine holds {blocks.n_blocks * size}",
-                            "context_length_exceeded")
+                            f"{size}); the engine holds {blocks.n_blocks * size}")
     return prompt
 
 
-def too_large(unit: Sequence | BeamGroup, blocks: BlockManager) -> InputError:
-    """Why a request that could not start on an empty pool is refused."""
-    members = unit.members if isinstance(unit, BeamGroup) else [unit]
+def too_large(members: list[Sequence], blocks: BlockManager) -> CapacityError:
+    """Why a request (its sequences) that could not start on an empty pool is refused."""
     longest, size = max(seq.num_tokens for seq in members), blocks.block_size
-    return InputError("beams" if len(members) > 1 else "prompt",
-                      f"{len(members)} sequence(s) of up to {longest} tokens need more KV cache than "
-                      f"the engine's {blocks.n_blocks * size} tokens (blocks of {size})",
-                      "context_length_exceeded")
-
-
-def broken_rows(logits: torch.Tensor) -> set[int]:
-    """The rows of (R, V) logits holding NaN or Inf, listed only if any: a row's largest and
-    smallest value are finite exactly when all of its are (both carry a NaN; +Inf shows in the
-    largest, -Inf in the smallest), two reductions without a (R, V) mask."""
-    finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))  # (R,)
-    return set() if bool(finite.all()) else set((~finite).nonzero().flatten().tolist())
-
-
-def plain_greedy(seq: Sequence) -> bool:
-    """Whether a request's next token is its logits' argmax, whatever came before."""
-    sampling = seq.params.sampling
-    return sampling.greedy and not sampling.uses_counts
-
-
-def logprobs_of(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs | None:
-    """The chosen token's log-probability and the `top` likeliest tokens' from one row (V,)."""
-    if top is None:
-        return None
-    logprobs = torch.log_softmax(row.float(), dim=-1)
-    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
-    return TokenLogprobs(float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True)))
+    return CapacityError("beams" if len(members) > 1 else "prompt",
+                         f"{len(members)} sequence(s) of up to {longest} tokens need more KV cache than "
+                         f"the engine's {blocks.n_blocks * size} tokens (blocks of {size})")
 
 
 def result_of(seq: Sequence) -> GenerationResult:

@@ -18,6 +18,11 @@ Under a sink policy (model/sink.py) a request holds the blocks of S + W slots ho
 runs: its tokens enter as many at once as fit before the first eviction, then in whole chunks
 of the policy's (one token each while decoding), each token written over the slot of the token
 it evicts.
+
+Under LongRoPE a text that has grown past the original context (at its submission, or while
+it decodes) gives its blocks back before the step is planned and is computed again, every key
+by the long set, as transformers' Phi-3 generation recomputes it (and as a preempted request
+is): `Sequence.turn_long`.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import InputError
-from ..model.sink import SinkPolicy
+from ..model.config import ModelConfig
+from ..model.layers.positions import uses_long_factors
 from .block_manager import BlockManager
+from .config import EngineConfig
+from .paged_attention import query_group
 from .sequence import Sequence, Status
 
 
@@ -46,19 +54,17 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int = 16, token_budget: int = 256,
-                 sink: SinkPolicy | None = None, align: int = 1) -> None:
-        """`align`: where the budget cuts a prompt, it cuts at a multiple of this many tokens
-        (the fast attention's query group, paged_attention.py `query_group`; at most
-        token_budget, so the oldest request always proceeds)."""
-        if max_batch < 1:
-            raise InputError("max_batch", f"must be >= 1, got {max_batch}")
-        if token_budget < max_batch:
-            raise InputError("token_budget", f"must be >= max_batch={max_batch}, got {token_budget}")
-        self.blocks, self.max_batch, self.token_budget = blocks, max_batch, token_budget
-        if not 1 <= align <= token_budget:
-            raise InputError("align", f"between 1 and token_budget={token_budget}, got {align}")
-        self.sink, self.align = sink, align
+    def __init__(self, blocks: BlockManager, config: EngineConfig, model: ModelConfig | None = None) -> None:
+        """`model`: the served model's config, for LongRoPE's switch (None: no switch). Where
+        the budget cuts a prompt, it cuts at a multiple of the fast attention's query group
+        (paged_attention.py `query_group`; at most token_budget, so the oldest request always
+        proceeds)."""
+        if config.max_batch < 1:
+            raise InputError("max_batch", f"must be >= 1, got {config.max_batch}")
+        self.blocks, self.max_batch, self.token_budget = blocks, config.max_batch, config.token_budget
+        self.sink = config.sink
+        self.align = query_group(blocks.block_size, config.token_budget) if config.attention == "fast" else 1
+        self.longrope = model if model is not None and model.rope_scaling == "longrope" else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # counter
@@ -69,7 +75,7 @@ class Scheduler:
     def adopt(self, seq: Sequence) -> None:
         """A running sequence forked from another (it holds its blocks already); it takes its
         place beside its group's other members, so the group stays as old as its request."""
-        last = max(i for i, other in enumerate(self.running) if other.group is seq.group)
+        last = max(i for i, other in enumerate(self.running) if other.unit is seq.unit)
         self.running.insert(last + 1, seq)
 
     def has_work(self) -> bool:
@@ -87,14 +93,13 @@ class Scheduler:
     def _preempt_newest(self, plan: StepPlan) -> list[Sequence]:
         """The newest running request gives its blocks back and waits at the front of the queue,
         a beam group all its members at once (what they scheduled this step is dropped)."""
-        unit = _unit(self.running[-1])
+        unit = list(self.running[-1].unit.members)
         self.running = [seq for seq in self.running if seq not in unit]
         for seq in unit:
             self.blocks.release(seq)
             seq.status = Status.WAITING
             seq.preemptions += 1
-            if seq.group is not None:
-                seq.group.forget(seq)  # its logits come again once it is recomputed
+            seq.unit.forget(seq)  # its logits come again once it is recomputed
         self.preemptions += len(unit)
         self.waiting.extendleft(reversed(unit))
         plan.preempted.extend(unit)
@@ -118,7 +123,17 @@ class Scheduler:
         plan.copies += copies
         return True
 
+    def _switch_long_texts(self) -> None:
+        """LongRoPE: a text grown past the original context turns long, recomputed from the start."""
+        for seq in (*self.running, *self.waiting):
+            if not seq.rope_long and uses_long_factors(self.longrope, seq.num_tokens - 1):
+                self.blocks.release(seq)
+                seq.unit.forget(seq)  # its logits come again once it is recomputed
+                seq.turn_long()
+
     def schedule(self) -> StepPlan:
+        if self.longrope is not None:
+            self._switch_long_texts()
         plan = StepPlan()
         budget = self.token_budget
         i = 0
@@ -151,7 +166,7 @@ class Scheduler:
         the blocks of every member's whole recomputation are free. When the pool is empty of
         others and it still cannot start, it never will: it is taken out and handed to the
         engine (plan.refused)."""
-        unit = _unit(self.waiting[0])
+        unit = list(self.waiting[0].unit.members)
         for seq in unit:
             if not seq.block_table and not seq.params.inspects:  # a hook sees every row
                 self.blocks.match_prefix(seq)
@@ -210,8 +225,3 @@ class Scheduler:
                 ready.append(seq)
         return ready
 
-
-def _unit(seq: Sequence) -> list[Sequence]:
-    """What is admitted and preempted as one: a beam group's members (no member can go on
-    without the others' logits), or the request alone."""
-    return list(seq.group.members) if seq.group is not None else [seq]

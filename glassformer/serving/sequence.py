@@ -40,7 +40,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix keys of the full blocks, in order
         self.prefix_root = None  # the first block's parent key: its adapter's (Engine.submit)
-        self.rope_long = False  # LongRoPE: its keys are turned by the long set (Engine.submit)
+        self.rope_long = False  # LongRoPE: its keys turn by the long set (scheduler.py)
         self.generator = torch.Generator(device=device or "cpu")
         self.generator.manual_seed(params.seed) if params.seed is not None else self.generator.seed()
         self.counts = None
@@ -52,7 +52,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.preemptions = 0
-        self.group = None  # the BeamGroup this sequence is a member of
+        self.unit = self  # what is scheduled, answered and ended as one: itself, or its BeamGroup
         # capture: site -> position -> the site's tensor for that row (its token axis removed)
         self.captured: dict[str, dict[int, torch.Tensor]] = {site.full: {} for site in params.capture}
         # lens: position -> the top-k token ids and probabilities there, (sites, k) each
@@ -66,9 +66,21 @@ class Sequence:
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 
+    # a request of one sequence, as a BeamGroup is one of several (beam.py)
+    @property
+    def members(self) -> list[Sequence]:
+        return [self]
+
+    @property
+    def root(self) -> Sequence:
+        return self
+
+    def forget(self, seq: Sequence) -> None:
+        """A member was preempted: one sequence keeps nothing of its pick between steps."""
+
     def turn_long(self) -> None:
-        """From now on its keys turn by LongRoPE's long set (runner.py): its blocks match only
-        other long texts' in the prefix cache."""
+        """From now on its keys turn by LongRoPE's long set (executors.py RopeTables): its blocks
+        match only other long texts' in the prefix cache."""
         self.rope_long = True
         self.prefix_root = (self.prefix_root, "longrope long factors")
 

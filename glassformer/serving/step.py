@@ -1,21 +1,25 @@
 """One step of the engine as a value: the scheduler's plan as the rows the executors run.
 
     plan       (scheduler.py)   which requests, how many tokens each, copies, preemptions
-    StepBatch  (here)           flat token ids and positions (N,); per request its rows, the
-                                pool slots its queries see, its adapter, what it inspects, and
-                                the path its rows take with the reason (generation/paths.py)
+    StepBatch  (here)           flat token ids and positions (N,); per request its RequestRows:
+                                its rows, the pool slots its queries see, its adapter, what it
+                                inspects, and the path its rows take with the reason (`route`)
     execute    (executors.py)   each path's share of the batch -> its rows' residual streams
     read-out   (read_out.py)    final norm, head and lens over every path's rows at once
 
 The N new tokens of a step (decode rows and prompt chunks alike) are one flat sequence; a
-request's rows are first .. first + n - 1 of it.
+request's rows are first .. first + n - 1 of it. `route` is the one decision of a request's
+path: the first executor that does not refuse its rows (executors.py: each declares what it
+refuses, and why); the last, the module path, takes every row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from collections.abc import Sequence as Listed
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -28,14 +32,34 @@ from .sequence import Sequence
 
 @dataclass(frozen=True)
 class RequestRows:
-    """One request's share of a step."""
+    """One request's share of a step: rows first .. first + n - 1 of the flat batch."""
 
     seq: Sequence
     first: int  # its first row in the batch
     n: int  # its rows: a prompt's chunk, or one new token
     slots: torch.Tensor  # (L,) the pool slots its queries see, in position order, its new ones last
-    past_window: bool  # a chunk past the sink policy's window (model/sink_chunk.py)
-    path: Path  # the path its rows take, with the reason
+    past_window: bool = False  # a chunk past the sink policy's window (model/sink_chunk.py)
+    path: Path | None = None  # the path its rows take, with the reason (None: not routed yet)
+
+    @property
+    def context(self) -> int:
+        """How many keys its last query sees."""
+        return self.slots.shape[0]
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.first, self.first + self.n)
+
+    @property
+    def position(self) -> int:
+        """The position of its first row in its text."""
+        return self.seq.num_computed
+
+    @property
+    def prompt(self) -> int:
+        """The length of the prompt these rows are of, or 0 for generated tokens (a prompt's
+        last token, cut off by the budget, is its query group's as alone)."""
+        return self.seq.prompt_len if self.seq.num_computed < self.seq.prompt_len else 0
 
     @property
     def adapter(self) -> str | None:
@@ -81,9 +105,32 @@ class StepBatch:
         return StepBatch(self.ids[rows], self.positions[rows], requests, (), index)
 
 
-def step_batch(plan: StepPlan, route: Callable[[Sequence], Path], block_size: int,
+class Executor(Protocol):
+    name: str  # the path it runs: FUSED, GRAPH or MODULES
+
+    def refuses(self, rows: RequestRows) -> str | None:
+        """Why it does not run these rows, or None when it does."""
+
+    def takes(self, rows: RequestRows) -> str:
+        """Why it runs rows it does not refuse, in words."""
+
+
+def route(executors: Listed[Executor], rows: RequestRows) -> Path:
+    """The path of the first executor that does not refuse the rows, with the reason: why the
+    one before it refused them, or, for the first, why it takes them. The engine's last, the
+    module path, takes every row."""
+    declined = None
+    for executor in executors:
+        reason = executor.refuses(rows)
+        if reason is None:
+            return Path(executor.name, declined or executor.takes(rows))
+        declined = reason
+    raise ValueError(f"no executor takes the rows of {rows.seq.id}: {declined}")
+
+
+def step_batch(plan: StepPlan, path_of: Callable[[RequestRows], Path], block_size: int,
                sink: SinkPolicy | None, device: torch.device) -> StepBatch:
-    """The plan's scheduled tokens as one batch; `route(request)` chooses its rows' path."""
+    """The plan's scheduled tokens as one batch; `path_of(rows)` chooses a request's path."""
     ids, positions, requests = [], [], []
     for seq, n in plan.scheduled:
         context = seq.num_computed + n
@@ -91,7 +138,8 @@ def step_batch(plan: StepPlan, route: Callable[[Sequence], Path], block_size: in
         # cache's last n positions and see the W - 1 latest keys before its own
         past_window = sink is not None and n > 1 and sink.full(seq.num_computed)
         slots = _slots(seq, context, past_window, block_size, sink)  # (L,)
-        requests.append(RequestRows(seq, len(ids), n, slots, past_window, route(seq)))
+        rows = RequestRows(seq, len(ids), n, slots, past_window)
+        requests.append(dataclasses.replace(rows, path=path_of(rows)))
         ids += seq.tokens[seq.num_computed : context]
         first = len(slots) - n if sink is None else sink.position(seq.num_computed, n)
         positions += range(first, first + n)  # text positions, or the cache's

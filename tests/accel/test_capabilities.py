@@ -13,11 +13,11 @@ from glassformer.accel.capabilities import CapabilityTable, any_value, only
 from glassformer.accel.fast_decode import FastDecoder, why_not
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
-from glassformer.serving import runner
+from glassformer.serving import executors, graph_path
 
-# Every fast path's table, the serving engine's among them.
+# Every fast path's table, the serving engine's (its module path's) and its graph executor's among them.
 TABLES = [fast_decode.CAPABILITIES, fast_training.CAPABILITIES, quantize.CAPABILITIES,
-          runner.CAPABILITIES]
+          executors.CAPABILITIES, graph_path.CAPABILITIES]
 
 # For each field some table limits: a value ModelConfig accepts that lies outside the limit.
 OUTSIDE = {"position": "relative", "norm_placement": "post", "qk_norm": "head", "causal": False,

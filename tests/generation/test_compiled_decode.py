@@ -11,6 +11,8 @@ import torch
 from glassformer import Transformer, get_preset
 from glassformer.cli import main
 from glassformer.errors import InputError
+from glassformer.formats import checkpoint
+from glassformer.formats.tokenizers import HFTokenizer
 from glassformer.generation import compiled
 from glassformer.generation.chat import ChatSession
 from glassformer.generation.compiled import CompiledStep, static_step
@@ -145,7 +147,7 @@ def test_refuses_hooks_and_a_fused_step():
         with pytest.raises(InputError, match="hooks"):
             generate(model, PROMPT[:3], greedy(steps=2, compile=True))
     model.install_fused_step(lambda m: None)
-    with pytest.raises(InputError, match="fused C\\+\\+ decode step"):
+    with pytest.raises(InputError, match="fused C\\+\\+ step"):
         generate(model, PROMPT[:3], greedy(steps=2, compile=True))
     with pytest.raises(InputError, match="fused"):
         ChatSession(model, type("T", (), {"chat_template": "x"})(), compile=True)
@@ -153,13 +155,28 @@ def test_refuses_hooks_and_a_fused_step():
 
 
 @pytest.mark.parametrize("command, flags, named", [
-    (["generate", "hi"], ["--quantize", "int8"], "--compile: compiles the plain PyTorch weights"),
-    (["chat"], ["--quantize", "none"], "--compile: compiles the plain PyTorch weights"),
     (["generate", "hi"], ["--beams", "2"], "compile: beam search"),
     (["generate", "hi"], ["--no-cache"], "compile: the compiled step decodes against the KV cache"),
-    (["serve"], ["--quantize", "int8"], "--compile: compiles the plain PyTorch weights"),
 ])
 def test_the_command_refuses_in_one_line(command, flags, named, capsys):
     assert main([*command, "--model", "never-read", "--compile", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0]
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["generate", "--prompts-file"],
+                                     ["serve", "--port", "0"]])
+def test_a_converted_model_is_refused_the_compiled_step_in_one_line(command, kernels, tmp_path, capsys):
+    """The compiled step (generate; chat's ChatSession above) and the engine's graph executor
+    (generate's prompts file, serve) each refuse the fused C++ step's model, in the same words."""
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny-llama").replace(vocab_size=300)).eval()
+    tokenizer = HFTokenizer.train_bpe(["the cat sat on the mat"] * 9, 300)
+    checkpoint.save_to_run(tmp_path / "run", 1, ("latest",), model, tokenizer, {})
+    if "--prompts-file" in command:
+        (tmp_path / "prompts.jsonl").write_text('{"prompt": "the cat"}\n', encoding="utf-8")
+        command = [*command, str(tmp_path / "prompts.jsonl")]
+    assert main([*command, "--model", str(tmp_path / "run"), "--compile", "--quantize", "none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--compile: compiles the plain PyTorch weights; not with --quantize (a fused C++ step)" in err[-1]
+    assert not any("Traceback" in line for line in err)

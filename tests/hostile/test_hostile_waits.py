@@ -49,7 +49,7 @@ def test_a_bpe_tokenizer_trained_is_announced(tmp_path, capsys):
 def test_a_pool_taken_whole_and_a_compile_are_announced(capsys):
     announce_engine(EngineConfig(kv_memory_mb=64), "cpu")  # grown as used: no wait
     assert capsys.readouterr().err == ""
-    announce_engine(EngineConfig(kv_memory_mb=64, graph=True), "cpu")
+    announce_engine(EngineConfig(kv_memory_mb=64, compile=True), "cpu")
     assert capsys.readouterr().err.splitlines() == [
         "glassformer: taking the KV pool's 64 MiB on cpu at once",
         "glassformer: compiling the engine's decode step (torch.compile), once for each batch size as "

@@ -13,7 +13,7 @@ import torch
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.config import GenerationConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
-from glassformer.serving.engine import AdapterInUse
+from glassformer.serving.errors import AdapterInUse, UnknownAdapter
 from glassformer.training.lora import LoRAConfig, add_lora, merge_lora, save_adapter
 
 ENGINE = EngineConfig(block_size=4, n_blocks=64, max_batch=8, token_budget=64)  # no prompt split
@@ -181,7 +181,7 @@ def test_an_adapter_in_use_is_not_unloaded(tiny, tmp_path):
     engine.run_until_done()
     assert handle.result.stop_reason == "max_new_tokens"
     engine.unload_adapter("a")
-    with pytest.raises(KeyError):
+    with pytest.raises(UnknownAdapter, match="lora_name: no adapter named 'a'"):
         engine.unload_adapter("a")
 
 

@@ -11,9 +11,11 @@ import torch
 from glassformer.accel.precision import CUBLAS_WORKSPACE, choose_precision, use_precision
 from glassformer.errors import InputError
 from glassformer.generation.config import RequestParams
-from glassformer.generation.paths import FLEX_CUDA_HEAD_DIM, GRAPH, MODULES, Asks, choose_path
+from glassformer.generation.paths import MODULES
 from glassformer.serving import Engine, EngineConfig
 from glassformer.serving.flex_paged import FLEX_BLOCK
+from glassformer.serving.graph_path import FLEX_CUDA_HEAD_DIM, GRAPH, GraphPath
+from glassformer.serving.kv_pool import KVPool
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
@@ -50,7 +52,7 @@ def test_the_graph_executor_decodes_as_the_module_path(tiny, prompts):
                 zip(prompts([3, 9, 6]), [6, 4, 2], strict=True)]
     config = EngineConfig(block_size=FLEX_BLOCK, n_blocks=4, max_batch=4, token_budget=16)
     want = [_first_request(model, config, [r])[0] for r in requests]
-    graph = EngineConfig(block_size=FLEX_BLOCK, n_blocks=4, max_batch=4, token_budget=16, graph=True)
+    graph = EngineConfig(block_size=FLEX_BLOCK, n_blocks=4, max_batch=4, token_budget=16, compile=True)
     got = [_first_request(model, graph, [r]) for r in requests]
     assert [[t for t, _ in tokens] for tokens, _ in got] == [[t for t, _ in tokens] for tokens in want]
     assert got[0][1] == {GRAPH, MODULES}  # its prompt on the module path, its tokens in the graph
@@ -58,13 +60,16 @@ def test_the_graph_executor_decodes_as_the_module_path(tiny, prompts):
 
 def test_the_graph_executor_refuses_kv_blocks_flex_attention_cannot_tile(tiny):
     with pytest.raises(InputError, match=f"multiple of {FLEX_BLOCK} tokens"):
-        Engine(tiny(**WIDE_HEADS).to("cuda"), None, EngineConfig(block_size=16, n_blocks=16, graph=True))
+        Engine(tiny(**WIDE_HEADS).to("cuda"), None, EngineConfig(block_size=16, n_blocks=16, compile=True))
 
 
 def test_heads_too_narrow_for_flex_attention_keep_the_module_path(tiny):
-    path = choose_path(tiny().to("cuda"), Asks(paged=True, graph=True))
-    assert path.name == MODULES and "8 dimensions" in path.reason
-    assert choose_path(tiny(**WIDE_HEADS).to("cuda"), Asks(paged=True, graph=True)).name == GRAPH
+    def executor(model):
+        return GraphPath(model, KVPool(model.config, 4, FLEX_BLOCK, device="cuda", scratch=True),
+                         EngineConfig(block_size=FLEX_BLOCK), None)
+
+    assert "8 dimensions" in executor(tiny().to("cuda")).refused
+    assert executor(tiny(**WIDE_HEADS).to("cuda")).refused is None
 
 
 # the graph compiles once per dtype: float32 only, within gpu_check's time for these tests
@@ -74,7 +79,7 @@ def test_deterministic_keeps_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, 
                                                                          dtype, graph):
     model = tiny(**WIDE_HEADS).to(device="cuda", dtype=dtype)
     config = EngineConfig(block_size=FLEX_BLOCK if graph else 16, n_blocks=64, max_batch=8, token_budget=64,
-                          graph=graph, deterministic=True)
+                          compile=graph, deterministic=True)
     requests = mixed_requests(6)
     alone, _ = _first_request(model, config, requests[:1])
     shared, paths = _first_request(model, config, requests)

@@ -6,22 +6,21 @@ and in a batch of mixed requests must agree, as on the module path without them.
 import pytest
 import torch
 
-from glassformer.generation.paths import GRAPH
 from glassformer.serving import Engine, EngineConfig
+from glassformer.serving.graph_path import GRAPH
 from glassformer.serving.kv_pool import KVPool
-from glassformer.serving.paged_attention import PagedView, Part, query_group, slots_of
+from glassformer.serving.paged_attention import PagedView, slots_of
 from glassformer.serving.row_tiles import RowTiles
 from glassformer.serving.runner import ModelRunner
+from glassformer.serving.step import RequestRows
 
 CONFIG = EngineConfig(block_size=4, n_blocks=96, max_batch=8, token_budget=32)
 
 
-def _engine(model, config: EngineConfig, fixed_batch: int | None = None) -> Engine:
+def _engine(model, config: EngineConfig, deterministic: bool = False) -> Engine:
     engine = Engine(model, None, config)
-    if fixed_batch is not None:  # what the engine builds on CUDA with deterministic=True
-        group = query_group(config.block_size, config.token_budget)
-        engine.runner = ModelRunner(model, engine.pool, config.attention, True, None, engine.adapters,
-                                    group, config.graph, fixed_batch)
+    if deterministic:  # what the engine builds on CUDA with deterministic=True
+        engine.runner = ModelRunner(model, engine.pool, config, engine.adapters, deterministic=True)
     return engine
 
 
@@ -49,12 +48,12 @@ def test_fixed_shapes_keep_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, mi
     """The watched request alone, then beside seven others: the same tokens and log-
     probabilities, and the same as the engine without fixed shapes."""
     model, requests = tiny(), mixed_requests(4)
-    config = EngineConfig(**{**CONFIG.__dict__, "graph": graph})
-    alone = _first_request(_engine(model, config, fixed_batch=8), requests[:1])
-    engine = _engine(model, config, fixed_batch=8)
+    config = EngineConfig(**{**CONFIG.__dict__, "compile": graph})
+    alone = _first_request(_engine(model, config, deterministic=True), requests[:1])
+    engine = _engine(model, config, deterministic=True)
     shared = _first_request(engine, requests)
     if graph:  # every step padded to the one bucket that holds max_batch
-        assert set(engine.runner.executors[GRAPH].buffers) == {8}
+        assert engine.runner.executors[0].name == GRAPH and set(engine.runner.executors[0].buffers) == {8}
     plain = _first_request(_engine(model, CONFIG), requests[:1])
     for run in (shared, plain):
         assert [t for t, _ in run] == [t for t, _ in alone]
@@ -64,7 +63,7 @@ def test_fixed_shapes_keep_a_requests_tokens_alone_and_in_a_mixed_batch(tiny, mi
 
 def test_tiled_norms_compute_the_norms_they_wrap(tiny, prompts):
     model = tiny(qk_norm="head")
-    engine = _engine(model, CONFIG, fixed_batch=8)
+    engine = _engine(model, CONFIG, deterministic=True)
     tiled = {n: m for n, m in engine.runner.layers.named_modules() if isinstance(m, RowTiles)
              and "norm" in n}
     assert "final_norm" in tiled and "blocks.0.attn.q_norm" in tiled
@@ -75,9 +74,9 @@ def test_tiled_norms_compute_the_norms_they_wrap(tiny, prompts):
 def test_alone_gives_each_decoding_row_its_own_attention_call(tiny):
     model = tiny()
     pool = KVPool(model.config, 16, 4)
-    parts = [Part(0, 1, slots_of([0, 1], 6, 4)), Part(1, 1, slots_of([2, 3], 7, 4)),
-             Part(2, 1, slots_of([4], 3, 4))]
+    parts = [RequestRows(None, 0, 1, slots_of([0, 1], 6, 4)), RequestRows(None, 1, 1, slots_of([2, 3], 7, 4)),
+             RequestRows(None, 2, 1, slots_of([4], 3, 4))]
     together = PagedView(pool, parts, True, model)
-    alone = PagedView(pool, parts, True, model, alone=True)
+    alone = PagedView(pool, parts, True, model, deterministic=True)
     assert [len(rows) for rows, _, _ in together.single] == [2, 1]  # by padded length: 8, 4
     assert [rows.tolist() for rows, _, _ in alone.single] == [[0], [1], [2]]

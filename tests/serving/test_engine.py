@@ -9,7 +9,7 @@ from glassformer.accel.fast_decode import FastDecoder
 from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
-from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving import Engine, EngineConfig, RequestParams, sampler
 from glassformer.serving.requests import CapacityError
 
 GREEDY = RequestParams(max_new_tokens=12, eos_ids=())
@@ -251,14 +251,14 @@ def test_a_request_that_fails_inside_a_step_fails_alone(tiny, prompts, monkeypat
     engine = Engine(model, None, EngineConfig(n_blocks=64))
     handles = [engine.submit(prompt, params) for prompt, params in todo]
     victim = handles[1].request_id
-    sample = Engine._sample
+    draw = sampler.draw
 
-    def failing(self, seq, logits):
+    def failing(seq, logits):
         if seq.id == victim and len(seq.generated) == 3:
             raise RuntimeError("injected")
-        return sample(self, seq, logits)
+        return draw(seq, logits)
 
-    monkeypatch.setattr(Engine, "_sample", failing)
+    monkeypatch.setattr(sampler, "draw", failing)
     engine.run_until_done()
     events = list(handles[1])
     assert [e.stop_reason for e in events[-1:]] == ["error"] and "injected" in events[-1].error

@@ -1,23 +1,24 @@
 """The graph executor (serving/graph_path.py) and its FlexAttention paged attention
 (serving/flex_paged.py) against the module path over the same pool."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from glassformer.generation.config import RequestParams, Steer
-from glassformer.generation.paths import GRAPH, MODULES, Asks, choose_path
+from glassformer.generation.paths import MODULES
+from glassformer.model.sink import SinkPolicy
 from glassformer.serving import Engine, EngineConfig
 from glassformer.serving.flex_paged import FlexPagedCache, paged_block_mask
-from glassformer.serving.graph_path import BUCKETS, bucket_of
+from glassformer.serving.graph_path import BUCKETS, GRAPH, GraphPath, bucket_of
 from glassformer.serving.kv_pool import KVPool
-from glassformer.serving.paged_attention import PagedView, Part, slots_of
+from glassformer.serving.paged_attention import PagedView, slots_of
+from glassformer.serving.sequence import Sequence
+from glassformer.serving.step import RequestRows
 
 
 def _engine(model, graph: bool, max_batch: int = 4) -> Engine:
     return Engine(model, None, EngineConfig(block_size=4, n_blocks=48, max_batch=max_batch,
-                                            token_budget=16, graph=graph))
+                                            token_budget=16, compile=graph))
 
 
 def _greedy(engine: Engine, prompts, new_tokens: int, params=None) -> list[list[int]]:
@@ -73,7 +74,7 @@ def test_flex_paged_attention_matches_the_paged_view(tiny, window):
 
     keys, values = [t.clone() for t in pool.keys], [t.clone() for t in pool.values]
     got = torch.compile(flex, fullgraph=True, dynamic=False)(keys, values)  # (4, H, 1, d_head)
-    parts = [Part(i, 1, s) for i, s in enumerate(slots)]
+    parts = [RequestRows(None, i, 1, s) for i, s in enumerate(slots)]
     view = PagedView(pool, parts, True, model)
     attn = model.blocks[0].attn
     want = view.attend(0, q[:3, :, 0].transpose(0, 1)[None], k[:3, :, 0].transpose(0, 1)[None],
@@ -132,16 +133,28 @@ def test_inspecting_rows_keep_the_module_path_with_their_reason(tiny, prompts):
     assert seen["0"] == seen["1"] == {inspects, chunk}
 
 
-@pytest.mark.parametrize("asks", [
-    Asks(kv_dtype="int8"), Asks(moves_keys=True), Asks(attention="reference"), Asks(prompt=5000),
-    Asks(params=RequestParams(steer=(Steer("blocks.0.resid_post", torch.ones(64), 0.5),))),
-    Asks(params=RequestParams(capture=("blocks.0.norm1",))), Asks(params=RequestParams(lens=2)),
-    Asks(params=RequestParams(adapter="a"), adapter_fused=False),
+PLAIN = RequestParams()
+
+
+def _decoding(params: RequestParams, in_prompt: bool = False) -> RequestRows:
+    """One row of a request of 6 prompt tokens: its first new token's, or its prompt's last."""
+    seq = Sequence(list(range(1, 7)), params, 64)
+    seq.num_computed = 5 if in_prompt else 6
+    return RequestRows(seq, 0, 1, torch.arange(seq.num_computed + 1))
+
+
+@pytest.mark.parametrize(("config", "params", "in_prompt"), [
+    (EngineConfig(kv_dtype="int8"), PLAIN, False), (EngineConfig(sink=SinkPolicy(4, 8)), PLAIN, False),
+    (EngineConfig(attention="reference"), PLAIN, False), (EngineConfig(), PLAIN, True),
+    (EngineConfig(), RequestParams(steer=(Steer("blocks.0.resid_post", torch.ones(64), 0.5),)), False),
+    (EngineConfig(), RequestParams(capture=("blocks.0.norm1",)), False),
+    (EngineConfig(), RequestParams(lens=2), False), (EngineConfig(), RequestParams(adapter="a"), False),
 ])
-def test_a_row_the_graph_executor_declines_names_it_not_the_fused_step(tiny, asks):
+def test_a_row_the_graph_executor_declines_names_it_not_the_fused_step(tiny, config, params, in_prompt):
     """Where the engine runs the graph executor, every module-path reason names the executor
-    that declined the row."""
-    graph = dataclasses.replace(asks, paged=True, graph=True)
-    path = choose_path(tiny(), graph)
-    assert path.name == MODULES
-    assert "graph executor" in path.reason and "fused step" not in path.reason
+    that declined the row; a plain decoding row of the same engine it takes where its pool lets it."""
+    model = tiny()
+    executor = GraphPath(model, KVPool(model.config, 4, 4, scratch=True), config, None)
+    reason = executor.refuses(_decoding(params, in_prompt))
+    assert "graph executor" in reason and "fused step" not in reason
+    assert (executor.refuses(_decoding(PLAIN)) is None) == (config == EngineConfig())

@@ -6,7 +6,8 @@ import torch
 from glassformer import Transformer, get_preset
 from glassformer.model.layers.attention_backends import reference_attention
 from glassformer.serving.kv_pool import KVPool, bytes_per_block, quantize_kv
-from glassformer.serving.paged_attention import PagedView, Part, slots_of
+from glassformer.serving.paged_attention import PagedView, slots_of
+from glassformer.serving.step import RequestRows
 
 
 def _setup(kv_dtype="fp32", block_size=4, n_blocks=32, H=4, KV=2, d=8, **changes):
@@ -35,7 +36,7 @@ def test_fast_and_reference_equal_the_layers_attention_over_dense_keys(changes):
         slots = slots_of(table, context, 4)
         k, v = torch.randn(context, 2, 8), torch.randn(context, 2, 8)  # (S, KV, d)
         pool.write(0, slots[: context - n], k[: context - n], v[: context - n])  # cached
-        parts.append(Part(start, n, slots))
+        parts.append(RequestRows(None, start, n, slots))
         keys.append((k, v))
         start += n
     q = torch.randn(1, 4, start, 8)  # (1, H, N, d)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from glassformer.serving.requests import broken_rows
+from glassformer.serving.sampler import broken_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from glassformer.serving import EngineConfig
 from glassformer.serving.beam import BeamGroup
 from glassformer.serving.block_manager import BlockManager
 from glassformer.serving.paged_attention import query_group
@@ -11,6 +12,14 @@ from glassformer.serving.sequence import RequestParams, Sequence, Status
 
 def _seq(n_prompt: int, max_new: int = 4) -> Sequence:
     return Sequence(list(range(1, n_prompt + 1)), RequestParams(max_new_tokens=max_new), 1000)
+
+
+def _scheduler(blocks: BlockManager, max_batch: int, token_budget: int, attention: str = "reference"):
+    """A scheduler over `blocks`; reference attention cuts a prompt anywhere (fast: at its
+    query groups)."""
+    config = EngineConfig(block_size=blocks.block_size, max_batch=max_batch, token_budget=token_budget,
+                          attention=attention)
+    return Scheduler(blocks, config)
 
 
 def _step(sched: Scheduler):
@@ -24,7 +33,7 @@ def _step(sched: Scheduler):
 
 
 def test_long_prompts_are_prefilled_in_chunks_while_decodes_keep_flowing():
-    sched = Scheduler(BlockManager(64, 4), max_batch=4, token_budget=8)
+    sched = _scheduler(BlockManager(64, 4), 4, 8)
     short = _seq(3, max_new=10)
     sched.add(short)
     _step(sched)  # short's prompt
@@ -41,7 +50,7 @@ def test_long_prompts_are_prefilled_in_chunks_while_decodes_keep_flowing():
 
 
 def test_max_batch_and_first_come_first_served():
-    sched = Scheduler(BlockManager(64, 4), max_batch=2, token_budget=64)
+    sched = _scheduler(BlockManager(64, 4), 2, 64)
     seqs = [_seq(3) for _ in range(4)]
     for s in seqs:
         sched.add(s)
@@ -51,7 +60,7 @@ def test_max_batch_and_first_come_first_served():
 
 def test_the_newest_request_is_preempted_and_recomputed_later():
     bm = BlockManager(6, 2)
-    sched = Scheduler(bm, max_batch=4, token_budget=16)
+    sched = _scheduler(bm, 4, 16)
     old, new = _seq(4, max_new=6), _seq(4, max_new=6)
     sched.add(old)
     sched.add(new)
@@ -74,7 +83,8 @@ def test_random_traffic_never_deadlocks_or_leaks(seed):
     block_size, budget = rng.choice([1, 2, 4, 16]), rng.randint(6, 24)
     bm = BlockManager(rng.randint(8, 20) * max(1, 4 // block_size), block_size)
     align = query_group(block_size, budget)
-    sched = Scheduler(bm, max_batch=rng.randint(1, 6), token_budget=budget, align=align)
+    sched = _scheduler(bm, rng.randint(1, 6), budget, attention="fast")
+    assert sched.align == align
     seqs = []
     for _ in range(2000):
         if len(seqs) < 12 and rng.random() < 0.3:
@@ -114,7 +124,7 @@ def test_a_forked_beam_short_of_its_copy_on_write_waits_with_its_group():
     """Beams forked on a full pool: the write into the shared block needs a copy, and no block
     is free; the group (the newest request) is preempted whole and comes back whole."""
     bm = BlockManager(4, 4)
-    sched = Scheduler(bm, max_batch=4, token_budget=16)
+    sched = _scheduler(bm, 4, 16)
     old, group = _seq(7, max_new=1), _beams(6, 2)
     sched.add(old)
     sched.add(group.root)
@@ -135,7 +145,7 @@ def test_a_forked_beam_short_of_its_copy_on_write_waits_with_its_group():
 
 def test_a_group_joins_only_when_the_blocks_of_all_its_members_are_free():
     bm = BlockManager(6, 4)
-    sched = Scheduler(bm, max_batch=8, token_budget=64)
+    sched = _scheduler(bm, 8, 64)
     group = _beams(6, 3)
     sched.add(group.root)
     sched.advance(sched.schedule())
@@ -158,7 +168,7 @@ def test_a_group_joins_only_when_the_blocks_of_all_its_members_are_free():
 
 def test_a_group_that_cannot_start_on_an_empty_pool_is_refused_not_spun_on():
     bm = BlockManager(3, 4)
-    sched = Scheduler(bm, max_batch=4, token_budget=16)
+    sched = _scheduler(bm, 4, 16)
     group = _beams(6, 2)
     group.members.append(group._fork(group.root, bm))  # two members of 6 tokens: 4 blocks, 3 in the pool
     for member in group.members:
@@ -174,9 +184,7 @@ def test_a_group_that_cannot_start_on_an_empty_pool_is_refused_not_spun_on():
 
 def test_the_budget_must_cover_a_full_batch():
     with pytest.raises(ValueError, match="token_budget"):
-        Scheduler(BlockManager(4, 4), max_batch=8, token_budget=4)
-    with pytest.raises(ValueError, match="align"):
-        Scheduler(BlockManager(4, 4), max_batch=2, token_budget=4, align=8)
+        _scheduler(BlockManager(4, 4), 8, 4)
 
 
 def test_the_query_group_divides_the_block_within_the_budget():

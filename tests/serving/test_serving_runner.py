@@ -6,9 +6,8 @@ import torch
 
 from glassformer.accel.fast_decode import FastDecoder
 from glassformer.accel.quantize import quantize_model
-from glassformer.generation import paths
 from glassformer.generation.paths import MODULES, Path
-from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving import Engine, EngineConfig, RequestParams, executors
 from glassformer.serving.executors import ModulePath
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -124,7 +123,7 @@ def test_a_longer_prompt_keeps_the_module_path_and_its_new_tokens_the_fused_step
     """Past FUSED_PROMPT_TOKENS a prompt's rows take the module path (its attention a product
     over the chunk), its generated tokens the fused step; a shorter prompt's rows the fused
     step. Each request's numbers are still the same alone and cut into chunks beside others."""
-    monkeypatch.setattr(paths, "FUSED_PROMPT_TOKENS", 16)
+    monkeypatch.setattr(executors, "FUSED_PROMPT_TOKENS", 16)
     model = quantize_model(tiny(), "int4")
     blocks, fused = [], []
     execute, rows = ModulePath.execute, FastDecoder.rows

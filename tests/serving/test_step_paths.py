@@ -1,5 +1,6 @@
-"""The step as a value: each request's path, chosen by one function (generation/paths.py
-choose_path) and recorded with its reason in the engine's step trace."""
+"""The step as a value: each request's path, chosen by one function (serving/step.py route,
+from what each executor refuses) and recorded with its reason in the engine's step trace; the
+dense decode's own choice (generation/paths.py choose_path)."""
 
 import pytest
 import torch
@@ -9,9 +10,12 @@ from glassformer.accel.quantize import quantize_model
 from glassformer.generation import core
 from glassformer.generation.config import GenerationConfig, RequestParams, Steer
 from glassformer.generation.generate import generate
-from glassformer.generation.paths import FUSED, FUSED_PROMPT_TOKENS, MODULES, Asks, Path, choose_path
+from glassformer.generation.paths import FUSED, MODULES, Asks, Path, choose_path
 from glassformer.model.transformer import Transformer
 from glassformer.serving import Engine, EngineConfig, runner
+from glassformer.serving.executors import FUSED_PROMPT_TOKENS, FusedPath
+from glassformer.serving.sequence import Sequence
+from glassformer.serving.step import RequestRows
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
@@ -52,22 +56,22 @@ def test_a_plain_model_names_its_module_path(tiny, prompts):
     assert _paths(engine)["a"] == {(MODULES, "the model has no fused step (glassformer.quantize gives one)")}
 
 
-def test_the_engine_takes_each_path_from_choose_path(tiny, prompts, monkeypatch):
-    """The engine's rows go where choose_path says: told the module path, no row takes the fused
+def test_the_engine_takes_each_path_from_route(tiny, prompts, monkeypatch):
+    """The engine's rows go where route says: told the module path, no row takes the fused
     step, and the trace records the path it gave."""
     model = quantize_model(tiny(), "int4")
     asked = []
 
-    def decide(m, asks):
-        asked.append(asks)
+    def decide(executors, rows):
+        asked.append(rows)
         return Path(MODULES, "told so")
 
-    monkeypatch.setattr(runner, "choose_path", decide)
+    monkeypatch.setattr(runner, "route", decide)
     monkeypatch.setattr(FastDecoder, "rows", lambda *a: pytest.fail("the fused step ran"))
     engine = Engine(model, None, EngineConfig(block_size=4, n_blocks=32))
     engine.submit(prompts([5])[0], RequestParams(max_new_tokens=3, eos_ids=()), request_id="a")
     engine.run_until_done()
-    assert asked and all(a.paged and a.params is not None for a in asked)
+    assert asked and all(rows.seq.id == "a" and rows.path is None for rows in asked)
     assert _paths(engine)["a"] == {(MODULES, "told so")}
 
 
@@ -80,30 +84,63 @@ def test_decode_one_token_takes_its_path_from_choose_path(tiny, monkeypatch):
     assert generate(model, [3, 5, 7], config).generated_ids == fused
 
 
+class _Adapter:
+    fused = None  # an adapter not built for the fused step
+
+
+def _rows(params: RequestParams, prompt: int = 6) -> RequestRows:
+    """A request's first new token's row, after a prompt of `prompt` tokens."""
+    seq = Sequence(list(range(1, prompt + 1)), params, 64)
+    seq.num_computed = prompt
+    return RequestRows(seq, 0, 1, torch.arange(prompt + 1))
+
+
+@pytest.mark.parametrize(("config", "rows", "reason"), [
+    (EngineConfig(kv_dtype="int8"), _rows(RequestParams()), "int8 keys and values"),
+    (EngineConfig(attention="reference"), _rows(RequestParams()), "reference attention"),
+    (EngineConfig(), _rows(RequestParams(ablate=("blocks.0.attn.head.1",))), "steers or ablates"),
+    (EngineConfig(), _rows(RequestParams(capture=("blocks.0.norm1",))), "blocks.0.norm1"),
+    (EngineConfig(), _rows(RequestParams(adapter="a")), "adapter 'a'"),
+    (EngineConfig(), _rows(RequestParams(), FUSED_PROMPT_TOKENS + 1), None),  # its new tokens: fused
+])
+def test_the_fused_step_names_why_it_refuses_a_row(tiny, config, rows, reason):
+    model = quantize_model(tiny(), "int4")
+    fused = FusedPath(model, None, config, None, {"a": _Adapter()})
+    with torch.inference_mode():
+        refused = fused.refuses(rows)
+        assert refused is None if reason is None else reason in refused
+        assert FusedPath(model, None, EngineConfig(), None, {}).refuses(_rows(RequestParams())) is None
+        rows.seq.num_computed = 0  # its prompt's rows: a long one's keep the module path
+        long = fused.refuses(rows)
+        assert ("a prompt over" in long) if rows.seq.prompt_len > FUSED_PROMPT_TOKENS else long == refused
+
+
+def test_the_fused_step_takes_a_plain_models_rows_nowhere(tiny):
+    with torch.inference_mode():
+        refused = FusedPath(tiny(), None, EngineConfig(), None, {}).refuses(_rows(RequestParams()))
+    assert refused == "the model has no fused step (glassformer.quantize gives one)"
+
+
 @pytest.mark.parametrize(("asks", "reason"), [
     (Asks(kv_dtype="int8"), "int8 keys and values"),
     (Asks(moves_keys=True), "sink policy"),
     (Asks(sequences=2), "several sequences"),
     (Asks(own_positions=True), "padded rows"),
-    (Asks(paged=True, attention="reference"), "reference attention"),
-    (Asks(paged=True, params=RequestParams(ablate=("blocks.0.attn.head.1",))), "steers or ablates"),
-    (Asks(paged=True, params=RequestParams(capture=("blocks.0.norm1",))), "blocks.0.norm1"),
-    (Asks(paged=True, params=RequestParams(adapter="a"), adapter_fused=False), "adapter 'a'"),
-    (Asks(paged=True, prompt=FUSED_PROMPT_TOKENS + 1), "a prompt over"),
 ])
-def test_choose_path_names_why_a_row_keeps_the_module_path(tiny, asks, reason):
+def test_choose_path_names_why_a_dense_step_keeps_the_module_path(tiny, asks, reason):
     model = quantize_model(tiny(), "int4")
     with torch.inference_mode():
         path = choose_path(model, asks)
         assert path.name == MODULES and reason in path.reason
-        assert choose_path(model, Asks(paged=True)).name == FUSED  # the same model, a plain row
+        assert choose_path(model, Asks()).name == FUSED  # the same model, a plain step
 
 
 def test_choose_path_asks_the_model_for_its_step(tiny):
     model = quantize_model(tiny(), "int4")
-    assert "no grad" in choose_path(model, Asks()).reason  # grad on: the step declines
+    assert choose_path(model, Asks()).name == MODULES  # grad on: the step declines
     with torch.inference_mode():
         assert choose_path(model, Asks()).name == FUSED
         assert choose_path(Transformer(model.config).eval(), Asks()).name == MODULES
-        ok = RequestParams(capture=("embed.out", "blocks.0.mlp.out"), lens=2)
-        assert choose_path(model, Asks(paged=True, params=ok)).name == FUSED
+        ok = _rows(RequestParams(capture=("embed.out", "blocks.0.mlp.out"), lens=2))
+        fused = FusedPath(model, None, EngineConfig(), None, {})
+        assert fused.refuses(ok) is None and "captures only sites" in fused.takes(ok)

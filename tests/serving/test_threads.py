@@ -8,6 +8,7 @@ import pytest
 from glassformer.formats.tokenizers import CharTokenizer
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving.errors import EngineStopped
 
 TIMEOUT = 30
 
@@ -105,3 +106,5 @@ def test_a_failing_step_ends_every_stream(tiny, prompts):
         assert handle.wait(TIMEOUT).stop_reason == "cancelled"
     with pytest.raises(RuntimeError, match="boom"):
         engine.raise_error()
+    with pytest.raises(EngineStopped, match="stopped after an error"):
+        engine.submit(prompts([5])[0])

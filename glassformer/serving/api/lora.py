@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from pydantic import Field
 
 from ...errors import InputError
-from ..engine import AdapterInUse
+from ..errors import AdapterInUse, UnknownAdapter
 from . import errors
 from .errors import APIError
 from .protocol import Strict
@@ -105,6 +105,6 @@ def install(app: FastAPI, server: Server, authorize: Callable[[Request], None]) 
             server.engine.unload_adapter(body.lora_name)
         except AdapterInUse as error:
             raise APIError(409, str(error), "lora_name", "adapter_in_use") from None
-        except KeyError as error:
-            raise APIError(404, error.args[0], "lora_name", "adapter_not_found") from None
+        except UnknownAdapter as error:
+            raise APIError(404, str(error), "lora_name", "adapter_not_found") from None
         return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"}

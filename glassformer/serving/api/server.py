@@ -31,6 +31,7 @@ from ...interpret.steer import SteeringVector
 from ...model.sites import Site, model_site
 from .. import Engine, EngineConfig, Event, RequestHandle
 from ..capture import answer_bytes
+from ..errors import EngineStopped
 from ..requests import CapacityError
 from . import choices, errors, responses
 from .errors import APIError
@@ -181,13 +182,15 @@ class Server:
             params = replace(params, steer=self.steering.steers(fields.glassformer.steer))
             for each in choices.plan(fields, params):
                 handles.append(self.engine.submit(ids, each))
-        except (CapacityError, InputError) as error:
+        except (InputError, EngineStopped) as error:
             for handle in handles:
                 handle.cancel()
+            if isinstance(error, EngineStopped):
+                raise APIError(503, "the engine stopped after an error", code="engine_error") from None
             if isinstance(error, CapacityError):
                 param = REQUEST_FIELDS.get(error.field, error.field)  # the request's own name for it
                 message = f"{param}: {error.detail}".replace("the engine holds", "the server holds")
-                raise APIError(400, message, param, error.code) from None
+                raise APIError(400, message, param, "context_length_exceeded") from None
             raise errors.from_input(error, REQUEST_FIELDS) from None
         admission = Admission()
         self.active.update(handles)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from conftest import serving
 
-from glassformer.serving import EngineConfig
+from glassformer.serving import EngineConfig, sampler
 from glassformer.serving.api.app import ServerConfig
 
 MODEL = "tiny"
@@ -249,17 +249,16 @@ def test_a_request_larger_than_the_cache_says_so(language_model):
         assert "needs 96 tokens of cache" in error["message"] and "the server holds 64" in error["message"]
 
 
-def test_an_engine_failure_in_one_request_leaves_the_others_answered(language_model):
+def test_an_engine_failure_in_one_request_leaves_the_others_answered(language_model, monkeypatch):
     """A failure injected into one request's sampling while others share its steps: it gets a
     500 in OpenAI's shape, the others the text they get alone, and the server goes on."""
     with serving(language_model, ServerConfig(MODEL, max_tokens=32)) as (url, app):
-        engine = app.state.server.engine
-        sample = engine._sample
+        draw = sampler.draw
 
         def failing(seq, logits):
             if seq.params.seed == 13 and len(seq.generated) == 4:
                 raise RuntimeError("injected")
-            return sample(seq, logits)
+            return draw(seq, logits)
 
         def ask(seed):
             reply = httpx.post(f"{url}/v1/completions", timeout=60,
@@ -267,7 +266,7 @@ def test_an_engine_failure_in_one_request_leaves_the_others_answered(language_mo
             return reply.status_code, reply.json()
 
         alone = {seed: ask(seed) for seed in (1, 2)}
-        engine._sample = failing
+        monkeypatch.setattr(sampler, "draw", failing)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             together = dict(zip((1, 13, 2), pool.map(ask, (1, 13, 2)), strict=True))
         status, failed = together.pop(13)

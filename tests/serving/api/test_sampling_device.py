@@ -12,7 +12,7 @@ from conftest import MODEL, serving
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
 from glassformer.language_model import LanguageModel
-from glassformer.serving import Engine, EngineConfig, RequestParams
+from glassformer.serving import Engine, EngineConfig, RequestParams, sampler
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device")])]
@@ -29,13 +29,13 @@ def test_each_request_draws_on_the_runners_device_as_generate_does(language_mode
     model = _on(language_model, device).model
     engine = Engine(model, None, EngineConfig(n_blocks=64))
     seen = []
-    draw = Engine._sample
+    draw = sampler.draw
 
-    def recorded(self, seq, logits):
+    def recorded(seq, logits):
         seen.append((seq.generator.device.type, seq.counts.device.type, logits.device.type))
-        return draw(self, seq, logits)
+        return draw(seq, logits)
 
-    monkeypatch.setattr(Engine, "_sample", recorded)
+    monkeypatch.setattr(sampler, "draw", recorded)
     prompt = [5, 9, 2, 33, 7]
     handle = engine.submit(prompt, RequestParams(max_new_tokens=8, eos_ids=(), seed=3, sampling=SAMPLED))
     engine.run_until_done()
