@@ -107,8 +107,9 @@ def test_avx2_build_matches_the_dequantized_product(avx2_kernels, mode):
         x, w, b = make(shape, seed=SHAPES.index(shape), with_bias=True)
         tensors, w_float = quantized(w, mode)
         exact = mode in ("fp32", "bf16")
-        held = tensors if exact else [to_tile_order(t, unit) for t, unit in zip(tensors, (4, 1, 1), strict=False)]
-        y = getattr(avx2_kernels, FUNCTIONS[mode])(x, *held, b)  # the int kernels read tile order
+        units = (4, 1, 1)  # the int kernels read tile order
+        held = tensors if exact else [to_tile_order(t, u) for t, u in zip(tensors, units, strict=False)]
+        y = getattr(avx2_kernels, FUNCTIONS[mode])(x, *held, b)
         bound = float_bound(x, w_float) if exact else activation_bound(x, w_float)
         check_within(y, F.linear(x, w_float, b), bound + 2 * U * b.abs())
         y_torch = KERNELS[mode](x, *tensors, b, backend="torch")
