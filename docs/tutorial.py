@@ -12,7 +12,8 @@ import torch
 
 from glassformer import KVCache, Transformer, get_preset
 from glassformer.formats.tokenizers import CharTokenizer
-from glassformer.interpret.trace import run_with_cache, site_dims
+from glassformer.interpret.trace import run_with_cache
+from glassformer.model.sites import parse_site
 
 PROMPT = "The cat sat"
 ALPHABET = " .,abcdefghijklmnopqrstuvwxyzT"
@@ -35,7 +36,7 @@ def _shown(text: str) -> str:
 
 
 def _shape(tensor: torch.Tensor, name: str) -> str:
-    dims = site_dims(name)
+    dims = parse_site(name).dims
     return " × ".join(f"{d} {n}" for d, n in zip(dims, tensor.shape, strict=True))
 
 

@@ -37,7 +37,7 @@ from ..model.sites import Site
 from .sequence import Sequence
 
 if TYPE_CHECKING:
-    from .step import RequestRows
+    from .rows import RequestRows
 
 
 def capture_hooks(parts: list[RequestRows]) -> dict[str, HookFn]:

@@ -50,7 +50,8 @@ from .config import EngineConfig
 from .interventions import edit_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView
-from .step import RequestRows, StepBatch
+from .rows import RequestRows
+from .step import StepBatch
 
 # Prompts up to this many tokens take the fused step; a longer one's prompt rows keep the
 # module path, whose attention over a chunk is one product for all its rows, while the fused

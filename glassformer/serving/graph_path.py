@@ -37,7 +37,8 @@ from .executors import CAPABILITIES as MODULE_CAPABILITIES
 from .executors import Executed, RopeTables, pool_refusal
 from .flex_paged import FLEX_BLOCK, FlexPagedCache, paged_block_mask
 from .kv_pool import KVPool
-from .step import RequestRows, StepBatch
+from .rows import RequestRows
+from .step import StepBatch
 
 GRAPH = "graph"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

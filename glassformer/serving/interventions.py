@@ -19,7 +19,7 @@ import torch
 from ..model.hooks import HookFn
 
 if TYPE_CHECKING:
-    from .step import RequestRows
+    from .rows import RequestRows
 
 
 def edit_hooks(parts: list[RequestRows]) -> dict[str, HookFn]:

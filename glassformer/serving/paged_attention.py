@@ -44,7 +44,7 @@ from ..model.transformer import Transformer
 from .kv_pool import KVPool
 
 if TYPE_CHECKING:
-    from .step import RequestRows
+    from .rows import RequestRows
 
 def query_group(block_size: int, token_budget: int) -> int:
     """How many of a prompt's queries one fast attention call takes together: the largest

@@ -31,8 +31,9 @@ from .kv_pool import KVPool
 from .paged_attention import query_group
 from .read_out import step_logits
 from .row_tiles import row_invariant, tile_norms
+from .rows import RequestRows
 from .scheduler import StepPlan
-from .step import RequestRows, StepBatch, route, step_batch
+from .step import StepBatch, route, step_batch
 
 
 class ModelRunner:

@@ -154,7 +154,7 @@ def test_a_group_that_cannot_start_on_an_empty_pool_ends_alone_with_an_error(mod
         steps += 1
         assert steps < 100, "the engine stopped making progress"
     events = list(big)
-    assert events[-1].stop_reason == "error" and "InputError: beams: 3 sequence(s)" in events[-1].error
+    assert events[-1].stop_reason == "error" and "CapacityError: beams: 3 sequence(s)" in events[-1].error
     assert small.wait(0).stop_reason == "max_new_tokens" and blocks.stats().used == 0
 
 

@@ -11,8 +11,8 @@ from glassformer.serving.graph_path import GRAPH
 from glassformer.serving.kv_pool import KVPool
 from glassformer.serving.paged_attention import PagedView, slots_of
 from glassformer.serving.row_tiles import RowTiles
+from glassformer.serving.rows import RequestRows
 from glassformer.serving.runner import ModelRunner
-from glassformer.serving.step import RequestRows
 
 CONFIG = EngineConfig(block_size=4, n_blocks=96, max_batch=8, token_budget=32)
 

@@ -12,8 +12,8 @@ from glassformer.serving.flex_paged import FlexPagedCache, paged_block_mask
 from glassformer.serving.graph_path import BUCKETS, GRAPH, GraphPath, bucket_of
 from glassformer.serving.kv_pool import KVPool
 from glassformer.serving.paged_attention import PagedView, slots_of
+from glassformer.serving.rows import RequestRows
 from glassformer.serving.sequence import Sequence
-from glassformer.serving.step import RequestRows
 
 
 def _engine(model, graph: bool, max_batch: int = 4) -> Engine:
