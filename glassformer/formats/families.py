@@ -262,22 +262,22 @@ BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 BY_GGUF = {family.gguf.name: family for family in FAMILIES if family.gguf is not None}
 
 
+def _lookup(table: dict[str, Family], key: Any, what: str) -> Family:
+    """table[key], or an InputError naming `what` and the supported keys."""
+    family = table.get(key) if isinstance(key, str) else None
+    if family is None:
+        raise InputError(None, f"unsupported {what} {key!r} (supported: {', '.join(table)})")
+    return family
+
+
 def family_of(model_type: Any) -> Family:
     """The family of a config.json's model_type, or an InputError naming the supported ones."""
-    family = BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
-    if family is None:
-        raise InputError(None, f"unsupported model_type {model_type!r} "
-                         f"(supported: {', '.join(BY_MODEL_TYPE)})")
-    return family
+    return _lookup(BY_MODEL_TYPE, model_type, "model_type")
 
 
 def gguf_family(architecture: Any) -> Family:
     """The family of a GGUF file's general.architecture, or an InputError naming the supported ones."""
-    family = BY_GGUF.get(architecture) if isinstance(architecture, str) else None
-    if family is None:
-        raise InputError(None, f"unsupported GGUF architecture {architecture!r} "
-                         f"(supported: {', '.join(BY_GGUF)})")
-    return family
+    return _lookup(BY_GGUF, architecture, "GGUF architecture")
 
 
 def written_as(config: ModelConfig, gguf: bool = False) -> Family:
