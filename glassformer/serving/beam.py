@@ -1,13 +1,10 @@
 """Beam search inside the engine: the W running continuations are W sequences forked from one
-another, sharing the KV blocks of what they have in common.
-
-The group waits until every member has offered its next-token logits, then ranks the
-candidates with generation/beam.py's BeamRanking (the one ranking both searches run). A source
-chosen twice is forked (blocks shared, copied on the next write); a member no candidate
-continues gives its blocks back. With stop strings each candidate pushes its token onto a fork
-of its source's text stream (never decoded again). The scheduler admits and preempts the group
-as one.
+another, sharing the blocks of what they have in common, ranked by generation/beam.py's
+BeamRanking once every member has offered its logits. A source chosen twice is forked (copied
+on its next write); one no candidate continues gives its blocks back; with stop strings a
+candidate's token goes onto a fork of its source's text stream (never decoded again).
 """
+
 
 from __future__ import annotations
 

@@ -1,19 +1,15 @@
-"""The executors of a step: each runs its path's share of a StepBatch, `execute(share) ->
-Executed` (each row's residual stream after the last block), and says which rows it refuses
-and why (`refuses(rows)`, asked by step.py's `route`: the fused step or the graph executor
-first, then the module path, which takes every row). Every path hands what a request inspects
-to the same hooks (capture.py `Inspection`); the read-out is read_out.py's.
+"""The executors of a step, one signature: `execute(share) -> Executed` (each row's residual
+stream after the last block) and `refuses(rows)` (why not, or None; step.py's `route` asks
+them in order, the module path last, taking every row). Every path hands what a request
+inspects to the same hooks (capture.py `Inspection`).
 
-ModulePath: the model's own embedding and blocks over the share's rows as one sequence, with
-the paged view of the pool as each block's cache (paged_attention.py). Its table is the
-engine's (`CAPABILITIES`, checked when the engine is made).
-
-FusedPath: a converted model's fused C++ step (`FastDecoder.rows`): one call runs every layer
-for every row at its own position over its own request's slots, a row's numbers those of the
-fused step for that token alone, bit for bit, however its prompt was cut. It copies out the
-residuals and what each block adds for the requests that capture only those or read the lens,
-and adds a LoRA adapter built for it (ServedAdapter.fused) per row.
+ModulePath: the model's own blocks over the share's rows as one sequence, the paged view as
+each block's cache; its table is the engine's (`CAPABILITIES`). FusedPath: a converted model's
+fused C++ step (`FastDecoder.rows`), every layer for every row in one call, a row's numbers
+those of the fused step for that token alone, bit for bit; it emits the residuals and what
+each block adds for the requests that read only those, and adds adapters built for it.
 """
+
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""Runs a step: the plan as one StepBatch whose every request takes the path of the first
-executor that does not refuse its rows (step.py `route`), each path's share through its
-executor, then one read-out of every wanted row (read_out.py).
-
-Every product of the runner's view of the model computes each row on its own (row_tiles.py),
-the head included, so a token's numbers agree whatever shares its step
-(`batch_invariant=False`: all rows at once, faster prefill for float weights); `deterministic`
-fixes every call's shape by the request alone on CUDA. A request's LoRA adapter adds its
+"""Runs a step: the plan as one StepBatch, each request on the path of the first executor that
+does not refuse its rows (step.py `route`), each path's share through its executor, then one
+read-out of every wanted row (read_out.py). The runner's view of the model computes each row on
+its own (row_tiles.py; `batch_invariant=False`: all rows at once) and adds a request's LoRA
 update to its own rows (adapters.py).
 """
+
 
 from __future__ import annotations
 

@@ -141,11 +141,10 @@ class Scheduler:
         return plan
 
     def _admit(self, plan: StepPlan, budget: int) -> int:
-        """Start the first waiting request if it gets the blocks of its next chunk (returns the
-        tokens it takes, 0 when it waits); a beam group only with all its members, and only if
-        the blocks of every member's whole recomputation are free. When the pool is empty of
-        others and it still cannot start, it never will: it is taken out and handed to the
-        engine (plan.refused)."""
+        """Start the first waiting request if it gets the blocks of its next chunk (the tokens it
+        takes, 0 when it waits); a beam group with all its members, if the blocks of all their
+        recomputation are free. One that cannot start on a pool empty of others never will:
+        it goes to plan.refused."""
         unit = list(self.waiting[0].unit.members)
         for seq in unit:
             if not seq.block_table and not seq.params.inspects:  # a hook sees every row
@@ -178,12 +177,10 @@ class Scheduler:
         return sum(chunks)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """How many of seq's tokens the step can take: within the budget, and within the sink
-        policy's room. Where its prompt is cut must not depend on what shares the step (the
-        numbers of an attention call depend on the queries it takes together): where the
-        budget is what stops it, the cut falls at a multiple of `align` (maybe none: 0, it
-        waits a step); past the sink policy's window a request takes its whole next chunk or
-        waits a step (model/sink_chunk.py)."""
+        """How many of seq's tokens the step can take, within the budget and the sink policy's
+        room. Where the budget cuts a prompt it cuts at a multiple of `align` (maybe 0: it
+        waits), so the cut never depends on what shares the step; past the sink policy's
+        window a request takes its whole next chunk or waits (model/sink_chunk.py)."""
         computed, left = seq.num_computed, seq.num_tokens - seq.num_computed
         room = left if self.sink is None else self.sink.room(computed)
         if self.sink is not None and self.sink.full(computed):
