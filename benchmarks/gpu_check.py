@@ -153,7 +153,7 @@ def engine(folder: Path, device: torch.device, requests: int) -> dict:
 
     from glassformer import load
     from glassformer.serving import Engine, EngineConfig, RequestParams
-    from glassformer.serving.flex_paged import FLEX_BLOCK
+    from glassformer.serving.graph_path import FLEX_BLOCK
 
     prompts = [[(7 * r + t) % 300 for t in range(16)] for r in range(requests)]
     model = load(folder, progress=False).model.to(device)

@@ -28,7 +28,7 @@ from ..generation.sampling import SamplingConfig
 from ..interpret.journey.collect import MAX_TOKENS
 from ..model.sink import SinkPolicy
 from ..serving.engine import EngineConfig
-from ..serving.flex_paged import FLEX_BLOCK
+from ..serving.graph_path import FLEX_BLOCK
 from ..serving.kv_pool import KV_DTYPES
 
 MAX_THREADS_PER_CORE = 16  # more is never faster, and a count past 2**31 overflows OpenMP's

@@ -1,21 +1,16 @@
 """LoRA adapters served beside the base model, chosen per request (RequestParams.adapter).
 
-The engine's step runs every request's rows through one view of the model (runner.py). Each
-product a LoRA can target (a block's attn.qkv, attn.out, mlp.up, mlp.down) is wrapped in
-AdapterRows there: the base product runs over all rows exactly as before, then for each
-adapter used in the step, only its rows get their update
+Each product a LoRA can target (a block's attn.qkv, attn.out, mlp.up, mlp.down) is wrapped in
+the runner's view by AdapterRows: the base product runs over every row, then each adapter
+used in the step adds, to its own rows only,
 
     y[rows_i, s_t:e_t] += (α_i / r_i) · (x[rows_i] A_tᵀ) B_tᵀ      for each target t of adapter i
 
-(training/lora.py's LoRALinear, its dropout off; α/r is LoRAConfig.scale, folded into B once
-at load). Rows without an adapter are never written, so they are bitwise those of an engine
-without adapters. The low-rank products go through the view's own wrap (row tiles), so an
-adapter row does not depend on what shares its step either.
-
-Where the engine's rows take the fused C++ step, an adapter is also built for it at
-load (accel/fast_decode.py `fused_adapter`): the same A, and a transposed copy of each scaled B,
-which the step adds per row after each base product, as above. Where the step cannot (`fused` None), the
-adapter's rows keep the module path.
+(training/lora.py's LoRALinear without dropout; α/r folded into B at load). Rows without an
+adapter are bitwise an engine's without adapters; the low-rank products take the view's own
+wrap (row tiles). Where rows may take the fused step, an adapter is also built for it at load
+(accel/fast_decode.py `fused_adapter`); where it cannot be (`fused` None), its rows keep the
+module path.
 """
 
 from __future__ import annotations
@@ -34,16 +29,10 @@ from ..accel.fast_decode import fused_adapter
 from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
-from ..training.lora import AdapterTensors, LoRAConfig, check_targets, read_lora, target_slices
+from ..training.lora import AdapterTensors, LoRAConfig, check_targets, input_sizes, read_lora, target_slices
 
 PRODUCTS = ("attn.qkv", "attn.out", "mlp.up", "mlp.down")  # the paths LoRA targets, in a block
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a served adapter's (and steering vector's) name
-
-
-def input_sizes(config: ModelConfig) -> dict[str, int]:
-    """Each targeted product's input width (the A matrices' columns)."""
-    return {"attn.qkv": config.d_model, "attn.out": config.n_heads * config.head_dim,
-            "mlp.up": config.d_model, "mlp.down": config.ff_dim}
 
 
 @dataclass(frozen=True)

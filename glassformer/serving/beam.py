@@ -1,18 +1,10 @@
-"""Beam search inside the engine: the W running continuations are W sequences that fork from
-one another and share the KV blocks of everything they have in common.
-
-The group waits until every member has its next-token logits, then ranks the candidates with
-generation/beam.py's BeamRanking (the one ranking both searches run). Each surviving
-candidate continues its source member; a source chosen twice is forked (its blocks shared,
-copied on the next write), and a member no candidate continues gives its blocks back. With
-stop strings each member carries its own text stream, and a candidate pushes its one token
-onto a fork of its source's: the text is followed token by token, never decoded again. The
-winner is reported at the end (and the next best beams, RequestParams.best_beams).
-
-The group is scheduled as one (scheduler.py): its members are admitted together, only when the
-blocks of all of them are free, and preempted together, so no member waits for the logits of
-one that cannot run.
+"""Beam search inside the engine: the W running continuations are W sequences forked from one
+another, sharing the blocks of what they have in common, ranked by generation/beam.py's
+BeamRanking once every member has offered its logits. A source chosen twice is forked (copied
+on its next write); one no candidate continues gives its blocks back; with stop strings a
+candidate's token goes onto a fork of its source's text stream (never decoded again).
 """
+
 
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
-"""The paged KV cache's bookkeeping: which block of the pool holds which tokens of which sequence.
+"""The paged KV cache's bookkeeping: which block of the pool holds which tokens of which sequence
+(token t of a block table lives in block table[t // block_size], slot t % block_size).
 
-The pool holds `n_blocks` blocks of `block_size` token slots. A sequence owns a block table
-(its blocks in order: token t lives in block table[t // block_size], slot t % block_size).
-
-- Reference counts: a block may appear in several tables (a shared prefix, forked beams);
-  it returns to the free list when its count drops to zero.
-- Prefix caching: a full block is keyed by a hash of its tokens chained over the hash of
-  every block before it, so equal keys mean equal prefixes (the tokens are checked on a hit).
-  A freed block keeps its key until it is reused; the free list is least-recently-freed first,
-  so unreferenced cached blocks are evicted in LRU order.
-- Blocks come into being when first taken, in order of their ids: a pool of any size costs
-  nothing until it is used, and never-used blocks are handed out before freed ones.
-- Copy-on-write: before a sequence writes into a block it shares, it gets a private copy.
-  Growing counts those copies with the new blocks: it takes every block a step's writes need,
-  or none (vLLM's allocate_slots), so a short pool makes a request wait, never fail.
+- Reference counts: a block may sit in several tables (a shared prefix, forked beams); it is
+  free again when its count drops to zero.
+- Prefix caching: a full block is keyed by a hash of its tokens chained over every block before
+  it (its tokens checked on a hit); a freed block keeps its key until reused, and the free list
+  is least-recently-freed first, so cached blocks are evicted in LRU order.
+- A block comes into being when first taken, in order of ids: a pool costs nothing unused.
+- Copy-on-write: a write into a shared block takes a private copy first; `grow` takes every
+  block a step's writes need, copies included, or none (a short pool makes a request wait).
 """
 
 from __future__ import annotations
@@ -31,20 +26,6 @@ class Block:
     ref_count: int = 0
     key: int | None = None  # prefix hash, once the block is full and registered
     tokens: tuple[int, ...] = ()  # the tokens behind `key`, to confirm a hit
-
-
-@dataclass
-class BlockStats:
-    used: int  # referenced by at least one sequence
-    free: int  # unreferenced (cached ones included): available for new tokens
-    cached: int  # unreferenced but still holding a reusable prefix
-    prefix_hit_tokens: int = 0
-    prefix_query_tokens: int = 0
-
-
-def prefix_key(tokens: tuple[int, ...], parent: int | tuple | None) -> int:
-    """The key of a full block: its tokens and, through `parent`, every token before them."""
-    return hash((parent, tokens))
 
 
 class BlockManager:
@@ -67,10 +48,21 @@ class BlockManager:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def stats(self) -> BlockStats:
-        cached = sum(1 for b in self.free if self.blocks[b].key is not None)
-        return BlockStats(self.n_blocks - self.free_count, self.free_count, cached,
-                          self.hit_tokens, self.query_tokens)
+    @property
+    def used(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.n_blocks - self.free_count
+
+    @property
+    def cached(self) -> int:
+        """Unreferenced blocks that still hold a reusable prefix."""
+        return sum(1 for b in self.free if self.blocks[b].key is not None)
+
+    def _keyed(self, seq: Sequence, i: int) -> tuple[tuple[int, ...], int]:
+        """The tokens of seq's full block i and its prefix key: a hash of them chained over the
+        key of the block before (the first's parent: seq.prefix_root, its adapter's)."""
+        chunk = tuple(seq.tokens[i * self.block_size : (i + 1) * self.block_size])
+        return chunk, hash((seq.block_keys[i - 1] if i else seq.prefix_root, chunk))
 
     def _take(self) -> Block:
         """A free block: one never taken, else the least recently freed, which forgets any
@@ -100,22 +92,18 @@ class BlockManager:
         returns how many of its tokens they hold. At least one token is left to compute (its
         logits are needed), so a fully cached sequence recomputes its last block."""
         assert not seq.block_table and seq.num_computed == 0
-        tokens, bs = seq.tokens, self.block_size
-        self.query_tokens += len(tokens)
+        self.query_tokens += seq.num_tokens
         if not self.prefix_caching:
             return 0
-        parent = seq.prefix_root  # blocks computed with another adapter never match
-        for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            key = prefix_key(chunk, parent)
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            chunk, key = self._keyed(seq, i)
             block_id = self.by_key.get(key)
             if block_id is None or self.blocks[block_id].tokens != chunk:
                 break
             self._ref(self.blocks[block_id])
             seq.block_table.append(block_id)
             seq.block_keys.append(key)
-            parent = key
-        seq.num_computed = len(seq.block_table) * bs
+        seq.num_computed = len(seq.block_table) * self.block_size
         self.hit_tokens += seq.num_computed
         return seq.num_computed
 
@@ -169,8 +157,7 @@ class BlockManager:
         bs = self.block_size
         while len(seq.block_keys) < min(seq.num_computed, len(seq.block_table) * bs) // bs:
             i = len(seq.block_keys)
-            chunk = tuple(seq.tokens[i * bs : (i + 1) * bs])
-            key = prefix_key(chunk, seq.block_keys[-1] if seq.block_keys else seq.prefix_root)
+            chunk, key = self._keyed(seq, i)
             seq.block_keys.append(key)
             block = self.blocks[seq.block_table[i]]
             if self.prefix_caching and block.key is None and key not in self.by_key:

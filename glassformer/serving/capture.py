@@ -1,43 +1,78 @@
-"""Hook sites kept for chosen requests, inside the engine's batched step.
+"""The hooks of the requests that inspect a step, and what they answer.
 
-A request names sites (`RequestParams.capture`). The step runs the model's own blocks over
-every request's new rows as one sequence (step.py), so each site's tensor holds all of them
-along its token axis; the hooks installed for the step keep, for each capturing request, its
-own rows, by position. Requests that asked for nothing are computed exactly as without the
-hooks (a hook that returns None changes nothing), and a step where no request asks installs
-none. The sites with a token axis are captured (glassformer.trace lists them with their
-dimensions); the attention weights, the final norm and the logits are not.
-
-The lens (`RequestParams.lens`, top-k, over `lens_layers` or every residual: interpret/lens.py's
-lens_sites) keeps the lens requests' residual rows for the length of one step, one copy per site,
-and reads them out after the blocks together with every other row the step reads (read_out.py:
-the head's weights read once per tile of rows, not once per request and site): each layer's
-top-k tokens and probabilities per position, computed from the residuals the step produced for
-that request. The last residual's read-out is the model's output: a request reading it at its
-last row takes its next-token logits from that same row.
-
-A request that asks only for residual sites (embed.out, blocks.{i}.resid_pre,
-blocks.{i}.resid_post), what each block writes into the stream (blocks.{i}.attn.out,
-blocks.{i}.mlp.out) and the lens, whose inputs are residuals, runs on the fused decode step,
-which copies those out (generation/paths.py `fused_source`); that executor hands each asked
-site's rows of those copies to the same hooks (`Inspection`) as the module path's blocks call.
+The step runs every request's new rows as one sequence (step.py), so each site's tensor holds
+all of them along its token axis; the hooks installed for a step touch only the rows of the
+requests that asked, and a step where none asks installs none (a hook returning None changes
+nothing). `Inspection` orders them: edits first (steering, head ablation: `RequestParams.steer`
+/ `ablate`, on that request's rows of a copy, so every other row keeps its bits; α = 0 installs
+nothing), then the reads: captured sites (`RequestParams.capture`, the sites with a token axis)
+and the lens rows (LensRows: the residuals a lens request reads, kept for one step and read out
+with the step's other rows, read_out.py). On the fused step, which copies out the residuals and
+what each block adds (generation/paths.py `fused_source`), the same reads are fed those copies.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence as Listed
 
 import torch
 
-from ..generation.config import kept_in_step
+from ..generation.paths import fused_source
 from ..interpret.lens import lens_sites, top_of
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
 from ..model.sites import Site
 from .sequence import Sequence
+from .step import RequestRows, flat_rows, recounted
 
-if TYPE_CHECKING:
-    from .rows import RequestRows
+
+class Inspection:
+    """The hooks of a share's inspecting requests: the edits first, so that a site's reads
+    (capture, lens rows) keep what the next module reads. `own_rows`: their rows counted over
+    their own rows alone (the fused step's emitted copies), not over the share's."""
+
+    def __init__(self, config: ModelConfig, requests: Listed[RequestRows], own_rows: bool = False) -> None:
+        parts = [r for r in requests if r.seq.params.inspects]
+        parts = recounted(parts) if own_rows else parts
+        self.lens = LensRows(config, parts)
+        self.edits = edit_hooks(parts)
+        self.reads: list[dict[str, HookFn]] = [capture_hooks(parts), self.lens.hooks()]
+
+    def feed(self, emitted: dict[str, torch.Tensor | None]) -> None:
+        """Hand each asked site's rows of the fused step's copies (fused_source's name ->
+        (M, sites, d)) to the reads, as the blocks would call them (the fused step's requests
+        edit nothing: it refuses them)."""
+        for hooks in self.reads:
+            for site, keep in hooks.items():
+                source, index = fused_source(site)
+                keep(emitted[source][:, index][None], site)  # (1, M, d): the site's tensor
+
+
+def edit_hooks(parts: list[RequestRows]) -> dict[str, HookFn]:
+    """Hooks that steer and ablate, for each request's rows of the step, its own rows of the
+    sites it named."""
+    edits: dict[str, list[tuple[int, int, torch.Tensor | None, int | None]]] = {}
+    axes: dict[str, int] = {}  # each edited site's token axis
+    for r in parts:
+        for steer in r.seq.params.steer:
+            if steer.alpha != 0:
+                edits.setdefault(steer.site.full, []).append((r.first, r.n, steer.alpha * steer.vector, None))
+                axes[steer.site.full] = steer.site.token_axis
+        for head in r.seq.params.ablate:
+            edits.setdefault(head.site.full, []).append((r.first, r.n, None, head.index))
+            axes[head.site.full] = head.site.token_axis
+
+    def edit(tensor: torch.Tensor, site: str) -> torch.Tensor:
+        out = tensor.clone()
+        for start, n, add, head in edits[site]:
+            rows = out.narrow(axes[site], start, n)  # a view: the request's rows of the copy
+            if add is not None:
+                rows += add.to(rows)  # (d,) over (1, n, d)
+            else:
+                rows[:, head] = 0  # (1, head, n, d_head): that head's output
+        return out
+
+    return dict.fromkeys(edits, edit)
 
 
 def capture_hooks(parts: list[RequestRows]) -> dict[str, HookFn]:
@@ -51,36 +86,32 @@ def capture_hooks(parts: list[RequestRows]) -> dict[str, HookFn]:
             if site in r.seq.captured:
                 rows = tensor.narrow(axis, r.first, r.n)[0].clone()  # one copy of the request's rows
                 for i, row in enumerate(rows.unbind(axis - 1)):
-                    r.seq.captured[site][r.position + i] = row
+                    r.seq.captured[site][r.seq.num_computed + i] = row
         return None
 
     return dict.fromkeys(sites, keep)
 
 
-def captured(seq: Sequence) -> dict[str, torch.Tensor] | None:
-    """Each asked site's rows in position order, stacked on its token axis with a batch of 1:
-    the layout glassformer.trace gives the same site for the request's tokens."""
+def captured(seq: Sequence, positions: range | None = None) -> dict[str, torch.Tensor] | None:
+    """Each asked site's rows at `positions` (None: every one kept), stacked on its token axis
+    with a batch of 1: the layout glassformer.trace gives the same site for those tokens."""
     if not seq.params.capture:
         return None
-    return {site.full: _stacked(site, seq.captured[site.full], sorted(seq.captured[site.full]))
-            for site in seq.params.capture}
+    stacked = {}
+    for site in seq.params.capture:
+        rows = seq.captured[site.full]
+        at = sorted(rows) if positions is None else positions
+        stacked[site.full] = torch.stack([rows[p] for p in at], dim=site.token_axis - 1)[None]
+    return stacked
 
 
 def new_rows(seq: Sequence) -> dict[str, torch.Tensor] | None:
-    """The rows computed since the request's previous token, for the event of the token it has
-    just accepted: the prompt's with the first token, then the row that predicted the newest
-    (captured's layout, over those positions); None for a request that captures nothing."""
-    if not seq.params.capture:
-        return None
+    """The rows computed since the previous token, for the event of the token just accepted:
+    the prompt's with the first token, then the row that predicted the newest."""
     end = seq.num_tokens - 1  # the newest token's own row is computed in the next step
-    first = 0 if len(seq.generated) == 1 else end - 1
-    return {site.full: _stacked(site, seq.captured[site.full], range(first, end))
-            for site in seq.params.capture}
+    return captured(seq, range(0 if len(seq.generated) == 1 else end - 1, end))
 
 
-def _stacked(site: Site, rows: dict[int, torch.Tensor], positions) -> torch.Tensor:
-    """The rows at `positions` on the site's token axis, with a batch of 1."""
-    return torch.stack([rows[p] for p in positions], dim=site.token_axis - 1)[None]
 class LensRows:
     """The residual rows of the step's requests that read the lens, kept while the blocks run
     (`hooks`: one copy per site of every lens request's rows), then read out with every other
@@ -91,8 +122,7 @@ class LensRows:
         self.sites = [lens_sites(config, r.seq.params.lens_layers) for r in self.parts]
         self.last = lens_sites(config)[-1]  # the residual the final norm and head read
         self.vocab_size = config.vocab_size
-        rows = [torch.arange(r.first, r.first + r.n) for r in self.parts]
-        self.index = torch.cat(rows) if rows else None  # (M,) the lens requests' rows in the step
+        self.index = flat_rows(self.parts) if self.parts else None  # (M,) the lens requests' rows
         self.kept: dict[str, torch.Tensor] = {}  # site -> (M, d)
         self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request: ids, probabilities
 
@@ -112,12 +142,11 @@ class LensRows:
             return None
         chunks, offset = [], 0
         for r, sites in zip(self.parts, self.sites, strict=True):
-            n = r.n
-            chunks += [self.kept[site][offset : offset + n] for site in sites]  # (n, d) each
-            offset += n
+            chunks += [self.kept[site][offset : offset + r.n] for site in sites]  # (n, d) each
+            offset += r.n
             k = min(r.seq.params.lens, self.vocab_size)
-            self.tops.append((torch.empty(len(sites) * n, k, dtype=torch.long),
-                              torch.empty(len(sites) * n, k)))  # (sites × n, k): ids, probabilities
+            self.tops.append((torch.empty(len(sites) * r.n, k, dtype=torch.long),
+                              torch.empty(len(sites) * r.n, k)))  # (sites × n, k): ids, probabilities
         self.kept.clear()
         return torch.cat(chunks)
 
@@ -126,11 +155,10 @@ class LensRows:
         where it reads that one and reaches its end in this step; else None."""
         first = 0
         for r, sites in zip(self.parts, self.sites, strict=True):
-            n = r.n
             if r.seq is seq:
-                ends = seq.num_computed + n == seq.num_tokens
-                return first + sites.index(self.last) * n + n - 1 if ends and self.last in sites else None
-            first += len(sites) * n
+                reads = r.ends and self.last in sites
+                return first + sites.index(self.last) * r.n + r.n - 1 if reads else None
+            first += len(sites) * r.n
         return None
 
     def take(self, logits: torch.Tensor, start: int) -> None:
@@ -149,7 +177,7 @@ class LensRows:
         for r, sites, (ids, probs) in zip(self.parts, self.sites, self.tops, strict=True):
             ids, probs = ids.view(len(sites), r.n, -1), probs.view(len(sites), r.n, -1)  # (sites, n, k)
             for i in range(r.n):
-                r.seq.lens[r.position + i] = (ids[:, i], probs[:, i])  # (sites, k) each
+                r.seq.lens[r.seq.num_computed + i] = (ids[:, i], probs[:, i])  # (sites, k) each
         self.tops.clear()
 
 
@@ -162,7 +190,7 @@ def lens_of(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
     return torch.stack([ids for ids, _ in rows], dim=1), torch.stack([probs for _, probs in rows], dim=1)
 
 
-def _elements(config: ModelConfig, site: Site, tokens: int) -> int:
+def site_elements(config: ModelConfig, site: Site, tokens: int) -> int:
     """How many numbers a site's tensor holds over `tokens` positions (batch 1)."""
     sizes = {"batch": 1, "pos": tokens, "query": tokens, "key": tokens, "head": config.n_heads,
              "kv_head": config.kv_heads, "d_head": config.head_dim, "d_model": config.d_model,
@@ -173,7 +201,8 @@ def _elements(config: ModelConfig, site: Site, tokens: int) -> int:
     return elements
 
 
-def _lens_sites(config: ModelConfig, lens_layers: tuple[int, ...] | None) -> int:
+def lens_site_count(config: ModelConfig, lens_layers: tuple[int, ...] | None) -> int:
+    """How many residual sites a lens over `lens_layers` (None: every one) reads."""
     return config.n_layers + 1 if lens_layers is None else len(lens_layers)
 
 
@@ -181,39 +210,7 @@ def capture_bytes(config: ModelConfig, sites: tuple[Site, ...], lens: int | None
                   lens_layers: tuple[int, ...] | None = None) -> int:
     """An upper bound on what a request's capture and lens hold over `tokens` positions, as
     float32 (token ids as int64): every site's tensor at full length."""
-    total = sum(4 * _elements(config, site, tokens) for site in sites)
+    total = sum(4 * site_elements(config, site, tokens) for site in sites)
     if lens is not None:
-        total += (4 + 8) * _lens_sites(config, lens_layers) * tokens * min(lens, config.vocab_size)
-    return total
-
-
-# The most bytes one number of a trace takes in an answer's JSON: a float32 read as a Python
-# float prints in at most 23 characters ("-1.2345678901234567e-38"), then its separator and a
-# share of its list's brackets.
-FLOAT_JSON = 32
-# One lens entry, `{"id": 123, "token": "...", "prob": 0.1234}, `, less its id's digits and its
-# token's text: 37 characters with a separator's space, and its position's brackets.
-LENS_ENTRY_JSON = 44
-
-
-def answer_bytes(config: ModelConfig, sites: tuple[Site, ...], lens: int | None, tokens: int,
-                 lens_layers: tuple[int, ...] | None = None, token_json: int = 0,
-                 streamed: bool = False) -> int:
-    """An upper bound on the JSON an answer carries for a request's trace sites and lens over
-    `tokens` positions (what the server's --max-capture-mb bounds; it is several times
-    capture_bytes). `token_json`: the most characters one token's text takes as a JSON string
-    (quotes and escapes included); `streamed`: the sites the engine keeps go out twice, their
-    rows in each token's chunk (with that chunk's wrapping) and the whole in the last."""
-    total = 0
-    for site in sites:
-        copies = 2 if streamed and kept_in_step(site) else 1
-        total += FLOAT_JSON * _elements(config, site, tokens) * copies
-        if streamed and kept_in_step(site):
-            total += 64 * tokens  # {"glassformer": {"trace": {"<site>": ...}}} in each chunk
-    if lens is not None:
-        digits = len(str(config.vocab_size))
-        entry = LENS_ENTRY_JSON + digits + token_json
-        per_site = 64 + tokens * min(lens, config.vocab_size) * entry  # with {"site": ..., "top": ...}
-        total += _lens_sites(config, lens_layers) * per_site
-        total += tokens * (token_json + digits + 4)  # the tokens read, as text and ids
+        total += (4 + 8) * lens_site_count(config, lens_layers) * tokens * min(lens, config.vocab_size)
     return total

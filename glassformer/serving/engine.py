@@ -1,18 +1,11 @@
-"""The engine: requests submitted at any time, run together step after step.
+"""The engine: requests submitted at any time, run together step after step; `step` reads
+plan -> batch -> run -> pick -> deliver (the scheduler, the runner, the sampler).
 
-    plan     = scheduler.schedule()     who runs, how many tokens each (scheduler.py)
-    batch    = runner.batch(plan)       the step as a value: rows, slots, paths (step.py)
-    logits   = runner.run(batch)        each path's executor, one read-out (runner.py)
-    outcomes = pick(ready, logits)      each request that caught up: its token or its error
-                                        (sampler.py)
-    deliver                             tokens streamed, beam groups ranked, errors ended
-
-A request whose own work fails inside a step (its pick, its text, its beams, its logits
-turned NaN or Inf) ends alone with an error event; only a failed forward pass, which every
-request shares, stops the engine (EngineStopped for later requests: errors.py). `step()` can
-be driven by hand (tests, offline batches); `start()` runs it on a background thread that
-sleeps while nothing waits. `submit` and `cancel` are safe from any thread: they only queue
-work that the stepping thread picks up at the start of its next step.
+A request whose own work fails inside a step (its pick, its text, its beams, its logits turned
+NaN or Inf) ends alone with an error event; only a failed forward pass, which every request
+shares, stops the engine (EngineStopped for later requests). `step()` can be driven by hand
+(tests, offline batches); `start()` runs it on a background thread that sleeps while nothing
+waits. `submit` and `cancel` are safe from any thread: they only queue work for the next step.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ import torch
 
 from ..accel.threads import ThreadPolicy, hand_over_cores
 from ..errors import InputError
-from ..generation.config import GenerationResult, RequestParams
+from ..generation.config import GenerationResult, RequestParams, StopReason
 from ..generation.core import eos_ids
 from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
@@ -188,7 +181,10 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._wake:
-            return bool(self._inbox or self._cancels) or self.scheduler.has_work()
+            return self._pending()
+
+    def _pending(self) -> bool:  # (under the lock)
+        return bool(self._inbox or self._cancels) or self.scheduler.has_work()
 
     # ------------------------------------------------------------------ the stepping thread
 
@@ -196,8 +192,7 @@ class Engine:
         try:
             while True:
                 with self._wake:
-                    self._wake.wait_for(lambda: self._stopping or self._inbox or self._cancels
-                                        or self.scheduler.has_work())
+                    self._wake.wait_for(lambda: self._stopping or self._pending())
                     if self._stopping:
                         return
                 if self.threads is not None:
@@ -217,12 +212,8 @@ class Engine:
         for seq in inbox:
             self.scheduler.add(seq)
         for request_id in cancels:
-            entry = self._handles.get(request_id)
-            if entry is None:
-                continue
-            seq = entry[0].root
-            seq.stop_reason, seq.finish_time = "cancelled", time.perf_counter()
-            self._finish(entry[0], Event(seq.id, None, "", True, "cancelled"), result_of(seq))
+            if request_id in self._handles:
+                self._end(self._handles[request_id][0], "cancelled")
         self._wakeups.send()
 
     def _finish(self, unit: Sequence | BeamGroup, event: Event, result: GenerationResult) -> None:
@@ -305,10 +296,13 @@ class Engine:
     def _fail(self, unit: Sequence | BeamGroup, error: Exception) -> None:
         """End one request that failed inside a step with an error event; the rest go on."""
         log.error("engine: request %s failed: %r", unit.id, error, exc_info=error)
+        self._end(unit, "error", f"{type(error).__name__}: {error}")
+
+    def _end(self, unit: Sequence | BeamGroup, reason: StopReason, error: str | None = None) -> None:
+        """End a request before its time (cancelled, or failed) with a last event of no token."""
         seq = unit.root
-        seq.stop_reason, seq.finish_time = "error", time.perf_counter()
-        message = f"{type(error).__name__}: {error}"
-        self._finish(unit, Event(seq.id, None, "", True, "error", error=message), result_of(seq))
+        seq.stop_reason, seq.finish_time = reason, time.perf_counter()
+        self._finish(unit, Event(seq.id, None, "", True, reason, error=error), result_of(seq))
 
     def run_until_done(self) -> None:
         """Step on this thread until every submitted request has finished."""

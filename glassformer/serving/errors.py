@@ -1,6 +1,5 @@
-"""What the engine refuses by its own state, as types (the caller's input errors are
-`InputError`s, errors.py): the server answers each with its status and code (serving/api), the
-command line with one line."""
+"""The engine's refusals as types, beside the caller's other input errors (`InputError`s): the
+server answers each with its status and code, the command line with one line."""
 
 from __future__ import annotations
 
@@ -10,6 +9,11 @@ from ..errors import InputError
 class EngineStopped(RuntimeError):
     """The engine takes no more requests: it was closed, or a failed step stopped it
     (`Engine.raise_error` re-raises why)."""
+
+
+class CapacityError(InputError):
+    """A request larger than the whole KV pool: it could never run, so it is refused at once
+    (naming `beams` where its beams are what make it too large, else `prompt`)."""
 
 
 class UnknownAdapter(InputError):

@@ -1,38 +1,19 @@
-"""The executors of a step: each runs its path's share of a StepBatch (step.py) and returns
-the residual streams after the last block, one row per token, `execute(batch) -> Executed`;
-each says which rows it refuses and why (`refuses(rows)`, asked by step.py's `route` in the
-engine's order: the fused step or the graph executor, then the module path, which takes
-every row). What a request inspects (capture, lens, steering, ablation) is handed to the same
-hooks on every path (`Inspection`); the read-out (read_out.py) is not an executor's.
+"""The executors of a step, one signature: `execute(share) -> Executed` (each row's residual
+stream after the last block) and `refuses(rows)` (why not, or None; step.py's `route` asks
+them in order, the module path last, taking every row). Every path hands what a request
+inspects to the same hooks (capture.py `Inspection`).
 
-ModulePath: the model's own embedding and blocks over the batch's rows as one sequence;
-attention alone looks across rows, per request, over its slots, through the paged view of the
-pool handed to each block as its cache (paged_attention.py). Each weight is read once per
-panel of rows for all requests together; with batch invariance every product computes each
-row on its own (row_tiles.py), so a row's numbers do not depend on what shares its step
-(attention, the model's PyTorch kernel, within float32 rounding: paged_attention.py). The
-hooks the blocks call steer, ablate, capture and keep the lens rows. Its capability table is
-the engine's (`CAPABILITIES`, checked when the engine is made).
-
-FusedPath: a converted model's fused C++ step (accel/fast_decode.py `FastDecoder.rows`, its
-table `fast_decode.CAPABILITIES`): one call runs every layer for every row, each at its own
-position, attending over its own request's slots in the pool (a chunk's keys are all written
-before any of its rows attends, each row to its own position). A row's numbers are those of
-the fused step for that token alone, bit for bit, whatever shares the step or however its
-prompt was cut. A request that captures residual sites, attn.out or mlp.out only and/or reads
-the lens stays here: the step copies out its rows' residual stream after the embedding and
-each layer (and what each layer's attention and feed-forward add to it), and those copies are
-handed to the hooks the blocks would call. A LoRA adapter built for the step
-(ServedAdapter.fused) is added per row. It refuses other pools than float32 at text
-positions, the reference attention, prompts over FUSED_PROMPT_TOKENS, steering, ablation,
-sites it does not emit and adapters not built for it.
+ModulePath: the model's own blocks over the share's rows as one sequence, the paged view as
+each block's cache; its table is the engine's (`CAPABILITIES`). FusedPath: a converted model's
+fused C++ step (`FastDecoder.rows`), every layer for every row in one call, a row's numbers
+those of the fused step for that token alone, bit for bit; it emits the residuals and what
+each block adds for the requests that read only those, and adds adapters built for it.
 """
+
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -40,18 +21,14 @@ import torch
 from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import why_not
 from ..generation.paths import FUSED, MODULES, fused_source
-from ..model.config import ModelConfig
-from ..model.hooks import HookFn
 from ..model.layers.positions import RopeAngles
 from ..model.transformer import Transformer
 from .adapters import Adapters
-from .capture import LensRows, capture_hooks
+from .capture import Inspection, LensRows
 from .config import EngineConfig
-from .interventions import edit_hooks
 from .kv_pool import KVPool
 from .paged_attention import PagedView
-from .rows import RequestRows
-from .step import StepBatch
+from .step import RequestRows, StepBatch, flat_rows
 
 # Prompts up to this many tokens take the fused step; a longer one's prompt rows keep the
 # module path, whose attention over a chunk is one product for all its rows, while the fused
@@ -139,46 +116,16 @@ class Executed:
     lens: LensRows  # the lens requests' kept residual rows, read out with the rest
 
 
-class Inspection:
-    """The hooks of a share's inspecting requests: the edits first, so that a site's reads
-    (capture, lens rows) keep what the next module reads."""
-
-    def __init__(self, config: ModelConfig, parts: list[RequestRows]) -> None:
-        self.lens = LensRows(config, parts)
-        self.edits = edit_hooks(parts)
-        self.reads: list[dict[str, HookFn]] = [capture_hooks(parts), self.lens.hooks()]
-
-    @classmethod
-    def of(cls, config: ModelConfig, batch: StepBatch, rows_of_inspecting: bool = False) -> Inspection:
-        """For the batch's requests that inspect; their first rows counted over the batch, or
-        over the inspecting requests' rows alone (the fused step's emitted copies)."""
-        parts = [r for r in batch.requests if r.inspects]
-        if rows_of_inspecting:
-            firsts = itertools.accumulate((r.n for r in parts), initial=0)  # one more than parts
-            parts = [dataclasses.replace(r, first=first) for r, first in zip(parts, firsts, strict=False)]
-        return cls(config, parts)
-
-    def feed(self, emitted: dict[str, torch.Tensor | None]) -> None:
-        """Hand each asked site's rows of the fused step's copies (fused_source's name ->
-        (M, sites, d)) to the reads, as the blocks would call them (the fused step's requests
-        edit nothing: it refuses them)."""
-        for hooks in self.reads:
-            for site, keep in hooks.items():
-                source, index = fused_source(site)
-                keep(emitted[source][:, index][None], site)  # (1, M, d): the site's tensor
-
-
 class ModulePath:
     name = MODULES
 
     def __init__(self, layers: Transformer, model: Transformer, pool: KVPool, config: EngineConfig,
-                 rope: RopeTables | None, group: int, adapters: Adapters | None,
-                 deterministic: bool = False) -> None:
+                 rope: RopeTables | None, adapters: Adapters | None, deterministic: bool = False) -> None:
         """`layers`: the model's modules as the engine runs them (a view with row-invariant or
         adapter-wrapped products); `model`: the model (its masks, for the paged view);
         `deterministic`: each decoding row's attention in a call of its own (PagedView)."""
         self.layers, self.model, self.pool, self.config = layers, model, pool, config
-        self.rope, self.group, self.adapters, self.deterministic = rope, group, adapters, deterministic
+        self.rope, self.adapters, self.deterministic = rope, adapters, deterministic
 
     def refuses(self, rows: RequestRows) -> None:
         """None: the model's own modules compute every row."""
@@ -189,7 +136,7 @@ class ModulePath:
     def execute(self, batch: StepBatch) -> Executed:
         rotation = None if self.rope is None else self.rope.short[0]  # the sink policy's (one kind)
         view = PagedView(self.pool, batch.requests, self.config.attention == "fast", self.model,
-                         self.config.sink, rotation, self.group, self.deterministic)
+                         self.config.sink, rotation, self.config.query_group, self.deterministic)
         ids, positions = batch.ids[None], batch.positions[None]  # (1, N) each
         rope = None
         if self.rope is not None:  # per kind of layer, (1, 1, N, rotated) each
@@ -197,9 +144,9 @@ class ModulePath:
                          for cos, sin in self.rope.rows(batch.positions, batch.requests))
         adapted: dict[str, list[int]] = {}  # adapter name -> its rows
         for r in batch.requests:
-            if r.adapter is not None:
-                adapted.setdefault(r.adapter, []).extend(range(r.first, r.first + r.n))
-        inspection = Inspection.of(self.model.config, batch)
+            if r.seq.params.adapter is not None:
+                adapted.setdefault(r.seq.params.adapter, []).extend(range(r.first, r.first + r.n))
+        inspection = Inspection(self.model.config, batch.requests)
         with contextlib.ExitStack() as stack:
             for hooks in (inspection.edits, *inspection.reads):  # edits first
                 stack.enter_context(self.layers.hooks.installed(hooks))
@@ -260,13 +207,14 @@ class FusedPath:
         x = self.model.embed(batch.ids[None], batch.positions[None])[0]  # (B, d)
         # per kind of layer, (B, rotated) each
         angles = None if self.rope is None else self.rope.rows(batch.positions, requests)
-        names = list(dict.fromkeys(r.adapter for r in requests if r.adapter is not None))
-        adapter_of = torch.tensor([-1 if r.adapter is None else names.index(r.adapter)
-                                   for r in requests]).repeat_interleave(counts)  # (B,)
-        inspecting = [r for r in requests if r.inspects]  # capture, lens
+        adapters = [r.seq.params.adapter for r in requests]
+        names = list(dict.fromkeys(name for name in adapters if name is not None))
+        adapter_of = torch.tensor([-1 if name is None else names.index(name)
+                                   for name in adapters]).repeat_interleave(counts)  # (B,)
+        inspecting = [r for r in requests if r.seq.params.inspects]  # capture, lens
         emit = residuals = writes = None
         if inspecting:
-            emit = torch.cat([torch.arange(r.first, r.first + r.n) for r in inspecting])  # (M,)
+            emit = flat_rows(inspecting)  # (M,)
             m, n_layers, d = len(emit), len(self.model.blocks), x.shape[1]
             residuals = torch.empty(m, n_layers + 1, d)  # (M, L + 1, d)
             if any(fused_source(site)[0] == "writes" for r in inspecting for site in r.seq.params.capture):
@@ -274,7 +222,7 @@ class FusedPath:
         h = fused.rows(x, batch.positions, slots, angles, self.pool.keys, self.pool.values,
                        adapter_of if names else None, [self.adapters[name].fused for name in names],
                        emit, residuals, writes)  # (B, d)
-        inspection = Inspection.of(self.model.config, batch, rows_of_inspecting=True)
+        inspection = Inspection(self.model.config, requests, own_rows=True)
         if inspecting:
             both = None if writes is None else writes.flatten(1, 2)  # (M, 2 L, d)
             inspection.feed({"residuals": residuals, "writes": both})

@@ -1,44 +1,82 @@
-"""GraphPath: the engine's decoding rows as one compiled step of fixed shapes (on CUDA, a
-recorded graph replayed each step), over the paged pool through FlexAttention (flex_paged.py).
+"""GraphPath: the engine's plain decoding rows as one compiled step of fixed shapes (on CUDA, a
+recorded graph replayed each step), attending over the paged pool through FlexAttention.
 
-    rows      B decoding requests (one new token each), padded to a bucket (BUCKETS)
-    buffers   per bucket, fixed: token ids, positions, the slot each row writes (B,); each
-              row's block table (B, 1, 1, n) and its length in blocks (B, 1, 1); shared by
-              all buckets, each pool block's place in its table (blocks,). Filled on the host
-              and copied once a step; a padding row is token 0 at position 0, writing its keys
-              at the pool's scratch block (kv_pool.py) and seeing only them
-    step      the model's embedding and blocks over (B, 1) with the RoPE table read at the
-              positions and the FlexAttention cache, compiled once per bucket
-              (torch.compile, fullgraph, static shapes; mode="reduce-overhead" on CUDA)
-
-A row's numbers depend on its own request alone: padding rows write nowhere a request reads,
-and no row sees another's blocks. The products run over the bucket's rows at once (not the
-module path's row tiles, row_tiles.py), so they agree with the module path within float32
-rounding, not bit for bit; and a GPU's kernels, chosen by shape, may round a row otherwise in
-another bucket. Deterministic (EngineConfig.deterministic on CUDA), every step is padded to
-max_batch's bucket, so every kernel sees one shape.
-
-It refuses (`refuses`, the trace's reason) what its table (`CAPABILITIES`: the masks are causal
-and one window, the scores plain, one RoPE table) or its fixed shapes do not compute: prompt
-chunks, rows that inspect, steer or name an adapter, other pools than float32 at text
-positions, the reference attention; those rows take the module path.
+B decoding rows (one new token each) are padded to a bucket (BUCKETS); per bucket, fixed
+buffers (ids, positions, written slots (B,); block tables (B, 1, 1, n) and their lengths) are
+filled on the host and copied once a step, a padding row writing at the pool's scratch block
+and seeing only it. FlexAttention sees the pool of one layer as one sequence of keys; its
+BlockMask lists each row's own blocks and, inside them, the model's rule on positions (a key's:
+its block's place in the table times the block size plus its offset). A row's numbers depend on
+its request alone, and agree with the module path (paged_attention.py) within float32 rounding
+(the products take the bucket at once; deterministic: every step at max_batch's bucket).
+It refuses what its table (`CAPABILITIES`) or its fixed shapes do not compute.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..accel.capabilities import CapabilityTable, only
 from ..errors import InputError
+from ..model.kv_cache import AttentionFn
+from ..model.layers.masking import AttentionMask
 from ..model.transformer import Transformer
 from .capture import LensRows
 from .config import EngineConfig
 from .executors import CAPABILITIES as MODULE_CAPABILITIES
 from .executors import Executed, RopeTables, pool_refusal
-from .flex_paged import FLEX_BLOCK, FlexPagedCache, paged_block_mask
 from .kv_pool import KVPool
-from .rows import RequestRows
-from .step import StepBatch
+from .step import RequestRows, StepBatch
+
+# FlexAttention's own block (its default size), which every tile its CUDA kernels choose
+# divides: a row's one query sits in a block of this many, and on CUDA the pool's KV blocks
+# are a multiple of it (its kernels take a tile of 32 to 128 keys, or, where a KV head's query
+# heads are a power of two, no more keys than a block holds).
+FLEX_BLOCK = 128
+
+
+def paged_block_mask(kv_blocks: torch.Tensor, kv_indices: torch.Tensor, block_position: torch.Tensor,
+                     q_position: torch.Tensor, block_size: int, pool_slots: int,
+                     window: int | None) -> BlockMask:
+    """Which pool slots each of B rows sees: kv_blocks (B, 1, 1) and kv_indices (B, 1, 1, n)
+    int32, its block table; block_position (blocks,) each block's place in its table;
+    q_position (B,) each row's position."""
+
+    def sees(b, h, q_idx, kv_idx):
+        key = block_position[kv_idx // block_size] * block_size + kv_idx % block_size
+        seen = key <= q_position[b]
+        if window is not None:
+            seen = seen & (q_position[b] - key < window)
+        return seen
+
+    return BlockMask.from_kv_blocks(kv_blocks, kv_indices, BLOCK_SIZE=(FLEX_BLOCK, block_size),
+                                    mask_mod=sees, seq_lengths=(1, pool_slots))
+
+
+class FlexPagedCache:
+    """The AttentionCache (model/kv_cache.py) of a graph step: each layer's new keys and values
+    (B, KV, 1, d_head) written at `slots` (B,) of the pool, then FlexAttention of the queries
+    over the pool under `block_mask`, at each layer's score scale (None: 1/√d_head)."""
+
+    rotates_keys = False
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor,
+                 block_mask: BlockMask, scales: list[float | None]) -> None:
+        self.keys, self.values, self.slots = keys, values, slots  # (S_pool, KV, d_head) each layer
+        self.block_mask, self.scales = block_mask, scales
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: AttentionMask | None, attention: AttentionFn) -> torch.Tensor:
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(0, self.slots, k[:, :, 0].to(keys.dtype))
+        values.index_copy_(0, self.slots, v[:, :, 0].to(values.dtype))
+        pooled_k = keys.transpose(0, 1)[None].to(q.dtype)  # (1, KV, S_pool, d_head)
+        pooled_v = values.transpose(0, 1)[None].to(q.dtype)  # (1, KV, S_pool, d_head)
+        grouped = q.shape[1] != k.shape[1]  # grouped-query attention
+        return flex_attention(q, pooled_k, pooled_v, block_mask=self.block_mask, scale=self.scales[layer],
+                              enable_gqa=grouped)  # (B, H, 1, d_head)
+
 
 GRAPH = "graph"
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -81,20 +119,6 @@ def graph_step(model: Transformer, ids: torch.Tensor, positions: torch.Tensor, s
     return x[:, 0]
 
 
-class DecodeBuffers:
-    """One bucket's fixed inputs, on the model's device."""
-
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        self.ids = torch.zeros(rows, dtype=torch.long, device=device)  # (B,)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # (B,)
-        self.slots = torch.zeros(rows, dtype=torch.long, device=device)  # (B,)
-        self.kv_blocks = torch.zeros(rows, 1, 1, dtype=torch.int32, device=device)  # (B, 1, 1)
-        self.kv_indices = torch.zeros(rows, 1, 1, width, dtype=torch.int32, device=device)  # (B, 1, 1, n)
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.ids, self.positions, self.slots, self.kv_blocks, self.kv_indices
-
-
 class GraphPath:
     name = GRAPH
 
@@ -106,7 +130,6 @@ class GraphPath:
         if pool.scratch_block is None:
             raise ValueError("the graph path needs a pool with a scratch block (KVPool(scratch=True))")
         self.model, self.pool = model, pool
-        # deterministic: every step at max_batch's bucket (None: the smallest that holds its rows)
         self.deterministic_bucket = bucket_of(min(config.max_batch, BUCKETS[-1])) if deterministic else None
         self.rope = None if rope is None else rope.short
         self.device = model.embed.tokens.weight.device
@@ -116,12 +139,11 @@ class GraphPath:
         if self.refused is None and self.device.type == "cuda" and model.config.head_dim < FLEX_CUDA_HEAD_DIM:
             self.refused = (f"heads of {model.config.head_dim} dimensions (the graph executor's "
                             f"FlexAttention needs {FLEX_CUDA_HEAD_DIM} on CUDA)")
-        blocks = pool.n_blocks + 1  # the scratch block last
-        # a row's table as wide as the pool: FlexAttention's mask spans every key it is given
-        self.width = blocks
-        self.block_position = torch.zeros(blocks, dtype=torch.long)  # (blocks,) on the host
+        # a row's table as wide as the pool, the scratch block last: the mask spans every key it is given
+        self.width = pool.n_blocks + 1
+        self.block_position = torch.zeros(self.width, dtype=torch.long)  # (blocks,) on the host
         self.block_position_on_device = self.block_position.to(self.device)  # (blocks,)
-        self.buffers: dict[int, DecodeBuffers] = {}
+        self.buffers: dict[int, tuple[torch.Tensor, ...]] = {}
         cuda = self.device.type == "cuda"
         if cuda and pool.block_size % FLEX_BLOCK:
             raise InputError("block_size", f"the graph executor on CUDA (--compile) needs KV blocks of a "
@@ -167,14 +189,15 @@ class GraphPath:
             kv_blocks[i] = len(table)
             kv_indices[i, 0, 0, : len(table)] = torch.tensor(table, dtype=torch.int32)  # the rest unread
             self.block_position[table] = torch.arange(len(table))
-        buffers = self.buffers.get(rows)
-        if buffers is None:
-            buffers = self.buffers[rows] = DecodeBuffers(rows, self.width, self.device)
         filled = (ids, positions, slots, kv_blocks, kv_indices)
-        for buffer, value in zip(buffers.tensors(), filled, strict=True):
-            buffer.copy_(value, non_blocking=True)
+        buffers = self.buffers.get(rows)  # the bucket's fixed inputs, on the model's device
+        if buffers is None:
+            buffers = self.buffers[rows] = tuple(t.to(self.device, copy=True) for t in filled)
+        else:
+            for buffer, value in zip(buffers, filled, strict=True):
+                buffer.copy_(value, non_blocking=True)
         self.block_position_on_device.copy_(self.block_position, non_blocking=True)
-        fixed = (*buffers.tensors(), self.block_position_on_device)
+        fixed = (*buffers, self.block_position_on_device)
         inputs = (*fixed, self.pool.keys, self.pool.values, bs, self.rope)
         if self.device.type == "cuda":  # the buffers stay where the recorded graph reads them
             for tensor in (*fixed, *self.pool.keys, *self.pool.values):

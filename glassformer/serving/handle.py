@@ -1,10 +1,8 @@
-"""A submitted request as seen by its caller: a stream of events, readable from a thread or
-from asyncio, that can be cancelled. The engine thread pushes; any thread may read.
-
-An asyncio reader is woken through its event loop. The engine gathers the wake-ups of a step
-in a `Wakeups` and sends them after the step, one callback per loop for all its requests:
-one wake-up of the loop per step, not one per token per request (each would take the GIL
-from the stepping thread). An asyncio reader takes every event queued by then at once."""
+"""A submitted request as its caller sees it: a stream of events, readable from a thread or from
+asyncio, that can be cancelled. The engine thread pushes; any thread may read. An asyncio
+reader is woken through its loop once per step for all its requests (`Wakeups`: one callback
+per loop, not one per token, each of which would take the GIL from the stepping thread), and
+takes every event queued by then at once."""
 
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
-"""The paged KV cache's storage: one preallocated pool of token slots per layer.
+"""The paged KV cache's storage: one pool of token slots per layer (slot = block · block_size +
+offset), keys and values (KV, d_head) per slot in a format of model/kv_formats.py; reads are
+always float32, so a request sees the same keys whoever wrote them.
 
-Slot s = block · block_size + offset. Keys and values are stored per slot as (KV, d_head), in
-one of the formats of model/kv_formats.py: fp32 / bf16 values, or int8 / fp8 (e4m3) values with
-one float32 scale per slot and head.
-Reads always return float32; everything attends to what the pool holds, so a request sees the
-same keys whether they were written by a decode step, a prefill chunk or another request.
-
-The pool is sized by what the requests use, up to its `n_blocks`: memory is taken for the
-first blocks only, and grows when a step needs a block beyond them (`reserve`), by a quarter
-of what it holds at least: a pool grown by doubling held up to twice what the requests used
-(2 x 131 tokens: 32 blocks for 17 used), while growing by a quarter copies each slot fewer
-than five times in all.
-The block manager hands out never-used blocks in order before it reuses freed ones (which may
-hold a cached prefix), so memory follows the work the engine has seen, up to the pool's size:
-two short prompts never take the whole `--kv-memory-mb`. On an accelerator the whole pool is
-taken at once instead (`preallocate`): its addresses never move, so a step's index tensors
-and a captured graph stay valid, and the device's memory is set aside for the cache anyway.
-The graph executor (graph_path.py) takes it whole too, with one scratch block past the last
-(`scratch`): its padding rows write their keys there, never into a request's block.
+Memory follows use up to `n_blocks`: the pool grows when a step needs a block beyond those
+held, by a quarter at least (growing by doubling held up to twice what the requests used, 32
+blocks for 17; by a quarter each slot is copied fewer than five times in all). On an
+accelerator it is taken whole at once (`preallocate`: its addresses never move, so a step's
+index tensors and a captured graph stay valid), as for the graph executor, which also gets one
+scratch block past the last for its padding rows (`scratch`).
 """
 
 from __future__ import annotations
@@ -71,14 +61,13 @@ class KVPool:
         self.slot_shape = (config.kv_heads, config.head_dim)  # (KV, d_head) per slot
         self.device, self.allocated = device, 0  # blocks held in memory so far
         self.scratch_block = n_blocks if scratch else None
-        empty = [torch.zeros(0, *self.slot_shape, dtype=KV_DTYPES[kv_dtype], device=device)
-                 for _ in range(2 * config.n_layers)]  # (slots, KV, d_head) each
-        self.keys, self.values = empty[: config.n_layers], empty[config.n_layers :]
-        self.key_scales: list[torch.Tensor] = []
-        self.value_scales: list[torch.Tensor] = []
-        if is_scaled(kv_dtype):  # (slots, KV) one scale per slot and head
-            scales = [torch.zeros(0, config.kv_heads, device=device) for _ in range(2 * config.n_layers)]
-            self.key_scales, self.value_scales = scales[: config.n_layers], scales[config.n_layers :]
+        dtype, layers = KV_DTYPES[kv_dtype], range(config.n_layers)
+        # (slots, KV, d_head) each
+        self.keys = [torch.zeros(0, *self.slot_shape, dtype=dtype, device=device) for _ in layers]
+        self.values = [torch.zeros_like(t) for t in self.keys]
+        scaled = layers if is_scaled(kv_dtype) else ()  # (slots, KV): one scale per slot and head
+        self.key_scales = [torch.zeros(0, config.kv_heads, device=device) for _ in scaled]
+        self.value_scales = [torch.zeros_like(t) for t in self.key_scales]
         if scratch or (preallocate if preallocate is not None else torch.device(device).type != "cpu"):
             self.reserve(n_blocks)
 

@@ -1,32 +1,15 @@
 """The engine's paged KV cache as an attention cache (model/kv_cache.py `AttentionCache`).
 
-The engine runs the model's own blocks over the flat batch of a step: the N new tokens of
-every request as one sequence of N rows (B = 1, T = N). Each attention layer hands the view
-its queries, keys and values and its own attention function (`Attention.context`: the
-model's kernel, its score scale, hook sites). The view writes the keys and values at their
-pool slots, then calls that function over each request's own keys, read back from the pool
-in position order, under the mask the model itself builds (`Transformer.attention_mask`:
-causality, the window, ALiBi, T5's relative bias):
-
-- reference: each query alone over its own prefix. Every call has a shape set by the token's
-  position alone; a decoding query is the very call `generate` makes on the module path.
-- fast: a chunk's queries in groups of `query_group` at fixed positions (0..G-1, G..2G-1,
-  ...), one call a group, with the causal mask offset by its cached prefix; every
-  single-query call of the step (decoding rows, a group of one) together, their keys
-  gathered into (B, KV, L, d_head) with the padding masked, where each row's L is its own
-  keys padded to whole blocks (rows of different L in separate calls). A call's shape
-  depends here on the request's own positions alone, and the scheduler cuts prompts at
-  multiples of the group (cache hits are whole blocks).
-Either way the numbers are the attention function's (the model's kernel, PyTorch's), and a
-PyTorch kernel may round a row otherwise by the batch it shares a call with, the thread that
-takes its head or the alignment of its buffers: MKL does on AMD EPYC. So a request's
-numbers here are the same whatever shares the step within float32 rounding; bit for bit
-only where its rows run on the fused step (runner.py), row by row in Glassformer's kernels.
-Queries, keys and values of request r are at positions 0..S_r-1 of its own sequence; under a
-sink policy those are cache positions (`RequestRows.slots` lists the kept slots in cache order), and
-the view rotates the keys, stored unrotated, at them (model/sink.py). A chunk past the sink
-policy's window reads the keys it sees before its own overwrite the oldest, and attends as
-the dense sink cache does (model/sink_chunk.py), whichever attention the engine runs.
+The model's own blocks run over a step's N new rows as one sequence (B = 1, T = N); each
+attention layer hands the view its q, k, v and its own attention function; the view writes k
+and v at their pool slots, then calls that function over each request's own keys, in position
+order, under the mask the model builds (`Transformer.attention_mask`). Reference: each query
+alone. Fast: a chunk's queries in groups at fixed positions (EngineConfig.query_group), the
+step's single queries together, each padded to whole blocks: a call's shape depends on the
+request's own positions alone. A PyTorch kernel may still round a row otherwise by what shares
+its call (MKL does on AMD EPYC): within float32 rounding here, bit for bit only on the fused
+step. Under a sink policy positions are the cache's and the view rotates the stored, unrotated
+keys (model/sink.py); a chunk past the window attends as the dense sink cache does.
 """
 
 from __future__ import annotations
@@ -44,19 +27,7 @@ from ..model.transformer import Transformer
 from .kv_pool import KVPool
 
 if TYPE_CHECKING:
-    from .rows import RequestRows
-
-def query_group(block_size: int, token_budget: int) -> int:
-    """How many of a prompt's queries one fast attention call takes together: the largest
-    divisor of the block size within the token budget (a cache hit ends at a whole block, so
-    at a group's edge, and the oldest request can always take a whole group)."""
-    return max(d for d in range(1, min(block_size, token_budget) + 1) if block_size % d == 0)
-
-
-def slots_of(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
-    """The pool slots of a sequence's first `length` tokens: (length,)."""
-    table = torch.tensor(block_table, dtype=torch.long)
-    return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+    from .step import RequestRows
 
 
 class PagedView:
@@ -69,8 +40,8 @@ class PagedView:
                  deterministic: bool = False) -> None:
         """`sink`: the engine's sink policy, whose keys are stored unrotated, with `rope`, the
         model's cos and sin (P, d_head) at positions 0..P-1 to rotate them; None: the layers
-        rotated them. `group`: the fast calls' query group (`query_group`). `deterministic`:
-        each single query in a call of its own, not side by side (a GPU kernel may split a row's
+        rotated them. `group`: the fast calls' query group (EngineConfig.query_group).
+        `deterministic`: each single query in a call of its own (a GPU kernel may split a row's
         keys by how many rows share its call)."""
         self.pool, self.fast, self.sink, self.model = pool, fast, sink, model
         self.deterministic = deterministic
@@ -80,7 +51,7 @@ class PagedView:
         self.new_slots = torch.cat([p.slots[p.context - p.n :] for p in parts]).to(device)  # (N,)
         self.past_window = [p for p in parts if p.past_window]
         single: list[tuple[int, torch.Tensor]] = []  # fast: (flat row, slots seen) of each single-query call
-        self.chunks: list[tuple[RequestRows, list[tuple[int, int, int]]]] = []  # each part's other calls
+        self.chunks: list[tuple[RequestRows, list[tuple[int, int, int, AttentionMask]]]] = []  # other calls
         for part in parts:
             if part.past_window:
                 continue
@@ -88,15 +59,12 @@ class PagedView:
             if fast:
                 single += [(row, part.slots[:end]) for row, end, m in calls if m == 1]
                 calls = [call for call in calls if call[2] > 1]
+            masks = [model.attention_mask(torch.arange(end - m, end, device=device)[None],
+                                          torch.arange(end, device=device)[None], contiguous=True)
+                     for _, end, m in calls]
             if calls:
-                self.chunks.append((part, calls))
+                self.chunks.append((part, [(*call, mask) for call, mask in zip(calls, masks, strict=True)]))
         self.single = self._single_calls(single)
-        self.chunk_masks = [
-            [model.attention_mask(torch.arange(end - m, end, device=device)[None],
-                                  torch.arange(end, device=device)[None], contiguous=True)
-             for _, end, m in calls]
-            for _, calls in self.chunks
-        ]
         self.past_window_masks: list[ChunkMask] = []  # made at the first layer, for every layer
 
     def _single_calls(self, single: list[tuple[int, torch.Tensor]]):
@@ -154,9 +122,9 @@ class PagedView:
             queries = q[0, :, rows].transpose(0, 1)[:, :, None]  # (B, H, 1, d_head)
             context = attention(queries, keys, values, mask)  # (B, H, 1, d_head)
             out[0, :, rows] = context[:, :, 0].transpose(0, 1)
-        for (part, calls), masks in zip(self.chunks, self.chunk_masks, strict=True):
+        for part, calls in self.chunks:
             keys, values = self._read(layer, part.slots, q.dtype)  # (1, KV, S, d_head)
-            for (row, end, m), call_mask in zip(calls, masks, strict=True):
+            for row, end, m, call_mask in calls:
                 out[:, :, row : row + m] = attention(q[:, :, row : row + m], keys[:, :, :end],
                                                      values[:, :, :end], call_mask)
         return out

@@ -1,13 +1,8 @@
 """The step's one read-out: every row whose logits the step wants, whatever path computed it,
 through the model's final norm and head (`Transformer.read_out`) in calls of at most
-LENS_ROWS rows.
-
-The rows read are the lens requests' kept residuals (capture.py LensRows: sites × rows each),
-then the last row of each request that reaches its end, unless its lens read that very
-residual: the last residual's read-out is the model's output, so such a request's logits are
-its lens row's. Each request's logits are one row of this one read-out. Through the engine's
-row-invariant view (row_tiles.py) every row is read on its own, so a request reads the same
-numbers whatever else is read beside it and however the rows fall into calls.
+LENS_ROWS rows: the lens requests' kept residuals, then the last row of each request that
+reaches its end, unless its lens read that very residual (then its logits are its lens row's).
+Through the row-invariant view every row reads the same numbers whatever is read beside it.
 """
 
 from __future__ import annotations
@@ -50,23 +45,19 @@ def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
     if not kept:
         return hidden.new_zeros(0, model.config.vocab_size)
     rows = torch.cat(kept) if len(kept) > 1 else kept[0]  # (M, d)
-    if rows.shape[0] <= LENS_ROWS:  # one call: every wanted row at once
-        logits = model.read_out(rows)  # (M, V)
-        whole = source == list(range(logits.shape[0]))  # every row read is an end's, in order
-        outputs = logits if whole else logits[source]  # (R, V), copied only when picked
+    outputs = None
+    for c0 in range(0, rows.shape[0], LENS_ROWS):
+        logits = model.read_out(rows[c0 : c0 + LENS_ROWS])  # (≤ LENS_ROWS, V)
         for base, lens in zip(bases, lenses, strict=True):
-            lens.take(logits[base:], 0)
-    else:
-        outputs = None
-        for c0 in range(0, rows.shape[0], LENS_ROWS):
-            logits = model.read_out(rows[c0 : c0 + LENS_ROWS])  # (≤ LENS_ROWS, V)
-            if outputs is None:
-                outputs = logits.new_empty(len(source), logits.shape[-1])  # (R, V)
-            for j, row in enumerate(source):
-                if c0 <= row < c0 + logits.shape[0]:
-                    outputs[j] = logits[row - c0]
-            for base, lens in zip(bases, lenses, strict=True):
-                lens.take(logits, c0 - base)
+            lens.take(logits, c0 - base)
+        if c0 == 0 and source == list(range(logits.shape[0])):  # the ends' rows alone, in order
+            outputs = logits  # (R, V), not copied
+            continue
+        if outputs is None:
+            outputs = logits.new_empty(len(source), logits.shape[-1])  # (R, V)
+        for j, row in enumerate(source):
+            if c0 <= row < c0 + logits.shape[0]:
+                outputs[j] = logits[row - c0]
     for lens in lenses:
         lens.store()
     return outputs

@@ -1,5 +1,5 @@
-"""A request's bookkeeping outside the step: what `Engine.submit` checks before queueing it,
-and what the engine answers from a finished or failed one (its result, why its size ended it)."""
+"""What `Engine.submit` checks before queueing a request, and what the engine answers from a
+finished or failed one."""
 
 from __future__ import annotations
 
@@ -11,12 +11,8 @@ from ..model.sink import SinkPolicy
 from ..model.transformer import Transformer
 from .block_manager import BlockManager
 from .capture import captured, lens_of
+from .errors import CapacityError
 from .sequence import Sequence
-
-
-class CapacityError(InputError):
-    """A request larger than the whole KV pool: it could never run, so it is refused at once
-    (naming `beams` where its beams are what make it too large, else `prompt`)."""
 
 
 def check_request(model: Transformer, prompt: Ids[int], params: RequestParams, window: float,

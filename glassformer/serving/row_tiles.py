@@ -1,18 +1,10 @@
-"""Products whose rows never depend on how many rows share the call (the serving engine's
-batch invariance, runner.py).
-
-A QuantizedLinear's C++ kernels compute each row on its own whatever the number of rows
-(register tiles of rows, each row's sums in one fixed order: accel/csrc/quantized.cpp), so
-every weight is read once per pass over a step's rows, a prefill's included: int8 / int4
-layers do so as they are, float layers once told to (`QuantizedLinear.row_invariant`), the
-LM head among them. Every other product (plain nn.Linear, or any layer whose kernels are not
-built or not chosen: `backend="torch"`, `GLASSFORMER_KERNELS=torch`) runs through PyTorch's
-BLAS, which picks its kernels by shape (and, on some CPUs, sums a row in another order at
-another number of rows), so it runs in tiles padded to exactly ROW_TILE rows: one fixed
-shape, one code path.
-
-`tile_norms` does the same for a view's norms (on CUDA, a row's reduction is split by the
-number of rows it shares the call with; the deterministic engine tiles them).
+"""Products whose rows never depend on how many rows share the call (the engine's batch
+invariance, runner.py). The kernels of a QuantizedLinear compute each row on its own at any
+number of rows (accel/csrc/quantized.cpp; float layers once told to: `row_invariant`); every
+other product goes through PyTorch's BLAS, which picks kernels by shape (and on some CPUs sums
+a row in another order at another number of rows), so it runs in tiles of exactly ROW_TILE
+rows. `tile_norms` tiles a view's norms too (on CUDA a row's reduction is split by the call's
+size; the deterministic engine tiles them).
 """
 
 from __future__ import annotations

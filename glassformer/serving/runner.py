@@ -1,20 +1,10 @@
-"""Runs a step: the scheduler's plan as one StepBatch (step.py) whose every request takes the
-path of the first executor that does not refuse its rows (step.py `route`), each path's share
-through its executor, then one read-out of every wanted row (read_out.py).
-
-    batch  = runner.batch(plan)                       ids, positions; per request rows, slots, path
-    hidden = executor.execute(batch.on(path))         the fused C++ step or the graph; the modules
-    logits = step_logits(model, batch, hidden, lens)  final norm, head and lens, once
-
-The executors, in the order they are asked: a converted model's fused step (executors.py), or
-with `compile` the graph executor (graph_path.py); then the module path, which takes every row.
-Every product of the runner's view of the model computes each row on its own (row_tiles.py),
-the head included, so a token's numbers agree whatever shares its step; `batch_invariant=False`
-sends all rows to each product at once instead (faster prefill for float weights).
-`deterministic` (EngineConfig.deterministic on CUDA) fixes every call's shape by the request
-alone: norms in row tiles too, one attention call per decoding row, the graph at one bucket.
-A request's LoRA adapter adds its update to its own rows of each product it targets (adapters.py).
+"""Runs a step: the plan as one StepBatch, each request on the path of the first executor that
+does not refuse its rows (step.py `route`), each path's share through its executor, then one
+read-out of every wanted row (read_out.py). The runner's view of the model computes each row on
+its own (row_tiles.py; `batch_invariant=False`: all rows at once) and adds a request's LoRA
+update to its own rows (adapters.py).
 """
+
 
 from __future__ import annotations
 
@@ -28,12 +18,10 @@ from .config import EngineConfig
 from .executors import FusedPath, ModulePath, RopeTables
 from .graph_path import GraphPath
 from .kv_pool import KVPool
-from .paged_attention import query_group
 from .read_out import step_logits
 from .row_tiles import row_invariant, tile_norms
-from .rows import RequestRows
 from .scheduler import StepPlan
-from .step import StepBatch, route, step_batch
+from .step import RequestRows, StepBatch, route, step_batch
 
 
 class ModelRunner:
@@ -43,24 +31,20 @@ class ModelRunner:
         checked by Engine); `adapters`: the LoRA adapters requests may name (adapters.py),
         applied to their rows; `pool` made with its scratch block where `config.compile`;
         `deterministic`: config.deterministic where it acts (on CUDA; the engine says)."""
-        self.model, self.pool, self.config, self.adapters = model, pool, config, adapters
-        self.device = model.embed.tokens.weight.device
-        self.deterministic = deterministic
-        invariant = config.batch_invariant
+        self.pool, self.config, self.device = pool, config, model.embed.tokens.weight.device
         # the model's own modules; with invariance, a view whose products run in row tiles
         # (without: a view all the same, whose products the adapters wrap, the model untouched)
-        self.layers = model.with_products(row_invariant if invariant else itself)
-        if self.deterministic:
+        wrap = row_invariant if config.batch_invariant else itself
+        self.layers = model.with_products(wrap)
+        if deterministic:
             tile_norms(self.layers)
         rope = RopeTables(model) if model.config.position == "rope" else None
-        group = query_group(config.block_size, config.token_budget) if config.attention == "fast" else 1
-        first = (GraphPath(model, pool, config, rope, self.deterministic) if config.compile
+        first = (GraphPath(model, pool, config, rope, deterministic) if config.compile
                  else FusedPath(model, pool, config, rope, adapters))
         # adapters are built for the fused step too where rows may take it
-        adapters.install(self.layers, row_invariant if invariant else itself,
-                         first.name == FUSED and first.refused is None and can_build(model))
-        self.executors = (first, ModulePath(self.layers, model, pool, config, rope, group, adapters,
-                                            self.deterministic))
+        fused = first.name == FUSED and first.refused is None and can_build(model)
+        adapters.install(self.layers, wrap, fused)
+        self.executors = (first, ModulePath(self.layers, model, pool, config, rope, adapters, deterministic))
 
     def route(self, rows: RequestRows) -> Path:
         """The path a request's rows take in this step, and why."""

@@ -1,16 +1,9 @@
 """The step's one pick: from the step's logits (R, V), one outcome per sequence that caught up
-with its tokens, in order.
-
-    broken     a row holding NaN or Inf picks nothing: its request ends with an error
-    greedy     the rows whose token is their argmax whatever came before, in one call
-               (accel/greedy.py)
-    drawn      every other row with its request's settings and its own generator, on the
-               logits' device; the draws reach the host at once
-    beams      a beam member's row is offered to its group (beam.py), which ranks the
-               candidates once every member has offered
-    logprobs   the picked token's log-probability and the likeliest tokens', where asked
-
-A pick that fails is that request's outcome alone: the others' go on.
+with its tokens, in order. A row holding NaN or Inf picks nothing (its request ends with an
+error); greedy rows take their argmax in one call (accel/greedy.py); every other row is drawn
+with its request's settings and own generator on the logits' device, the draws reaching the
+host at once; a beam member's row is offered to its group. A pick that fails is that request's
+outcome alone.
 """
 
 from __future__ import annotations

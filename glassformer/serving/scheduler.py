@@ -1,28 +1,15 @@
 """Which requests run in the next step, and how many tokens each: continuous batching with
-chunked prefill, first come first served, preemption when KV blocks run out.
+chunked prefill in a token budget, first come first served, preemption of the newest when KV
+blocks run out.
 
-A step has a token budget. Running requests go first, oldest first: a decoding one needs one
-token, one still prefilling takes the next chunk of its prompt (as much as the budget
-leaves). Then waiting requests join while budget, batch size and blocks allow. A request's
-blocks for a step are every block its tokens write, a private copy of a shared one included
-(a forked beam's first write): all of them or none. When a running request cannot get them,
-the newest running request gives its blocks back and waits to be recomputed (its full blocks
-usually stay cached). A beam group is one request here: its members join together, only when
-the blocks of all their tokens are free, and are preempted together (a member alone would wait
-forever for the others' logits). The oldest request can always proceed, so the engine never
-deadlocks: a request too large for the whole pool is refused at submission, and one that still
-cannot start on a pool empty of others is handed back to be ended (StepPlan.refused); a step
-where nothing running could proceed preempts the newest rather than come back empty.
-
-Under a sink policy (model/sink.py) a request holds the blocks of S + W slots however long it
-runs: its tokens enter as many at once as fit before the first eviction, then in whole chunks
-of the policy's (one token each while decoding), each token written over the slot of the token
-it evicts.
-
-Under LongRoPE a text that has grown past the original context (at its submission, or while
-it decodes) gives its blocks back before the step is planned and is computed again, every key
-by the long set, as transformers' Phi-3 generation recomputes it (and as a preempted request
-is): `Sequence.turn_long`.
+Invariants: a request's blocks for a step (its private copies of shared ones included) are
+taken all or none; a beam group joins and is preempted whole (a member alone would wait
+forever for the others' logits); the oldest request always proceeds, so the engine never
+deadlocks (one that cannot start on a pool empty of others is handed back: StepPlan.refused).
+Under a sink policy a request holds the blocks of S + W slots however long it runs, and past
+its window takes whole chunks of the policy's. Under LongRoPE a text grown past the original
+context is recomputed from the start by the long set before the step is planned, as
+transformers' Phi-3 generation does (`Sequence.turn_long`).
 """
 
 from __future__ import annotations
@@ -30,12 +17,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.layers.positions import uses_long_factors
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .paged_attention import query_group
 from .sequence import Sequence, Status
 
 
@@ -55,15 +40,10 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, config: EngineConfig, model: ModelConfig | None = None) -> None:
-        """`model`: the served model's config, for LongRoPE's switch (None: no switch). Where
-        the budget cuts a prompt, it cuts at a multiple of the fast attention's query group
-        (paged_attention.py `query_group`; at most token_budget, so the oldest request always
-        proceeds)."""
-        if config.max_batch < 1:
-            raise InputError("max_batch", f"must be >= 1, got {config.max_batch}")
+        """`model`: the served model's config, for LongRoPE's switch (None: no switch)."""
         self.blocks, self.max_batch, self.token_budget = blocks, config.max_batch, config.token_budget
         self.sink = config.sink
-        self.align = query_group(blocks.block_size, config.token_budget) if config.attention == "fast" else 1
+        self.align = config.query_group  # where the budget cuts a prompt
         self.longrope = model if model is not None and model.rope_scaling == "longrope" else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -161,11 +141,10 @@ class Scheduler:
         return plan
 
     def _admit(self, plan: StepPlan, budget: int) -> int:
-        """Start the first waiting request if it gets the blocks of its next chunk (returns the
-        tokens it takes, 0 when it waits); a beam group only with all its members, and only if
-        the blocks of every member's whole recomputation are free. When the pool is empty of
-        others and it still cannot start, it never will: it is taken out and handed to the
-        engine (plan.refused)."""
+        """Start the first waiting request if it gets the blocks of its next chunk (the tokens it
+        takes, 0 when it waits); a beam group with all its members, if the blocks of all their
+        recomputation are free. One that cannot start on a pool empty of others never will:
+        it goes to plan.refused."""
         unit = list(self.waiting[0].unit.members)
         for seq in unit:
             if not seq.block_table and not seq.params.inspects:  # a hook sees every row
@@ -198,12 +177,10 @@ class Scheduler:
         return sum(chunks)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """How many of seq's tokens the step can take: within the budget, and within the sink
-        policy's room. Where its prompt is cut must not depend on what shares the step (the
-        numbers of an attention call depend on the queries it takes together): where the
-        budget is what stops it, the cut falls at a multiple of `align` (maybe none: 0, it
-        waits a step); past the sink policy's window a request takes its whole next chunk or
-        waits a step (model/sink_chunk.py)."""
+        """How many of seq's tokens the step can take, within the budget and the sink policy's
+        room. Where the budget cuts a prompt it cuts at a multiple of `align` (maybe 0: it
+        waits), so the cut never depends on what shares the step; past the sink policy's
+        window a request takes its whole next chunk or waits (model/sink_chunk.py)."""
         computed, left = seq.num_computed, seq.num_tokens - seq.num_computed
         room = left if self.sink is None else self.sink.room(computed)
         if self.sink is not None and self.sink.full(computed):

@@ -1,5 +1,5 @@
-"""A request inside the engine: its tokens, how many of them are in the KV cache, its blocks,
-and the state that picks and checks its next token (its own generator, counts, text stream)."""
+"""A request inside the engine: its tokens, how many are in the KV cache, its blocks, and what
+picks and checks its next token (its own generator, counts, text stream)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What the engine is doing, for people and for the server's live page: counters and a trace
-with one entry per step (which requests ran, how many tokens each, and the path their rows
-took with the reason: generation/paths.py)."""
+"""What the engine is doing, for people and the live page: counters, and a trace entry per step
+(the requests that ran, their tokens, and the path their rows took with the reason)."""
 
 from __future__ import annotations
 
@@ -47,9 +46,8 @@ class EngineStats:
         self.tokens_generated += n_generated
         self.preemptions = scheduler.preemptions
         self.running, self.waiting = len(scheduler.running), len(scheduler.waiting)
-        pool = blocks.stats()
-        self.blocks_used, self.blocks_free, self.blocks_cached = pool.used, pool.free, pool.cached
-        self.prefix_hit_tokens, self.prefix_query_tokens = pool.prefix_hit_tokens, pool.prefix_query_tokens
+        self.blocks_used, self.blocks_free, self.blocks_cached = blocks.used, blocks.free_count, blocks.cached
+        self.prefix_hit_tokens, self.prefix_query_tokens = blocks.hit_tokens, blocks.query_tokens
 
     def to_dict(self) -> dict:
         return asdict(self)

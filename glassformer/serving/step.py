@@ -1,16 +1,9 @@
 """One step of the engine as a value: the scheduler's plan as the rows the executors run.
 
-    plan       (scheduler.py)   which requests, how many tokens each, copies, preemptions
-    StepBatch  (here)           flat token ids and positions (N,); per request its RequestRows:
-                                its rows, the pool slots its queries see, its adapter, what it
-                                inspects, and the path its rows take with the reason (`route`)
-    execute    (executors.py)   each path's share of the batch -> its rows' residual streams
-    read-out   (read_out.py)    final norm, head and lens over every path's rows at once
-
 The N new tokens of a step (decode rows and prompt chunks alike) are one flat sequence; a
-request's rows are first .. first + n - 1 of it. `route` is the one decision of a request's
-path: the first executor that does not refuse its rows (executors.py: each declares what it
-refuses, and why); the last, the module path, takes every row.
+request's rows are first .. first + n - 1 of it (RequestRows, the one shape of a request's
+share, read by the executors, the paged attention, the hooks and the read-out). `route` is the
+one decision of a request's path: the first executor that does not refuse its rows.
 """
 
 from __future__ import annotations
@@ -25,10 +18,58 @@ import torch
 
 from ..generation.paths import Path
 from ..model.sink import SinkPolicy
-from .paged_attention import slots_of
-from .rows import RequestRows
 from .scheduler import StepPlan
 from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RequestRows:
+    """One request's share of a step: rows first .. first + n - 1 of the flat batch."""
+
+    seq: Sequence
+    first: int  # its first row in the batch
+    n: int  # its rows: a prompt's chunk, or one new token
+    slots: torch.Tensor  # (L,) the pool slots its queries see, in position order, its new ones last
+    past_window: bool = False  # a chunk past the sink policy's window (model/sink_chunk.py)
+    path: Path | None = None  # the path its rows take, with the reason (None: not routed yet)
+
+    @property
+    def context(self) -> int:
+        """How many keys its last query sees."""
+        return self.slots.shape[0]
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.first, self.first + self.n)
+
+    @property
+    def last(self) -> int:
+        return self.first + self.n - 1
+
+    @property
+    def prompt(self) -> int:
+        """The length of the prompt these rows are of, or 0 for generated tokens (a prompt's
+        last token, cut off by the budget, is its query group's as alone)."""
+        return self.seq.prompt_len if self.seq.num_computed < self.seq.prompt_len else 0
+
+    @property
+    def ends(self) -> bool:
+        """Whether its rows reach the end of its tokens: its next token is picked from this step."""
+        return self.seq.num_computed + self.n == self.seq.num_tokens
+
+
+def flat_rows(requests: Listed[RequestRows]) -> torch.Tensor:
+    """The requests' rows of the flat batch, in order: (M,) on the host."""
+    return torch.cat([torch.arange(r.first, r.first + r.n) for r in requests])
+
+
+def recounted(requests: Listed[RequestRows]) -> list[RequestRows]:
+    """The requests with their rows counted from 0 over their own rows alone."""
+    first, out = 0, []
+    for r in requests:
+        out.append(dataclasses.replace(r, first=first))
+        first += r.n
+    return out
 
 
 @dataclass(frozen=True)
@@ -46,13 +87,9 @@ class StepBatch:
             return self
         if not mine:
             return None
-        index = torch.cat([torch.arange(r.first, r.first + r.n) for r in mine])  # (N',)
-        firsts = [0]
-        for r in mine:
-            firsts.append(firsts[-1] + r.n)
-        requests = tuple(dataclasses.replace(r, first=first) for r, first in zip(mine, firsts, strict=False))
+        index = flat_rows(mine)  # (N',)
         rows = index.to(self.ids.device)
-        return StepBatch(self.ids[rows], self.positions[rows], requests, (), index)
+        return StepBatch(self.ids[rows], self.positions[rows], tuple(recounted(mine)), (), index)
 
 
 class Executor(Protocol):
@@ -87,26 +124,32 @@ def step_batch(plan: StepPlan, path_of: Callable[[RequestRows], Path], block_siz
         # a chunk past the sink policy's window (model/sink_chunk.py): its queries sit at the
         # cache's last n positions and see the W - 1 latest keys before its own
         past_window = sink is not None and n > 1 and sink.full(seq.num_computed)
-        slots = _slots(seq, context, past_window, block_size, sink)  # (L,)
+        slots = seen_slots(seq, context, past_window, block_size, sink)  # (L,)
         rows = RequestRows(seq, len(ids), n, slots, past_window)
         requests.append(dataclasses.replace(rows, path=path_of(rows)))
         ids += seq.tokens[seq.num_computed : context]
-        first = len(slots) - n if sink is None else sink.position(seq.num_computed, n)
+        first = rows.context - n if sink is None else sink.position(seq.num_computed, n)
         positions += range(first, first + n)  # text positions, or the cache's
     return StepBatch(torch.tensor(ids, device=device), torch.tensor(positions, device=device),  # (N,) each
                      tuple(requests), tuple(plan.copies))
 
 
-def _slots(seq: Sequence, context: int, past_window: bool, block_size: int,
-           sink: SinkPolicy | None) -> torch.Tensor:
+def slots_of(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+    """The pool slots of a sequence's first `length` tokens: (length,)."""
+    table = torch.tensor(block_table, dtype=torch.long)
+    return (table[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+
+
+def seen_slots(seq: Sequence, context: int, past_window: bool, block_size: int,
+               sink: SinkPolicy | None) -> torch.Tensor:
     """The pool slots of what seq's tokens up to `context` attend to, in position order: its
     first `context` tokens, or under the sink policy the kept ones, or for a chunk past its
     window the sinks, the W - 1 latest before it and its own (L,)."""
     if sink is None:
         return slots_of(seq.block_table, context, block_size)
-    table = torch.tensor(seq.block_table, dtype=torch.long)
     first = seq.num_computed
     kept = (sink.chunk_slots(first) + [sink.slot(t) for t in range(first, context)]
             if past_window else sink.kept_slots(context))
     kept = torch.tensor(kept, dtype=torch.long)  # (L,)
+    table = torch.tensor(seq.block_table, dtype=torch.long)
     return table[kept // block_size] * block_size + kept % block_size

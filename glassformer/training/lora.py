@@ -162,6 +162,12 @@ def target_slices(config: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]
     return slices
 
 
+def input_sizes(config: ModelConfig) -> dict[str, int]:
+    """Each targeted product's input width (the A matrices' columns), by its path in a block."""
+    return {"attn.qkv": config.d_model, "attn.out": config.n_heads * config.head_dim,
+            "mlp.up": config.d_model, "mlp.down": config.ff_dim}
+
+
 def check_targets(model: ModelConfig, config: LoRAConfig) -> None:
     """Refuses targets the model lacks, and a rank above min(in, out) of the smallest targeted
     product (B A would hold no more than that, in factors larger than the weight itself),
@@ -174,8 +180,7 @@ def check_targets(model: ModelConfig, config: LoRAConfig) -> None:
     if missing:
         raise InputError("lora_targets", f"this model has no {missing[0]!r} projection (a "
                          f"feed-forward without a gate); choose among {','.join(slices)}")
-    inputs = {"attn.qkv": model.d_model, "attn.out": model.n_heads * model.head_dim,
-              "mlp.up": model.d_model, "mlp.down": model.ff_dim}
+    inputs = input_sizes(model)
     sizes = {t: min(inputs[slices[t][0]], slices[t][1][1] - slices[t][1][0]) for t in config.targets}
     smallest = min(sizes, key=sizes.get)
     if config.rank > sizes[smallest]:

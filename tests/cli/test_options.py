@@ -18,7 +18,7 @@ from glassformer.cli.options import ENGINE, FLAGS, engine_config
 from glassformer.formats import checkpoint
 from glassformer.formats.tokenizers import HFTokenizer
 from glassformer.serving import EngineConfig
-from glassformer.serving.flex_paged import FLEX_BLOCK
+from glassformer.serving.graph_path import FLEX_BLOCK
 
 TOKENIZER = HFTokenizer.train_bpe(["the quick brown fox jumps over a lazy dog, the cat sat"] * 9, 300)
 # Commands that compute (load weights and run them): each takes --device and --threads.

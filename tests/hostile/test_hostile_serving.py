@@ -24,8 +24,7 @@ from glassformer.errors import InputError
 from glassformer.generation.config import GenerationConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams
 from glassformer.serving.api.server import ServerConfig
-from glassformer.serving.errors import EngineStopped
-from glassformer.serving.requests import CapacityError
+from glassformer.serving.errors import CapacityError, EngineStopped
 
 NAN, INF = float("nan"), float("inf")
 
@@ -125,7 +124,7 @@ def test_a_hundred_requests_mixing_beams_on_a_small_pool_all_end(model, one_thre
         assert result.stop_reason in ("max_new_tokens", "cancelled"), result.stop_reason
         if result.stop_reason == "max_new_tokens":
             assert len(result.generated_ids) == params.max_new_tokens
-    assert engine.blocks.stats().used == 0
+    assert engine.blocks.used == 0
 
 
 def test_a_beam_group_too_large_for_the_pool_is_refused_at_once_and_the_rest_served(model):
@@ -155,7 +154,7 @@ def test_a_group_that_cannot_start_on_an_empty_pool_ends_alone_with_an_error(mod
         assert steps < 100, "the engine stopped making progress"
     events = list(big)
     assert events[-1].stop_reason == "error" and "CapacityError: beams: 3 sequence(s)" in events[-1].error
-    assert small.wait(0).stop_reason == "max_new_tokens" and blocks.stats().used == 0
+    assert small.wait(0).stop_reason == "max_new_tokens" and blocks.used == 0
 
 
 @pytest.mark.parametrize(("block_size", "beams"), [(1, (4,)), (2, (4,)), (1, (4, 1))])

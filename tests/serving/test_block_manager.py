@@ -24,7 +24,7 @@ def test_grow_and_release_return_every_block():
     seq = _seq(range(10))
     assert bm.grow(seq, 10) == [] and len(seq.block_table) == 3
     assert bm.grow(_seq(range(30)), 30) is None  # 8 blocks needed, 5 free: nothing taken
-    assert bm.stats().used == 3 and bm.stats().free == 5
+    assert bm.used == 3 and bm.free_count == 5
     bm.release(seq)
     _whole(bm)
 
@@ -42,8 +42,8 @@ def test_a_shared_prefix_reuses_full_blocks_only():
     for s in (first, second, other):
         bm.release(s)
     _whole(bm)
-    assert bm.stats().cached == 2
-    assert bm.stats().prefix_hit_tokens == 8
+    assert bm.cached == 2
+    assert bm.hit_tokens == 8
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token():
@@ -72,7 +72,7 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_freed_first():
     _computed(bm, new, 2)
     bm.release(old)
     bm.release(new)
-    assert bm.stats().cached == 2
+    assert bm.cached == 2
     taker = _seq(range(6))
     assert bm.grow(taker, 6) is not None  # three blocks: the two never used, then old's
     assert bm.match_prefix(_seq([1, 2, 3])) == 0  # evicted
@@ -104,7 +104,7 @@ def test_prefix_caching_off_never_hits():
     bm = BlockManager(8, 2, prefix_caching=False)
     first = _seq(range(6))
     _computed(bm, first, 6)
-    assert bm.match_prefix(_seq(range(6))) == 0 and bm.stats().cached == 0
+    assert bm.match_prefix(_seq(range(6))) == 0 and bm.cached == 0
 
 
 def test_invalid_sizes_are_refused():

@@ -13,8 +13,7 @@ from glassformer.errors import InputError
 from glassformer.generation.config import RequestParams
 from glassformer.generation.paths import MODULES
 from glassformer.serving import Engine, EngineConfig
-from glassformer.serving.flex_paged import FLEX_BLOCK
-from glassformer.serving.graph_path import FLEX_CUDA_HEAD_DIM, GRAPH, GraphPath
+from glassformer.serving.graph_path import FLEX_BLOCK, FLEX_CUDA_HEAD_DIM, GRAPH, GraphPath
 from glassformer.serving.kv_pool import KVPool
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

@@ -9,10 +9,10 @@ import torch
 from glassformer.serving import Engine, EngineConfig
 from glassformer.serving.graph_path import GRAPH
 from glassformer.serving.kv_pool import KVPool
-from glassformer.serving.paged_attention import PagedView, slots_of
+from glassformer.serving.paged_attention import PagedView
 from glassformer.serving.row_tiles import RowTiles
-from glassformer.serving.rows import RequestRows
 from glassformer.serving.runner import ModelRunner
+from glassformer.serving.step import RequestRows, slots_of
 
 CONFIG = EngineConfig(block_size=4, n_blocks=96, max_batch=8, token_budget=32)
 

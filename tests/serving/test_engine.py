@@ -10,7 +10,7 @@ from glassformer.accel.quantize import quantize_model
 from glassformer.generation.generate import GenerationConfig, generate
 from glassformer.generation.sampling import SamplingConfig
 from glassformer.serving import Engine, EngineConfig, RequestParams, sampler
-from glassformer.serving.requests import CapacityError
+from glassformer.serving.errors import CapacityError
 
 GREEDY = RequestParams(max_new_tokens=12, eos_ids=())
 SAMPLED = RequestParams(max_new_tokens=12, eos_ids=(), seed=5,
@@ -45,8 +45,7 @@ def _run(model, todo, config, arrivals=None, cancel=()):
 
 
 def _assert_whole(engine):
-    stats = engine.blocks.stats()
-    assert stats.used == 0 and stats.free == engine.blocks.n_blocks
+    assert engine.blocks.used == 0 and engine.blocks.free_count == engine.blocks.n_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 

@@ -35,8 +35,7 @@ def test_beam_search_equals_generate_and_leaks_nothing(tiny, prompts, beams, blo
     other = engine.submit(prompts([5], seed=9)[0], RequestParams(max_new_tokens=8, eos_ids=()))
     engine.run_until_done()
     _assert_as_generate(model, prompts, handles, expected, other)
-    stats = engine.blocks.stats()
-    assert stats.used == 0 and stats.free == engine.blocks.n_blocks
+    assert engine.blocks.used == 0 and engine.blocks.free_count == engine.blocks.n_blocks
 
 
 def test_beams_share_the_prompt_blocks(tiny, prompts):
@@ -49,7 +48,7 @@ def test_beams_share_the_prompt_blocks(tiny, prompts):
     assert members[0].block_table[:4] == members[1].block_table[:4] == members[2].block_table[:4]
     assert engine.blocks.blocks[members[0].block_table[0]].ref_count == 3
     engine.run_until_done()
-    assert engine.blocks.stats().used == 0
+    assert engine.blocks.used == 0
 
 
 def test_beam_text_and_cancel(tiny):
@@ -67,7 +66,7 @@ def test_beam_text_and_cancel(tiny):
     engine.step()
     cancelled.cancel()
     engine.run_until_done()
-    assert cancelled.wait(0).stop_reason == "cancelled" and engine.blocks.stats().used == 0
+    assert cancelled.wait(0).stop_reason == "cancelled" and engine.blocks.used == 0
     with pytest.raises(ValueError, match="beams"):
         RequestParams(beams=2, sampling=SamplingConfig(temperature=1.0))
 
@@ -122,7 +121,7 @@ def test_beams_on_a_pool_with_few_free_blocks_wait_their_turn_and_equal_generate
         assert steps < 300, "the engine stopped making progress"
     assert engine.scheduler.preemptions > 0  # the pool was short: groups had to give way
     _assert_as_generate(model, prompts, handles, want, plain)
-    assert engine.blocks.stats().used == 0
+    assert engine.blocks.used == 0
 
 
 def test_best_beams_are_the_ranked_beams_with_their_exact_log_probs(tiny, prompts):

@@ -1,5 +1,5 @@
 """The graph executor (serving/graph_path.py) and its FlexAttention paged attention
-(serving/flex_paged.py) against the module path over the same pool."""
+(serving/graph_path.py) against the module path over the same pool."""
 
 import pytest
 import torch
@@ -8,12 +8,18 @@ from glassformer.generation.config import RequestParams, Steer
 from glassformer.generation.paths import MODULES
 from glassformer.model.sink import SinkPolicy
 from glassformer.serving import Engine, EngineConfig
-from glassformer.serving.flex_paged import FlexPagedCache, paged_block_mask
-from glassformer.serving.graph_path import BUCKETS, GRAPH, GraphPath, bucket_of
+from glassformer.serving.graph_path import (
+    BUCKETS,
+    GRAPH,
+    FlexPagedCache,
+    GraphPath,
+    bucket_of,
+    paged_block_mask,
+)
 from glassformer.serving.kv_pool import KVPool
-from glassformer.serving.paged_attention import PagedView, slots_of
-from glassformer.serving.rows import RequestRows
+from glassformer.serving.paged_attention import PagedView
 from glassformer.serving.sequence import Sequence
+from glassformer.serving.step import RequestRows, slots_of
 
 
 def _engine(model, graph: bool, max_batch: int = 4) -> Engine:

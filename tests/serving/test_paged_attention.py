@@ -6,8 +6,8 @@ import torch
 from glassformer import Transformer, get_preset
 from glassformer.model.layers.attention_backends import reference_attention
 from glassformer.serving.kv_pool import KVPool, bytes_per_block, quantize_kv
-from glassformer.serving.paged_attention import PagedView, slots_of
-from glassformer.serving.rows import RequestRows
+from glassformer.serving.paged_attention import PagedView
+from glassformer.serving.step import RequestRows, slots_of
 
 
 def _setup(kv_dtype="fp32", block_size=4, n_blocks=32, H=4, KV=2, d=8, **changes):

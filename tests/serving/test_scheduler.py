@@ -5,13 +5,16 @@ import pytest
 from glassformer.serving import EngineConfig
 from glassformer.serving.beam import BeamGroup
 from glassformer.serving.block_manager import BlockManager
-from glassformer.serving.paged_attention import query_group
 from glassformer.serving.scheduler import Scheduler
 from glassformer.serving.sequence import RequestParams, Sequence, Status
 
 
 def _seq(n_prompt: int, max_new: int = 4) -> Sequence:
     return Sequence(list(range(1, n_prompt + 1)), RequestParams(max_new_tokens=max_new), 1000)
+
+
+def query_group(block_size: int, token_budget: int) -> int:
+    return EngineConfig(block_size=block_size, token_budget=token_budget, max_batch=1).query_group
 
 
 def _scheduler(blocks: BlockManager, max_batch: int, token_budget: int, attention: str = "reference"):
@@ -179,7 +182,7 @@ def test_a_group_that_cannot_start_on_an_empty_pool_is_refused_not_spun_on():
     plan = sched.schedule()
     assert plan.refused == [group.root] and not plan.scheduled and list(sched.waiting) == [later]
     assert [s for s, _ in sched.schedule().scheduled] == [later]
-    assert bm.stats().used == 1
+    assert bm.used == 1
 
 
 def test_the_budget_must_cover_a_full_batch():

@@ -24,7 +24,7 @@ def _events(model, todo, config, fused):
             handles.append(engine.submit(*todo[step]))
         engine.step()
         step += 1
-    assert engine.blocks.stats().used == 0
+    assert engine.blocks.used == 0
     return [[(e.token_id, e.logprobs) for e in h if e.token_id is not None] for h in handles]
 
 

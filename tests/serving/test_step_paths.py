@@ -14,8 +14,8 @@ from glassformer.generation.paths import FUSED, MODULES, Asks, Path, choose_path
 from glassformer.model.transformer import Transformer
 from glassformer.serving import Engine, EngineConfig, runner
 from glassformer.serving.executors import FUSED_PROMPT_TOKENS, FusedPath
-from glassformer.serving.rows import RequestRows
 from glassformer.serving.sequence import Sequence
+from glassformer.serving.step import RequestRows
 
 pytestmark = pytest.mark.usefixtures("kernels")
 

@@ -63,8 +63,7 @@ def test_cancel_stops_a_stream_and_frees_its_blocks(tiny, prompts):
         assert events[-1].finished and events[-1].stop_reason == "cancelled"
         assert handle.wait(TIMEOUT).stop_reason == "cancelled"
         assert len(events) < 50
-    stats = engine.blocks.stats()
-    assert stats.used == 0 and stats.free == engine.blocks.n_blocks
+    assert engine.blocks.used == 0 and engine.blocks.free_count == engine.blocks.n_blocks
 
 
 def test_close_cancels_what_is_left_and_the_thread_ends(tiny, prompts):

@@ -30,15 +30,13 @@ from ...interpret.lens_page import lens_data
 from ...interpret.steer import SteeringVector
 from ...model.sites import Site, model_site
 from .. import Engine, EngineConfig, Event, RequestHandle
-from ..capture import answer_bytes
-from ..errors import EngineStopped
-from ..requests import CapacityError
+from ..errors import CapacityError, EngineStopped
 from . import choices, errors, responses
 from .errors import APIError
 from .metrics import ServerMetrics
 from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, SamplingFields, Usage, new_id, now
 from .steering import SteeringVectors
-from .tracing import Tracer
+from .tracing import Tracer, answer_bytes
 from .ui_live import Live, live_sites
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
@@ -201,7 +199,7 @@ class Server:
 
     def check_capture_size(self, fields: SamplingFields, traced: tuple[Site, ...], tokens: int) -> None:
         """400 for a request whose trace sites and lens would make more than max_capture_mb of
-        its answer's JSON (capture.answer_bytes; at 0, any trace or lens)."""
+        its answer's JSON (tracing.answer_bytes; at 0, any trace or lens)."""
         asked = fields.glassformer
         lens, layers = (None, None) if asked.lens is None else (asked.lens.top_k, asked.lens.layers)
         size = answer_bytes(self.language_model.config, traced, lens, tokens,

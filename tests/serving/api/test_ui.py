@@ -38,10 +38,10 @@ def test_state_agrees_with_the_engine(used_server):
     url, engine = used_server
     state = httpx.get(f"{url}/ui/state").json()
     counts = {kind: sum(b["state"] == kind for b in state["blocks"]) for kind in ("free", "cached", "used")}
-    pool = engine.blocks.stats()
+    pool = engine.blocks
     assert len(state["blocks"]) == engine.blocks.n_blocks
     assert counts["cached"] == pool.cached > 0 and counts["used"] == 0
-    assert state["prefix_hit_tokens"] == pool.prefix_hit_tokens > 0
+    assert state["prefix_hit_tokens"] == pool.hit_tokens > 0
     assert state["finished"] == 3 and state["requests"] == []
     rows = [row for step in state["steps"] for row in step["rows"]]
     assert sum(row["kind"] == "decode" for row in rows) == 3 * 19  # every token after the first
@@ -66,7 +66,7 @@ def test_page_renders_in_chromium(used_server):
             page.goto(f"{url}/ui")
             page.wait_for_selector("#timeline .step")
             assert page.locator("#blocks .block").count() == engine.blocks.n_blocks
-            assert page.locator("#blocks .block.cached").count() == engine.blocks.stats().cached
+            assert page.locator("#blocks .block.cached").count() == engine.blocks.cached
             assert page.locator("#timeline .step").count() == len(engine.trace)
             assert page.locator("#timeline .row.prefill").count() > 0
             assert page.locator("#timeline .row.decode").count() == 3 * 19
