@@ -30,6 +30,7 @@ _SCALARS = {
     GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
     GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,26 @@ class GGUFFile:
             self._check_count(count, struct.calcsize(fmt))
             return np.frombuffer(self._take(count * struct.calcsize(fmt)), fmt).tolist()
         self._check_count(count, 8)
+        if item == GGUFValueType.STRING:
+            return self._strings(count)
         return [self._value(item) for _ in range(count)]
+
+    def _strings(self, count: int) -> list[str]:
+        """`count` strings in one tight loop (a vocabulary holds tens of thousands), each
+        length and body bounds-checked as `_take` checks them."""
+        data, pos, end, strings = self._map, self._pos, len(self._map), []
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            (length,) = _U64.unpack_from(data, pos)
+            if pos + 8 + length > end:
+                break
+            strings.append(data[pos + 8:pos + 8 + length].decode("utf-8"))
+            pos += 8 + length
+        self._pos = pos
+        if len(strings) < count:
+            self._string()  # the read that runs past the end raises, naming the byte
+        return strings
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self._string()
