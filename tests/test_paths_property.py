@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -210,7 +211,11 @@ def cases(draw) -> Case:
                 others, [draw(st.integers(0, 4)) for _ in range(4)])
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+# 200 draws; test_forced_decisions.py reruns it on fewer under each forced decision
+EXAMPLES = int(os.environ.get("GLASSFORMER_PROPERTY_EXAMPLES", "200"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
 @given(case=cases())
 def test_every_path_computes_what_the_module_path_computes(case):
