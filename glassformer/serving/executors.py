@@ -24,10 +24,11 @@ from ..generation.paths import FUSED, MODULES, fused_source
 from ..model.layers.positions import RopeAngles
 from ..model.transformer import Transformer
 from .adapters import Adapters
-from .capture import Inspection, LensRows
+from .capture import Inspection
 from .config import EngineConfig
 from .kv_pool import KVPool
 from .paged_attention import PagedView
+from .sequence import Sequence
 from .step import RequestRows, StepBatch, flat_rows
 
 # Prompts up to this many tokens take the fused step; a longer one's prompt rows keep the
@@ -113,7 +114,7 @@ class RopeTables:
 @dataclass(frozen=True)
 class Executed:
     hidden: torch.Tensor  # (N, d) each row's residual stream after the last block
-    lens: LensRows  # the lens requests' kept residual rows, read out with the rest
+    lens: dict[Sequence, dict[str, torch.Tensor]]  # lens request -> site -> its kept rows (n, d)
 
 
 class ModulePath:

@@ -61,17 +61,17 @@ class ModelRunner:
         of their tokens in this step, in batch order."""
         self.pool.reserve(1 + max((b for r in batch.requests for b in r.seq.block_table), default=-1))
         self.pool.copy_blocks(batch.copies)
-        hidden, lenses = None, []
+        hidden, lens = None, {}
         for executor in self.executors:
             share = batch.on(executor.name)
             if share is None:
                 continue
             done = executor.execute(share)
-            lenses.append(done.lens)
+            lens |= done.lens
             if share is batch:
                 hidden = done.hidden
             else:
                 if hidden is None:
                     hidden = done.hidden.new_empty(len(batch.ids), done.hidden.shape[-1])  # (N, d)
                 hidden[share.index.to(hidden.device)] = done.hidden
-        return step_logits(self.layers, batch, hidden, lenses)
+        return step_logits(self.layers, batch, hidden, lens)
