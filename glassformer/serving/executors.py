@@ -23,7 +23,7 @@ from ..accel.fast_decode import why_not
 from ..generation.paths import FUSED, MODULES, fused_source
 from ..model.layers.positions import RopeAngles
 from ..model.transformer import Transformer
-from .adapters import Adapters
+from .adapters import Adapters, ServedAdapter
 from .capture import Inspection
 from .config import EngineConfig
 from .kv_pool import KVPool
@@ -163,7 +163,8 @@ class FusedPath:
     name = FUSED
 
     def __init__(self, model: Transformer, pool: KVPool, config: EngineConfig, rope: RopeTables | None,
-                 adapters: Adapters | None) -> None:
+                 adapters: dict[str, ServedAdapter]) -> None:
+        """`adapters`: the loaded LoRA adapters by name (Adapters.loaded)."""
         self.model, self.pool, self.rope, self.adapters = model, pool, rope, adapters
         self.refused = pool_refusal("the fused step", config)  # every row's, or None
 

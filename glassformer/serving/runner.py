@@ -40,7 +40,7 @@ class ModelRunner:
             tile_norms(self.layers)
         rope = RopeTables(model) if model.config.position == "rope" else None
         first = (GraphPath(model, pool, config, rope, deterministic) if config.compile
-                 else FusedPath(model, pool, config, rope, adapters))
+                 else FusedPath(model, pool, config, rope, adapters.loaded))
         # adapters are built for the fused step too where rows may take it
         fused = first.name == FUSED and first.refused is None and can_build(model)
         adapters.install(self.layers, wrap, fused)
