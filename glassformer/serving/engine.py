@@ -10,6 +10,7 @@ waits. `submit` and `cancel` are safe from any thread: they only queue work for 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -84,6 +85,7 @@ class Engine:
         self.stats = EngineStats()
         self.trace: deque[StepTrace] = deque(maxlen=config.trace_length)
         self._handles: dict[str, tuple[Sequence, RequestHandle]] = {}
+        self._ids = itertools.count()  # the numbers of requests submitted without an id
         self._wakeups = Wakeups()  # the asyncio readers to wake after this step (handle.py)
         self._inbox: list[Sequence] = []
         self._cancels: set[str] = set()
@@ -104,6 +106,7 @@ class Engine:
         prompt = check_request(self.model, prompt, params, self.window, self.config.sink, self.blocks,
                                self.tokenizer is not None)
         eos = eos_ids(params, self.tokenizer)
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id, self.runner.device)
         unit = BeamGroup(seq, self.tokenizer, mc.context_length) if params.beams > 1 else seq
         handle = RequestHandle(seq.id, self.cancel)
