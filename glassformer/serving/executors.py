@@ -17,6 +17,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import why_not
@@ -201,10 +202,7 @@ class FusedPath:
     def execute(self, batch: StepBatch) -> Executed:
         fused, requests = self.model.fused_step(), batch.requests
         counts = torch.tensor([r.n for r in requests])  # (R,)
-        width = max(len(r.slots) for r in requests)
-        slots = torch.zeros(len(requests), width, dtype=torch.long)  # (R, S): slots past a row's own unread
-        for i, r in enumerate(requests):
-            slots[i, : len(r.slots)] = r.slots
+        slots = pad_sequence([r.slots for r in requests], batch_first=True)  # (R, S): past a row's own unread
         slots = slots.repeat_interleave(counts, dim=0)  # (B, S): a row's request's
         x = self.model.embed(batch.ids[None], batch.positions[None])[0]  # (B, d)
         # per kind of layer, (B, rotated) each
