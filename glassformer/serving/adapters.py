@@ -95,18 +95,9 @@ class Adapters:
         self.config, self.base, self.dtype, self.device = config, base, dtype, device
         self.wrap: Callable[[nn.Module], nn.Module] = itself  # the view's own (install)
         self.fused_step = False  # whether rows may take the fused step (install)
-        self._by_name: dict[str, ServedAdapter] = {}
+        self.loaded: dict[str, ServedAdapter] = {}  # name -> adapter
         self._loads = itertools.count()
         self.step: list[tuple[ServedAdapter, torch.Tensor]] = []  # (adapter, its rows (m,)) now
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._by_name
-
-    def __getitem__(self, name: str) -> ServedAdapter:
-        return self._by_name[name]
-
-    def names(self) -> list[str]:
-        return list(self._by_name)
 
     def read(self, name: str, path: str | Path) -> ServedAdapter:
         """An adapter folder read and checked against the served model (nothing is registered)."""
@@ -141,14 +132,6 @@ class Adapters:
         fused = fused_adapter(self.config.n_layers, factors) if self.fused_step else None
         return ServedAdapter(name, str(folder), config, ("lora", name, next(self._loads)), updates, fused)
 
-    def add(self, adapter: ServedAdapter) -> None:
-        if adapter.name in self._by_name:
-            raise InputError("lora_name", f"{adapter.name!r} is loaded already; unload it first")
-        self._by_name[adapter.name] = adapter
-
-    def remove(self, name: str) -> None:
-        del self._by_name[name]
-
     def install(self, view: Transformer, wrap: Callable[[nn.Module], nn.Module],
                 fused_step: bool = False) -> None:
         """Wrap each targeted product of the runner's view (a copy: the model is untouched);
@@ -162,7 +145,7 @@ class Adapters:
     @contextmanager
     def rows(self, groups: dict[str, list[int]], device: torch.device) -> Iterator[None]:
         """For one step: adapter name -> the rows (of the step's flat sequence) that use it."""
-        self.step = [(self._by_name[name], torch.tensor(rows, device=device))
+        self.step = [(self.loaded[name], torch.tensor(rows, device=device))
                      for name, rows in groups.items()]
         try:
             yield

@@ -6,8 +6,8 @@ requests that asked, and a step where none asks installs none (a hook returning 
 nothing). `Inspection` orders them: edits first (steering, head ablation: `RequestParams.steer`
 / `ablate`, on that request's rows of a copy, so every other row keeps its bits; α = 0 installs
 nothing), then the reads: captured sites (`RequestParams.capture`, the sites with a token axis)
-and the lens rows (LensRows: the residuals a lens request reads, kept for one step and read out
-with the step's other rows, read_out.py). On the fused step, which copies out the residuals and
+and the lens rows (lens_hooks: the residuals a lens request reads, kept for one step and read
+out with the step's other rows, read_out.py). On the fused step, which copies out the residuals and
 what each block adds (generation/paths.py `fused_source`), the same reads are fed those copies.
 """
 
@@ -18,12 +18,12 @@ from collections.abc import Sequence as Listed
 import torch
 
 from ..generation.paths import fused_source
-from ..interpret.lens import lens_sites, top_of
+from ..interpret.lens import lens_sites
 from ..model.config import ModelConfig
 from ..model.hooks import HookFn
 from ..model.sites import Site
 from .sequence import Sequence
-from .step import RequestRows, flat_rows, recounted
+from .step import RequestRows, recounted
 
 
 class Inspection:
@@ -34,9 +34,9 @@ class Inspection:
     def __init__(self, config: ModelConfig, requests: Listed[RequestRows], own_rows: bool = False) -> None:
         parts = [r for r in requests if r.seq.params.inspects]
         parts = recounted(parts) if own_rows else parts
-        self.lens = LensRows(config, parts)
+        self.lens: dict[Sequence, dict[str, torch.Tensor]] = {}  # lens request -> site -> (n, d)
         self.edits = edit_hooks(parts)
-        self.reads: list[dict[str, HookFn]] = [capture_hooks(parts), self.lens.hooks()]
+        self.reads: list[dict[str, HookFn]] = [capture_hooks(parts), lens_hooks(config, parts, self.lens)]
 
     def feed(self, emitted: dict[str, torch.Tensor | None]) -> None:
         """Hand each asked site's rows of the fused step's copies (fused_source's name ->
@@ -92,6 +92,21 @@ def capture_hooks(parts: list[RequestRows]) -> dict[str, HookFn]:
     return dict.fromkeys(sites, keep)
 
 
+def lens_hooks(config: ModelConfig, parts: list[RequestRows],
+               kept: dict[Sequence, dict[str, torch.Tensor]]) -> dict[str, HookFn]:
+    """Hooks that keep, for each request's rows of the step that reads the lens, a copy of
+    those rows of each residual its lens reads, in `kept` (request -> site -> (n, d))."""
+    sites = {r.seq: lens_sites(config, r.seq.params.lens_layers)
+             for r in parts if r.seq.params.lens is not None}
+
+    def keep(tensor: torch.Tensor, site: str) -> None:
+        for r in parts:
+            if site in sites.get(r.seq, ()):
+                kept.setdefault(r.seq, {})[site] = tensor[0, r.rows].clone()  # (n, d)
+
+    return dict.fromkeys(set().union(*sites.values()), keep)
+
+
 def captured(seq: Sequence, positions: range | None = None) -> dict[str, torch.Tensor] | None:
     """Each asked site's rows at `positions` (None: every one kept), stacked on its token axis
     with a batch of 1: the layout glassformer.trace gives the same site for those tokens."""
@@ -110,75 +125,6 @@ def new_rows(seq: Sequence) -> dict[str, torch.Tensor] | None:
     the prompt's with the first token, then the row that predicted the newest."""
     end = seq.num_tokens - 1  # the newest token's own row is computed in the next step
     return captured(seq, range(0 if len(seq.generated) == 1 else end - 1, end))
-
-
-class LensRows:
-    """The residual rows of the step's requests that read the lens, kept while the blocks run
-    (`hooks`: one copy per site of every lens request's rows), then read out with every other
-    row of the step (read_out.py: `rows`, `take`, `store`)."""
-
-    def __init__(self, config: ModelConfig, parts: list[RequestRows]) -> None:
-        self.parts = [r for r in parts if r.seq.params.lens is not None]
-        self.sites = [lens_sites(config, r.seq.params.lens_layers) for r in self.parts]
-        self.last = lens_sites(config)[-1]  # the residual the final norm and head read
-        self.vocab_size = config.vocab_size
-        self.index = flat_rows(self.parts) if self.parts else None  # (M,) the lens requests' rows
-        self.kept: dict[str, torch.Tensor] = {}  # site -> (M, d)
-        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request: ids, probabilities
-
-    def hooks(self) -> dict[str, HookFn]:
-        if not self.parts:
-            return {}
-
-        def keep(tensor: torch.Tensor, site: str) -> None:
-            self.kept[site] = tensor[0].index_select(0, self.index.to(tensor.device))  # (M, d)
-
-        return dict.fromkeys(set().union(*self.sites), keep)
-
-    def rows(self) -> torch.Tensor | None:
-        """Every lens request's kept rows, request by request, site by site: (R, d), R = Σ
-        sites × rows; None when no request reads the lens."""
-        if not self.parts:
-            return None
-        chunks, offset = [], 0
-        for r, sites in zip(self.parts, self.sites, strict=True):
-            chunks += [self.kept[site][offset : offset + r.n] for site in sites]  # (n, d) each
-            offset += r.n
-            k = min(r.seq.params.lens, self.vocab_size)
-            self.tops.append((torch.empty(len(sites) * r.n, k, dtype=torch.long),
-                              torch.empty(len(sites) * r.n, k)))  # (sites × n, k): ids, probabilities
-        self.kept.clear()
-        return torch.cat(chunks)
-
-    def output_row(self, seq: Sequence) -> int | None:
-        """The row of `rows` that holds seq's output: its last residual at its last position,
-        where it reads that one and reaches its end in this step; else None."""
-        first = 0
-        for r, sites in zip(self.parts, self.sites, strict=True):
-            if r.seq is seq:
-                reads = r.ends and self.last in sites
-                return first + sites.index(self.last) * r.n + r.n - 1 if reads else None
-            first += len(sites) * r.n
-        return None
-
-    def take(self, logits: torch.Tensor, start: int) -> None:
-        """The top-k of the read-out of rows start .. start + len(logits) - 1 of `rows`."""
-        first = 0
-        for ids, probs in self.tops:  # each request's rows in this call
-            lo, hi = max(first, start), min(first + ids.shape[0], start + logits.shape[0])
-            if lo < hi:
-                ids[lo - first : hi - first], probs[lo - first : hi - first] = top_of(
-                    logits[lo - start : hi - start], ids.shape[1])
-            first += ids.shape[0]
-
-    def store(self) -> None:
-        """Each request's top-k per site of its layers, kept on it by position (a request
-        recomputed after preemption overwrites its own)."""
-        for r, sites, (ids, probs) in zip(self.parts, self.sites, self.tops, strict=True):
-            ids, probs = ids.view(len(sites), r.n, -1), probs.view(len(sites), r.n, -1)  # (sites, n, k)
-            for i in range(r.n):
-                r.seq.lens[r.seq.num_computed + i] = (ids[:, i], probs[:, i])  # (sites, k) each
-        self.tops.clear()
 
 
 def lens_of(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -10,6 +10,7 @@ waits. `submit` and `cancel` are safe from any thread: they only queue work for 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -84,6 +85,7 @@ class Engine:
         self.stats = EngineStats()
         self.trace: deque[StepTrace] = deque(maxlen=config.trace_length)
         self._handles: dict[str, tuple[Sequence, RequestHandle]] = {}
+        self._ids = itertools.count()  # the numbers of requests submitted without an id
         self._wakeups = Wakeups()  # the asyncio readers to wake after this step (handle.py)
         self._inbox: list[Sequence] = []
         self._cancels: set[str] = set()
@@ -104,6 +106,7 @@ class Engine:
         prompt = check_request(self.model, prompt, params, self.window, self.config.sink, self.blocks,
                                self.tokenizer is not None)
         eos = eos_ids(params, self.tokenizer)
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id, self.runner.device)
         unit = BeamGroup(seq, self.tokenizer, mc.context_length) if params.beams > 1 else seq
         handle = RequestHandle(seq.id, self.cancel)
@@ -113,10 +116,10 @@ class Engine:
             if seq.id in self._handles:
                 raise InputError("request_id", f"{seq.id!r} is already in use")
             if params.adapter is not None:
-                if params.adapter not in self.adapters:
+                if params.adapter not in self.adapters.loaded:
                     raise UnknownAdapter("adapter", f"no LoRA adapter named {params.adapter!r} is loaded "
-                                     f"(loaded: {', '.join(self.adapters.names()) or 'none'})")
-                seq.prefix_root = self.adapters[params.adapter].key
+                                     f"(loaded: {', '.join(self.adapters.loaded) or 'none'})")
+                seq.prefix_root = self.adapters.loaded[params.adapter].key
             self._handles[seq.id] = (unit, handle)
             self._inbox.append(seq)
             self._wake.notify_all()
@@ -127,19 +130,21 @@ class Engine:
         (naming lora_name or lora_path) for one this model cannot take."""
         adapter = self.adapters.read(name, path)  # the files are read outside the lock
         with self._wake:
-            self.adapters.add(adapter)
+            if name in self.adapters.loaded:
+                raise InputError("lora_name", f"{name!r} is loaded already; unload it first")
+            self.adapters.loaded[name] = adapter
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving adapter `name`, from any thread: UnknownAdapter when none is loaded by
         that name, AdapterInUse while requests that name it are unfinished."""
         with self._wake:
-            if name not in self.adapters:
+            if name not in self.adapters.loaded:
                 raise UnknownAdapter("lora_name", f"no adapter named {name!r} is loaded")
             users = [unit for unit, _ in self._handles.values() if unit.root.params.adapter == name]
             if users:
                 raise AdapterInUse("lora_name", f"{name!r} is in use by {len(users)} unfinished "
                                    "request(s); unload it once they end")
-            self.adapters.remove(name)
+            del self.adapters.loaded[name]
 
     def cancel(self, request_id: str) -> None:
         with self._wake:

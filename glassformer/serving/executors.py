@@ -17,17 +17,19 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..accel.capabilities import CapabilityTable, any_value, only
 from ..accel.fast_decode import why_not
 from ..generation.paths import FUSED, MODULES, fused_source
 from ..model.layers.positions import RopeAngles
 from ..model.transformer import Transformer
-from .adapters import Adapters
-from .capture import Inspection, LensRows
+from .adapters import Adapters, ServedAdapter
+from .capture import Inspection
 from .config import EngineConfig
 from .kv_pool import KVPool
 from .paged_attention import PagedView
+from .sequence import Sequence
 from .step import RequestRows, StepBatch, flat_rows
 
 # Prompts up to this many tokens take the fused step; a longer one's prompt rows keep the
@@ -113,7 +115,7 @@ class RopeTables:
 @dataclass(frozen=True)
 class Executed:
     hidden: torch.Tensor  # (N, d) each row's residual stream after the last block
-    lens: LensRows  # the lens requests' kept residual rows, read out with the rest
+    lens: dict[Sequence, dict[str, torch.Tensor]]  # lens request -> site -> its kept rows (n, d)
 
 
 class ModulePath:
@@ -162,7 +164,8 @@ class FusedPath:
     name = FUSED
 
     def __init__(self, model: Transformer, pool: KVPool, config: EngineConfig, rope: RopeTables | None,
-                 adapters: Adapters | None) -> None:
+                 adapters: dict[str, ServedAdapter]) -> None:
+        """`adapters`: the loaded LoRA adapters by name (Adapters.loaded)."""
         self.model, self.pool, self.rope, self.adapters = model, pool, rope, adapters
         self.refused = pool_refusal("the fused step", config)  # every row's, or None
 
@@ -199,10 +202,7 @@ class FusedPath:
     def execute(self, batch: StepBatch) -> Executed:
         fused, requests = self.model.fused_step(), batch.requests
         counts = torch.tensor([r.n for r in requests])  # (R,)
-        width = max(len(r.slots) for r in requests)
-        slots = torch.zeros(len(requests), width, dtype=torch.long)  # (R, S): slots past a row's own unread
-        for i, r in enumerate(requests):
-            slots[i, : len(r.slots)] = r.slots
+        slots = pad_sequence([r.slots for r in requests], batch_first=True)  # (R, S): past a row's own unread
         slots = slots.repeat_interleave(counts, dim=0)  # (B, S): a row's request's
         x = self.model.embed(batch.ids[None], batch.positions[None])[0]  # (B, d)
         # per kind of layer, (B, rotated) each

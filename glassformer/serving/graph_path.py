@@ -22,7 +22,6 @@ from ..errors import InputError
 from ..model.kv_cache import AttentionFn
 from ..model.layers.masking import AttentionMask
 from ..model.transformer import Transformer
-from .capture import LensRows
 from .config import EngineConfig
 from .executors import CAPABILITIES as MODULE_CAPABILITIES
 from .executors import Executed, RopeTables, pool_refusal
@@ -169,8 +168,7 @@ class GraphPath:
 
     def execute(self, batch: StepBatch) -> Executed:
         hidden = [self._run(batch, start) for start in range(0, len(batch.requests), BUCKETS[-1])]
-        return Executed(torch.cat(hidden) if len(hidden) > 1 else hidden[0],
-                        LensRows(self.model.config, []))
+        return Executed(torch.cat(hidden) if len(hidden) > 1 else hidden[0], {})
 
     def _run(self, batch: StepBatch, start: int) -> torch.Tensor:
         """The residual streams (B, d) of the batch's requests start.. (at most a bucket's)."""

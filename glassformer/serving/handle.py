@@ -73,13 +73,9 @@ class RequestHandle:
         self._cancel = cancel
         self._events: deque[Event] = deque()
         self._lock = threading.Condition()
-        self._finished = False
+        self.finished = False
         self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self.result = None  # the GenerationResult, once finished
-
-    @property
-    def finished(self) -> bool:
-        return self._finished
 
     def cancel(self) -> None:
         """Ask the engine to stop this request; its last event arrives with stop_reason
@@ -91,7 +87,7 @@ class RequestHandle:
         with self._lock:
             self._events.append(event)
             if event.finished:
-                self._finished, self.result = True, result
+                self.finished, self.result = True, result
             self._lock.notify_all()
             waker = self._waker
         if waker is None:
@@ -118,7 +114,7 @@ class RequestHandle:
     def wait(self, timeout: float | None = None):
         """Block until the request finishes; returns its GenerationResult."""
         with self._lock:
-            if not self._lock.wait_for(lambda: self._finished, timeout):
+            if not self._lock.wait_for(lambda: self.finished, timeout):
                 raise TimeoutError(f"{self.request_id}: not finished within {timeout} s")
         return self.result
 

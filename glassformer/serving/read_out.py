@@ -9,47 +9,61 @@ from __future__ import annotations
 
 import torch
 
+from ..interpret.lens import lens_sites, top_of
 from ..model.transformer import Transformer
-from .capture import LensRows
-from .step import StepBatch
+from .sequence import Sequence
+from .step import RequestRows, StepBatch
 
 # Rows read out per call: one pass over the head's weights (the kernels' panel of rows), and a
 # few MB of logits at a time whatever the number of rows (a long prompt's lens).
 LENS_ROWS = 64
 
 
+def output_row(rows: RequestRows, sites: list[str], last: str) -> int | None:
+    """Which of a lens request's rows (site by site) holds its output: its `last` residual (the
+    one the final norm and head read) at its last position, where it reads that one and
+    reaches its end in this step; else None."""
+    return sites.index(last) * rows.n + rows.n - 1 if rows.ends and last in sites else None
+
+
 def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
-                lenses: list[LensRows]) -> torch.Tensor:
+                lens: dict[Sequence, dict[str, torch.Tensor]]) -> torch.Tensor:
     """Next-token logits (R, V) of the batch's requests that reach their end, in batch order,
-    from `hidden` (N, d), each row's residual stream after the last block; each lens request's
-    top-k is kept on it."""
-    kept, bases, total = [], [], 0
-    for lens in lenses:
-        rows = lens.rows()  # (M_i, d) or None
-        bases.append(total)
-        if rows is not None:
-            kept.append(rows)
-            total += rows.shape[0]
-    source, extra = [], []  # each end's row among all rows read; the ends' own last rows
+    from `hidden` (N, d), each row's residual stream after the last block; `lens`: each lens
+    request's kept residuals by site, (n, d) each, whose top-k is kept on it."""
+    config, last = model.config, lens_sites(model.config)[-1]
+    reads, chunks, own, total = [], [], {}, 0  # (rows, sites, first row); rows read; ends' lens rows
     for r in batch.requests:
-        if not r.ends:
-            continue
-        row = next((base + own for base, lens in zip(bases, lenses, strict=True)
-                    if (own := lens.output_row(r.seq)) is not None), None)
-        if row is None:
-            row = total + len(extra)
-            extra.append(hidden[r.last])
-        source.append(row)
-    if extra:
-        kept.append(torch.stack(extra))  # (E, d)
-    if not kept:
-        return hidden.new_zeros(0, model.config.vocab_size)
-    rows = torch.cat(kept) if len(kept) > 1 else kept[0]  # (M, d)
+        if r.seq in lens:
+            sites = lens_sites(config, r.seq.params.lens_layers)
+            reads.append((r, sites, total))
+            chunks += [lens[r.seq][site] for site in sites]  # (n, d) each
+            if (row := output_row(r, sites, last)) is not None:
+                own[r.seq] = total + row
+            total += len(sites) * r.n
+    source = []  # each end's row among all rows read
+    for r in batch.requests:
+        if r.ends and r.seq in own:
+            source.append(own[r.seq])
+        elif r.ends:  # its own last row
+            source.append(total)
+            chunks.append(hidden[r.last : r.last + 1])  # (1, d)
+            total += 1
+    if not chunks:
+        return hidden.new_zeros(0, config.vocab_size)
+    rows = torch.cat(chunks)  # (M, d)
+    tops = []  # each lens request's top-k per row read: ids, probabilities (sites × n, k) each
+    for r, sites, _ in reads:
+        k = min(r.seq.params.lens, config.vocab_size)
+        tops.append((torch.empty(len(sites) * r.n, k, dtype=torch.long), torch.empty(len(sites) * r.n, k)))
     outputs = None
     for c0 in range(0, rows.shape[0], LENS_ROWS):
         logits = model.read_out(rows[c0 : c0 + LENS_ROWS])  # (≤ LENS_ROWS, V)
-        for base, lens in zip(bases, lenses, strict=True):
-            lens.take(logits, c0 - base)
+        for (_, _, first), (ids, probs) in zip(reads, tops, strict=True):
+            lo, hi = max(first, c0), min(first + ids.shape[0], c0 + logits.shape[0])
+            if lo < hi:
+                ids[lo - first : hi - first], probs[lo - first : hi - first] = top_of(
+                    logits[lo - c0 : hi - c0], ids.shape[1])
         if c0 == 0 and source == list(range(logits.shape[0])):  # the ends' rows alone, in order
             outputs = logits  # (R, V), not copied
             continue
@@ -58,6 +72,8 @@ def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
         for j, row in enumerate(source):
             if c0 <= row < c0 + logits.shape[0]:
                 outputs[j] = logits[row - c0]
-    for lens in lenses:
-        lens.store()
+    for (r, sites, _), (ids, probs) in zip(reads, tops, strict=True):
+        ids, probs = ids.view(len(sites), r.n, -1), probs.view(len(sites), r.n, -1)  # (sites, n, k)
+        for i in range(r.n):  # kept by position (a request recomputed after preemption overwrites its own)
+            r.seq.lens[r.seq.num_computed + i] = (ids[:, i], probs[:, i])  # (sites, k) each
     return outputs

@@ -40,7 +40,7 @@ class ModelRunner:
             tile_norms(self.layers)
         rope = RopeTables(model) if model.config.position == "rope" else None
         first = (GraphPath(model, pool, config, rope, deterministic) if config.compile
-                 else FusedPath(model, pool, config, rope, adapters))
+                 else FusedPath(model, pool, config, rope, adapters.loaded))
         # adapters are built for the fused step too where rows may take it
         fused = first.name == FUSED and first.refused is None and can_build(model)
         adapters.install(self.layers, wrap, fused)
@@ -61,17 +61,17 @@ class ModelRunner:
         of their tokens in this step, in batch order."""
         self.pool.reserve(1 + max((b for r in batch.requests for b in r.seq.block_table), default=-1))
         self.pool.copy_blocks(batch.copies)
-        hidden, lenses = None, []
+        hidden, lens = None, {}
         for executor in self.executors:
             share = batch.on(executor.name)
             if share is None:
                 continue
             done = executor.execute(share)
-            lenses.append(done.lens)
+            lens |= done.lens
             if share is batch:
                 hidden = done.hidden
             else:
                 if hidden is None:
                     hidden = done.hidden.new_empty(len(batch.ids), done.hidden.shape[-1])  # (N, d)
                 hidden[share.index.to(hidden.device)] = done.hidden
-        return step_logits(self.layers, batch, hidden, lenses)
+        return step_logits(self.layers, batch, hidden, lens)

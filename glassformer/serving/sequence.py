@@ -3,7 +3,6 @@ picks and checks its next token (its own generator, counts, text stream)."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence as Ids
 from enum import Enum
@@ -22,16 +21,14 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-_ids = itertools.count()
-
-
 class Sequence:
     def __init__(self, prompt: Ids[int], params: RequestParams, vocab_size: int,
                  tokenizer: Decoder | None = None, eos: set[int] | None = None,
-                 request_id: str | None = None, device: torch.device | None = None) -> None:
-        """`device`: the model's, where the request's generator and token counts live (the
-        engine samples there)."""
-        self.id = request_id if request_id is not None else f"req-{next(_ids)}"
+                 request_id: str = "req", device: torch.device | None = None) -> None:
+        """`request_id`: unique in its engine (Engine.submit numbers those not given);
+        `device`: the model's, where the request's generator and token counts live (the engine
+        samples there)."""
+        self.id = request_id
         self.tokens = list(prompt)  # the prompt, then every generated token
         self.prompt_len = len(self.tokens)
         self.params, self.eos = params, eos or set()

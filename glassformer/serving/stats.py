@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .scheduler import Scheduler, StepPlan
@@ -48,6 +48,3 @@ class EngineStats:
         self.running, self.waiting = len(scheduler.running), len(scheduler.waiting)
         self.blocks_used, self.blocks_free, self.blocks_cached = blocks.used, blocks.free_count, blocks.cached
         self.prefix_hit_tokens, self.prefix_query_tokens = blocks.hit_tokens, blocks.query_tokens
-
-    def to_dict(self) -> dict:
-        return asdict(self)

@@ -102,7 +102,7 @@ def test_fused_adapter_rows_equal_the_module_path_s(tiny, prompts, tmp_path, mon
             engine = Engine(served, config=ENGINE)
             engine.load_adapter("a", str(first))
             engine.load_adapter("b", str(second))
-            assert all((engine.adapters[n].fused is not None) == fused for n in "ab")
+            assert all((engine.adapters.loaded[n].fused is not None) == fused for n in "ab")
             return run(engine, requests)
 
     steps = []  # each fused call's row -> adapter index
@@ -160,7 +160,7 @@ def test_bad_adapters_are_refused_and_change_nothing(tiny, tmp_path):
     (good / "adapter_config.json").write_text(json.dumps(settings))
     with pytest.raises(ValueError, match="the adapter was trained on"):
         named.load_adapter("x", str(good))
-    assert engine.adapters.names() == [] and named.adapters.names() == []
+    assert not engine.adapters.loaded and not named.adapters.loaded
     with pytest.raises(ValueError, match="^adapter: no LoRA adapter named 'x'"):
         engine.submit([1, 2], RequestParams(adapter="x"))
     with pytest.raises(TypeError, match="'adapter'"):  # generate applies an adapter to the model

@@ -46,9 +46,9 @@ def test_long_prompts_are_prefilled_in_chunks_while_decodes_keep_flowing():
     for _ in range(4):
         plan = _step(sched)
         assert plan.n_tokens <= 8
-        shares = dict((s.id, n) for s, n in plan.scheduled)
-        assert shares[short.id] == 1  # one decode token every step
-        chunks.append(shares.get(long.id, 0))
+        shares = dict(plan.scheduled)
+        assert shares[short] == 1  # one decode token every step
+        chunks.append(shares.get(long, 0))
     assert chunks == [7, 7, 6, 1]  # three prompt chunks, then its first decode step
 
 

@@ -43,10 +43,9 @@ class UnloadLoRARequest(Strict):
 
 def adapter_models(server: Server) -> list[dict]:
     """/v1/models' entries for the loaded adapters (their base as `parent`)."""
-    adapters = server.engine.adapters
     return [{"id": name, "object": "model", "created": 0, "owned_by": "glassformer",
-             "root": adapters[name].path, "parent": server.config.model_name}
-            for name in adapters.names()]
+             "root": adapter.path, "parent": server.config.model_name}
+            for name, adapter in server.engine.adapters.loaded.items()]
 
 
 def check_enabled(server: Server) -> None:

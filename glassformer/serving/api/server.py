@@ -144,8 +144,8 @@ class Server:
         except ValidationError as error:
             raise errors.from_validation(error) from None
         model = getattr(parsed, "model", self.config.model_name)  # (the adapter routes name none)
-        if model != self.config.model_name and model not in self.engine.adapters:
-            names = ", ".join(repr(n) for n in [self.config.model_name, *self.engine.adapters.names()])
+        if model != self.config.model_name and model not in self.engine.adapters.loaded:
+            names = ", ".join(repr(n) for n in [self.config.model_name, *self.engine.adapters.loaded])
             raise APIError(404, f"model: {model!r} is not served here; use one of {names}",
                            "model", "model_not_found")
         return parsed
