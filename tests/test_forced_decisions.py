@@ -5,8 +5,8 @@ bfloat16 products, oneDNN products, the kernels' target) and the C++ kernels whe
 build. A promise must hold whatever each choice picked, on any CPU, so the tests that carry
 one run again here in a fresh process per choice forced by its environment variable:
 the engine's batch invariance, each product row against the lone row, the cross-path
-property test (on its first RERUN_EXAMPLES derandomized draws: the suite's own run takes
-200), and training's fused passes against the module path. A forced choice that
+property test (on RERUN_EXAMPLES derandomized draws: the suite's own run takes
+150), and training's fused passes against the module path. A forced choice that
 would test nothing new here (the AVX2 target on a CPU whose native build is AVX2) is skipped.
 """
 
@@ -26,7 +26,7 @@ INFERENCE = [ENGINE, PREEMPTED, "tests/accel/test_row_invariance.py", "tests/tes
 # bfloat16 and oneDNN products are training's (autocast, Muon, the fused passes): the engine reads neither
 TRAINING = ["tests/accel/test_fast_training.py", "tests/accel/test_newton_schulz.py"]
 
-RERUN_EXAMPLES = "60"
+RERUN_EXAMPLES = "40"
 
 # the variables forced together, and the tests whose numbers they can change (bfloat16 and
 # oneDNN products both ways in two runs: each reaches different products)

@@ -211,8 +211,8 @@ def cases(draw) -> Case:
                 others, [draw(st.integers(0, 4)) for _ in range(4)])
 
 
-# 200 draws; test_forced_decisions.py reruns it on fewer under each forced decision
-EXAMPLES = int(os.environ.get("GLASSFORMER_PROPERTY_EXAMPLES", "200"))
+# 150 draws; test_forced_decisions.py reruns it on fewer under each forced decision
+EXAMPLES = int(os.environ.get("GLASSFORMER_PROPERTY_EXAMPLES", "150"))
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
