@@ -118,39 +118,24 @@ class BlockManager:
         written = table[first // self.block_size : end]
         return new + sum(1 for b in written if self.blocks[b].ref_count > 1)
 
-    def can_grow(self, seq: Sequence, n_tokens: int, first: int | None = None) -> bool:
-        return self.blocks_needed(seq, n_tokens, first) <= self.free_count
-
     def grow(self, seq: Sequence, n_tokens: int, first: int | None = None) -> list[tuple[int, int]] | None:
         """Extend the block table to hold n_tokens slots and make private every shared block
         that slots from `first` on fall in: the copies made, (source, copy) block ids; None
         (nothing taken) when the free blocks do not suffice for all of it."""
-        if not self.can_grow(seq, n_tokens, first):
+        if self.blocks_needed(seq, n_tokens, first) > self.free_count:
             return None
-        end, copies = self.blocks_for(n_tokens), []
+        table, end, copies = seq.block_table, self.blocks_for(n_tokens), []
         if first is not None:
-            for index in range(first // self.block_size, min(end, len(seq.block_table))):
-                copy = self.write_block(seq, index * self.block_size)
-                if copy is not None:
-                    copies.append(copy)
-        while len(seq.block_table) < end:
-            seq.block_table.append(self._take().id)
+            for index in range(first // self.block_size, min(end, len(table))):
+                block = self.blocks[table[index]]
+                if block.ref_count > 1:  # shared: the write goes into a private copy
+                    copy = self._take()
+                    self._unref(block.id)
+                    table[index] = copy.id
+                    copies.append((block.id, copy.id))
+        while len(table) < end:
+            table.append(self._take().id)
         return copies
-
-    def write_block(self, seq: Sequence, position: int) -> tuple[int, int] | None:
-        """Make the block holding `position` private before it is written: (source, copy)
-        block ids when it was shared and had to be copied, else None. `grow` with `first`
-        counts these copies among the blocks it needs, so the scheduler never gets here short."""
-        index = position // self.block_size
-        block = self.blocks[seq.block_table[index]]
-        if block.ref_count == 1:
-            return None
-        if not self.free_count:
-            raise InputError("blocks", "no free block for a copy-on-write")
-        copy = self._take()
-        self._unref(block.id)
-        seq.block_table[index] = copy.id
-        return block.id, copy.id
 
     def register(self, seq: Sequence) -> None:
         """Key every block of `seq` that its computed tokens have filled, so others reuse it."""
