@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Listed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from ..training.lora import AdapterTensors, LoRAConfig, check_targets, input_sizes, read_lora, target_slices
+from .step import RequestRows
 
 PRODUCTS = ("attn.qkv", "attn.out", "mlp.up", "mlp.down")  # the paths LoRA targets, in a block
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a served adapter's (and steering vector's) name
@@ -73,6 +75,15 @@ def check_tensors(model: ModelConfig, config: LoRAConfig, tensors: AdapterTensor
                                  "base, or another rank")
             if not bool(torch.isfinite(saved).all()):
                 raise InputError(where, f"layer {i} {t} lora_{name} holds non-finite values (NaN or Inf)")
+
+
+def adapter_rows(requests: Listed[RequestRows]) -> dict[str, list[int]]:
+    """Adapter name -> the rows of the flat batch whose requests name it, in order of first use."""
+    groups: dict[str, list[int]] = {}
+    for r in requests:
+        if r.seq.params.adapter is not None:
+            groups.setdefault(r.seq.params.adapter, []).extend(range(r.first, r.first + r.n))
+    return groups
 
 
 def itself(product: nn.Module) -> nn.Module:
@@ -143,10 +154,10 @@ class Adapters:
                 block.set_submodule(path, AdapterRows(block.get_submodule(path), (i, path), self))
 
     @contextmanager
-    def rows(self, groups: dict[str, list[int]], device: torch.device) -> Iterator[None]:
-        """For one step: adapter name -> the rows (of the step's flat sequence) that use it."""
+    def rows(self, requests: Listed[RequestRows], device: torch.device) -> Iterator[None]:
+        """For one step: each adapter the requests name adds its update to their rows."""
         self.step = [(self.loaded[name], torch.tensor(rows, device=device))
-                     for name, rows in groups.items()]
+                     for name, rows in adapter_rows(requests).items()]
         try:
             yield
         finally:

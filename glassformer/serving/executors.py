@@ -1,15 +1,10 @@
-"""The executors of a step, one signature: `execute(share) -> Executed` (each row's residual
-stream after the last block) and `refuses(rows)` (why not, or None; step.py's `route` asks
-them in order, the module path last, taking every row). Every path hands what a request
-inspects to the same hooks (capture.py `Inspection`).
-
-ModulePath: the model's own blocks over the share's rows as one sequence, the paged view as
-each block's cache; its table is the engine's (`CAPABILITIES`). FusedPath: a converted model's
-fused C++ step (`FastDecoder.rows`), every layer for every row in one call, a row's numbers
-those of the fused step for that token alone, bit for bit; it emits the residuals and what
-each block adds for the requests that read only those, and adds adapters built for it.
+"""The executors of a step (step.py `Executor`): `execute(share) -> Executed`, each row's
+residual stream after the last block. ModulePath: the model's own blocks over the share's rows
+as one sequence, the paged view as each block's cache; it takes every row, and its table
+(`CAPABILITIES`) is the engine's. FusedPath: a converted model's fused C++ step
+(`FastDecoder.rows`), every layer for every row in one call, a row's numbers those of the fused
+step for that token alone, bit for bit; it emits the residuals and what each block adds.
 """
-
 
 from __future__ import annotations
 
@@ -24,7 +19,7 @@ from ..accel.fast_decode import why_not
 from ..generation.paths import FUSED, MODULES, fused_source
 from ..model.layers.positions import RopeAngles
 from ..model.transformer import Transformer
-from .adapters import Adapters, ServedAdapter
+from .adapters import Adapters, ServedAdapter, adapter_rows
 from .capture import Inspection
 from .config import EngineConfig
 from .kv_pool import KVPool
@@ -122,7 +117,7 @@ class ModulePath:
     name = MODULES
 
     def __init__(self, layers: Transformer, model: Transformer, pool: KVPool, config: EngineConfig,
-                 rope: RopeTables | None, adapters: Adapters | None, deterministic: bool = False) -> None:
+                 rope: RopeTables | None, adapters: Adapters, deterministic: bool = False) -> None:
         """`layers`: the model's modules as the engine runs them (a view with row-invariant or
         adapter-wrapped products); `model`: the model (its masks, for the paged view);
         `deterministic`: each decoding row's attention in a call of its own (PagedView)."""
@@ -144,16 +139,11 @@ class ModulePath:
         if self.rope is not None:  # per kind of layer, (1, 1, N, rotated) each
             rope = tuple((cos[None, None], sin[None, None])
                          for cos, sin in self.rope.rows(batch.positions, batch.requests))
-        adapted: dict[str, list[int]] = {}  # adapter name -> its rows
-        for r in batch.requests:
-            if r.seq.params.adapter is not None:
-                adapted.setdefault(r.seq.params.adapter, []).extend(range(r.first, r.first + r.n))
         inspection = Inspection(self.model.config, batch.requests)
         with contextlib.ExitStack() as stack:
             for hooks in (inspection.edits, *inspection.reads):  # edits first
                 stack.enter_context(self.layers.hooks.installed(hooks))
-            if adapted:
-                stack.enter_context(self.adapters.rows(adapted, ids.device))
+            stack.enter_context(self.adapters.rows(batch.requests, ids.device))
             x = self.layers.embed(ids, positions)  # (1, N, d)
             for block in self.layers.blocks:
                 x = block(x, None, rope, view)
@@ -207,10 +197,10 @@ class FusedPath:
         x = self.model.embed(batch.ids[None], batch.positions[None])[0]  # (B, d)
         # per kind of layer, (B, rotated) each
         angles = None if self.rope is None else self.rope.rows(batch.positions, requests)
-        adapters = [r.seq.params.adapter for r in requests]
-        names = list(dict.fromkeys(name for name in adapters if name is not None))
-        adapter_of = torch.tensor([-1 if name is None else names.index(name)
-                                   for name in adapters]).repeat_interleave(counts)  # (B,)
+        groups = adapter_rows(requests)  # adapter name -> its rows
+        adapter_of = torch.full(batch.ids.shape, -1)  # (B,) each row's adapter, its index in groups
+        for i, rows in enumerate(groups.values()):
+            adapter_of[rows] = i
         inspecting = [r for r in requests if r.seq.params.inspects]  # capture, lens
         emit = residuals = writes = None
         if inspecting:
@@ -220,7 +210,7 @@ class FusedPath:
             if any(fused_source(site)[0] == "writes" for r in inspecting for site in r.seq.params.capture):
                 writes = torch.empty(m, n_layers, 2, d)  # (M, L, 2, d): attn.out, mlp.out
         h = fused.rows(x, batch.positions, slots, angles, self.pool.keys, self.pool.values,
-                       adapter_of if names else None, [self.adapters[name].fused for name in names],
+                       adapter_of if groups else None, [self.adapters[name].fused for name in groups],
                        emit, residuals, writes)  # (B, d)
         inspection = Inspection(self.model.config, requests, own_rows=True)
         if inspecting:

@@ -1,15 +1,11 @@
 """GraphPath: the engine's plain decoding rows as one compiled step of fixed shapes (on CUDA, a
 recorded graph replayed each step), attending over the paged pool through FlexAttention.
 
-B decoding rows (one new token each) are padded to a bucket (BUCKETS); per bucket, fixed
-buffers (ids, positions, written slots (B,); block tables (B, 1, 1, n) and their lengths) are
-filled on the host and copied once a step, a padding row writing at the pool's scratch block
-and seeing only it. FlexAttention sees the pool of one layer as one sequence of keys; its
-BlockMask lists each row's own blocks and, inside them, the model's rule on positions (a key's:
-its block's place in the table times the block size plus its offset). A row's numbers depend on
-its request alone, and agree with the module path (paged_attention.py) within float32 rounding
-(the products take the bucket at once; deterministic: every step at max_batch's bucket).
-It refuses what its table (`CAPABILITIES`) or its fixed shapes do not compute.
+Rows are padded to a bucket (BUCKETS), a padding row writing at the pool's scratch block and
+seeing only it. FlexAttention sees one layer's pool as one sequence of keys; its BlockMask lists
+each row's own blocks and, inside them, the model's rule on positions (a key's: its block's
+place in the table times the block size plus its offset). A row's numbers depend on its request
+alone and agree with the module path (paged_attention.py) within float32 rounding.
 """
 
 from __future__ import annotations
