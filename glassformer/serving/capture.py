@@ -1,14 +1,9 @@
 """The hooks of the requests that inspect a step, and what they answer.
 
-The step runs every request's new rows as one sequence (step.py), so each site's tensor holds
-all of them along its token axis; the hooks installed for a step touch only the rows of the
-requests that asked, and a step where none asks installs none (a hook returning None changes
-nothing). `Inspection` orders them: edits first (steering, head ablation: `RequestParams.steer`
-/ `ablate`, on that request's rows of a copy, so every other row keeps its bits; α = 0 installs
-nothing), then the reads: captured sites (`RequestParams.capture`, the sites with a token axis)
-and the lens rows (lens_hooks: the residuals a lens request reads, kept for one step and read
-out with the step's other rows, read_out.py). On the fused step, which copies out the residuals and
-what each block adds (generation/paths.py `fused_source`), the same reads are fed those copies.
+The step's rows are one sequence (step.py), so each site's tensor holds every request's rows
+along its token axis; a request's hooks touch only its own rows, and a step where none asks
+installs none. Edits (steering, head ablation) change that request's rows of a copy, so every
+other row keeps its bits; the reads (captured sites, lens rows) see what the next module reads.
 """
 
 from __future__ import annotations
@@ -27,9 +22,8 @@ from .step import RequestRows, recounted
 
 
 class Inspection:
-    """The hooks of a share's inspecting requests: the edits first, so that a site's reads
-    (capture, lens rows) keep what the next module reads. `own_rows`: their rows counted over
-    their own rows alone (the fused step's emitted copies), not over the share's."""
+    """The hooks of a share's inspecting requests, edits first. `own_rows`: their rows counted
+    over their own rows alone (the fused step's emitted copies), not over the share's."""
 
     def __init__(self, config: ModelConfig, requests: Listed[RequestRows], own_rows: bool = False) -> None:
         parts = [r for r in requests if r.seq.params.inspects]
@@ -150,13 +144,3 @@ def site_elements(config: ModelConfig, site: Site, tokens: int) -> int:
 def lens_site_count(config: ModelConfig, lens_layers: tuple[int, ...] | None) -> int:
     """How many residual sites a lens over `lens_layers` (None: every one) reads."""
     return config.n_layers + 1 if lens_layers is None else len(lens_layers)
-
-
-def capture_bytes(config: ModelConfig, sites: tuple[Site, ...], lens: int | None, tokens: int,
-                  lens_layers: tuple[int, ...] | None = None) -> int:
-    """An upper bound on what a request's capture and lens hold over `tokens` positions, as
-    float32 (token ids as int64): every site's tensor at full length."""
-    total = sum(4 * site_elements(config, site, tokens) for site in sites)
-    if lens is not None:
-        total += (4 + 8) * lens_site_count(config, lens_layers) * tokens * min(lens, config.vocab_size)
-    return total

@@ -47,7 +47,7 @@ def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
             source.append(own[r.seq])
         elif r.ends:  # its own last row
             source.append(total)
-            chunks.append(hidden[r.last : r.last + 1])  # (1, d)
+            chunks.append(hidden[r.rows][-1:])  # (1, d)
             total += 1
     if not chunks:
         return hidden.new_zeros(0, config.vocab_size)

@@ -1,9 +1,7 @@
 """One step of the engine as a value: the scheduler's plan as the rows the executors run.
 
-The N new tokens of a step (decode rows and prompt chunks alike) are one flat sequence; a
-request's rows are first .. first + n - 1 of it (RequestRows, the one shape of a request's
-share, read by the executors, the paged attention, the hooks and the read-out). `route` is the
-one decision of a request's path: the first executor that does not refuse its rows.
+The N new tokens of a step (decode rows and prompt chunks alike) are one flat sequence, a
+request's share of it one RequestRows; `route` is the one decision of the path a share takes.
 """
 
 from __future__ import annotations
@@ -41,10 +39,6 @@ class RequestRows:
     @property
     def rows(self) -> slice:
         return slice(self.first, self.first + self.n)
-
-    @property
-    def last(self) -> int:
-        return self.first + self.n - 1
 
     @property
     def prompt(self) -> int:

@@ -10,7 +10,6 @@ from glassformer.accel.quantize import quantize_model
 from glassformer.interpret.lens import logit_lens, residual_sites
 from glassformer.interpret.trace import run_with_cache
 from glassformer.serving import Engine, EngineConfig, RequestParams, read_out
-from glassformer.serving.capture import capture_bytes
 
 
 @pytest.mark.parametrize("mode", [None, "int8", "int4"])
@@ -70,13 +69,6 @@ def test_lens_layers_are_refused_by_name(tiny):
         with pytest.raises(ValueError, match="^lens_layers: "):
             RequestParams(**fields)
     assert RequestParams.from_fields(lens=2, lens_layers=[0, last]).lens_layers == (0, last)
-
-
-def test_capture_bytes_count_the_chosen_layers(tiny):
-    config = tiny().config
-    every = capture_bytes(config, (), 5, 10)
-    assert every == 12 * (config.n_layers + 1) * 10 * 5
-    assert capture_bytes(config, (), 5, 10, (0, 2)) == 12 * 2 * 10 * 5
 
 
 def test_capture_in_one_copy_per_site_equals_run_with_cache(tiny, prompts, run_in_turn):

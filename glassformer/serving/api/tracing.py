@@ -63,10 +63,10 @@ def answer_bytes(config: ModelConfig, sites: tuple[Site, ...], lens: int | None,
                  lens_layers: tuple[int, ...] | None = None, token_json: int = 0,
                  streamed: bool = False) -> int:
     """An upper bound on the JSON an answer carries for a request's trace sites and lens over
-    `tokens` positions (what the server's --max-capture-mb bounds; several times capture.py's
-    capture_bytes). `token_json`: the most characters one token's text takes as a JSON string
-    (quotes and escapes included); `streamed`: the sites the engine keeps go out twice, their
-    rows in each token's chunk (with that chunk's wrapping) and the whole in the last."""
+    `tokens` positions (what the server's --max-capture-mb bounds). `token_json`: the most
+    characters one token's text takes as a JSON string (quotes and escapes included);
+    `streamed`: the sites the engine keeps go out twice, their rows in each token's chunk
+    (with that chunk's wrapping) and the whole in the last."""
     total = 0
     for site in sites:
         copies = 2 if streamed and kept_in_step(site) else 1

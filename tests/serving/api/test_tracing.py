@@ -7,7 +7,7 @@ import httpx
 import torch
 
 from glassformer.interpret.trace import run_with_cache
-from glassformer.serving.api.tracing import Tracer
+from glassformer.serving.api.tracing import Tracer, answer_bytes
 
 MODEL = "tiny"
 SITES = ["blocks.0.attn.pattern", "blocks.1.resid_post", "logits"]
@@ -63,3 +63,9 @@ def test_the_tracers_twin_never_runs_the_engines_hooks(language_model):
         tracer.run(ids, ["logits"])  # the twin is made here, mid-step
     tracer.run(ids, ["logits"])
     assert engine_step == []
+
+
+def test_the_lens_bound_counts_the_chosen_layers(language_model):
+    config = language_model.config
+    one, two, every = (answer_bytes(config, (), 5, 10, layers) for layers in ((0,), (0, 2), None))
+    assert every - one == config.n_layers * (two - one) > 0
