@@ -1,14 +1,11 @@
 """The paged KV cache's bookkeeping: which block of the pool holds which tokens of which sequence
 (token t of a block table lives in block table[t // block_size], slot t % block_size).
 
-- Reference counts: a block may sit in several tables (a shared prefix, forked beams); it is
-  free again when its count drops to zero.
-- Prefix caching: a full block is keyed by a hash of its tokens chained over every block before
-  it (its tokens checked on a hit); a freed block keeps its key until reused, and the free list
-  is least-recently-freed first, so cached blocks are evicted in LRU order.
-- A block comes into being when first taken, in order of ids: a pool costs nothing unused.
-- Copy-on-write: a write into a shared block takes a private copy first; `grow` takes every
-  block a step's writes need, copies included, or none (a short pool makes a request wait).
+A block may sit in several tables (a shared prefix, forked beams) and is free again when its
+reference count drops to zero; a write into a shared block goes into a private copy. A full
+block is keyed by a hash of its tokens chained over every block before it (its tokens checked
+on a hit); a freed block keeps its key until reused, least recently freed first (LRU). A block
+comes into being when first taken, in order of ids: a pool costs nothing unused.
 """
 
 from __future__ import annotations
@@ -108,9 +105,9 @@ class BlockManager:
         return seq.num_computed
 
     def blocks_needed(self, seq: Sequence, n_tokens: int, first: int | None = None) -> int:
-        """The free blocks that holding n_tokens slots takes: the blocks past seq's table, and,
-        where slots from `first` on are to be written, a private copy of each shared block they
-        fall in (copy-on-write: a forked beam's first write into its parent's last block)."""
+        """The free blocks that holding n_tokens slots takes: the blocks past seq's table, and a
+        copy of each shared block that slots from `first` on fall in (a forked beam's first
+        write into its parent's last block)."""
         table, end = seq.block_table, self.blocks_for(n_tokens)
         new = max(0, end - len(table))
         if first is None:
@@ -119,9 +116,9 @@ class BlockManager:
         return new + sum(1 for b in written if self.blocks[b].ref_count > 1)
 
     def grow(self, seq: Sequence, n_tokens: int, first: int | None = None) -> list[tuple[int, int]] | None:
-        """Extend the block table to hold n_tokens slots and make private every shared block
-        that slots from `first` on fall in: the copies made, (source, copy) block ids; None
-        (nothing taken) when the free blocks do not suffice for all of it."""
+        """Extend the block table to hold n_tokens slots, with a private copy of each shared block
+        that slots from `first` on fall in: the copies, (source, copy) block ids; None (nothing
+        taken) when the free blocks do not suffice for all of it (the request waits)."""
         if self.blocks_needed(seq, n_tokens, first) > self.free_count:
             return None
         table, end, copies = seq.block_table, self.blocks_for(n_tokens), []

@@ -42,13 +42,12 @@ _ANGLES = "angles from the model's own inverse frequencies and attention factor"
 # its own, and the masks come from `Transformer.attention_mask`. The module path's table.
 CAPABILITIES = CapabilityTable("serving engine", {
     **{name: any_value(_MODULES) for name in (
-        "vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head",
-        "d_ff", "norm", "norm_placement", "qk_norm", "parallel_block", "norm_eps", "norm_bias",
-        "activation", "gated",
-        "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "final_norm", "tie_embeddings",
-        "dropout", "attention_kernel", "init_std", "n_token_types", "embed_norm", "head",
-        "scale_scores", "scale_head_input", "norm_weight_offset", "embed_scale", "attn_softcap",
-        "final_softcap", "attn_scale")},
+        "vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff",
+        "norm", "norm_placement", "qk_norm", "parallel_block", "norm_eps", "norm_bias", "activation",
+        "gated", "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "final_norm", "tie_embeddings",
+        "dropout", "attention_kernel", "init_std", "n_token_types", "embed_norm", "head", "scale_scores",
+        "scale_head_input", "norm_weight_offset", "embed_scale", "attn_softcap", "final_softcap",
+        "attn_scale")},
     **{name: any_value(_ANGLES) for name in (
         "rope_theta", "rope_scaling", "rope_factor", "rope_original_context", "rope_low_freq_factor",
         "rope_high_freq_factor", "rope_local_theta", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
@@ -94,10 +93,9 @@ class RopeTables:
         self.long = tables(True) if model.rope_long_inv_freq is not None else None
 
     def rows(self, positions: torch.Tensor, requests: list[RequestRows]) -> RopeAngles:
-        """cos and sin of rows at `positions` (N,), (N, rotated) each, per kind of layer. Under
-        LongRoPE the rows of a request whose text is past the original context
-        (Sequence.rope_long, set by the engine) turn by the long set: a whole text by one set,
-        as `generate` and transformers turn it, however its prompt is cut into chunks."""
+        """cos and sin at `positions` (N,), (N, rotated) each, per kind of layer; every row of a
+        request whose text is past LongRoPE's original context (Sequence.rope_long) turns by the
+        long set, as `generate` and transformers turn a whole text by one set."""
         angles = tuple((cos[positions], sin[positions]) for cos, sin in self.short)
         if self.long is None:
             return angles

@@ -1,15 +1,12 @@
 """The engine's paged KV cache as an attention cache (model/kv_cache.py `AttentionCache`).
 
-The model's own blocks run over a step's N new rows as one sequence (B = 1, T = N); each
-attention layer hands the view its q, k, v and its own attention function; the view writes k
-and v at their pool slots, then calls that function over each request's own keys, in position
-order, under the mask the model builds (`Transformer.attention_mask`). Reference: each query
-alone. Fast: a chunk's queries in groups at fixed positions (EngineConfig.query_group), the
-step's single queries together, each padded to whole blocks: a call's shape depends on the
-request's own positions alone. A PyTorch kernel may still round a row otherwise by what shares
-its call (MKL does on AMD EPYC): within float32 rounding here, bit for bit only on the fused
-step. Under a sink policy positions are the cache's and the view rotates the stored, unrotated
-keys (model/sink.py); a chunk past the window attends as the dense sink cache does.
+The model's blocks run over a step's N new rows as one sequence (B = 1, T = N); each attention
+layer hands the view its q, k, v and its attention function; the view writes k and v at their
+pool slots, then calls that function over each request's own keys, in position order, under the
+model's mask. Reference: each query alone. Fast: a chunk's queries in groups at fixed positions
+(EngineConfig.query_group), the step's single queries together, each padded to whole blocks: a
+call's shape depends on the request's own positions alone. Under a sink policy positions are
+the cache's, and the view rotates the stored, unrotated keys (model/sink.py).
 """
 
 from __future__ import annotations
@@ -38,11 +35,9 @@ class PagedView:
                  sink: SinkPolicy | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None, group: int = 1,
                  deterministic: bool = False) -> None:
-        """`sink`: the engine's sink policy, whose keys are stored unrotated, with `rope`, the
-        model's cos and sin (P, d_head) at positions 0..P-1 to rotate them; None: the layers
-        rotated them. `group`: the fast calls' query group (EngineConfig.query_group).
-        `deterministic`: each single query in a call of its own (a GPU kernel may split a row's
-        keys by how many rows share its call)."""
+        """`rope`: the model's cos and sin (P, d_head) at positions 0..P-1, to rotate the keys a
+        sink policy stores unrotated. `deterministic`: each single query in a call of its own
+        (a GPU kernel may split a row's keys by how many rows share its call)."""
         self.pool, self.fast, self.sink, self.model = pool, fast, sink, model
         self.deterministic = deterministic
         self.rotation = rope if sink is not None else None

@@ -32,15 +32,17 @@ def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
     from `hidden` (N, d), each row's residual stream after the last block; `lens`: each lens
     request's kept residuals by site, (n, d) each, whose top-k is kept on it."""
     config, last = model.config, lens_sites(model.config)[-1]
-    reads, chunks, own, total = [], [], {}, 0  # (rows, sites, first row); rows read; ends' lens rows
+    # each lens request's rows, site by site: (rows, first row read, its top-k: ids, probabilities)
+    reads, chunks, own, total = [], [], {}, 0  # reads; rows read; each end's lens row
     for r in batch.requests:
         if r.seq in lens:
             sites = lens_sites(config, r.seq.params.lens_layers)
-            reads.append((r, sites, total))
+            m, k = len(sites) * r.n, min(r.seq.params.lens, config.vocab_size)
+            reads.append((r, total, torch.empty(m, k, dtype=torch.long), torch.empty(m, k)))  # (m, k) each
             chunks += [lens[r.seq][site] for site in sites]  # (n, d) each
             if (row := output_row(r, sites, last)) is not None:
                 own[r.seq] = total + row
-            total += len(sites) * r.n
+            total += m
     source = []  # each end's row among all rows read
     for r in batch.requests:
         if r.ends and r.seq in own:
@@ -52,14 +54,10 @@ def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
     if not chunks:
         return hidden.new_zeros(0, config.vocab_size)
     rows = torch.cat(chunks)  # (M, d)
-    tops = []  # each lens request's top-k per row read: ids, probabilities (sites × n, k) each
-    for r, sites, _ in reads:
-        k = min(r.seq.params.lens, config.vocab_size)
-        tops.append((torch.empty(len(sites) * r.n, k, dtype=torch.long), torch.empty(len(sites) * r.n, k)))
     outputs = None
     for c0 in range(0, rows.shape[0], LENS_ROWS):
         logits = model.read_out(rows[c0 : c0 + LENS_ROWS])  # (≤ LENS_ROWS, V)
-        for (_, _, first), (ids, probs) in zip(reads, tops, strict=True):
+        for _, first, ids, probs in reads:
             lo, hi = max(first, c0), min(first + ids.shape[0], c0 + logits.shape[0])
             if lo < hi:
                 ids[lo - first : hi - first], probs[lo - first : hi - first] = top_of(
@@ -72,8 +70,8 @@ def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
         for j, row in enumerate(source):
             if c0 <= row < c0 + logits.shape[0]:
                 outputs[j] = logits[row - c0]
-    for (r, sites, _), (ids, probs) in zip(reads, tops, strict=True):
-        ids, probs = ids.view(len(sites), r.n, -1), probs.view(len(sites), r.n, -1)  # (sites, n, k)
+    for r, _, ids, probs in reads:
+        ids, probs = ids.view(-1, r.n, ids.shape[1]), probs.view(-1, r.n, ids.shape[1])  # (sites, n, k)
         for i in range(r.n):  # kept by position (a request recomputed after preemption overwrites its own)
             r.seq.lens[r.seq.num_computed + i] = (ids[:, i], probs[:, i])  # (sites, k) each
     return outputs
