@@ -10,7 +10,7 @@ from glassformer.accel.fast_decode import FastDecoder
 from glassformer.accel.quantize import quantize_model
 from glassformer.interpret.lens import lens_sites, logit_lens
 from glassformer.interpret.trace import run_with_cache
-from glassformer.serving import Engine, EngineConfig, RequestParams, read_out
+from glassformer.serving import Engine, EngineConfig, RequestParams, runner
 
 EMITTED = ("embed.out", "blocks.0.resid_pre", "blocks.1.resid_pre", "blocks.1.resid_post",
            "blocks.0.attn.out", "blocks.1.mlp.out")
@@ -104,8 +104,8 @@ def test_a_lens_that_reads_the_last_residual_gives_the_step_s_own_logits(tiny, p
     model = tiny() if mode is None else quantize_model(tiny(), mode)
     last = model.config.n_layers
     taken = []
-    output_row = read_out.output_row
-    monkeypatch.setattr(read_out, "output_row",
+    output_row = runner.output_row
+    monkeypatch.setattr(runner, "output_row",
                         lambda *args: taken.append((row := output_row(*args)) is not None) or row)
 
     def events(lens):

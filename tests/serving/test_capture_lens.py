@@ -9,7 +9,7 @@ import torch
 from glassformer.accel.quantize import quantize_model
 from glassformer.interpret.lens import logit_lens, residual_sites
 from glassformer.interpret.trace import run_with_cache
-from glassformer.serving import Engine, EngineConfig, RequestParams, read_out
+from glassformer.serving import Engine, EngineConfig, RequestParams, runner
 
 
 @pytest.mark.parametrize("mode", [None, "int8", "int4"])
@@ -39,7 +39,7 @@ def test_the_lens_is_the_same_however_its_rows_fall_into_calls(tiny, prompts, mo
     params = [RequestParams(max_new_tokens=5, eos_ids=(), lens=k) for k in (2, 3, 1)]
     todo = prompts([9, 5, 13])
     whole = run_in_turn(model, todo, params)
-    monkeypatch.setattr(read_out, "LENS_ROWS", 3)  # calls that split requests and sites
+    monkeypatch.setattr(runner, "LENS_ROWS", 3)  # calls that split requests and sites
     split = run_in_turn(model, todo, params)
     for a, b in zip(whole, split, strict=True):
         assert torch.equal(a.lens[0], b.lens[0]) and torch.equal(a.lens[1], b.lens[1])
