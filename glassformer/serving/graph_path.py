@@ -163,12 +163,12 @@ class GraphPath:
         return "a plain decoding row, in the bucket's graph"
 
     def execute(self, batch: StepBatch) -> Executed:
-        hidden = [self._run(batch, start) for start in range(0, len(batch.requests), BUCKETS[-1])]
-        return Executed(torch.cat(hidden) if len(hidden) > 1 else hidden[0], {})
+        requests, most = batch.requests, BUCKETS[-1]
+        hidden = [self._run(requests[i : i + most]) for i in range(0, len(requests), most)]  # (B, d) each
+        return Executed(torch.cat(hidden), {})
 
-    def _run(self, batch: StepBatch, start: int) -> torch.Tensor:
-        """The residual streams (B, d) of the batch's requests start.. (at most a bucket's)."""
-        requests = batch.requests[start : start + BUCKETS[-1]]
+    def _run(self, requests: tuple[RequestRows, ...]) -> torch.Tensor:
+        """The residual streams (B, d) of at most the largest bucket's requests."""
         rows = max(self.deterministic_bucket or 1, bucket_of(len(requests)))
         bs, scratch = self.pool.block_size, self.pool.scratch_block
         ids = torch.zeros(rows, dtype=torch.long)  # (B,) on the host, as every index below
