@@ -8,6 +8,7 @@ other row keeps its bits; the reads (captured sites, lens rows) see what the nex
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Listed
 
 import torch
@@ -135,10 +136,7 @@ def site_elements(config: ModelConfig, site: Site, tokens: int) -> int:
     sizes = {"batch": 1, "pos": tokens, "query": tokens, "key": tokens, "head": config.n_heads,
              "kv_head": config.kv_heads, "d_head": config.head_dim, "d_model": config.d_model,
              "d_ff": config.ff_dim, "vocab": config.vocab_size}
-    elements = 1
-    for dim in site.dims:
-        elements *= sizes[dim]
-    return elements
+    return math.prod(sizes[dim] for dim in site.dims)
 
 
 def lens_site_count(config: ModelConfig, lens_layers: tuple[int, ...] | None) -> int:

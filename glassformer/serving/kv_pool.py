@@ -92,14 +92,11 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (N, KV, d_head) at slots (N,)."""
-        if is_scaled(self.kv_dtype):
-            for store, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
-                q, scale = quantize_kv(x, self.kv_dtype)
-                index_copy_(store[layer], slots, q)
+        for store, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
+            if scales:  # a scaled format: its values, and one scale per slot and head
+                x, scale = quantize_kv(x, self.kv_dtype)
                 scales[layer].index_copy_(0, slots, scale)
-            return
-        self.keys[layer].index_copy_(0, slots, k.to(self.keys[layer].dtype))
-        self.values[layer].index_copy_(0, slots, v.to(self.values[layer].dtype))
+            index_copy_(store[layer], slots, x.to(store[layer].dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at slots (...,): each (..., KV, d_head) float32."""
