@@ -210,8 +210,7 @@ class FusedPath:
         h = fused.rows(x, batch.positions, slots, angles, self.pool.keys, self.pool.values,
                        adapter_of if groups else None, [self.adapters[name].fused for name in groups],
                        emit, residuals, writes)  # (B, d)
-        inspection = Inspection(self.model.config, requests, own_rows=True)
-        if inspecting:
-            both = None if writes is None else writes.flatten(1, 2)  # (M, 2 L, d)
-            inspection.feed({"residuals": residuals, "writes": both})
+        inspection = Inspection(self.model.config, requests, own_rows=True)  # no hooks if none inspects
+        writes = None if writes is None else writes.flatten(1, 2)  # (M, 2 L, d)
+        inspection.feed({"residuals": residuals, "writes": writes})
         return Executed(h, inspection.lens)
