@@ -72,16 +72,13 @@ class PagedView:
             by_length.setdefault((length, row if self.deterministic else 0), []).append((row, slots))
         calls = []
         for (length, _), rows in by_length.items():
-            B = len(rows)
-            slot_matrix = torch.zeros(B, length, dtype=torch.long, device=device)  # (B, L)
-            valid = torch.zeros(B, length, dtype=torch.bool, device=device)  # (B, L)
-            for b, (_, slots) in enumerate(rows):
-                slot_matrix[b, : slots.shape[0]] = slots
-                valid[b, : slots.shape[0]] = True
-            k_pos = torch.arange(length, device=device).expand(B, length)  # (B, L)
-            q_pos = torch.tensor([[slots.shape[0] - 1] for _, slots in rows], device=device)  # (B, 1)
+            seen = torch.tensor([slots.shape[0] for _, slots in rows], device=device)  # (B,) keys seen
+            k_pos = torch.arange(length, device=device).expand(len(rows), length)  # (B, L)
+            valid = k_pos < seen[:, None]  # (B, L)
+            slot_matrix = torch.zeros(valid.shape, dtype=torch.long, device=device)  # (B, L)
+            slot_matrix[valid] = torch.cat([slots for _, slots in rows]).to(device)
             calls.append((torch.tensor([row for row, _ in rows], device=device), slot_matrix,
-                          self.model.attention_mask(q_pos, k_pos, valid)))
+                          self.model.attention_mask(seen[:, None] - 1, k_pos, valid)))  # queries at (B, 1)
         return calls
 
     def _past_window_mask(self, n: int, q: torch.Tensor) -> ChunkMask:
