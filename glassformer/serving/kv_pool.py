@@ -58,12 +58,10 @@ class KVPool:
         `scratch`: all of them now and one block more, `scratch_block`, no request's."""
         bytes_per_block(config, block_size, kv_dtype)  # validates kv_dtype
         self.n_blocks, self.block_size, self.kv_dtype = n_blocks, block_size, kv_dtype
-        self.slot_shape = (config.kv_heads, config.head_dim)  # (KV, d_head) per slot
         self.device, self.allocated = device, 0  # blocks held in memory so far
         self.scratch_block = n_blocks if scratch else None
-        dtype, layers = KV_DTYPES[kv_dtype], range(config.n_layers)
-        # (slots, KV, d_head) each
-        self.keys = [torch.zeros(0, *self.slot_shape, dtype=dtype, device=device) for _ in layers]
+        layers, empty = range(config.n_layers), (0, config.kv_heads, config.head_dim)  # (slots, KV, d_head)
+        self.keys = [torch.zeros(empty, dtype=KV_DTYPES[kv_dtype], device=device) for _ in layers]
         self.values = [torch.zeros_like(t) for t in self.keys]
         scaled = layers if is_scaled(kv_dtype) else ()  # (slots, KV): one scale per slot and head
         self.key_scales = [torch.zeros(0, config.kv_heads, device=device) for _ in scaled]
