@@ -7,10 +7,8 @@ used in the step adds, to its own rows only,
     y[rows_i, s_t:e_t] += (α_i / r_i) · (x[rows_i] A_tᵀ) B_tᵀ      for each target t of adapter i
 
 (training/lora.py's LoRALinear without dropout; α/r folded into B at load). Rows without an
-adapter are bitwise an engine's without adapters; the low-rank products take the view's own
-wrap (row tiles). Where rows may take the fused step, an adapter is also built for it at load
-(accel/fast_decode.py `fused_adapter`); where it cannot be (`fused` None), its rows keep the
-module path.
+adapter are bitwise an engine's without adapters. Where rows may take the fused step, an
+adapter is also built for it at load (`ServedAdapter.fused`), else its rows keep the module path.
 """
 
 from __future__ import annotations
@@ -146,8 +144,7 @@ class Adapters:
     def install(self, view: Transformer, wrap: Callable[[nn.Module], nn.Module],
                 fused_step: bool = False) -> None:
         """Wrap each targeted product of the runner's view (a copy: the model is untouched);
-        `wrap` is what the view does to each product (row tiles), done to the updates too;
-        `fused_step`: rows may take the fused step, so adapters are built for it too."""
+        `wrap`, what the view does to each product (row tiles), is done to the updates too."""
         self.wrap, self.fused_step = wrap, fused_step
         for i, block in enumerate(view.blocks):
             for path in PRODUCTS:
