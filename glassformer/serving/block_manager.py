@@ -136,9 +136,8 @@ class BlockManager:
 
     def register(self, seq: Sequence) -> None:
         """Key every block of `seq` that its computed tokens have filled, so others reuse it."""
-        bs = self.block_size
-        while len(seq.block_keys) < min(seq.num_computed, len(seq.block_table) * bs) // bs:
-            i = len(seq.block_keys)
+        full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        for i in range(len(seq.block_keys), full):
             chunk, key = self._keyed(seq, i)
             seq.block_keys.append(key)
             block = self.blocks[seq.block_table[i]]

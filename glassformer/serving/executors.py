@@ -34,21 +34,18 @@ from .step import RequestRows, StepBatch, flat_rows
 # takes one path whatever shares its steps.
 FUSED_PROMPT_TOKENS = 2048
 
-_MODULES = "the model's own modules compute it"
-_ANGLES = "angles from the model's own inverse frequencies and attention factor"
-
 # What the engine computes, field by field: it runs the model's embedding, blocks, final norm
 # and head; only the RoPE angles (a table over the context) and the flat batch's positions are
 # its own, and the masks come from `Transformer.attention_mask`. The module path's table.
 CAPABILITIES = CapabilityTable("serving engine", {
-    **{name: any_value(_MODULES) for name in (
+    **{name: any_value("the model's own modules compute it") for name in (
         "vocab_size", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff",
-        "norm", "norm_placement", "qk_norm", "parallel_block", "norm_eps", "norm_bias", "activation",
-        "gated", "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "final_norm", "tie_embeddings",
-        "dropout", "attention_kernel", "init_std", "n_token_types", "embed_norm", "head", "scale_scores",
+        "norm", "norm_placement", "qk_norm", "parallel_block", "norm_eps", "norm_bias", "activation", "gated",
+        "attn_bias", "attn_out_bias", "mlp_bias", "lm_head_bias", "final_norm", "tie_embeddings", "dropout",
+        "attention_kernel", "init_std", "n_token_types", "embed_norm", "head", "scale_scores",
         "scale_head_input", "norm_weight_offset", "embed_scale", "attn_softcap", "final_softcap",
         "attn_scale")},
-    **{name: any_value(_ANGLES) for name in (
+    **{name: any_value("angles from the model's own inverse frequencies and attention factor") for name in (
         "rope_theta", "rope_scaling", "rope_factor", "rope_original_context", "rope_low_freq_factor",
         "rope_high_freq_factor", "rope_local_theta", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
         "rope_attention_factor", "rope_short_factors", "rope_long_factors", "rotary_dim")},

@@ -7,6 +7,7 @@ request's share of it one RequestRows; `route` is the one decision of the path a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from collections.abc import Sequence as Listed
 from dataclasses import dataclass
@@ -59,11 +60,8 @@ def flat_rows(requests: Listed[RequestRows]) -> torch.Tensor:
 
 def recounted(requests: Listed[RequestRows]) -> list[RequestRows]:
     """The requests with their rows counted from 0 over their own rows alone."""
-    first, out = 0, []
-    for r in requests:
-        out.append(dataclasses.replace(r, first=first))
-        first += r.n
-    return out
+    firsts = itertools.accumulate((r.n for r in requests), initial=0)  # one more than the requests
+    return [dataclasses.replace(r, first=first) for r, first in zip(requests, firsts, strict=False)]
 
 
 @dataclass(frozen=True)
