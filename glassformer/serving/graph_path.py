@@ -184,14 +184,11 @@ class GraphPath:
             kv_indices[i, 0, 0, : len(table)] = torch.tensor(table, dtype=torch.int32)  # the rest unread
             self.block_position[table] = torch.arange(len(table))
         filled = (ids, positions, slots, kv_blocks, kv_indices)
-        buffers = self.buffers.get(rows)  # the bucket's fixed inputs, on the model's device
-        if buffers is None:
-            buffers = self.buffers[rows] = tuple(t.to(self.device, copy=True) for t in filled)
-        else:
-            for buffer, value in zip(buffers, filled, strict=True):
-                buffer.copy_(value, non_blocking=True)
-        self.block_position_on_device.copy_(self.block_position, non_blocking=True)
-        fixed = (*buffers, self.block_position_on_device)
+        if rows not in self.buffers:  # the bucket's fixed inputs, on the model's device
+            self.buffers[rows] = tuple(torch.empty_like(t, device=self.device) for t in filled)
+        fixed = (*self.buffers[rows], self.block_position_on_device)
+        for buffer, value in zip(fixed, (*filled, self.block_position), strict=True):
+            buffer.copy_(value, non_blocking=True)
         inputs = (*fixed, self.pool.keys, self.pool.values, bs, self.rope)
         if self.device.type == "cuda":  # the buffers stay where the recorded graph reads them
             for tensor in (*fixed, *self.pool.keys, *self.pool.values):
