@@ -38,8 +38,7 @@ class PagedView:
         """`rope`: the model's cos and sin (P, d_head) at positions 0..P-1, to rotate the keys a
         sink policy stores unrotated. `deterministic`: each single query in a call of its own
         (a GPU kernel may split a row's keys by how many rows share its call)."""
-        self.pool, self.fast, self.sink, self.model = pool, fast, sink, model
-        self.deterministic = deterministic
+        self.pool, self.sink, self.model, self.deterministic = pool, sink, model, deterministic
         self.rotation = rope if sink is not None else None
         self.rotates_keys = sink is not None
         device = pool.device
@@ -50,7 +49,7 @@ class PagedView:
         for part in parts:
             if part.past_window:
                 continue
-            calls = self._calls(part, group)
+            calls = self._calls(part, group if fast else 1)
             if fast:
                 single += [(row, part.slots[:end]) for row, end, m in calls if m == 1]
                 calls = [call for call in calls if call[2] > 1]
@@ -88,11 +87,10 @@ class PagedView:
         mask = self.model.attention_mask(q_pos, window_positions(S, W, n).to(q.device)[None])
         return past_window_mask(self.model.config, self.sink, mask, q.shape[1], q.dtype)
 
-    def _calls(self, part: RequestRows, group: int) -> list[tuple[int, int, int]]:
+    def _calls(self, part: RequestRows, size: int) -> list[tuple[int, int, int]]:
         """(first flat row, keys seen, queries) of each attention call over a part's queries,
-        in order: fast, its queries in groups at multiples of `group` positions; reference,
-        one by one."""
-        first, size = part.context - part.n, group if self.fast else 1
+        in order, in groups at multiples of `size` positions (the reference: 1, one by one)."""
+        first = part.context - part.n
         edges = [first, *range((first // size + 1) * size, part.context, size), part.context]
         return [(part.first + a - first, b, b - a) for a, b in itertools.pairwise(edges)]
 
