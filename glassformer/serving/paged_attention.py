@@ -32,9 +32,8 @@ class PagedView:
     Built once per step; every layer reuses its gather indices and masks."""
 
     def __init__(self, pool: KVPool, parts: tuple[RequestRows, ...], fast: bool, model: Transformer,
-                 sink: SinkPolicy | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, group: int = 1,
-                 deterministic: bool = False) -> None:
+                 sink: SinkPolicy | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 group: int = 1, deterministic: bool = False) -> None:
         """`rope`: the model's cos and sin (P, d_head) at positions 0..P-1, to rotate the keys a
         sink policy stores unrotated. `deterministic`: each single query in a call of its own
         (a GPU kernel may split a row's keys by how many rows share its call)."""
