@@ -46,21 +46,18 @@ class Inspection:
 def edit_hooks(parts: list[RequestRows]) -> dict[str, HookFn]:
     """Hooks that steer and ablate, for each request's rows of the step, its own rows of the
     sites it named."""
-    edits: dict[str, list[tuple[int, int, torch.Tensor | None, int | None]]] = {}
-    axes: dict[str, int] = {}  # each edited site's token axis
+    # site -> (its token axis, first row, rows, vector added or None, head zeroed or None) per edit
+    edits: dict[str, list[tuple[int, int, int, torch.Tensor | None, int | None]]] = {}
     for r in parts:
-        for steer in r.seq.params.steer:
-            if steer.alpha != 0:
-                edits.setdefault(steer.site.full, []).append((r.first, r.n, steer.alpha * steer.vector, None))
-                axes[steer.site.full] = steer.site.token_axis
-        for head in r.seq.params.ablate:
-            edits.setdefault(head.site.full, []).append((r.first, r.n, None, head.index))
-            axes[head.site.full] = head.site.token_axis
+        wanted = [(s.site, s.alpha * s.vector, None) for s in r.seq.params.steer if s.alpha != 0]
+        wanted += [(h.site, None, h.index) for h in r.seq.params.ablate]
+        for site, add, head in wanted:
+            edits.setdefault(site.full, []).append((site.token_axis, r.first, r.n, add, head))
 
     def edit(tensor: torch.Tensor, site: str) -> torch.Tensor:
         out = tensor.clone()
-        for start, n, add, head in edits[site]:
-            rows = out.narrow(axes[site], start, n)  # a view: the request's rows of the copy
+        for axis, start, n, add, head in edits[site]:
+            rows = out.narrow(axis, start, n)  # a view: the request's rows of the copy
             if add is not None:
                 rows += add.to(rows)  # (d,) over (1, n, d)
             else:
