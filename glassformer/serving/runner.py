@@ -99,7 +99,7 @@ def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
     is read beside it."""
     config, last = model.config, lens_sites(model.config)[-1]
     # each lens request's rows, site by site: (rows, first row read, its top-k: ids, probabilities)
-    reads, chunks, own, total = [], [], {}, 0  # reads; rows read; each end's lens row
+    reads, chunks, row_of, total = [], [], {}, 0  # reads; rows read; each end's row among them
     for r in batch.requests:
         if r.seq in lens:
             sites = lens_sites(config, r.seq.params.lens_layers)
@@ -107,16 +107,14 @@ def step_logits(model: Transformer, batch: StepBatch, hidden: torch.Tensor,
             reads.append((r, total, torch.empty(m, k, dtype=torch.long), torch.empty(m, k)))  # (m, k) each
             chunks += [lens[r.seq][site] for site in sites]  # (n, d) each
             if (row := output_row(r, sites, last)) is not None:
-                own[r.seq] = total + row
+                row_of[r.seq] = total + row
             total += m
-    source = []  # each end's row among all rows read
     for r in batch.requests:
-        if r.ends and r.seq in own:
-            source.append(own[r.seq])
-        elif r.ends:  # its own last row
-            source.append(total)
+        if r.ends and r.seq not in row_of:  # its own last row, after every lens row
+            row_of[r.seq] = total
             chunks.append(hidden[r.rows][-1:])  # (1, d)
             total += 1
+    source = [row_of[r.seq] for r in batch.requests if r.ends]  # in batch order
     if not chunks:
         return hidden.new_zeros(0, config.vocab_size)
     rows = torch.cat(chunks)  # (M, d)
