@@ -3,7 +3,8 @@ residual stream after the last block. ModulePath: the model's own blocks over th
 as one sequence, the paged view as each block's cache; it takes every row, and its table
 (`CAPABILITIES`) is the engine's. FusedPath: a converted model's fused C++ step
 (`FastDecoder.rows`), every layer for every row in one call, a row's numbers those of the fused
-step for that token alone, bit for bit; it emits the residuals and what each block adds.
+step for that token alone, bit for bit; it emits the residuals and what each block adds. Every
+path hands what a request inspects to the same hooks (capture.py `Inspection`).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class RopeTables:
     def rows(self, positions: torch.Tensor, requests: list[RequestRows]) -> RopeAngles:
         """cos and sin at `positions` (N,), (N, rotated) each, per kind of layer; every row of a
         request whose text is past LongRoPE's original context (Sequence.rope_long) turns by the
-        long set, as `generate` and transformers turn a whole text by one set."""
+        long set: a whole text by one set, as `generate` and transformers turn it, however its
+        prompt is cut into chunks."""
         angles = tuple((cos[positions], sin[positions]) for cos, sin in self.short)
         if self.long is None:
             return angles
