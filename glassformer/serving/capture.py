@@ -4,6 +4,8 @@ The step's rows are one sequence (step.py), so each site's tensor holds every re
 along its token axis; a request's hooks touch only its own rows, and a step where none asks
 installs none. Edits (steering, head ablation) change that request's rows of a copy, so every
 other row keeps its bits; the reads (captured sites, lens rows) see what the next module reads.
+On the fused step, which copies out the residuals and what each block adds (generation/paths.py
+`fused_source`), the same reads are fed those copies.
 """
 
 from __future__ import annotations
