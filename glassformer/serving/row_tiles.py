@@ -37,14 +37,10 @@ class RowTiles(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # (M, K)
-        outs = []
-        for i in range(0, rows.shape[0], ROW_TILE):
-            tile = rows[i : i + ROW_TILE]
-            m = tile.shape[0]
-            if m < ROW_TILE:
-                tile = torch.cat([tile, tile.new_zeros(ROW_TILE - m, tile.shape[1])])
-            outs.append(self.product(tile)[:m])
-        y = torch.cat(outs) if len(outs) > 1 else outs[0]  # (M, N)
+        m = rows.shape[0]
+        padded = nn.functional.pad(rows, (0, 0, 0, -m % ROW_TILE))  # (M', K): whole tiles, zeros after
+        ys = [self.product(tile) for tile in padded.split(ROW_TILE)]  # (ROW_TILE, N) each
+        y = (torch.cat(ys) if len(ys) > 1 else ys[0])[:m]  # (M, N)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
