@@ -10,7 +10,6 @@ path hands what a request inspects to the same hooks (capture.py `Inspection`).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -25,8 +24,7 @@ from .capture import Inspection
 from .config import EngineConfig
 from .kv_pool import KVPool
 from .paged_attention import PagedView
-from .sequence import Sequence
-from .step import RequestRows, StepBatch, flat_rows
+from .step import Executed, RequestRows, StepBatch, flat_rows
 
 # Prompts up to this many tokens take the fused step; a longer one's prompt rows keep the
 # module path, whose attention over a chunk is one product for all its rows, while the fused
@@ -102,12 +100,6 @@ class RopeTables:
                             device=positions.device)[:, None]  # (N, 1)
         return tuple((torch.where(long, lcos[positions], cos), torch.where(long, lsin[positions], sin))
                      for (cos, sin), (lcos, lsin) in zip(angles, self.long, strict=True))
-
-
-@dataclass(frozen=True)
-class Executed:
-    hidden: torch.Tensor  # (N, d) each row's residual stream after the last block
-    lens: dict[Sequence, dict[str, torch.Tensor]]  # lens request -> site -> its kept rows (n, d)
 
 
 class ModulePath:

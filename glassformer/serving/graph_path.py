@@ -20,9 +20,9 @@ from ..model.layers.masking import AttentionMask
 from ..model.transformer import Transformer
 from .config import EngineConfig
 from .executors import CAPABILITIES as MODULE_CAPABILITIES
-from .executors import Executed, RopeTables, pool_refusal
+from .executors import RopeTables, pool_refusal
 from .kv_pool import KVPool
-from .step import RequestRows, StepBatch
+from .step import Executed, RequestRows, StepBatch
 
 # FlexAttention's own block (its default size), which every tile its CUDA kernels choose
 # divides: a row's one query sits in a block of this many, and on CUDA the pool's KV blocks

@@ -84,8 +84,17 @@ class StepBatch:
         return StepBatch(self.ids[rows], self.positions[rows], tuple(recounted(mine)), (), index)
 
 
+@dataclass(frozen=True)
+class Executed:
+    hidden: torch.Tensor  # (N, d) each row's residual stream after the last block
+    lens: dict[Sequence, dict[str, torch.Tensor]]  # lens request -> site -> its kept rows (n, d)
+
+
 class Executor(Protocol):
     name: str  # the path it runs: FUSED, GRAPH or MODULES
+
+    def execute(self, share: StepBatch) -> Executed:
+        """Runs the rows of its share (StepBatch.on)."""
 
     def refuses(self, rows: RequestRows) -> str | None:
         """Why it does not run these rows, or None when it does."""
