@@ -104,16 +104,20 @@ class BlockManager:
         self.hit_tokens += seq.num_computed
         return seq.num_computed
 
+    def _shared_written(self, seq: Sequence, n_tokens: int, first: int | None) -> list[int]:
+        """Where in seq's table the shared blocks are that slots first .. n_tokens - 1 fall in
+        (none when `first` is None): each is copied before it is written (copy-on-write)."""
+        if first is None:
+            return []
+        end, table = min(self.blocks_for(n_tokens), len(seq.block_table)), seq.block_table
+        return [i for i in range(first // self.block_size, end) if self.blocks[table[i]].ref_count > 1]
+
     def blocks_needed(self, seq: Sequence, n_tokens: int, first: int | None = None) -> int:
         """The free blocks that holding n_tokens slots takes: the blocks past seq's table, and a
         copy of each shared block that slots from `first` on fall in (a forked beam's first
         write into its parent's last block)."""
-        table, end = seq.block_table, self.blocks_for(n_tokens)
-        new = max(0, end - len(table))
-        if first is None:
-            return new
-        written = table[first // self.block_size : end]
-        return new + sum(1 for b in written if self.blocks[b].ref_count > 1)
+        new = max(0, self.blocks_for(n_tokens) - len(seq.block_table))
+        return new + len(self._shared_written(seq, n_tokens, first))
 
     def grow(self, seq: Sequence, n_tokens: int, first: int | None = None) -> list[tuple[int, int]] | None:
         """Extend the block table to hold n_tokens slots, with a private copy of each shared block
@@ -121,17 +125,14 @@ class BlockManager:
         taken) when the free blocks do not suffice for all of it (the request waits)."""
         if self.blocks_needed(seq, n_tokens, first) > self.free_count:
             return None
-        table, end, copies = seq.block_table, self.blocks_for(n_tokens), []
-        if first is not None:
-            for index in range(first // self.block_size, min(end, len(table))):
-                block = self.blocks[table[index]]
-                if block.ref_count > 1:  # shared: the write goes into a private copy
-                    copy = self._take()
-                    self._unref(block.id)
-                    table[index] = copy.id
-                    copies.append((block.id, copy.id))
-        while len(table) < end:
-            table.append(self._take().id)
+        copies = []
+        for index in self._shared_written(seq, n_tokens, first):
+            source, copy = seq.block_table[index], self._take().id
+            self._unref(source)  # after the take: the copy is never the source itself
+            seq.block_table[index] = copy
+            copies.append((source, copy))
+        while len(seq.block_table) < self.blocks_for(n_tokens):
+            seq.block_table.append(self._take().id)
         return copies
 
     def register(self, seq: Sequence) -> None:
