@@ -128,7 +128,7 @@ class BlockManager:
         copies = []
         for index in self._shared_written(seq, n_tokens, first):
             source, copy = seq.block_table[index], self._take().id
-            self._unref(source)  # after the take: the copy is never the source itself
+            self._unref(source)  # still held by the others
             seq.block_table[index] = copy
             copies.append((source, copy))
         while len(seq.block_table) < self.blocks_for(n_tokens):
