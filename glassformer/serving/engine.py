@@ -228,7 +228,7 @@ class Engine:
             entry = self._handles.pop(unit.id, None)
         if entry is not None:  # (a request that failed while finishing was answered already)
             self.stats.finished += 1
-            entry[1].push(event, result, self._wakeups)
+            entry[1].push(event, self._wakeups, result)
 
     def step(self) -> StepTrace | None:
         """One scheduling round and forward pass; None when there was nothing to run. Call it
@@ -238,7 +238,7 @@ class Engine:
         self._intake()
         plan = self.scheduler.schedule()
         for seq in plan.refused:  # alone on the pool it could not start (submit's check forestalls it)
-            self._fail(seq.unit, too_large(seq.unit.members, self.blocks))
+            self._end(seq.unit, "error", too_large(seq.unit.members, self.blocks))
         if not plan.scheduled:
             self._wakeups.send()
             return None
@@ -259,10 +259,12 @@ class Engine:
                     raise outcome
                 if isinstance(outcome, Picked):
                     self._emit(seq, outcome)
-                elif outcome is not None:
-                    self._advance_beams(outcome)
+                elif outcome is not None and outcome.advance(self.scheduler):
+                    result = outcome.result()
+                    event = Event(outcome.id, None, result.text or "", True, result.stop_reason)
+                    self._finish(outcome, event, result)
             except Exception as error:
-                self._fail(seq.unit, error)
+                self._end(seq.unit, "error", error)
         self._wakeups.send()  # one wake-up per event loop for the step's events
 
     def _record(self, plan: StepPlan, batch: StepBatch, generated: int, start: float) -> StepTrace:
@@ -273,21 +275,6 @@ class Engine:
         self.stats.record(plan, generated, self.scheduler, self.blocks)
         return trace
 
-    def _advance_beams(self, group: BeamGroup) -> None:
-        children, dropped = group.advance(self.blocks)
-        for seq in dropped:
-            self.scheduler.remove(seq)
-        for seq in children:
-            self.scheduler.adopt(seq)
-        root = group.root
-        if root.first_token_time is None:
-            root.first_token_time = time.perf_counter()
-        if group.winner is not None:
-            now = time.perf_counter()
-            result = group.result(root.first_token_time - root.arrival, now - root.first_token_time)
-            event = Event(group.id, None, result.text or "", True, result.stop_reason)
-            self._finish(group, event, result)
-
     def _emit(self, seq: Sequence, picked: Picked) -> None:
         """Accept a request's next token and stream it (the last event once it stopped)."""
         piece = seq.accept(picked.token, self.window)
@@ -296,15 +283,14 @@ class Engine:
         if event.finished:
             self._finish(seq, event, result_of(seq))
         else:
-            self._handles[seq.id][1].push(event, wakeups=self._wakeups)
+            self._handles[seq.id][1].push(event, self._wakeups)
 
-    def _fail(self, unit: Sequence | BeamGroup, error: Exception) -> None:
-        """End one request that failed inside a step with an error event; the rest go on."""
-        log.error("engine: request %s failed: %r", unit.id, error, exc_info=error)
-        self._end(unit, "error", f"{type(error).__name__}: {error}")
-
-    def _end(self, unit: Sequence | BeamGroup, reason: StopReason, error: str | None = None) -> None:
-        """End a request before its time (cancelled, or failed) with a last event of no token."""
+    def _end(self, unit: Sequence | BeamGroup, reason: StopReason, error: Exception | None = None) -> None:
+        """End a request before its time with a last event of no token: cancelled, or failed
+        inside a step (`error`; the other requests go on)."""
+        if error is not None:
+            log.error("engine: request %s failed: %r", unit.id, error, exc_info=error)
+            error = f"{type(error).__name__}: {error}"
         seq = unit.root
         seq.stop_reason, seq.finish_time = reason, time.perf_counter()
         self._finish(unit, Event(seq.id, None, "", True, reason, error=error), result_of(seq))

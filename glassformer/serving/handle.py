@@ -82,19 +82,15 @@ class RequestHandle:
         'cancelled' (unless it finished first)."""
         self._cancel(self.request_id)
 
-    def push(self, event: Event, result=None, wakeups: Wakeups | None = None) -> None:
-        """Called by the engine: an asyncio reader is woken now, or by `wakeups.send()`."""
+    def push(self, event: Event, wakeups: Wakeups, result=None) -> None:
+        """Called by the engine: an asyncio reader is woken by `wakeups.send()`."""
         with self._lock:
             self._events.append(event)
             if event.finished:
                 self.finished, self.result = True, result
             self._lock.notify_all()
             waker = self._waker
-        if waker is None:
-            return
-        if wakeups is None:
-            waker[0].call_soon_threadsafe(waker[1].set)
-        else:
+        if waker is not None:
             wakeups.add(*waker)
 
     def get(self, timeout: float | None = None) -> Event:
