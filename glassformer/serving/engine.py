@@ -91,8 +91,7 @@ class Engine:
         self._cancels: set[str] = set()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._closed = False  # close() was called: no more requests
+        self._closed = False  # close() was called: the thread stops, no more requests
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------ any thread
@@ -156,7 +155,6 @@ class Engine:
         if self._closed:
             raise EngineStopped("engine: closed; start a new Engine")
         if self._thread is None:
-            self._stopping = False
             hand_over_cores()  # the caller's OpenMP threads would make the engine's sleep
             self._thread = threading.Thread(target=self._loop, name="glassformer-engine", daemon=True)
             self._thread.start()
@@ -165,7 +163,7 @@ class Engine:
     def close(self) -> None:
         """Stop the thread after its current step; requests still running are cancelled."""
         with self._wake:
-            self._stopping = self._closed = True
+            self._closed = True
             self._cancels.update(self._handles)
             self._wake.notify_all()
         if self._thread is not None:
@@ -197,8 +195,8 @@ class Engine:
         try:
             while True:
                 with self._wake:
-                    self._wake.wait_for(lambda: self._stopping or self._pending())
-                    if self._stopping:
+                    self._wake.wait_for(lambda: self._closed or self._pending())
+                    if self._closed:
                         return
                 if self.threads is not None:
                     self.threads.revisit()  # other work on this CPU comes and goes (and per thread)
@@ -290,10 +288,10 @@ class Engine:
         inside a step (`error`; the other requests go on)."""
         if error is not None:
             log.error("engine: request %s failed: %r", unit.id, error, exc_info=error)
-            error = f"{type(error).__name__}: {error}"
         seq = unit.root
         seq.stop_reason, seq.finish_time = reason, time.perf_counter()
-        self._finish(unit, Event(seq.id, None, "", True, reason, error=error), result_of(seq))
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        self._finish(unit, Event(seq.id, None, "", True, reason, error=message), result_of(seq))
 
     def run_until_done(self) -> None:
         """Step on this thread until every submitted request has finished."""

@@ -9,7 +9,7 @@ deadlocks (one that cannot start on a pool empty of others is handed back: StepP
 Under a sink policy a request holds the blocks of S + W slots however long it runs, and past
 its window takes whole chunks of the policy's. Under LongRoPE a text grown past the original
 context is recomputed from the start by the long set before the step is planned, as
-transformers' Phi-3 generation does (`Sequence.turn_long`).
+transformers' Phi-3 generation does.
 """
 
 from __future__ import annotations
@@ -104,12 +104,14 @@ class Scheduler:
         return True
 
     def _switch_long_texts(self) -> None:
-        """LongRoPE: a text grown past the original context turns long, recomputed from the start."""
+        """LongRoPE: a text grown past the original context turns long, recomputed from the start;
+        its blocks then match only other long texts' in the prefix cache."""
         for seq in (*self.running, *self.waiting):
             if not seq.rope_long and uses_long_factors(self.longrope, seq.num_tokens - 1):
                 self.blocks.release(seq)
                 seq.unit.forget(seq)  # its logits come again once it is recomputed
-                seq.turn_long()
+                seq.rope_long = True
+                seq.prefix_root = (seq.prefix_root, "longrope long factors")
 
     def schedule(self) -> StepPlan:
         if self.longrope is not None:

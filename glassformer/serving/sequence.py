@@ -37,7 +37,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix keys of the full blocks, in order
         self.prefix_root = None  # the first block's parent key: its adapter's (Engine.submit)
-        self.rope_long = False  # LongRoPE: its keys turn by the long set (scheduler.py)
+        self.rope_long = False  # LongRoPE: its keys turn by the long set (executors.py RopeTables)
         self.generator = torch.Generator(device=device or "cpu")
         self.generator.manual_seed(params.seed) if params.seed is not None else self.generator.seed()
         self.counts = None
@@ -74,12 +74,6 @@ class Sequence:
 
     def forget(self, seq: Sequence) -> None:
         """A member was preempted: one sequence keeps nothing of its pick between steps."""
-
-    def turn_long(self) -> None:
-        """From now on its keys turn by LongRoPE's long set (executors.py RopeTables): its blocks
-        match only other long texts' in the prefix cache."""
-        self.rope_long = True
-        self.prefix_root = (self.prefix_root, "longrope long factors")
 
     def accept(self, token: int, context_length: int) -> str:
         """Append a generated token and decide whether to stop; returns the newly visible text."""

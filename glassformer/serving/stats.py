@@ -29,22 +29,19 @@ class EngineStats:
     tokens_computed: int = 0  # prompt and generated tokens run through the model
     tokens_generated: int = 0
     finished: int = 0
+    # the rest copied from the scheduler and the block manager after each step
     preemptions: int = 0
     running: int = 0
     waiting: int = 0
-    last_step_tokens: int = 0
-    blocks_used: int = 0
-    blocks_free: int = 0
     blocks_cached: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
 
     def record(self, plan: StepPlan, n_generated: int, scheduler: Scheduler, blocks: BlockManager) -> None:
         self.steps += 1
-        self.last_step_tokens = plan.n_tokens
         self.tokens_computed += plan.n_tokens
         self.tokens_generated += n_generated
         self.preemptions = scheduler.preemptions
         self.running, self.waiting = len(scheduler.running), len(scheduler.waiting)
-        self.blocks_used, self.blocks_free, self.blocks_cached = blocks.used, blocks.free_count, blocks.cached
+        self.blocks_cached = blocks.cached
         self.prefix_hit_tokens, self.prefix_query_tokens = blocks.hit_tokens, blocks.query_tokens
