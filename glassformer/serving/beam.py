@@ -106,7 +106,7 @@ class BeamGroup:
         root = self.root
         results = []
         for beam in self.ranking.best(root.params.best_beams):
-            seq = Sequence(root.tokens[: root.prompt_len], root.params, 0, self.tokenizer, root.eos, root.id)
+            seq = Sequence(root.tokens[: root.prompt_len], root.params, 0, self.tokenizer, root.id)
             for token in beam.ids:
                 seq.accept(token, self.context_length)
             seq.arrival, seq.first_token_time = root.arrival, root.first_token_time

@@ -23,7 +23,6 @@ import torch
 from ..accel.threads import ThreadPolicy, hand_over_cores
 from ..errors import InputError
 from ..generation.config import GenerationResult, RequestParams, StopReason
-from ..generation.core import eos_ids
 from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
 from .adapters import Adapters
@@ -71,9 +70,8 @@ class Engine:
                              "(the command line's --deterministic does)")
         self.model, self.tokenizer, self.config, self.threads = model.eval(), tokenizer, config, threads
         mc = model.config
-        n_blocks = config.n_blocks
-        if n_blocks is None:
-            n_blocks = pool_blocks(mc, config.kv_memory_mb, config.block_size, config.kv_dtype, device)
+        n_blocks = config.n_blocks if config.n_blocks is not None else pool_blocks(
+            mc, config.kv_memory_mb, config.block_size, config.kv_dtype, device)
         # a sink request's blocks hold a ring of slots, not a prefix: nothing to share
         self.blocks = BlockManager(n_blocks, config.block_size, config.prefix_caching and config.sink is None)
         self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device, scratch=config.compile)
@@ -84,7 +82,7 @@ class Engine:
         self.window = mc.context_length if config.sink is None else math.inf
         self.stats = EngineStats()
         self.trace: deque[StepTrace] = deque(maxlen=config.trace_length)
-        self._handles: dict[str, tuple[Sequence, RequestHandle]] = {}
+        self._handles: dict[str, tuple[Sequence | BeamGroup, RequestHandle]] = {}
         self._ids = itertools.count()  # the numbers of requests submitted without an id
         self._wakeups = Wakeups()  # the asyncio readers to wake after this step (handle.py)
         self._inbox: list[Sequence] = []
@@ -102,11 +100,10 @@ class Engine:
         mc, params = self.model.config, params or RequestParams()
         if self._error is not None:
             raise EngineStopped(f"engine: stopped after an error ({self._error!r})")
-        prompt = check_request(self.model, prompt, params, self.window, self.config.sink, self.blocks,
+        prompt = check_request(self.model, prompt, params, self.config.sink, self.blocks,
                                self.tokenizer is not None)
-        eos = eos_ids(params, self.tokenizer)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-        seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id, self.runner.device)
+        seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, request_id, self.runner.device)
         unit = BeamGroup(seq, self.tokenizer, mc.context_length) if params.beams > 1 else seq
         handle = RequestHandle(seq.id, self.cancel)
         with self._wake:
