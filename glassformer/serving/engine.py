@@ -37,10 +37,9 @@ from .kv_pool import KVPool, pool_blocks
 from .requests import check_request, result_of, too_large
 from .runner import ModelRunner
 from .sampler import Outcome, Picked, pick
-from .scheduler import Scheduler, StepPlan
+from .scheduler import Scheduler
 from .sequence import Sequence
 from .stats import EngineStats, StepTrace
-from .step import StepBatch
 
 log = logging.getLogger("glassformer.serving.engine")
 
@@ -180,11 +179,8 @@ class Engine:
             raise self._error
 
     def has_work(self) -> bool:
-        with self._wake:
-            return self._pending()
-
-    def _pending(self) -> bool:  # (under the lock)
-        return bool(self._inbox or self._cancels) or self.scheduler.has_work()
+        with self._wake:  # (a reentrant lock: the stepping thread's wait asks it too)
+            return bool(self._inbox or self._cancels) or self.scheduler.has_work()
 
     # ------------------------------------------------------------------ the stepping thread
 
@@ -192,7 +188,7 @@ class Engine:
         try:
             while True:
                 with self._wake:
-                    self._wake.wait_for(lambda: self._closed or self._pending())
+                    self._wake.wait_for(lambda: self._closed or self.has_work())
                     if self._closed:
                         return
                 if self.threads is not None:
@@ -241,7 +237,12 @@ class Engine:
         logits = self.runner.run(batch)  # (R, V)
         ready = self.scheduler.advance(plan)
         self._deliver(ready, pick(ready, logits))
-        return self._record(plan, batch, len(ready), start)
+        trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
+                          [(r.seq.id, r.n) for r in batch.requests], [s.id for s in plan.preempted],
+                          [(r.path.name, r.path.reason) for r in batch.requests])
+        self.trace.append(trace)
+        self.stats.record(plan, len(ready), self.scheduler, self.blocks)
+        return trace
 
     def _deliver(self, ready: list[Sequence], outcomes: list[Outcome]) -> None:
         """Each ready sequence's outcome (sampler.py) to its request: a token streamed, a beam
@@ -261,14 +262,6 @@ class Engine:
             except Exception as error:
                 self._end(seq.unit, "error", error)
         self._wakeups.send()  # one wake-up per event loop for the step's events
-
-    def _record(self, plan: StepPlan, batch: StepBatch, generated: int, start: float) -> StepTrace:
-        trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
-                          [(r.seq.id, r.n) for r in batch.requests], [s.id for s in plan.preempted],
-                          [(r.path.name, r.path.reason) for r in batch.requests])
-        self.trace.append(trace)
-        self.stats.record(plan, generated, self.scheduler, self.blocks)
-        return trace
 
     def _emit(self, seq: Sequence, picked: Picked) -> None:
         """Accept a request's next token and stream it (the last event once it stopped)."""

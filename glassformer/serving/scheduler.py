@@ -98,10 +98,8 @@ class Scheduler:
         """Every block seq's next n tokens write (private copies of shared ones included), or
         False with nothing taken."""
         copies = self.blocks.grow(seq, *self._span(seq, n))
-        if copies is None:
-            return False
-        plan.copies += copies
-        return True
+        plan.copies += copies or []
+        return copies is not None
 
     def _switch_long_texts(self) -> None:
         """LongRoPE: a text grown past the original context turns long, recomputed from the start;
@@ -147,12 +145,10 @@ class Scheduler:
         takes, 0 when it waits); a beam group with all its members, if the blocks of all their
         recomputation are free. One that cannot start on a pool empty of others never will:
         it goes to plan.refused."""
-        unit = list(self.waiting[0].unit.members)
+        unit, chunks = list(self.waiting[0].unit.members), []
         for seq in unit:
             if not seq.block_table and not seq.params.inspects:  # a hook sees every row
                 self.blocks.match_prefix(seq)
-        chunks = []
-        for seq in unit:
             chunks.append(self._chunk(seq, budget))
             budget -= chunks[-1]
         fits = chunks[0] > 0
