@@ -5,7 +5,6 @@ on its next write); one no candidate continues gives its blocks back; with stop 
 candidate's token goes onto a fork of its source's text stream (never decoded again).
 """
 
-
 from __future__ import annotations
 
 import copy
@@ -30,7 +29,7 @@ class BeamGroup:
         self.ranking = BeamRanking(params.beams, params.length_penalty, params.max_new_tokens,
                                    context_length - seq.prompt_len)
         self.members = [seq]
-        self.log_probs = {seq: 0.0}  # summed log-probabilities of each member's generated tokens
+        self.running = [Hypothesis((), 0.0)]  # each member's generated tokens, their summed log-probs
         self.logits: dict[Sequence, torch.Tensor] = {}
         self._forks = itertools.count(1)
         seq.unit = self
@@ -64,10 +63,9 @@ class BeamGroup:
             stream.push(token)
             return stream.stop_string is not None
 
-        running = [Hypothesis(tuple(m.generated), self.log_probs[m]) for m in members]
         logits = torch.stack([self.logits[m] for m in members])  # (n, V)
         self.logits.clear()
-        sources = self.ranking.step(logits, running, ends)
+        sources = self.ranking.step(logits, self.running, ends)
         if sources is None:
             return True
         used: set[int] = set()
@@ -83,11 +81,9 @@ class BeamGroup:
             token = hypothesis.ids[-1]
             member.tokens.append(token)
             member.text = streams.get((source, token))
-            self.log_probs[member] = hypothesis.log_prob
-        self.members = continuing
+        self.members, self.running = continuing, self.ranking.survivors
         for i, member in enumerate(members):
             if i not in used:
-                del self.log_probs[member]
                 scheduler.remove(member)
         return False
 
