@@ -1,10 +1,8 @@
 """The step's one pick: from the step's logits (R, V), one outcome per sequence that caught up
-with its tokens, in order. A row holding NaN or Inf picks nothing (its request ends with an
-error); greedy rows take their argmax in one call (accel/greedy.py); every other row is drawn
-with its request's settings and own generator on the logits' device, the draws reaching the
-host at once; a beam member's row is offered to its group. A pick that fails is that request's
-outcome alone.
-"""
+with its tokens. Greedy rows take their argmax in one call (accel/greedy.py); every other row
+is drawn with its request's settings and own generator on the logits' device, the draws
+reaching the host at once. A row holding NaN or Inf, or a pick that fails, ends that request
+alone."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .block_manager import BlockManager
 from .scheduler import Scheduler, StepPlan
@@ -15,8 +15,8 @@ class StepTrace:
     start: float  # time.perf_counter() when the forward began
     seconds: float  # the forward and the token picks
     requests: list[tuple[str, int]]  # (request id, tokens computed in this step)
-    preempted: list[str] = field(default_factory=list)
-    paths: list[tuple[str, str]] = field(default_factory=list)  # per request: (path, reason)
+    preempted: list[str]  # the requests that gave their blocks back
+    paths: list[tuple[str, str]]  # per request: (path, reason)
 
     @property
     def n_tokens(self) -> int:
