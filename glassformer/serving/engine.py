@@ -22,7 +22,7 @@ import torch
 
 from ..accel.threads import ThreadPolicy, hand_over_cores
 from ..errors import InputError
-from ..generation.config import GenerationResult, RequestParams, StopReason
+from ..generation.config import GenerationResult, RequestParams
 from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
 from .adapters import Adapters
@@ -69,8 +69,9 @@ class Engine:
                              "(the command line's --deterministic does)")
         self.model, self.tokenizer, self.config, self.threads = model.eval(), tokenizer, config, threads
         mc = model.config
-        n_blocks = config.n_blocks if config.n_blocks is not None else pool_blocks(
-            mc, config.kv_memory_mb, config.block_size, config.kv_dtype, device)
+        n_blocks = config.n_blocks
+        if n_blocks is None:
+            n_blocks = pool_blocks(mc, config.kv_memory_mb, config.block_size, config.kv_dtype, device)
         # a sink request's blocks hold a ring of slots, not a prefix: nothing to share
         self.blocks = BlockManager(n_blocks, config.block_size, config.prefix_caching and config.sink is None)
         self.pool = KVPool(mc, n_blocks, config.block_size, config.kv_dtype, device, scratch=config.compile)
@@ -209,7 +210,7 @@ class Engine:
             self.scheduler.add(seq)
         for request_id in cancels:
             if request_id in self._handles:
-                self._end(self._handles[request_id][0], "cancelled")
+                self._end(self._handles[request_id][0])
         self._wakeups.send()
 
     def _finish(self, unit: Sequence | BeamGroup, event: Event, result: GenerationResult) -> None:
@@ -229,7 +230,7 @@ class Engine:
         self._intake()
         plan = self.scheduler.schedule()
         for seq in plan.refused:  # alone on the pool it could not start (submit's check forestalls it)
-            self._end(seq.unit, "error", too_large(seq.unit.members, self.blocks))
+            self._end(seq.unit, too_large(seq.unit.members, self.blocks))
         if not plan.scheduled:
             self._wakeups.send()
             return None
@@ -260,7 +261,7 @@ class Engine:
                     event = Event(outcome.id, None, result.text or "", True, result.stop_reason)
                     self._finish(outcome, event, result)
             except Exception as error:
-                self._end(seq.unit, "error", error)
+                self._end(seq.unit, error)
         self._wakeups.send()  # one wake-up per event loop for the step's events
 
     def _emit(self, seq: Sequence, picked: Picked) -> None:
@@ -273,15 +274,15 @@ class Engine:
         else:
             self._handles[seq.id][1].push(event, self._wakeups)
 
-    def _end(self, unit: Sequence | BeamGroup, reason: StopReason, error: Exception | None = None) -> None:
+    def _end(self, unit: Sequence | BeamGroup, error: Exception | None = None) -> None:
         """End a request before its time with a last event of no token: cancelled, or failed
-        inside a step (`error`; the other requests go on)."""
+        inside a step with `error` (the other requests go on)."""
+        seq, message = unit.root, None
+        seq.stop_reason, seq.finish_time = "cancelled", time.perf_counter()
         if error is not None:
             log.error("engine: request %s failed: %r", unit.id, error, exc_info=error)
-        seq = unit.root
-        seq.stop_reason, seq.finish_time = reason, time.perf_counter()
-        message = None if error is None else f"{type(error).__name__}: {error}"
-        self._finish(unit, Event(seq.id, None, "", True, reason, error=message), result_of(seq))
+            seq.stop_reason, message = "error", f"{type(error).__name__}: {error}"
+        self._finish(unit, Event(seq.id, None, "", True, seq.stop_reason, error=message), result_of(seq))
 
     def run_until_done(self) -> None:
         """Step on this thread until every submitted request has finished."""

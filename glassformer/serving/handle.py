@@ -7,6 +7,7 @@ takes every event queued by then at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -56,10 +57,8 @@ class Wakeups:
         """One callback per loop, setting each of its readers' events in push order."""
         events, self._events = self._events, {}
         for loop, wakes in events.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to read
                 loop.call_soon_threadsafe(_set_all, wakes)
-            except RuntimeError:  # the loop closed: nobody is left to read
-                pass
 
 
 def _set_all(wakes: list[asyncio.Event]) -> None:
