@@ -180,12 +180,13 @@ class Scheduler:
         waits), so the cut never depends on what shares the step; past the sink policy's
         window a request takes its whole next chunk or waits (model/sink_chunk.py)."""
         computed, left = seq.num_computed, seq.num_tokens - seq.num_computed
-        room = left if self.sink is None else self.sink.room(computed)
-        if self.sink is not None and self.sink.full(computed):
-            whole = min(left, room, self.token_budget)
-            return whole if whole <= budget else 0
-        if budget >= min(left, room):
-            return min(left, room)
+        if self.sink is not None:
+            left = min(left, self.sink.room(computed))
+            if self.sink.full(computed):  # its whole next chunk, or nothing
+                whole = min(left, self.token_budget)
+                return whole if whole <= budget else 0
+        if budget >= left:
+            return left
         return max(0, (computed + budget) // self.align * self.align - computed)
 
     def advance(self, plan: StepPlan) -> list[Sequence]:
