@@ -48,10 +48,9 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Decoder | None = None,
                  config: EngineConfig | None = None, threads: ThreadPolicy | None = None,
                  base: str | None = None) -> None:
-        """`config`: EngineConfig() where None; `threads`: the process's thread policy,
-        revisited before each step of the background thread (None: torch's thread count is left
-        as it is); `base`: the model's source, which a LoRA adapter's base name must match where
-        both are known here."""
+        """`threads`: the process's thread policy, revisited before each step of the background
+        thread (None: torch's thread count is left as it is); `base`: the model's source, which a
+        LoRA adapter's base name must match where both are known here."""
         config = config or EngineConfig()
         reason = CAPABILITIES.why_not(model.config)
         if reason is not None:
