@@ -22,8 +22,7 @@ import torch
 
 from ..accel.threads import ThreadPolicy, hand_over_cores
 from ..errors import InputError
-from ..generation.config import GenerationResult, RequestParams, StopReason
-from ..generation.core import eos_ids
+from ..generation.config import GenerationResult, RequestParams
 from ..generation.stopping import Decoder
 from ..model.transformer import Transformer
 from .adapters import Adapters
@@ -38,10 +37,9 @@ from .kv_pool import KVPool, pool_blocks
 from .requests import check_request, result_of, too_large
 from .runner import ModelRunner
 from .sampler import Outcome, Picked, pick
-from .scheduler import Scheduler, StepPlan
+from .scheduler import Scheduler
 from .sequence import Sequence
 from .stats import EngineStats, StepTrace
-from .step import StepBatch
 
 log = logging.getLogger("glassformer.serving.engine")
 
@@ -50,10 +48,9 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Decoder | None = None,
                  config: EngineConfig | None = None, threads: ThreadPolicy | None = None,
                  base: str | None = None) -> None:
-        """`config`: EngineConfig() where None; `threads`: the process's thread policy,
-        revisited before each step of the background thread (None: torch's thread count is left
-        as it is); `base`: the model's source, which a LoRA adapter's base name must match where
-        both are known here."""
+        """`threads`: the process's thread policy, revisited before each step of the background
+        thread (None: torch's thread count is left as it is); `base`: the model's source, which a
+        LoRA adapter's base name must match where both are known here."""
         config = config or EngineConfig()
         reason = CAPABILITIES.why_not(model.config)
         if reason is not None:
@@ -84,15 +81,14 @@ class Engine:
         self.window = mc.context_length if config.sink is None else math.inf
         self.stats = EngineStats()
         self.trace: deque[StepTrace] = deque(maxlen=config.trace_length)
-        self._handles: dict[str, tuple[Sequence, RequestHandle]] = {}
+        self._handles: dict[str, tuple[Sequence | BeamGroup, RequestHandle]] = {}
         self._ids = itertools.count()  # the numbers of requests submitted without an id
         self._wakeups = Wakeups()  # the asyncio readers to wake after this step (handle.py)
         self._inbox: list[Sequence] = []
         self._cancels: set[str] = set()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._closed = False  # close() was called: no more requests
+        self._closed = False  # close() was called: the thread stops, no more requests
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------ any thread
@@ -103,11 +99,10 @@ class Engine:
         mc, params = self.model.config, params or RequestParams()
         if self._error is not None:
             raise EngineStopped(f"engine: stopped after an error ({self._error!r})")
-        prompt = check_request(self.model, prompt, params, self.window, self.config.sink, self.blocks,
+        prompt = check_request(self.model, prompt, params, self.config.sink, self.blocks,
                                self.tokenizer is not None)
-        eos = eos_ids(params, self.tokenizer)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-        seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, eos, request_id, self.runner.device)
+        seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, request_id, self.runner.device)
         unit = BeamGroup(seq, self.tokenizer, mc.context_length) if params.beams > 1 else seq
         handle = RequestHandle(seq.id, self.cancel)
         with self._wake:
@@ -156,7 +151,6 @@ class Engine:
         if self._closed:
             raise EngineStopped("engine: closed; start a new Engine")
         if self._thread is None:
-            self._stopping = False
             hand_over_cores()  # the caller's OpenMP threads would make the engine's sleep
             self._thread = threading.Thread(target=self._loop, name="glassformer-engine", daemon=True)
             self._thread.start()
@@ -165,7 +159,7 @@ class Engine:
     def close(self) -> None:
         """Stop the thread after its current step; requests still running are cancelled."""
         with self._wake:
-            self._stopping = self._closed = True
+            self._closed = True
             self._cancels.update(self._handles)
             self._wake.notify_all()
         if self._thread is not None:
@@ -185,11 +179,8 @@ class Engine:
             raise self._error
 
     def has_work(self) -> bool:
-        with self._wake:
-            return self._pending()
-
-    def _pending(self) -> bool:  # (under the lock)
-        return bool(self._inbox or self._cancels) or self.scheduler.has_work()
+        with self._wake:  # (a reentrant lock: the stepping thread's wait asks it too)
+            return bool(self._inbox or self._cancels) or self.scheduler.has_work()
 
     # ------------------------------------------------------------------ the stepping thread
 
@@ -197,8 +188,8 @@ class Engine:
         try:
             while True:
                 with self._wake:
-                    self._wake.wait_for(lambda: self._stopping or self._pending())
-                    if self._stopping:
+                    self._wake.wait_for(lambda: self._closed or self.has_work())
+                    if self._closed:
                         return
                 if self.threads is not None:
                     self.threads.revisit()  # other work on this CPU comes and goes (and per thread)
@@ -218,7 +209,7 @@ class Engine:
             self.scheduler.add(seq)
         for request_id in cancels:
             if request_id in self._handles:
-                self._end(self._handles[request_id][0], "cancelled")
+                self._end(self._handles[request_id][0])
         self._wakeups.send()
 
     def _finish(self, unit: Sequence | BeamGroup, event: Event, result: GenerationResult) -> None:
@@ -228,7 +219,7 @@ class Engine:
             entry = self._handles.pop(unit.id, None)
         if entry is not None:  # (a request that failed while finishing was answered already)
             self.stats.finished += 1
-            entry[1].push(event, result, self._wakeups)
+            entry[1].push(event, self._wakeups, result)
 
     def step(self) -> StepTrace | None:
         """One scheduling round and forward pass; None when there was nothing to run. Call it
@@ -238,7 +229,7 @@ class Engine:
         self._intake()
         plan = self.scheduler.schedule()
         for seq in plan.refused:  # alone on the pool it could not start (submit's check forestalls it)
-            self._fail(seq.unit, too_large(seq.unit.members, self.blocks))
+            self._end(seq.unit, too_large(seq.unit.members, self.blocks))
         if not plan.scheduled:
             self._wakeups.send()
             return None
@@ -246,7 +237,12 @@ class Engine:
         logits = self.runner.run(batch)  # (R, V)
         ready = self.scheduler.advance(plan)
         self._deliver(ready, pick(ready, logits))
-        return self._record(plan, batch, len(ready), start)
+        trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
+                          [(r.seq.id, r.n) for r in batch.requests], [s.id for s in plan.preempted],
+                          [(r.path.name, r.path.reason) for r in batch.requests])
+        self.trace.append(trace)
+        self.stats.record(plan, len(ready), self.scheduler, self.blocks)
+        return trace
 
     def _deliver(self, ready: list[Sequence], outcomes: list[Outcome]) -> None:
         """Each ready sequence's outcome (sampler.py) to its request: a token streamed, a beam
@@ -259,34 +255,13 @@ class Engine:
                     raise outcome
                 if isinstance(outcome, Picked):
                     self._emit(seq, outcome)
-                elif outcome is not None:
-                    self._advance_beams(outcome)
+                elif outcome is not None and outcome.advance(self.scheduler):
+                    result = outcome.result()
+                    event = Event(outcome.id, None, result.text or "", True, result.stop_reason)
+                    self._finish(outcome, event, result)
             except Exception as error:
-                self._fail(seq.unit, error)
+                self._end(seq.unit, error)
         self._wakeups.send()  # one wake-up per event loop for the step's events
-
-    def _record(self, plan: StepPlan, batch: StepBatch, generated: int, start: float) -> StepTrace:
-        trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
-                          [(r.seq.id, r.n) for r in batch.requests], [s.id for s in plan.preempted],
-                          [(r.path.name, r.path.reason) for r in batch.requests])
-        self.trace.append(trace)
-        self.stats.record(plan, generated, self.scheduler, self.blocks)
-        return trace
-
-    def _advance_beams(self, group: BeamGroup) -> None:
-        children, dropped = group.advance(self.blocks)
-        for seq in dropped:
-            self.scheduler.remove(seq)
-        for seq in children:
-            self.scheduler.adopt(seq)
-        root = group.root
-        if root.first_token_time is None:
-            root.first_token_time = time.perf_counter()
-        if group.winner is not None:
-            now = time.perf_counter()
-            result = group.result(root.first_token_time - root.arrival, now - root.first_token_time)
-            event = Event(group.id, None, result.text or "", True, result.stop_reason)
-            self._finish(group, event, result)
 
     def _emit(self, seq: Sequence, picked: Picked) -> None:
         """Accept a request's next token and stream it (the last event once it stopped)."""
@@ -296,18 +271,17 @@ class Engine:
         if event.finished:
             self._finish(seq, event, result_of(seq))
         else:
-            self._handles[seq.id][1].push(event, wakeups=self._wakeups)
+            self._handles[seq.id][1].push(event, self._wakeups)
 
-    def _fail(self, unit: Sequence | BeamGroup, error: Exception) -> None:
-        """End one request that failed inside a step with an error event; the rest go on."""
-        log.error("engine: request %s failed: %r", unit.id, error, exc_info=error)
-        self._end(unit, "error", f"{type(error).__name__}: {error}")
-
-    def _end(self, unit: Sequence | BeamGroup, reason: StopReason, error: str | None = None) -> None:
-        """End a request before its time (cancelled, or failed) with a last event of no token."""
-        seq = unit.root
-        seq.stop_reason, seq.finish_time = reason, time.perf_counter()
-        self._finish(unit, Event(seq.id, None, "", True, reason, error=error), result_of(seq))
+    def _end(self, unit: Sequence | BeamGroup, error: Exception | None = None) -> None:
+        """End a request before its time with a last event of no token: cancelled, or failed
+        inside a step with `error` (the other requests go on)."""
+        seq, message = unit.root, None
+        seq.stop_reason, seq.finish_time = "cancelled", time.perf_counter()
+        if error is not None:
+            log.error("engine: request %s failed: %r", unit.id, error, exc_info=error)
+            seq.stop_reason, message = "error", f"{type(error).__name__}: {error}"
+        self._finish(unit, Event(seq.id, None, "", True, seq.stop_reason, error=message), result_of(seq))
 
     def run_until_done(self) -> None:
         """Step on this thread until every submitted request has finished."""

@@ -13,7 +13,7 @@ class EngineStopped(RuntimeError):
 
 class CapacityError(InputError):
     """A request larger than the whole KV pool: it could never run, so it is refused at once
-    (naming `beams` where its beams are what make it too large, else `prompt`)."""
+    (naming what makes it too large: `beams`, `prompt` or `max_new_tokens`)."""
 
 
 class UnknownAdapter(InputError):

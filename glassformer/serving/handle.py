@@ -7,6 +7,7 @@ takes every event queued by then at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -56,10 +57,8 @@ class Wakeups:
         """One callback per loop, setting each of its readers' events in push order."""
         events, self._events = self._events, {}
         for loop, wakes in events.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to read
                 loop.call_soon_threadsafe(_set_all, wakes)
-            except RuntimeError:  # the loop closed: nobody is left to read
-                pass
 
 
 def _set_all(wakes: list[asyncio.Event]) -> None:
@@ -82,19 +81,15 @@ class RequestHandle:
         'cancelled' (unless it finished first)."""
         self._cancel(self.request_id)
 
-    def push(self, event: Event, result=None, wakeups: Wakeups | None = None) -> None:
-        """Called by the engine: an asyncio reader is woken now, or by `wakeups.send()`."""
+    def push(self, event: Event, wakeups: Wakeups, result=None) -> None:
+        """Called by the engine: an asyncio reader is woken by `wakeups.send()`."""
         with self._lock:
             self._events.append(event)
             if event.finished:
                 self.finished, self.result = True, result
             self._lock.notify_all()
             waker = self._waker
-        if waker is None:
-            return
-        if wakeups is None:
-            waker[0].call_soon_threadsafe(waker[1].set)
-        else:
+        if waker is not None:
             wakeups.add(*waker)
 
     def get(self, timeout: float | None = None) -> Event:

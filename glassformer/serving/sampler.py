@@ -1,10 +1,8 @@
 """The step's one pick: from the step's logits (R, V), one outcome per sequence that caught up
-with its tokens, in order. A row holding NaN or Inf picks nothing (its request ends with an
-error); greedy rows take their argmax in one call (accel/greedy.py); every other row is drawn
-with its request's settings and own generator on the logits' device, the draws reaching the
-host at once; a beam member's row is offered to its group. A pick that fails is that request's
-outcome alone.
-"""
+with its tokens. Greedy rows take their argmax in one call (accel/greedy.py); every other row
+is drawn with its request's settings and own generator on the logits' device, the draws
+reaching the host at once. A row holding NaN or Inf, or a pick that fails, ends that request
+alone."""
 
 from __future__ import annotations
 
@@ -61,21 +59,24 @@ def logprobs_of(row: torch.Tensor, token: int, top: int | None) -> TokenLogprobs
 def pick(ready: list[Sequence], logits: torch.Tensor) -> list[Outcome]:
     """Each ready sequence's outcome from its row of `logits` (R, V), in order."""
     broken = broken_rows(logits)
-    outcomes: list[Outcome] = [FloatingPointError(NON_FINITE) if i in broken else None
-                               for i in range(len(ready))]
-    todo = [i for i, seq in enumerate(ready) if i not in broken and not isinstance(seq.unit, BeamGroup)]
-    greedy = [i for i in todo if ready[i].params.sampling.greedy and not ready[i].params.sampling.uses_counts]
+    outcomes: list[Outcome] = [None] * len(ready)
+    greedy, drawn = [], {}  # rows to take the argmax of; row -> its draw (1,), still on the device
+    for i, seq in enumerate(ready):
+        if i in broken:
+            outcomes[i] = FloatingPointError(NON_FINITE)
+        elif isinstance(seq.unit, BeamGroup):
+            outcomes[i] = seq.unit if seq.unit.offer(seq, logits[i]) else None
+        elif seq.params.sampling.greedy and not seq.params.sampling.uses_counts:
+            greedy.append(i)
+        else:
+            try:
+                drawn[i] = draw(seq, logits[i : i + 1])
+            except Exception as error:  # a request that fails here fails alone
+                outcomes[i] = error
     tokens: dict[int, int] = {}
     if greedy:  # (R,): each row's own argmax, every row's at once (no copy when all are greedy)
         argmax = argmax_rows(logits if len(greedy) == len(ready) else logits[greedy]).tolist()
         tokens = dict(zip(greedy, argmax, strict=True))
-    drawn = {}  # row -> its draw (1,), still on the device
-    for i in todo:
-        if i not in tokens:
-            try:
-                drawn[i] = draw(ready[i], logits[i : i + 1])
-            except Exception as error:  # a request that fails here fails alone
-                outcomes[i] = error
     if drawn:
         tokens |= dict(zip(drawn, torch.cat(list(drawn.values())).tolist(), strict=True))
     for i, token in tokens.items():
@@ -83,7 +84,4 @@ def pick(ready: list[Sequence], logits: torch.Tensor) -> list[Outcome]:
             outcomes[i] = Picked(token, logprobs_of(logits[i], token, ready[i].params.logprobs))
         except Exception as error:
             outcomes[i] = error
-    for i, seq in enumerate(ready):
-        if i not in broken and isinstance(seq.unit, BeamGroup) and seq.unit.offer(seq, logits[i]):
-            outcomes[i] = seq.unit
     return outcomes

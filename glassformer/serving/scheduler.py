@@ -9,7 +9,7 @@ deadlocks (one that cannot start on a pool empty of others is handed back: StepP
 Under a sink policy a request holds the blocks of S + W slots however long it runs, and past
 its window takes whole chunks of the policy's. Under LongRoPE a text grown past the original
 context is recomputed from the start by the long set before the step is planned, as
-transformers' Phi-3 generation does (`Sequence.turn_long`).
+transformers' Phi-3 generation does.
 """
 
 from __future__ import annotations
@@ -98,18 +98,18 @@ class Scheduler:
         """Every block seq's next n tokens write (private copies of shared ones included), or
         False with nothing taken."""
         copies = self.blocks.grow(seq, *self._span(seq, n))
-        if copies is None:
-            return False
-        plan.copies += copies
-        return True
+        plan.copies += copies or []
+        return copies is not None
 
     def _switch_long_texts(self) -> None:
-        """LongRoPE: a text grown past the original context turns long, recomputed from the start."""
+        """LongRoPE: a text grown past the original context turns long, recomputed from the start;
+        its blocks then match only other long texts' in the prefix cache."""
         for seq in (*self.running, *self.waiting):
             if not seq.rope_long and uses_long_factors(self.longrope, seq.num_tokens - 1):
                 self.blocks.release(seq)
                 seq.unit.forget(seq)  # its logits come again once it is recomputed
-                seq.turn_long()
+                seq.rope_long = True
+                seq.prefix_root = (seq.prefix_root, "longrope long factors")
 
     def schedule(self) -> StepPlan:
         if self.longrope is not None:
@@ -145,12 +145,10 @@ class Scheduler:
         takes, 0 when it waits); a beam group with all its members, if the blocks of all their
         recomputation are free. One that cannot start on a pool empty of others never will:
         it goes to plan.refused."""
-        unit = list(self.waiting[0].unit.members)
+        unit, chunks = list(self.waiting[0].unit.members), []
         for seq in unit:
             if not seq.block_table and not seq.params.inspects:  # a hook sees every row
                 self.blocks.match_prefix(seq)
-        chunks = []
-        for seq in unit:
             chunks.append(self._chunk(seq, budget))
             budget -= chunks[-1]
         fits = chunks[0] > 0
@@ -182,12 +180,13 @@ class Scheduler:
         waits), so the cut never depends on what shares the step; past the sink policy's
         window a request takes its whole next chunk or waits (model/sink_chunk.py)."""
         computed, left = seq.num_computed, seq.num_tokens - seq.num_computed
-        room = left if self.sink is None else self.sink.room(computed)
-        if self.sink is not None and self.sink.full(computed):
-            whole = min(left, room, self.token_budget)
-            return whole if whole <= budget else 0
-        if budget >= min(left, room):
-            return min(left, room)
+        if self.sink is not None:
+            left = min(left, self.sink.room(computed))
+            if self.sink.full(computed):  # its whole next chunk, or nothing
+                whole = min(left, self.token_budget)
+                return whole if whole <= budget else 0
+        if budget >= left:
+            return left
         return max(0, (computed + budget) // self.align * self.align - computed)
 
     def advance(self, plan: StepPlan) -> list[Sequence]:

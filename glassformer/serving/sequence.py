@@ -10,7 +10,7 @@ from enum import Enum
 import torch
 
 from ..generation.config import RequestParams, StopReason
-from ..generation.core import stop_after
+from ..generation.core import eos_ids, seeded_generators, stop_after
 from ..generation.sampling import token_counts
 from ..generation.stopping import Decoder, TextStream
 
@@ -23,23 +23,22 @@ class Status(Enum):
 
 class Sequence:
     def __init__(self, prompt: Ids[int], params: RequestParams, vocab_size: int,
-                 tokenizer: Decoder | None = None, eos: set[int] | None = None,
-                 request_id: str = "req", device: torch.device | None = None) -> None:
+                 tokenizer: Decoder | None = None, request_id: str = "req",
+                 device: torch.device | None = None) -> None:
         """`request_id`: unique in its engine (Engine.submit numbers those not given);
         `device`: the model's, where the request's generator and token counts live (the engine
         samples there)."""
         self.id = request_id
         self.tokens = list(prompt)  # the prompt, then every generated token
         self.prompt_len = len(self.tokens)
-        self.params, self.eos = params, eos or set()
+        self.params, self.eos = params, eos_ids(params, tokenizer)
         self.status = Status.WAITING
         self.num_computed = 0  # tokens whose keys and values are in the cache
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix keys of the full blocks, in order
         self.prefix_root = None  # the first block's parent key: its adapter's (Engine.submit)
-        self.rope_long = False  # LongRoPE: its keys turn by the long set (scheduler.py)
-        self.generator = torch.Generator(device=device or "cpu")
-        self.generator.manual_seed(params.seed) if params.seed is not None else self.generator.seed()
+        self.rope_long = False  # LongRoPE: its keys turn by the long set (executors.py RopeTables)
+        self.generator = seeded_generators(params.seed, 1, device or torch.device("cpu"))[0]
         self.counts = None
         if params.sampling.uses_counts:  # (1, V) occurrences for the penalties
             self.counts = token_counts(torch.tensor([self.tokens], device=device), vocab_size)
@@ -74,12 +73,6 @@ class Sequence:
 
     def forget(self, seq: Sequence) -> None:
         """A member was preempted: one sequence keeps nothing of its pick between steps."""
-
-    def turn_long(self) -> None:
-        """From now on its keys turn by LongRoPE's long set (executors.py RopeTables): its blocks
-        match only other long texts' in the prefix cache."""
-        self.rope_long = True
-        self.prefix_root = (self.prefix_root, "longrope long factors")
 
     def accept(self, token: int, context_length: int) -> str:
         """Append a generated token and decide whether to stop; returns the newly visible text."""
