@@ -37,9 +37,10 @@ from .kv_pool import KVPool, pool_blocks
 from .requests import check_request, result_of, too_large
 from .runner import ModelRunner
 from .sampler import Outcome, Picked, pick
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .stats import EngineStats, StepTrace
+from .step import StepBatch
 
 log = logging.getLogger("glassformer.serving.engine")
 
@@ -237,11 +238,15 @@ class Engine:
         logits = self.runner.run(batch)  # (R, V)
         ready = self.scheduler.advance(plan)
         self._deliver(ready, pick(ready, logits))
+        return self._record(plan, batch, len(ready), start)
+
+    def _record(self, plan: StepPlan, batch: StepBatch, sampled: int, start: float) -> StepTrace:
+        """The step's trace (kept in `trace`) and its counts in `stats`."""
         trace = StepTrace(self.stats.steps, start, time.perf_counter() - start,
                           [(r.seq.id, r.n) for r in batch.requests], [s.id for s in plan.preempted],
                           [(r.path.name, r.path.reason) for r in batch.requests])
         self.trace.append(trace)
-        self.stats.record(plan, len(ready), self.scheduler, self.blocks)
+        self.stats.record(plan, sampled, self.scheduler, self.blocks)
         return trace
 
     def _deliver(self, ready: list[Sequence], outcomes: list[Outcome]) -> None:
