@@ -29,6 +29,7 @@ SOURCE = Path(__file__).resolve().parent / "int8_peak.c"
 SHAPES = ((576, 576), (1536, 576), (576, 1536))  # (out, in): SmolLM2-135M's products
 ROWS = 8
 PROBE_BLOCKS = 1 << 20  # blocks of 4 rows a probe call runs: 1,024 multiply-adds each
+KERNEL_MACS = 1 << 29  # multiply-adds a kernel's round runs, in as many calls as that takes
 
 
 def compile_probe(directory: Path) -> ctypes.CDLL:
@@ -70,8 +71,14 @@ def main() -> None:
                 weight = torch.randn(n, k, generator=g) * 0.02  # (N, K)
                 x = torch.randn(ROWS, k, generator=g)  # (8, K)
                 product = products(kernels.extension(), fmt, weight)
-                contenders[f"kernel {n}x{k}"] = lambda product=product, x=x: product(x)
-                macs[f"kernel {n}x{k}"] = n * k * ROWS
+                calls = max(1, KERNEL_MACS // (n * k * ROWS))  # a round of milliseconds, as the probe's
+
+                def run(product=product, x=x, calls=calls) -> None:
+                    for _ in range(calls):
+                        product(x)
+
+                contenders[f"kernel {n}x{k}"] = run
+                macs[f"kernel {n}x{k}"] = calls * n * k * ROWS
             with torch.no_grad():
                 timings = harness.alternating(contenders, args.repeats)
             rate = {name: macs[name] / t.median / 1e9 for name, t in timings.items()}
