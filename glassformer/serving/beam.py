@@ -102,6 +102,7 @@ class BeamGroup:
         root = self.root
         results = []
         for beam in self.ranking.best(root.params.best_beams):
+            # vocab_size 0: a beam counts no tokens (beams take no penalties)
             seq = Sequence(root.tokens[: root.prompt_len], root.params, 0, self.tokenizer, root.id)
             for token in beam.ids:
                 seq.accept(token, self.context_length)

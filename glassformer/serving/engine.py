@@ -100,7 +100,7 @@ class Engine:
         mc, params = self.model.config, params or RequestParams()
         if self._error is not None:
             raise EngineStopped(f"engine: stopped after an error ({self._error!r})")
-        prompt = check_request(self.model, prompt, params, self.config.sink, self.blocks,
+        prompt = check_request(self.model, prompt, params, self.window, self.config.sink, self.blocks,
                                self.tokenizer is not None)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         seq = Sequence(prompt, params, mc.vocab_size, self.tokenizer, request_id, self.runner.device)

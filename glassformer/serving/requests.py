@@ -15,18 +15,19 @@ from .errors import CapacityError
 from .sequence import Sequence
 
 
-def check_request(model: Transformer, prompt: Ids[int], params: RequestParams, sink: SinkPolicy | None,
-                  blocks: BlockManager, decodes: bool) -> list[int]:
+def check_request(model: Transformer, prompt: Ids[int], params: RequestParams, window: float,
+                  sink: SinkPolicy | None, blocks: BlockManager, decodes: bool) -> list[int]:
     """The prompt as a list, once the request is one the engine can run: InputError naming the
-    field otherwise (CapacityError where the whole pool could not hold it). `decodes`: whether
-    the engine has a tokenizer. What the request asks of the model is its params' own check."""
+    field otherwise (CapacityError where the whole pool could not hold it). `window`: how many
+    tokens a request may reach (Engine.window); `decodes`: whether the engine has a tokenizer.
+    What the request asks of the model is its params' own check."""
     if not isinstance(params, RequestParams):
         raise InputError("params", f"a RequestParams, got {type(params).__name__}")
     mc = model.config
     prompt = list(prompt)
     if not prompt:
         raise InputError("prompt", "empty; give at least one token")
-    if sink is None and len(prompt) > mc.context_length:  # the sink policy streams past the window
+    if len(prompt) > window:
         raise InputError("prompt", f"{len(prompt)} tokens exceed context_length={mc.context_length}")
     if sink is not None and params.beams > 1:
         raise InputError("beams", "not with the sink policy (beams would share a ring of slots)")
